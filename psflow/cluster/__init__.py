@@ -1,0 +1,19 @@
+"""The cluster: who the tasks are, where they listen, and starting them all on one machine.
+
+- ``spec.py``: :class:`ClusterSpec`, :class:`TaskSpec`, :class:`TaskContext`; ``TF_CONFIG`` in and out.
+- ``resolve.py``: :func:`resolve`: this process's task from flags, ``TF_CONFIG`` or a file.
+- ``launcher.py``: :class:`Launcher`: ``psflow launch``, every task as a local process.
+"""
+
+from psflow.cluster.resolve import add_cluster_flags, resolve
+from psflow.cluster.spec import JOBS, ClusterSpec, TaskContext, TaskSpec, parse_address
+
+__all__ = [
+    "JOBS",
+    "ClusterSpec",
+    "TaskContext",
+    "TaskSpec",
+    "add_cluster_flags",
+    "parse_address",
+    "resolve",
+]

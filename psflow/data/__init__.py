@@ -1,0 +1,1 @@
+"""Data: TFRecord files, tf.train.Example, per-worker sharding, Spark."""

@@ -1,0 +1,25 @@
+"""Every environment variable psflow reads, in one place.
+
+`TF_CONFIG` keeps TensorFlow's and Kubeflow's name so that the same manifests work; every other
+variable is prefixed `PSFLOW_`.
+"""
+
+from __future__ import annotations
+
+TF_CONFIG = "TF_CONFIG"
+"""The cluster and this task, as JSON: ``{"cluster": {...}, "task": {"type": ..., "index": ...}}``."""
+
+PSFLOW_CLUSTER_FILE = "PSFLOW_CLUSTER_FILE"
+"""Path of a YAML or JSON cluster file, used when no flags or TF_CONFIG give the cluster."""
+
+PSFLOW_KEYS_DIR = "PSFLOW_KEYS_DIR"
+"""Directory made by ``psflow keys generate``: when set, all traffic uses CurveZMQ."""
+
+PSFLOW_TIMEOUT = "PSFLOW_TIMEOUT"
+"""Seconds any request to a peer may take before it fails with an error naming the peer."""
+
+PSFLOW_LOG_LEVEL = "PSFLOW_LOG_LEVEL"
+"""Logging level for psflow's own loggers (DEBUG, INFO, WARNING, ERROR)."""
+
+PSFLOW_LOGDIR = "PSFLOW_LOGDIR"
+"""Default directory for checkpoints and TensorBoard summaries."""

@@ -1,0 +1,1 @@
+"""Training supervision: the monitored session, checkpoints, summaries, hooks."""

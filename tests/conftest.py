@@ -1,0 +1,69 @@
+"""Session-wide fixtures: no test leaves a child process behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (Linux /proc), deepest last."""
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            text = Path(f"/proc/{pid}/task/{tid}/children").read_text()
+        except OSError:
+            continue
+        for child in map(int, text.split()):
+            out.append(child)
+            out.extend(_children(child))
+    return out
+
+
+@pytest.fixture(autouse=True, scope="session")
+def reap_children() -> Iterator[None]:
+    """Kills whatever child process the tests left behind, and fails loudly if any were."""
+    yield
+    leftover = _children(os.getpid())
+    for pid in leftover:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_processes() -> Iterator[None]:
+    before = set(_children(os.getpid()))
+    yield
+    after = set(_children(os.getpid())) - before
+    # Some libraries (pyspark's JVM) keep a long-lived child on purpose; only python tasks count.
+    leaked = []
+    for pid in after:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "java" in cmd or "pyspark" in cmd:
+            continue
+        leaked.append((pid, cmd))
+    for pid, _ in leaked:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not leaked, f"test left processes behind: {leaked}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,209 @@
+"""Cluster spec: flags, TF_CONFIG, files, and every kind of bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from psflow.cluster import ClusterSpec, TaskSpec, resolve
+
+pytestmark = pytest.mark.unit
+
+PS = "localhost:2222"
+W0, W1 = "localhost:2223", "localhost:2224"
+
+
+def test_from_flags_and_back_to_tf_config() -> None:
+    ctx, rest = resolve(
+        [
+            "--ps_hosts",
+            PS,
+            "--worker_hosts",
+            f"{W0},{W1}",
+            "--job_name",
+            "worker",
+            "--task_index",
+            "1",
+            "--lr",
+            "0.1",
+        ],
+        environ={},
+    )
+    assert rest == ["--lr", "0.1"]
+    assert ctx.task == TaskSpec(job="worker", index=1)
+    assert ctx.cluster.addresses("worker") == (W0, W1)
+    assert not ctx.is_chief
+    back = json.loads(ctx.cluster.to_tf_config(ctx.task))
+    assert back == {
+        "cluster": {"ps": [PS], "worker": [W0, W1]},
+        "task": {"type": "worker", "index": 1},
+    }
+    again, task = ClusterSpec.from_tf_config(json.dumps(back))
+    assert again == ctx.cluster and task == ctx.task
+
+
+def test_chief_flag_makes_a_separate_chief() -> None:
+    ctx, _ = resolve(
+        [
+            "--chief_host",
+            "localhost:2000",
+            "--ps_hosts",
+            PS,
+            "--worker_hosts",
+            W0,
+            "--job_name",
+            "chief",
+            "--task_index",
+            "0",
+        ],
+        environ={},
+    )
+    assert ctx.is_chief
+    assert ctx.cluster.trainers == [TaskSpec(job="chief"), TaskSpec(job="worker", index=0)]
+
+
+def test_worker_zero_is_chief_without_a_chief_job() -> None:
+    spec = ClusterSpec(jobs={"ps": [PS], "worker": [W0, W1]})
+    assert spec.chief == TaskSpec(job="worker", index=0)
+
+
+def test_tf_config_as_kubeflow_writes_it_with_master_alias() -> None:
+    tf_config = {
+        "cluster": {
+            "master": ["job-master-0:2222"],
+            "ps": ["job-ps-0:2222"],
+            "worker": ["job-worker-0:2222", "job-worker-1:2222"],
+        },
+        "task": {"type": "master", "index": 0},
+        "environment": "cloud",
+    }
+    ctx, _ = resolve([], environ={"TF_CONFIG": json.dumps(tf_config)})
+    assert ctx.task == TaskSpec(job="chief", index=0)
+    assert ctx.is_chief
+    assert ctx.cluster.addresses("chief") == ("job-master-0:2222",)
+
+
+def test_evaluator_outside_cluster() -> None:
+    tf_config = {
+        "cluster": {"chief": ["c:1"], "worker": ["w:1"]},
+        "task": {"type": "evaluator", "index": 0},
+    }
+    spec, task = ClusterSpec.from_tf_config(json.dumps(tf_config))
+    assert task.job == "evaluator"
+    assert spec.num_tasks("evaluator") == 1
+    assert TaskSpec(job="evaluator") in spec.tasks()
+
+
+def test_flags_override_tf_config() -> None:
+    tf_config = {"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 0}}
+    ctx, _ = resolve(
+        ["--ps_hosts", PS, "--worker_hosts", W0, "--job_name", "ps"],
+        environ={"TF_CONFIG": json.dumps(tf_config)},
+    )
+    assert ctx.cluster.addresses("worker") == (W0,)
+    assert ctx.task == TaskSpec(job="ps", index=0)
+
+
+@pytest.mark.parametrize("suffix", ["yaml", "json"])
+def test_cluster_file(tmp_path: Path, suffix: str) -> None:
+    data = {"cluster": {"ps": [PS], "worker": [W0]}, "task": {"type": "ps", "index": 0}}
+    path = tmp_path / f"cluster.{suffix}"
+    if suffix == "json":
+        path.write_text(json.dumps(data))
+    else:
+        path.write_text(
+            f"cluster:\n  ps: [{PS}]\n  worker:\n    - {W0}\ntask: {{type: ps, index: 0}}\n"
+        )
+    ctx, _ = resolve(["--cluster_file", str(path)], environ={})
+    assert ctx.task == TaskSpec(job="ps", index=0)
+    assert ctx.cluster.addresses("ps") == (PS,)
+
+
+def test_cluster_file_without_task_needs_job_name(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(f"ps: [{PS}]\nworker: [{W0}]\n")
+    with pytest.raises(ValueError, match="no task"):
+        resolve(["--cluster_file", str(path)], environ={})
+    ctx, _ = resolve(["--cluster_file", str(path), "--job_name", "worker"], environ={})
+    assert ctx.is_chief
+
+
+@pytest.mark.parametrize(
+    ("jobs", "message"),
+    [
+        ({"ps": [PS], "trainer": [W0]}, "unknown job 'trainer'"),
+        ({"ps": [PS], "worker": [W0, W0]}, "duplicate address 'localhost:2223'"),
+        ({"ps": [W0], "worker": [W0]}, "duplicate address"),
+        ({"ps": ["localhost"], "worker": [W0]}, "malformed address 'localhost'"),
+        ({"ps": ["localhost:99999"], "worker": [W0]}, "port 99999"),
+        ({"ps": ["local host:1"], "worker": [W0]}, "malformed address"),
+        ({"ps": [PS]}, "no worker"),
+        ({"ps": [], "worker": [W0]}, "job 'ps' has no hosts"),
+        ({"ps": PS, "worker": [W0]}, "must list its addresses"),
+        ({"chief": ["a:1", "b:1"], "worker": [W0]}, "exactly one task"),
+        ({"chief": ["a:1"], "master": ["b:1"], "worker": [W0]}, "given twice"),
+    ],
+)
+def test_bad_cluster(jobs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ClusterSpec(jobs=jobs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--ps_hosts", PS, "--worker_hosts", W0, "--job_name", "worker", "--task_index", "1"],
+            "task index 1 out of range: job 'worker' has 1 task",
+        ),
+        (["--ps_hosts", PS, "--worker_hosts", W0, "--job_name", "boss"], "unknown job 'boss'"),
+        (["--ps_hosts", "", "--worker_hosts", W0, "--job_name", "ps"], "job 'ps' has no hosts"),
+        (["--worker_hosts", W0, "--job_name", "ps"], "does not have"),
+        (
+            ["--ps_hosts", PS, "--worker_hosts", W0, "--job_name", "worker", "--task_index", "-1"],
+            "must be an integer >= 0",
+        ),
+        ([], "no cluster given"),
+        (["--ps_hosts", PS, "--worker_hosts", W0], "no task"),
+    ],
+)
+def test_bad_flags(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        resolve(argv, environ={})
+
+
+@pytest.mark.parametrize(
+    ("tf_config", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[]", "must be a JSON object"),
+        ('{"task": {"type": "worker", "index": 0}}', "no 'cluster'"),
+        ('{"cluster": {"worker": ["a:1"]}}', "no 'task'"),
+        (
+            '{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": "x"}}',
+            "not an integer",
+        ),
+        (
+            '{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 3}}',
+            "out of range",
+        ),
+    ],
+)
+def test_bad_tf_config(tf_config: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        resolve([], environ={"TF_CONFIG": tf_config})
+
+
+def test_bad_cluster_file(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="cannot read cluster file"):
+        ClusterSpec.from_file(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("ps: [a:1\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        ClusterSpec.from_file(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42\n")
+    with pytest.raises(ValueError, match="must hold a mapping"):
+        ClusterSpec.from_file(scalar)
