@@ -13,8 +13,13 @@ want="$(cat requirements/test.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "setup: installing requirements/test.txt into .venv (first run takes a few minutes)" >&2
     # pip's notes about this machine's optional local indexes are noise; real errors still show.
-    .venv/bin/python -m pip install -q -r requirements/test.txt 2>&1 | grep -v "^WARNING: Location" || true
-    .venv/bin/python -m pip install -q --no-deps -e . 2>&1 | grep -vE "^WARNING: Location|^ " || true
+    log=.venv/pip-install.log
+    if ! { .venv/bin/python -m pip install -q -r requirements/test.txt &&
+           .venv/bin/python -m pip install -q --no-deps -e .; } >"$log" 2>&1; then
+        grep -v "^WARNING: Location" "$log" >&2
+        echo "setup: pip install failed (full log: $log)" >&2
+        exit 1
+    fi
     .venv/bin/python -c "import psflow, torch, zmq"  # fail here, not later, if the install broke
     echo "$want" > "$stamp"
 fi
