@@ -1,12 +1,42 @@
 """psflow: parameter-server training for PyTorch.
 
-The public API, by layer:
+A training script, in full (``psflow launch --ps 1 --workers 2 train.py`` runs it)::
 
-- cluster: :class:`ClusterSpec`, :class:`TaskSpec`, :class:`TaskContext`, :func:`resolve`
+    import psflow, torch
+
+    ctx, argv = psflow.resolve()            # flags, TF_CONFIG or a cluster file
+    if ctx.job == "ps":
+        psflow.ParameterServer(ctx).join()  # serves until every worker is done
+    else:
+        model = torch.nn.Linear(1, 1)
+        with psflow.DistributedOptimizer(model, ctx, optimizer="SGD", lr=0.001) as opt:
+            for x, y in data:
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+
+The public API, by layer: cluster (:class:`ClusterSpec`, :class:`TaskSpec`,
+:class:`TaskContext`, :func:`resolve`), ps (:class:`ParameterServer`, :class:`OptimizerSpec`),
+worker (:class:`DistributedOptimizer`), transport (:class:`TransportConfig`, errors).
 """
 
 from psflow.cluster import ClusterSpec, TaskContext, TaskSpec, resolve
+from psflow.ps import OptimizerSpec, ParameterServer
+from psflow.transport import PeerError, PeerTimeoutError, TransportConfig
+from psflow.worker import DistributedOptimizer
 
 __version__ = "0.1.0"
 
-__all__ = ["ClusterSpec", "TaskContext", "TaskSpec", "__version__", "resolve"]
+__all__ = [
+    "ClusterSpec",
+    "DistributedOptimizer",
+    "OptimizerSpec",
+    "ParameterServer",
+    "PeerError",
+    "PeerTimeoutError",
+    "TaskContext",
+    "TaskSpec",
+    "TransportConfig",
+    "__version__",
+    "resolve",
+]

@@ -1,0 +1,54 @@
+"""The classic distributed TensorFlow example: learn y = 2x + 0.3 on parameter servers.
+
+    psflow launch --ps 1 --workers 2 examples/linear_regression.py
+
+Every task runs this same script and learns its role from TF_CONFIG (set by the launcher) or
+the classic flags (--ps_hosts --worker_hosts --job_name --task_index). The ps tasks hold W and
+b and apply SGD; each worker draws one example per step, pushes its gradient and pulls the new
+values. The chief prints the result, `W=... b=...`, once the global step reaches --train_steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+import torch.nn.functional as F
+
+import psflow
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    ctx, argv = psflow.resolve()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--train_steps", type=int, default=10000, help="global steps to train")
+    parser.add_argument("--lr", type=float, default=0.001)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    if ctx.job == "ps":
+        psflow.ParameterServer(ctx).join()  # returns once every worker is done
+        return
+
+    torch.manual_seed(args.seed + ctx.index)
+    model = torch.nn.Linear(1, 1)  # z = w*x + b
+    with psflow.DistributedOptimizer(model, ctx, optimizer="SGD", lr=args.lr) as opt:
+        step = opt.global_step
+        while step < args.train_steps:
+            x = torch.rand(1, 1) * 2 - 1
+            y = 2 * x + 0.3 + 0.1 * torch.randn(1, 1)
+            loss = F.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            step = opt.step()
+            if ctx.is_chief and step % 2000 < 2:
+                print(f"step {step}: loss {loss.item():.4f}")
+        opt.pull()  # the other workers' last updates too
+    if ctx.is_chief:
+        print(f"W={model.weight.item():.4f} b={model.bias.item():.4f}")
+
+
+if __name__ == "__main__":
+    main()

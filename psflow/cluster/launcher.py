@@ -1,0 +1,233 @@
+"""``psflow launch``: every task of a job as a local process, on ports the OS picks.
+
+Each task gets its own ``TF_CONFIG``; its output lines are prefixed with the task
+(``[worker:1] ...``). The job succeeds when every worker exits 0 and the ps tasks then exit by
+themselves. When a task fails, the launcher names it and its exit code, stops the others and
+fails. Ctrl-C (or SIGTERM) stops every task; none is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import IO
+
+from psflow import env as envvars
+from psflow.cluster.spec import ClusterSpec, TaskSpec
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    """What ``psflow launch`` starts."""
+
+    script: str
+    """The training script every task runs (with ``python``)."""
+    args: Sequence[str] = ()
+    """Arguments passed to the script."""
+    ps: int = 1
+    """Number of ps tasks."""
+    workers: int = 2
+    """Number of worker tasks."""
+    chief: bool = False
+    """Add a separate ``chief`` task (otherwise ``worker:0`` is the chief)."""
+    host: str = "127.0.0.1"
+    """Address every task listens on."""
+    ps_exit_timeout: float = 30.0
+    """Seconds the ps tasks may take to exit once every worker has finished."""
+    grace: float = 5.0
+    """Seconds a task gets between SIGTERM and SIGKILL when the job is stopped."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for every task."""
+
+    def __post_init__(self) -> None:
+        if self.ps < 0:
+            raise ValueError(f"--ps must be >= 0, got {self.ps}")
+        if self.workers < 0 or (self.workers == 0 and not self.chief):
+            raise ValueError(f"--workers must be >= 1 (or give --chief), got {self.workers}")
+        if not os.path.isfile(self.script):
+            raise ValueError(f"script {self.script!r} does not exist")
+        if self.ps_exit_timeout <= 0 or self.grace <= 0:
+            raise ValueError("ps_exit_timeout and grace must be > 0 seconds")
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports that were free a moment ago (held open together while chosen)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def local_cluster(
+    ps: int, workers: int, *, chief: bool = False, host: str = "127.0.0.1"
+) -> ClusterSpec:
+    """A cluster of local tasks on free ports."""
+    ports = iter(free_ports(ps + workers + int(chief), host))
+    jobs: dict[str, list[str]] = {}
+    if chief:
+        jobs["chief"] = [f"{host}:{next(ports)}"]
+    if ps:
+        jobs["ps"] = [f"{host}:{next(ports)}" for _ in range(ps)]
+    if workers:
+        jobs["worker"] = [f"{host}:{next(ports)}" for _ in range(workers)]
+    return ClusterSpec(jobs=jobs)
+
+
+def _die_with_parent() -> None:
+    # The tasks must not outlive a launcher that is killed outright (SIGKILL cannot be caught).
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class Launcher:
+    """Starts and supervises the processes of one local job.
+
+    Example:
+        >>> # code = Launcher(LaunchConfig(script="train.py", ps=1, workers=2)).run()
+    """
+
+    def __init__(self, config: LaunchConfig) -> None:
+        self.config = config
+        self.cluster = local_cluster(
+            config.ps, config.workers, chief=config.chief, host=config.host
+        )
+        self.procs: dict[TaskSpec, subprocess.Popen[bytes]] = {}
+        self._threads: list[threading.Thread] = []
+        self._out_lock = threading.Lock()
+        self._stopping = threading.Event()
+
+    def start(self) -> None:
+        """Starts every task (ps first, so the workers find them listening sooner)."""
+        order = sorted(self.cluster.tasks(), key=lambda t: t.job != "ps")
+        for task in order:
+            env = dict(os.environ)
+            env.update(self.config.env)
+            env[envvars.TF_CONFIG] = self.cluster.to_tf_config(task)
+            env["PYTHONUNBUFFERED"] = "1"
+            cmd = [sys.executable, self.config.script, *self.config.args]
+            self.procs[task] = subprocess.Popen(
+                cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,  # Ctrl-C reaches the launcher, which stops every task
+                preexec_fn=_die_with_parent,
+            )
+        for task, proc in self.procs.items():
+            for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+                assert stream is not None
+                t = threading.Thread(target=self._relay, args=(task, stream, sink), daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def _relay(self, task: TaskSpec, stream: IO[bytes], sink: IO[str]) -> None:
+        prefix = f"[{task}] "
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            with self._out_lock:
+                sink.write(prefix + line + "\n")
+                sink.flush()
+        stream.close()
+
+    def _say(self, message: str) -> None:
+        with self._out_lock:
+            sys.stderr.write(f"psflow launch: {message}\n")
+            sys.stderr.flush()
+
+    def wait(self) -> int:
+        """Supervises the job until it ends; returns the launcher's exit code."""
+        trainers = [t for t in self.procs if t.job in ("chief", "worker")]
+        trainers_done_at: float | None = None
+        while True:
+            if self._stopping.is_set():
+                return 130
+            for task, proc in self.procs.items():
+                code = proc.poll()
+                if code is not None and code != 0:
+                    how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                    self._say(f"task {task} failed with {how}; stopping the other tasks")
+                    self.stop()
+                    return 1
+            if trainers_done_at is None and all(self.procs[t].poll() == 0 for t in trainers):
+                trainers_done_at = time.monotonic()
+            if all(p.poll() is not None for p in self.procs.values()):
+                self._join_relays()
+                self._say(f"job finished: {len(self.procs)} tasks exited 0")
+                return 0
+            if (
+                trainers_done_at is not None
+                and time.monotonic() - trainers_done_at > self.config.ps_exit_timeout
+            ):
+                left = [str(t) for t, p in self.procs.items() if p.poll() is None]
+                self._say(
+                    f"{', '.join(left)} did not exit within {self.config.ps_exit_timeout:g} s of the "
+                    "workers finishing; stopping them"
+                )
+                self.stop()
+                return 1
+            time.sleep(0.05)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stops every task still running: SIGTERM, then SIGKILL after the grace period."""
+        grace = self.config.grace if timeout is None else timeout
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self._join_relays()
+
+    def _join_relays(self) -> None:
+        for t in self._threads:
+            t.join(timeout=5)
+
+    def run(self) -> int:
+        """Starts the job, supervises it, and stops it on SIGINT/SIGTERM."""
+
+        def on_signal(signum: int, _frame: object) -> None:
+            if self._stopping.is_set():
+                return
+            self._stopping.set()
+            self._say(f"received {signal.Signals(signum).name}; stopping every task")
+
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.start()
+            code = self.wait()
+            if self._stopping.is_set():
+                self.stop()
+            return code
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)

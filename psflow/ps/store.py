@@ -1,0 +1,137 @@
+"""One ps shard's variables and the optimizer that updates them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from psflow.transport.wire import dtype_name
+
+_ARG_TYPES = (int, float, bool, str, type(None))
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerSpec:
+    """A ``torch.optim`` optimizer named with its arguments, so that it can travel as data.
+
+    Example:
+        >>> spec = OptimizerSpec(name="SGD", kwargs={"lr": 0.01, "momentum": 0.9})
+        >>> spec.build([torch.zeros(2)]).__class__.__name__
+        'SGD'
+    """
+
+    name: str = "SGD"
+    """The class name in ``torch.optim`` (``SGD``, ``Adam``, ``Adagrad``, ...)."""
+    kwargs: Mapping[str, Any] = field(default_factory=lambda: {"lr": 0.01})
+    """Its keyword arguments: numbers, strings, booleans, or lists of them."""
+
+    def __post_init__(self) -> None:
+        cls = getattr(torch.optim, self.name, None) if isinstance(self.name, str) else None
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise ValueError(f"unknown optimizer {self.name!r}: expected a torch.optim class name")
+        if not isinstance(self.kwargs, Mapping):
+            raise ValueError(f"optimizer arguments must be a mapping, got {self.kwargs!r}")
+        for key, value in self.kwargs.items():
+            ok = isinstance(value, _ARG_TYPES) or (
+                isinstance(value, list | tuple) and all(isinstance(v, _ARG_TYPES) for v in value)
+            )
+            if not isinstance(key, str) or not ok:
+                raise ValueError(f"optimizer argument {key!r}={value!r} is not a plain value")
+
+    def build(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
+        cls = getattr(torch.optim, self.name)
+        kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in self.kwargs.items()}
+        try:
+            return cls(params, **kwargs)  # type: ignore[no-any-return]
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"cannot build torch.optim.{self.name}({kwargs}): {e}") from None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"name": self.name, "kwargs": {k: _plain(v) for k, v in self.kwargs.items()}}
+
+    @classmethod
+    def from_wire(cls, data: Any) -> OptimizerSpec:
+        if not isinstance(data, dict):
+            raise ValueError(f"optimizer spec must be a map, got {data!r}")
+        return cls(name=data.get("name", ""), kwargs=data.get("kwargs", {}))
+
+
+def _plain(v: Any) -> Any:
+    return list(v) if isinstance(v, tuple) else v
+
+
+class ShardStore:
+    """The variables of one shard, their optimizer, and the count of updates applied."""
+
+    def __init__(self) -> None:
+        self.variables: dict[str, torch.Tensor] = {}
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizer_spec: OptimizerSpec | None = None
+        self.step = 0
+        """Updates applied (on shard 0: the job's global step)."""
+
+    @property
+    def initialized(self) -> bool:
+        return self.optimizer is not None
+
+    def initialize(
+        self,
+        tensors: Sequence[tuple[str, torch.Tensor]],
+        spec: OptimizerSpec,
+        *,
+        step: int = 0,
+    ) -> None:
+        if self.initialized:
+            raise ValueError("shard is already initialised")
+        names = [n for n, _ in tensors]
+        if len(set(names)) != len(names):
+            raise ValueError("duplicate variable names in init")
+        for name, t in tensors:
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise ValueError(f"initial value of {name!r} is not finite")
+        # Own copies: the received tensors may be views of network buffers.
+        self.variables = {name: t.detach().clone() for name, t in tensors}
+        self.optimizer = spec.build(list(self.variables.values()))
+        self.optimizer_spec = spec
+        self.step = step
+
+    def check(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Raises ``ValueError`` unless every tensor matches a stored variable exactly."""
+        for name, t in tensors:
+            var = self.variables.get(name)
+            if var is None:
+                raise ValueError(f"unknown variable {name!r}")
+            if t.dtype != var.dtype:
+                raise ValueError(
+                    f"{name!r}: dtype {dtype_name(t.dtype)} does not match the stored "
+                    f"{dtype_name(var.dtype)}"
+                )
+            if t.shape != var.shape:
+                raise ValueError(
+                    f"{name!r}: shape {list(t.shape)} does not match the stored {list(var.shape)}"
+                )
+
+    def apply(self, grads: Sequence[tuple[str, torch.Tensor]]) -> int:
+        """Applies one gradient for (some of) the variables and returns the new step count."""
+        assert self.optimizer is not None
+        self.check(grads)
+        names = [n for n, _ in grads]
+        if len(set(names)) != len(names):
+            raise ValueError("a variable appears twice in one push")
+        for name, g in grads:
+            self.variables[name].grad = g
+        try:
+            self.optimizer.step()
+        finally:
+            for name in names:
+                # Drop the reference: the gradient may be a view of a network buffer.
+                self.variables[name].grad = None
+        self.step += 1
+        return self.step
+
+    def nbytes(self) -> int:
+        return sum(math.prod(t.shape) * t.element_size() for t in self.variables.values())

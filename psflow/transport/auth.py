@@ -1,0 +1,107 @@
+"""CurveZMQ keys: generating them for a job and loading them in each task.
+
+A job's key directory holds one server key pair (every ps task uses it), one client key pair
+(every worker uses it) and ``authorized_clients/``, the public keys a server accepts. With keys,
+every connection is encrypted and a peer whose key is not authorised cannot connect at all.
+
+Layout::
+
+    DIR/server.key          public        DIR/client.key          public
+    DIR/server.key_secret   secret        DIR/client.key_secret   secret
+    DIR/authorized_clients/client.key
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.auth
+
+
+@dataclass(frozen=True, kw_only=True)
+class CurveKeys:
+    """The keys one task needs: the server's key pair and a client key pair."""
+
+    server_public: bytes
+    """Public key of the ps tasks (clients need it to connect)."""
+    server_secret: bytes | None
+    """Secret key of the ps tasks (only servers need it)."""
+    client_public: bytes
+    client_secret: bytes
+    authorized_dir: Path | None
+    """Directory of public keys a server accepts (only servers need it)."""
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike[str]) -> CurveKeys:
+        """Loads the keys of a directory written by :func:`generate_keys`.
+
+        Raises:
+            ValueError: naming the missing or unreadable file.
+        """
+        d = Path(directory)
+        server_public, server_secret = _load(d / "server.key_secret", d / "server.key")
+        client_public, client_secret = _load(d / "client.key_secret", d / "client.key")
+        if client_secret is None:
+            raise ValueError(f"no client secret key in {str(d)!r}: expected client.key_secret")
+        authorized = d / "authorized_clients"
+        return cls(
+            server_public=server_public,
+            server_secret=server_secret,
+            client_public=client_public,
+            client_secret=client_secret,
+            authorized_dir=authorized if authorized.is_dir() else None,
+        )
+
+
+def _load(secret_path: Path, public_path: Path) -> tuple[bytes, bytes | None]:
+    path = secret_path if secret_path.exists() else public_path
+    try:
+        public, secret = zmq.auth.load_certificate(str(path))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load CurveZMQ key {str(path)!r}: {e}") from None
+    if public is None:
+        raise ValueError(f"key file {str(path)!r} has no public key")
+    return public, secret
+
+
+def generate_keys(directory: str | os.PathLike[str], *, force: bool = False) -> Path:
+    """Writes a fresh server and client key pair for one job into ``directory``.
+
+    Example:
+        >>> import tempfile
+        >>> d = generate_keys(tempfile.mkdtemp() + "/keys")
+        >>> sorted(p.name for p in d.iterdir())[:2]
+        ['authorized_clients', 'client.key']
+    """
+    d = Path(directory)
+    if d.exists() and any(d.iterdir()) and not force:
+        raise ValueError(f"key directory {str(d)!r} is not empty: pass --force to replace it")
+    d.mkdir(parents=True, exist_ok=True)
+    os.chmod(d, 0o700)
+    for name in ("server", "client"):
+        zmq.auth.create_certificates(str(d), name)
+        os.chmod(d / f"{name}.key_secret", 0o600)
+    authorized = d / "authorized_clients"
+    authorized.mkdir(exist_ok=True)
+    shutil.copy(d / "client.key", authorized / "client.key")
+    return d
+
+
+def configure_server(sock: zmq.Socket[bytes], keys: CurveKeys) -> None:
+    """Makes ``sock`` a CurveZMQ server (call before ``bind``)."""
+    if keys.server_secret is None:
+        raise ValueError("this task needs the server secret key (server.key_secret) to serve")
+    sock.curve_secretkey = keys.server_secret
+    sock.curve_publickey = keys.server_public
+    sock.curve_server = True
+
+
+def configure_client(sock: zmq.Socket[bytes], keys: CurveKeys) -> None:
+    """Makes ``sock`` a CurveZMQ client of the job's servers (call before ``connect``)."""
+    sock.curve_serverkey = keys.server_public
+    sock.curve_publickey = keys.client_public
+    sock.curve_secretkey = keys.client_secret

@@ -1,0 +1,320 @@
+"""Sockets: a server that answers requests, and a client with requests to many peers in flight.
+
+The server is a ZeroMQ ROUTER bound to its own address; each client holds one DEALER per
+peer. Every request carries an id, so a client can send to all ps shards at once and then
+collect the replies in any order. Every wait has a deadline, and a peer that misses it is named
+in the error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket as pysocket
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from psflow import env as envvars
+from psflow.cluster.spec import parse_address
+from psflow.transport import wire
+from psflow.transport.auth import CurveKeys, configure_client, configure_server
+
+log = logging.getLogger(__name__)
+
+_ZERO_COPY_ABOVE = 1 << 16
+"""Messages smaller than this are copied into ZeroMQ: cheaper than tracking their frames."""
+
+
+class PeerError(RuntimeError):
+    """A peer failed: it answered with an error, or it did not answer in time."""
+
+    def __init__(self, peer: str, message: str) -> None:
+        super().__init__(f"{peer}: {message}")
+        self.peer = peer
+
+
+class PeerTimeoutError(PeerError, TimeoutError):
+    """A peer did not answer before the deadline (dead, hung, unreachable or not authorised)."""
+
+
+@dataclass(kw_only=True)
+class TransportConfig:
+    """Settings shared by servers and clients."""
+
+    timeout: float = field(
+        default_factory=lambda: float(os.environ.get(envvars.PSFLOW_TIMEOUT, 60))
+    )
+    """Seconds a request may take before it fails with an error naming the peer."""
+    max_message_bytes: int = 8 << 30
+    """Largest message (sum of tensor bytes) a server accepts."""
+    chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES
+    """Bytes per frame for large tensors."""
+    keys: CurveKeys | None = None
+    """CurveZMQ keys: when given, traffic is encrypted and clients must be authorised."""
+
+    def __post_init__(self) -> None:
+        if self.timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
+        if self.max_message_bytes <= 0:
+            raise ValueError(f"max_message_bytes must be > 0, got {self.max_message_bytes}")
+        if self.chunk_bytes < 4096:
+            raise ValueError(f"chunk_bytes must be >= 4096, got {self.chunk_bytes}")
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> TransportConfig:
+        """Defaults, with keys from ``PSFLOW_KEYS_DIR`` when it is set."""
+        keys_dir = os.environ.get(envvars.PSFLOW_KEYS_DIR)
+        if keys_dir and "keys" not in overrides:
+            overrides["keys"] = CurveKeys.load(keys_dir)
+        return cls(**overrides)
+
+
+def _endpoint(address: str, *, bind: bool) -> str:
+    host, port = parse_address(address)
+    if bind and host not in ("*", "0.0.0.0", "::"):
+        try:
+            host = pysocket.gethostbyname(host)
+        except OSError as e:
+            raise ValueError(f"cannot resolve {host!r} to bind {address!r}: {e}") from None
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+@dataclass
+class Request:
+    """One request received by a :class:`Server`."""
+
+    identity: bytes
+    header: dict[str, Any]
+    frames: list[Any]
+
+
+class Server:
+    """A ROUTER socket bound to one address, answering requests one at a time."""
+
+    def __init__(
+        self, address: str, config: TransportConfig, *, context: zmq.Context[Any] | None = None
+    ) -> None:
+        self.config = config
+        self._context = context or zmq.Context.instance()
+        self._auth: ThreadAuthenticator | None = None
+        sock = self._context.socket(zmq.ROUTER)
+        sock.linger = 0
+        sock.router_mandatory = False
+        sock.maxmsgsize = config.max_message_bytes + wire.MAX_HEADER_BYTES
+        if config.keys is not None:
+            self._auth = ThreadAuthenticator(self._context, log=log.getChild("auth"))
+            self._auth.start()
+            location = str(config.keys.authorized_dir) if config.keys.authorized_dir else None
+            if location is None:
+                raise ValueError("keys without authorized_clients/: no client could connect")
+            self._auth.configure_curve(domain="*", location=location)
+            configure_server(sock, config.keys)
+        bind_to = _endpoint(address, bind=True)
+        try:
+            sock.bind(bind_to)
+        except zmq.ZMQError as e:
+            sock.close()
+            if self._auth is not None:
+                self._auth.stop()
+            raise OSError(f"cannot listen on {address} ({bind_to}): {e}") from None
+        self._sock = sock
+        self._pending: list[zmq.MessageTracker] = []
+
+    def recv(self, timeout: float) -> Request | None:
+        """The next request, or ``None`` after ``timeout`` seconds without one.
+
+        Raises:
+            wire.WireError: for a message whose header is malformed; the server sends the
+                error reply itself when it knows whom to answer.
+        """
+        if not self._sock.poll(int(timeout * 1000)):
+            return None
+        parts = self._sock.recv_multipart(copy=False)
+        identity = parts[0].bytes
+        if len(parts) < 2:
+            raise wire.WireError("message has no header frame")
+        try:
+            header = wire.decode_header(parts[1].buffer)
+        except wire.WireError as e:
+            self.send_error(identity, -1, str(e))
+            raise
+        return Request(identity=identity, header=header, frames=parts[2:])
+
+    def reply(
+        self,
+        request: Request,
+        header: dict[str, Any],
+        tensors: Sequence[tuple[str, torch.Tensor]] = (),
+    ) -> None:
+        """Answers ``request``; tensors are sent from their own memory, without a copy."""
+        header["id"] = request.header["id"]
+        frames = wire.encode(header, tensors, chunk=self.config.chunk_bytes)
+        size = sum(len(f) for f in frames[1:])
+        msg = [request.identity, *frames]
+        if size < _ZERO_COPY_ABOVE:
+            self._sock.send_multipart(msg, copy=True)
+        else:
+            self._pending.append(self._sock.send_multipart(msg, copy=False, track=True))
+
+    def send_error(self, identity: bytes, rid: int, message: str) -> None:
+        frames = wire.encode({"op": "error", "id": rid, "error": message})
+        self._sock.send_multipart([identity, *frames])
+
+    def flush(self, timeout: float) -> None:
+        """Waits until ZeroMQ has sent every tensor handed to :meth:`reply`.
+
+        Call it before changing tensors that were sent without a copy.
+        """
+        deadline = time.monotonic() + timeout
+        for tracker in self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not _wait(tracker, left):
+                raise TimeoutError(f"a reply was not sent within {timeout} s")
+        self._pending.clear()
+
+    def close(self, linger: float = 0.0) -> None:
+        """Closes the socket, giving queued replies up to ``linger`` seconds to leave."""
+        self._sock.close(linger=int(linger * 1000))
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+
+def _wait(tracker: zmq.MessageTracker, timeout: float) -> bool:
+    try:
+        tracker.wait(timeout)
+    except zmq.NotDone:
+        return False
+    return True
+
+
+class Client:
+    """Requests to a fixed list of peers, many in flight at once.
+
+    Example:
+        >>> client = Client({"ps:0": "127.0.0.1:2222"}, TransportConfig(timeout=5))
+        >>> # rid = client.send("ps:0", {"op": "pull"}); client.wait([rid])
+        >>> client.close()
+    """
+
+    def __init__(
+        self,
+        peers: dict[str, str],
+        config: TransportConfig,
+        *,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.config = config
+        self._context = context or zmq.Context.instance()
+        self._socks: dict[str, zmq.Socket[bytes]] = {}
+        self._peer_of: dict[zmq.Socket[bytes], str] = {}
+        self._addresses = dict(peers)
+        self._next_id = 1
+        self._inflight: dict[int, str] = {}
+        self._poller = zmq.Poller()
+        for name, address in peers.items():
+            sock = self._context.socket(zmq.DEALER)
+            sock.linger = 0
+            if config.keys is not None:
+                configure_client(sock, config.keys)
+            sock.connect(_endpoint(address, bind=False))
+            self._socks[name] = sock
+            self._peer_of[sock] = name
+            self._poller.register(sock, zmq.POLLIN)
+
+    @property
+    def peers(self) -> list[str]:
+        return list(self._socks)
+
+    def send(
+        self,
+        peer: str,
+        header: dict[str, Any],
+        tensors: Sequence[tuple[str, torch.Tensor]] = (),
+    ) -> int:
+        """Sends one request to ``peer`` and returns its id, without waiting for the reply.
+
+        The tensors must stay unchanged until the reply has arrived.
+        """
+        rid = self._next_id
+        self._next_id += 1
+        header["id"] = rid
+        frames = wire.encode(header, tensors, chunk=self.config.chunk_bytes)
+        size = sum(len(f) for f in frames[1:])
+        self._socks[peer].send_multipart(frames, copy=size < _ZERO_COPY_ABOVE)
+        self._inflight[rid] = peer
+        return rid
+
+    def wait(
+        self, rids: Iterable[int], timeout: float | None = None
+    ) -> dict[int, tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]]:
+        """The replies to ``rids`` (header and tensors), keyed by request id.
+
+        Raises:
+            PeerTimeoutError: naming each peer that has not answered by the deadline.
+            PeerError: when a peer answered with an error or with a malformed message.
+        """
+        want = set(rids)
+        out: dict[int, tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]] = {}
+        timeout = self.config.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while want:
+            left = deadline - time.monotonic()
+            ready = dict(self._poller.poll(max(0, int(left * 1000)))) if left > 0 else {}
+            if not ready:
+                late = sorted({self._inflight[r] for r in want})
+                for r in want:
+                    self._inflight.pop(r, None)
+                names = ", ".join(f"{p} at {self._addresses[p]}" for p in late)
+                raise PeerTimeoutError(
+                    names,
+                    f"no answer within {timeout:g} s (dead, hung, unreachable or not authorised?)",
+                )
+            for sock in ready:
+                peer = self._peer_of[sock]  # type: ignore[index]
+                while True:
+                    try:
+                        parts = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)  # type: ignore[union-attr]
+                    except zmq.Again:
+                        break
+                    try:
+                        header = wire.decode_header(parts[0].buffer)
+                    except wire.WireError as e:
+                        raise PeerError(peer, f"malformed reply: {e}") from None
+                    rid = header["id"]
+                    if rid not in want:
+                        continue  # the reply to a request that already timed out
+                    want.discard(rid)
+                    self._inflight.pop(rid, None)
+                    if header["op"] == "error":
+                        raise PeerError(peer, str(header.get("error", "unknown error")))
+                    try:
+                        tensors = wire.decode_tensors(
+                            header, parts[1:], max_bytes=self.config.max_message_bytes
+                        )
+                    except wire.WireError as e:
+                        raise PeerError(peer, f"malformed reply: {e}") from None
+                    out[rid] = (header, tensors)
+        return out
+
+    def request(
+        self,
+        peer: str,
+        header: dict[str, Any],
+        tensors: Sequence[tuple[str, torch.Tensor]] = (),
+        timeout: float | None = None,
+    ) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
+        """One request and its reply."""
+        rid = self.send(peer, header, tensors)
+        return self.wait([rid], timeout)[rid]
+
+    def close(self) -> None:
+        for sock in self._socks.values():
+            sock.close(linger=0)
+        self._socks.clear()

@@ -1,0 +1,139 @@
+"""The worker's view of the ps shards: init, wait, pull, push, done — all shards at once."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from psflow.cluster.spec import TaskContext
+from psflow.ps.store import OptimizerSpec
+from psflow.transport.connection import Client, PeerError, TransportConfig
+from psflow.worker.placement import Piece
+
+log = logging.getLogger(__name__)
+
+Tensors = list[tuple[str, torch.Tensor]]
+
+
+class ShardedClient:
+    """Requests to every ps shard of a job, keyed by shard index.
+
+    Shard 0 keeps the global step, so every step's push includes it even when it holds no
+    variable of this model.
+    """
+
+    def __init__(self, ctx: TaskContext, config: TransportConfig) -> None:
+        self.ctx = ctx
+        self.config = config
+        self.me = str(ctx.task)
+        self.shards = [f"ps:{i}" for i in range(ctx.cluster.num_tasks("ps"))]
+        if not self.shards:
+            raise ValueError("the cluster has no ps task to hold the variables")
+        self._client = Client(
+            {
+                name: addr
+                for name, addr in zip(self.shards, ctx.cluster.addresses("ps"), strict=True)
+            },
+            config,
+        )
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shards)
+
+    def _all(
+        self, headers: dict[int, dict[str, Any]], tensors: dict[int, Tensors] | None = None
+    ) -> dict[int, tuple[dict[str, Any], Tensors]]:
+        rids = {}
+        for shard, header in headers.items():
+            header["task"] = self.me
+            rids[shard] = self._client.send(
+                self.shards[shard], header, (tensors or {}).get(shard, [])
+            )
+        replies = self._client.wait(rids.values())
+        return {shard: replies[rid] for shard, rid in rids.items()}
+
+    def status(self) -> dict[int, dict[str, Any]]:
+        return {
+            s: h
+            for s, (h, _) in self._all(
+                {s: {"op": "status"} for s in range(self.num_shards)}
+            ).items()
+        }
+
+    def initialize(self, values: dict[int, Tensors], spec: OptimizerSpec, step: int = 0) -> bool:
+        """Sends the initial values; returns False when the shards were already initialised."""
+        headers = {
+            s: {"op": "init", "optimizer": spec.to_wire(), "step": step}
+            for s in range(self.num_shards)
+        }
+        replies = self._all(headers, values)
+        already = [s for s, (h, _) in replies.items() if h.get("already")]
+        if already and len(already) != self.num_shards:
+            log.warning("shards %s were already initialised, the others were not", already)
+        return not already
+
+    def wait_ready(self, timeout: float) -> None:
+        """Waits until every shard has been initialised by the chief.
+
+        Raises:
+            TimeoutError: naming the chief and the shards still uninitialised.
+        """
+        deadline = time.monotonic() + timeout
+        pending = set(range(self.num_shards))
+        delay = 0.01
+        while True:
+            try:
+                headers = {s: {"op": "status"} for s in pending}
+                for s, (h, _) in self._all(headers).items():
+                    if h.get("initialized"):
+                        pending.discard(s)
+            except PeerError as e:
+                if time.monotonic() > deadline:
+                    raise
+                log.debug("waiting for the ps: %s", e)
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self.ctx.cluster.chief} (the chief) did not initialise "
+                    f"{', '.join(self.shards[s] for s in sorted(pending))} within {timeout:g} s"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    def pull(self) -> dict[int, tuple[dict[str, Any], Tensors]]:
+        return self._all({s: {"op": "pull"} for s in range(self.num_shards)})
+
+    def push(
+        self, grads: dict[int, Tensors], *, pull: bool
+    ) -> dict[int, tuple[dict[str, Any], Tensors]]:
+        """Pushes each shard's gradients (always including shard 0) in one round trip each."""
+        op = "push_pull" if pull else "push"
+        shards = set(grads) | {0}
+        return self._all({s: {"op": op} for s in sorted(shards)}, grads)
+
+    def done(self, timeout: float = 5.0) -> None:
+        """Tells every shard this task has finished (best effort: a dead shard is logged)."""
+        rids = {}
+        for shard, name in enumerate(self.shards):
+            rids[shard] = self._client.send(name, {"op": "done", "task": self.me})
+        try:
+            self._client.wait(rids.values(), timeout=timeout)
+        except PeerError as e:
+            log.warning("%s could not tell the ps it finished: %s", self.me, e)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def group_by_shard(pieces: Sequence[Piece]) -> dict[int, list[Piece]]:
+    out: dict[int, list[Piece]] = defaultdict(list)
+    for p in pieces:
+        out[p.shard].append(p)
+    return dict(out)

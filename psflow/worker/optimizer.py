@@ -1,0 +1,176 @@
+"""``DistributedOptimizer``: a module's parameters live on the ps; ``step()`` trains them there."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from psflow.cluster.resolve import resolve
+from psflow.cluster.spec import TaskContext
+from psflow.ps.store import OptimizerSpec
+from psflow.transport.connection import TransportConfig
+from psflow.worker.client import ShardedClient, Tensors, group_by_shard
+from psflow.worker.placement import ParamInfo, Piece, place
+
+log = logging.getLogger(__name__)
+
+PSFLOW_READY_TIMEOUT = "PSFLOW_READY_TIMEOUT"
+
+
+class DistributedOptimizer:
+    """Trains ``model`` asynchronously against the job's parameter servers.
+
+    The chief sends the model's initial values and the optimizer to the ps tasks; every other
+    worker waits for them and starts from the same values. Each :meth:`step` pushes this
+    worker's gradients and pulls the fresh parameters back in one round trip per shard; the ps
+    tasks apply the named ``torch.optim`` optimizer.
+
+    Args:
+        model: the module to train; its parameters are overwritten with the ps values.
+        ctx: this task's cluster and identity (default: from flags or ``TF_CONFIG``).
+        optimizer: a ``torch.optim`` class name, applied on the ps.
+        placement: ``"greedy"`` (by bytes) or ``"round_robin"``.
+        partition_bytes: a parameter larger than this is split across the shards along dim 0.
+        config: transport settings (timeouts, keys); default from the environment.
+        ready_timeout: seconds a worker waits for the chief to initialise the ps.
+        **optimizer_kwargs: the optimizer's arguments (``lr=0.01``, ``momentum=0.9``, ...).
+
+    Example:
+        >>> # ctx, _ = psflow.resolve()
+        >>> # model = torch.nn.Linear(1, 1)
+        >>> # with psflow.DistributedOptimizer(model, ctx, optimizer="SGD", lr=0.001) as opt:
+        >>> #     for x, y in data:
+        >>> #         opt.zero_grad()
+        >>> #         torch.nn.functional.mse_loss(model(x), y).backward()
+        >>> #         step = opt.step()   # the global step after this update
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        ctx: TaskContext | None = None,
+        *,
+        optimizer: str = "SGD",
+        placement: str = "greedy",
+        partition_bytes: int | None = 64 << 20,
+        config: TransportConfig | None = None,
+        ready_timeout: float | None = None,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        if ctx is None:
+            ctx, _ = resolve()
+        if ctx.task.job not in ("worker", "chief"):
+            raise ValueError(f"DistributedOptimizer runs on worker or chief tasks, not {ctx.task}")
+        if ready_timeout is None:
+            ready_timeout = float(os.environ.get(PSFLOW_READY_TIMEOUT, 300))
+        self.model = model
+        self.ctx = ctx
+        self.spec = OptimizerSpec(name=optimizer, kwargs=optimizer_kwargs or {"lr": 0.01})
+        self.params: dict[str, nn.Parameter] = dict(model.named_parameters())
+        infos = [
+            ParamInfo(name=n, shape=tuple(p.shape), dtype=p.dtype) for n, p in self.params.items()
+        ]
+        self._client = ShardedClient(ctx, config or TransportConfig.from_env())
+        self.pieces: list[Piece] = place(
+            infos, self._client.num_shards, strategy=placement, partition_bytes=partition_bytes
+        )
+        self._by_shard = group_by_shard(self.pieces)
+        self._by_var = {p.var: p for p in self.pieces}
+        self.global_step = 0
+        self._closed = False
+        try:
+            self._start(ready_timeout)
+        except BaseException:
+            self._client.close()
+            raise
+
+    @property
+    def is_chief(self) -> bool:
+        return self.ctx.is_chief
+
+    def _start(self, ready_timeout: float) -> None:
+        if self.is_chief:
+            values = {s: self._values(pieces) for s, pieces in self._by_shard.items()}
+            fresh = self._client.initialize(values, self.spec)
+            log.info(
+                "%s %s the ps",
+                self.ctx.task,
+                "initialised" if fresh else "found an already initialised",
+            )
+        else:
+            self._client.wait_ready(ready_timeout)
+        self.pull()
+
+    def _values(self, pieces: list[Piece]) -> Tensors:
+        return [(p.var, self._slice(self.params[p.param].detach(), p)) for p in pieces]
+
+    @staticmethod
+    def _slice(t: torch.Tensor, piece: Piece) -> torch.Tensor:
+        if piece.rows is None:
+            return t
+        return t[piece.rows[0] : piece.rows[1]]
+
+    def _load(self, replies: dict[int, tuple[dict[str, Any], Tensors]]) -> None:
+        with torch.no_grad():
+            for shard, (header, tensors) in replies.items():
+                for var, value in tensors:
+                    piece = self._by_var.get(var)
+                    if piece is None or piece.shard != shard:
+                        raise ValueError(f"ps:{shard} sent unknown variable {var!r}")
+                    dst = self._slice(self.params[piece.param], piece)
+                    if dst.shape != value.shape:
+                        raise ValueError(
+                            f"ps:{shard} sent {var!r} with shape {list(value.shape)}, "
+                            f"the model has {list(dst.shape)}: is every worker running the same model?"
+                        )
+                    dst.copy_(value)
+                if shard == 0:
+                    self.global_step = int(header["step"])
+
+    def pull(self) -> int:
+        """Overwrites the model's parameters with the ps values; returns the global step."""
+        self._load(self._client.pull())
+        return self.global_step
+
+    def step(self) -> int:
+        """Pushes the gradients, pulls the updated parameters, returns the new global step.
+
+        Parameters whose ``grad`` is ``None`` are not pushed (they still get pulled).
+        """
+        grads: dict[int, Tensors] = {}
+        for shard, pieces in self._by_shard.items():
+            out = []
+            for p in pieces:
+                g = self.params[p.param].grad
+                if g is not None:
+                    out.append((p.var, self._slice(g, p)))
+            if out:
+                grads[shard] = out
+        if not grads:
+            raise ValueError("no gradients to push: call loss.backward() before step()")
+        self._load(self._client.push(grads, pull=True))
+        return self.global_step
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the gradients of the model's parameters, like ``torch.optim.Optimizer``."""
+        self.model.zero_grad(set_to_none=set_to_none)
+
+    def close(self) -> None:
+        """Tells the ps this worker has finished (the ps exit after the last one) and disconnects."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._client.done()
+        finally:
+            self._client.close()
+
+    def __enter__(self) -> DistributedOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
