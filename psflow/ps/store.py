@@ -31,7 +31,8 @@ class OptimizerSpec:
 
     def __post_init__(self) -> None:
         cls = getattr(torch.optim, self.name, None) if isinstance(self.name, str) else None
-        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        is_optimizer = isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+        if not is_optimizer or cls is torch.optim.Optimizer:
             raise ValueError(f"unknown optimizer {self.name!r}: expected a torch.optim class name")
         if not isinstance(self.kwargs, Mapping):
             raise ValueError(f"optimizer arguments must be a mapping, got {self.kwargs!r}")

@@ -1,20 +1,20 @@
 """CurveZMQ keys: generating them for a job and loading them in each task.
 
-A job's key directory holds one server key pair (every ps task uses it), one client key pair
-(every worker uses it) and ``authorized_clients/``, the public keys a server accepts. With keys,
-every connection is encrypted and a peer whose key is not authorised cannot connect at all.
+A job's key directory holds one server key pair (every ps task uses it) and one client key
+pair (every worker uses it); a server accepts the clients whose public keys (``*.key``) are in
+``DIR/authorized_clients/`` when that exists, else in ``DIR`` itself. The layout is flat so that
+``kubectl create secret generic --from-file=DIR`` carries it whole. With keys, every connection
+is encrypted and a peer whose key is not authorised cannot connect at all.
 
 Layout::
 
     DIR/server.key          public        DIR/client.key          public
     DIR/server.key_secret   secret        DIR/client.key_secret   secret
-    DIR/authorized_clients/client.key
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,12 +48,14 @@ class CurveKeys:
         if client_secret is None:
             raise ValueError(f"no client secret key in {str(d)!r}: expected client.key_secret")
         authorized = d / "authorized_clients"
+        if not authorized.is_dir():
+            authorized = d
         return cls(
             server_public=server_public,
             server_secret=server_secret,
             client_public=client_public,
             client_secret=client_secret,
-            authorized_dir=authorized if authorized.is_dir() else None,
+            authorized_dir=authorized,
         )
 
 
@@ -74,8 +76,8 @@ def generate_keys(directory: str | os.PathLike[str], *, force: bool = False) -> 
     Example:
         >>> import tempfile
         >>> d = generate_keys(tempfile.mkdtemp() + "/keys")
-        >>> sorted(p.name for p in d.iterdir())[:2]
-        ['authorized_clients', 'client.key']
+        >>> sorted(p.name for p in d.iterdir())
+        ['client.key', 'client.key_secret', 'server.key', 'server.key_secret']
     """
     d = Path(directory)
     if d.exists() and any(d.iterdir()) and not force:
@@ -85,9 +87,6 @@ def generate_keys(directory: str | os.PathLike[str], *, force: bool = False) -> 
     for name in ("server", "client"):
         zmq.auth.create_certificates(str(d), name)
         os.chmod(d / f"{name}.key_secret", 0o600)
-    authorized = d / "authorized_clients"
-    authorized.mkdir(exist_ok=True)
-    shutil.copy(d / "client.key", authorized / "client.key")
     return d
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgpack
+import numpy as np
 import torch
 
 PROTOCOL_VERSION = 1
@@ -30,6 +31,8 @@ MAX_HEADER_BYTES = 1 << 20
 
 MAX_TENSORS = 1 << 16
 _CLONE_BELOW = 1 << 12
+INLINE_BYTES = 1 << 14
+"""Tensor data up to this size travels inside the header frame."""
 MAX_NAME_LEN = 512
 MAX_DIMS = 16
 
@@ -46,6 +49,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+ITEMSIZE: dict[torch.dtype, int] = {v: v.itemsize for v in DTYPES.values()}
 
 
 class WireError(ValueError):
@@ -73,7 +77,7 @@ class TensorMeta:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * ITEMSIZE[self.dtype]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -95,28 +99,35 @@ def encode(
 ) -> list[Any]:
     """The frames of one message: the packed header, then each tensor's bytes in chunks.
 
-    The frames are views of the tensors' memory: the caller must keep the tensors unchanged
-    until ZeroMQ has sent them (see ``Connection.send``'s tracker).
+    Small messages (at most :data:`INLINE_BYTES` of tensor data) travel as one frame, the
+    bytes inside the header: each frame costs a wake-up of ZeroMQ's I/O thread, which is what
+    bounds the latency of small steps. Large tensors travel as views of their own memory: the
+    caller must keep them unchanged until ZeroMQ has sent them (see ``Server.flush``).
     """
     metas = []
-    frames: list[Any] = [b""]
+    raws = []
     for name, t in tensors:
         if t.device.type != "cpu":
             t = t.cpu()
         if not t.is_contiguous():
             t = t.contiguous()
         metas.append([name, dtype_name(t.dtype), list(t.shape)])
-        raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-        n = len(raw)
-        if n <= chunk:
-            frames.append(raw)
-        else:
-            frames.extend(raw[i : i + chunk] for i in range(0, n, chunk))
+        raws.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
     header = dict(header)
     header["v"] = PROTOCOL_VERSION
+    frames: list[Any] = [b""]
     if metas:
         header["t"] = metas
-        header["c"] = chunk
+        if sum(len(r) for r in raws) <= INLINE_BYTES:
+            header["b"] = b"".join(raws)
+        else:
+            header["c"] = chunk
+            for raw in raws:
+                n = len(raw)
+                if n <= chunk:
+                    frames.append(raw)
+                else:
+                    frames.extend(raw[i : i + chunk] for i in range(0, n, chunk))
     frames[0] = msgpack.packb(header, use_bin_type=True)
     return frames
 
@@ -126,7 +137,7 @@ def decode_header(frame: bytes | memoryview) -> dict[str, Any]:
     if len(frame) > MAX_HEADER_BYTES:
         raise WireError(f"header of {len(frame)} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
     try:
-        header = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_bin_len=0)
+        header = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_bin_len=INLINE_BYTES)
     except Exception as e:  # msgpack raises several unrelated types for bad input
         raise WireError(f"header is not valid msgpack: {e}") from None
     if not isinstance(header, dict):
@@ -181,6 +192,8 @@ def decode_tensors(
         if frames:
             raise WireError(f"{len(frames)} data frame(s) but the header lists no tensors")
         return []
+    if "b" in header:
+        return _decode_inline(metas, header["b"], frames)
     chunk = header.get("c")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
         raise WireError(f"bad chunk size {chunk!r}")
@@ -203,19 +216,39 @@ def decode_tensors(
             raise WireError(f"tensor {m.name!r} needs {m.nbytes} bytes, its frames hold {got}")
         if m.nbytes == 0:
             t = torch.empty(0, dtype=m.dtype)
-        elif n == 1:
+        elif n == 1 and not parts[0].readonly and m.nbytes >= _CLONE_BELOW:
+            # Zero-copy: the tensor is the frame (tiny frames may sit unaligned inside
+            # ZeroMQ's message struct, so those are copied below).
             t = torch.frombuffer(parts[0], dtype=m.dtype)
-            if m.nbytes < _CLONE_BELOW:
-                # Tiny frames may sit unaligned inside ZeroMQ's message struct; a copy is cheap.
-                t = t.clone()
         else:
             t = torch.empty(m.numel, dtype=m.dtype)
-            dst = t.view(torch.uint8)
+            dst = t.view(torch.uint8).numpy()
             off = 0
             for p in parts:
-                dst[off : off + len(p)].copy_(torch.frombuffer(p, dtype=torch.uint8))
+                dst[off : off + len(p)] = np.frombuffer(p, dtype=np.uint8)
                 off += len(p)
         out.append((m.name, t.view(m.shape)))
+    return out
+
+
+def _decode_inline(
+    metas: list[TensorMeta], blob: Any, frames: Sequence[Any]
+) -> list[tuple[str, torch.Tensor]]:
+    if not isinstance(blob, bytes):
+        raise WireError("inline tensor data 'b' must be bytes")
+    if frames:
+        raise WireError("a message with inline tensor data carries no data frames")
+    total = sum(m.nbytes for m in metas)
+    if total != len(blob):
+        raise WireError(f"inline data holds {len(blob)} bytes, the listed tensors need {total}")
+    src = np.frombuffer(blob, dtype=np.uint8)
+    out = []
+    off = 0
+    for m in metas:
+        t = torch.empty(m.shape, dtype=m.dtype)
+        t.view(-1).view(torch.uint8).numpy()[:] = src[off : off + m.nbytes]
+        off += m.nbytes
+        out.append((m.name, t))
     return out
 
 

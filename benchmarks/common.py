@@ -1,0 +1,98 @@
+"""Shared plumbing for the benchmarks: run one job's tasks as processes and collect results.
+
+Each worker task prints one line ``RESULT {json}``; ps tasks print nothing. psflow's ps tasks
+exit by themselves; TensorFlow's never do, so whatever is still running at the end is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from psflow.cluster.launcher import local_cluster
+from psflow.cluster.spec import ClusterSpec, TaskSpec
+
+
+def run_job(
+    cluster: ClusterSpec,
+    command: Callable[[TaskSpec], list[str]],
+    *,
+    python: str = sys.executable,
+    timeout: float = 300.0,
+    env: dict[str, str] | None = None,
+    ps_exit_timeout: float | None = 10.0,
+) -> dict[str, dict[str, Any]]:
+    """Runs every task of ``cluster``; returns each worker's ``RESULT`` keyed by task name.
+
+    ``ps_exit_timeout`` is how long the ps tasks get to exit by themselves once the workers are
+    done (a ps still running then is an error); ``None`` kills them (TensorFlow's never exit).
+    """
+    procs: dict[TaskSpec, subprocess.Popen[str]] = {}
+    base_env = dict(os.environ, **(env or {}))
+    try:
+        for task in sorted(cluster.tasks(), key=lambda t: t.job != "ps"):
+            e = dict(base_env, TF_CONFIG=cluster.to_tf_config(task), PYTHONUNBUFFERED="1")
+            procs[task] = subprocess.Popen(
+                [python, *command(task)],
+                env=e,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        results: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        for task, proc in procs.items():
+            if task.job == "ps":
+                continue
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            if proc.returncode != 0:
+                raise RuntimeError(f"{task} failed with exit code {proc.returncode}:\n{err[-3000:]}")
+            lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+            if lines:
+                results[str(task)] = json.loads(lines[-1][len("RESULT ") :])
+        if ps_exit_timeout is not None:
+            for task, proc in procs.items():
+                if task.job == "ps":
+                    try:
+                        code = proc.wait(timeout=ps_exit_timeout)
+                    except subprocess.TimeoutExpired:
+                        raise RuntimeError(f"{task} did not exit after the workers finished") from None
+                    if code != 0:
+                        raise RuntimeError(f"{task} exited with {code}: {proc.stderr.read()[-3000:]}")  # type: ignore[union-attr]
+        return results
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+def new_cluster(ps: int, workers: int) -> ClusterSpec:
+    return local_cluster(ps, workers)
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def emit(result: dict[str, Any]) -> None:
+    """The benchmark's last line: one JSON object."""
+    print(json.dumps(result, sort_keys=True))

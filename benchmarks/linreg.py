@@ -1,0 +1,150 @@
+"""linreg: the classic example's workload (1 ps + 2 workers, one example a step, async SGD).
+
+    .venv/bin/python benchmarks/linreg.py [--compare-tf] [--preset smoke]
+
+Prints steps per second summed over the workers, for psflow and (with ``--compare-tf``, when
+TensorFlow is installed for ``--tf-python``) TensorFlow's own ps runtime on the same workload:
+``tf.distribute.Server`` tasks, ``replica_device_setter`` and ``MonitoredTrainingSession``.
+The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+PRESETS = {
+    "full": {"steps": 5000, "warmup": 500, "repeat": 3},
+    "smoke": {"steps": 200, "warmup": 20, "repeat": 1},
+}
+
+
+def psflow_task(steps: int, warmup: int) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    import psflow
+
+    ctx, _ = psflow.resolve([])
+    if ctx.job == "ps":
+        psflow.ParameterServer(ctx).join()
+        return
+    torch.manual_seed(ctx.index)
+    model = torch.nn.Linear(1, 1)
+    xs = torch.rand(steps + warmup, 1, 1) * 2 - 1
+    ys = 2 * xs + 0.3 + 0.1 * torch.randn_like(xs)
+    with psflow.DistributedOptimizer(model, ctx, optimizer="SGD", lr=0.001) as opt:
+        for i in range(steps + warmup):
+            if i == warmup:
+                start = time.perf_counter()
+            loss = F.mse_loss(model(xs[i]), ys[i])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        elapsed = time.perf_counter() - start
+    print("RESULT " + json.dumps({"steps": steps, "seconds": elapsed, "w": model.weight.item()}))
+
+
+def tf_task(steps: int, warmup: int) -> None:
+    import numpy as np
+    import tensorflow as tf
+
+    tf.compat.v1.disable_eager_execution()
+    config = json.loads(os.environ["TF_CONFIG"])
+    cluster = tf.train.ClusterSpec(config["cluster"])
+    job, index = config["task"]["type"], config["task"]["index"]
+    server = tf.distribute.Server(cluster, job_name=job, task_index=index)
+    if job == "ps":
+        server.join()  # never returns: TensorFlow's ps tasks do not exit (tensorflow#25858)
+        return
+    with tf.compat.v1.device(
+        tf.compat.v1.train.replica_device_setter(worker_device=f"/job:worker/task:{index}", cluster=cluster)
+    ):
+        x = tf.compat.v1.placeholder(tf.float32, shape=())
+        y = tf.compat.v1.placeholder(tf.float32, shape=())
+        w = tf.Variable(0.0)
+        b = tf.Variable(0.0)
+        loss = tf.square(y - (w * x + b))
+        global_step = tf.compat.v1.train.get_or_create_global_step()
+        train_op = tf.compat.v1.train.GradientDescentOptimizer(0.001).minimize(loss, global_step=global_step)
+    rng = np.random.default_rng(index)
+    xs = rng.uniform(-1, 1, steps + warmup).astype(np.float32)
+    ys = 2 * xs + 0.3 + 0.1 * rng.standard_normal(steps + warmup).astype(np.float32)
+    # Without device filters a worker waits on every other worker, finished ones included.
+    session_config = tf.compat.v1.ConfigProto(device_filters=["/job:ps", f"/job:worker/task:{index}"])
+    with tf.compat.v1.train.MonitoredTrainingSession(
+        master=server.target,
+        is_chief=index == 0,
+        config=session_config,
+        save_checkpoint_secs=None,
+        save_summaries_steps=None,
+        save_summaries_secs=None,
+        log_step_count_steps=None,
+    ) as sess:
+        for i in range(steps + warmup):
+            if i == warmup:
+                start = time.perf_counter()
+            sess.run(train_op, feed_dict={x: xs[i], y: ys[i]})
+        elapsed = time.perf_counter() - start
+        wv = float(sess.run(w))
+    print("RESULT " + json.dumps({"steps": steps, "seconds": elapsed, "w": wv}))
+
+
+def steps_per_second(results: dict[str, dict[str, float]]) -> float:
+    return sum(r["steps"] / r["seconds"] for r in results.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--compare-tf", action="store_true", help="also run TensorFlow's ps runtime")
+    parser.add_argument("--tf-python", default=sys.executable, help="a Python that imports tensorflow")
+    parser.add_argument("--role", choices=["psflow", "tf"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    preset = PRESETS[args.preset]
+    if args.role == "psflow":
+        return psflow_task(preset["steps"], preset["warmup"])
+    if args.role == "tf":
+        return tf_task(preset["steps"], preset["warmup"])
+
+    # Imported only here: the TensorFlow tasks run in a Python that may lack psflow and torch.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import emit, machine, median, new_cluster, run_job
+
+    me = os.path.abspath(__file__)
+    result: dict[str, object] = {"benchmark": "linreg", "preset": args.preset, "workers": args.workers}
+    runs = []
+    tf_runs = []
+    for _ in range(preset["repeat"]):
+        # Side by side: alternate the two runtimes so both see the same machine conditions.
+        cmd = [me, "--role", "psflow", "--preset", args.preset]
+        runs.append(steps_per_second(run_job(new_cluster(1, args.workers), lambda _t, c=cmd: c)))
+        if args.compare_tf:
+            cmd = [me, "--role", "tf", "--preset", args.preset]
+            res = run_job(
+                new_cluster(1, args.workers),
+                lambda _t, c=cmd: c,
+                python=args.tf_python,
+                ps_exit_timeout=None,
+                env={"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""},
+            )
+            tf_runs.append(steps_per_second(res))
+    result["psflow_steps_per_s"] = round(median(runs), 1)
+    result["psflow_runs"] = [round(r, 1) for r in runs]
+    print(f"psflow: {median(runs):.0f} steps/s (runs: {', '.join(f'{r:.0f}' for r in runs)})")
+    if tf_runs:
+        result["tf_steps_per_s"] = round(median(tf_runs), 1)
+        result["tf_runs"] = [round(r, 1) for r in tf_runs]
+        result["ratio_vs_tf"] = round(median(runs) / median(tf_runs), 2)
+        print(f"tensorflow: {median(tf_runs):.0f} steps/s; psflow/tf = {result['ratio_vs_tf']}x")
+    result["machine"] = machine()
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Starting real ps processes for the multi-process tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from psflow.cluster.launcher import local_cluster
+from psflow.cluster.spec import ClusterSpec, TaskContext, TaskSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PS_MAIN = "import psflow; ctx, _ = psflow.resolve([]); psflow.ParameterServer(ctx).join()"
+
+
+def start_ps(cluster: ClusterSpec, index: int = 0, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """A ps task as its own process, serving until the workers are done."""
+    task = TaskSpec(job="ps", index=index)
+    e = dict(os.environ, TF_CONFIG=cluster.to_tf_config(task), PYTHONUNBUFFERED="1", **(env or {}))
+    return subprocess.Popen(
+        [sys.executable, "-c", PS_MAIN], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def worker_ctx(cluster: ClusterSpec, index: int = 0) -> TaskContext:
+    return TaskContext(cluster=cluster, task=TaskSpec(job="worker", index=index))
+
+
+def stop(proc: subprocess.Popen[str], timeout: float = 10) -> tuple[int, str]:
+    """Waits for (or kills) a process; returns its exit code and stderr."""
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    return proc.returncode, err
+
+
+__all__ = ["ROOT", "local_cluster", "start_ps", "stop", "worker_ctx"]

@@ -1,0 +1,125 @@
+"""Real ps and worker processes on 127.0.0.1: convergence, partitioning, clean exit."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import psflow
+from psflow.transport import TransportConfig
+from psflow.worker.client import ShardedClient
+
+from .support import ROOT, local_cluster, start_ps, stop, worker_ctx
+
+
+def test_linear_regression_example_converges_and_every_task_exits() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "psflow.cli", "launch", "--ps", "1", "--workers", "2",
+         str(ROOT / "examples" / "linear_regression.py"), "--train_steps", "6000"],
+        capture_output=True, text=True, timeout=100,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    m = re.fullmatch(r"\[worker:0\] W=(\S+) b=(\S+)", last)
+    assert m, last
+    assert abs(float(m.group(1)) - 2.0) < 0.05 and abs(float(m.group(2)) - 0.3) < 0.05
+    assert "job finished: 3 tasks exited 0" in proc.stderr
+    assert "[ps:0]" in proc.stderr and "every worker has finished" in proc.stderr
+
+
+class Wide(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(9, 4))  # 144 bytes: partitioned below
+        self.bias = torch.nn.Parameter(torch.zeros(4))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.table[idx] + self.bias
+
+
+def test_two_shards_with_a_partitioned_tensor() -> None:
+    cluster = local_cluster(2, 1)
+    ps = [start_ps(cluster, i) for i in range(2)]
+    try:
+        torch.manual_seed(0)
+        model = Wide()
+        initial = model.table.detach().clone()
+        with psflow.DistributedOptimizer(model, worker_ctx(cluster), lr=0.05, partition_bytes=64) as opt:
+            parts = [p for p in opt.pieces if p.param == "table"]
+            assert [p.rows for p in parts] == [(0, 5), (5, 9)]
+            assert {p.shard for p in parts} == {0, 1}
+            assert torch.equal(model.table, initial)  # pulled back whole, unchanged
+            target = torch.arange(36.0).reshape(9, 4) / 10
+            for step in range(200):
+                idx = torch.arange(9)
+                loss = ((model(idx) - target) ** 2).sum() / 2
+                opt.zero_grad()
+                loss.backward()
+                assert opt.step() == step + 1
+            assert loss.item() < 0.01
+            # What each shard holds is exactly its rows of the model's tensor.
+            probe = ShardedClient(worker_ctx(cluster), TransportConfig(timeout=10))
+            try:
+                held = {name: t for _, (_, ts) in probe.pull().items() for name, t in ts}
+            finally:
+                probe.close()
+            assert sorted(held) == ["bias", "table/part_0", "table/part_1"]
+            assert torch.equal(torch.cat([held["table/part_0"], held["table/part_1"]]), model.table.detach())
+        for p in ps:
+            code, err = stop(p)
+            assert code == 0, err
+            assert "every worker has finished" in err
+    finally:
+        for p in ps:
+            stop(p, timeout=1)
+
+
+def test_async_workers_share_one_global_step() -> None:
+    cluster = local_cluster(1, 2)
+    ps = start_ps(cluster)
+    try:
+        m0, m1 = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+        o0 = psflow.DistributedOptimizer(m0, worker_ctx(cluster, 0), lr=0.1)
+        o1 = psflow.DistributedOptimizer(m1, worker_ctx(cluster, 1), lr=0.1)
+        assert torch.equal(m0.weight, m1.weight)  # worker 1 starts from the chief's values
+        steps = []
+        for i in range(10):
+            for m, o in ((m0, o0), (m1, o1)):
+                o.zero_grad()
+                m(torch.ones(1, 2)).sum().backward()
+                steps.append(o.step())
+        assert steps == list(range(1, 21))
+        o0.close()
+        assert ps.poll() is None  # worker 1 still running: the ps keeps serving
+        o1.close()
+        code, err = stop(ps)
+        assert code == 0, err
+    finally:
+        stop(ps, timeout=1)
+
+
+def test_worker_gives_up_waiting_for_the_chief() -> None:
+    cluster = local_cluster(1, 2)
+    ps = start_ps(cluster)
+    try:
+        with pytest.raises(TimeoutError, match=r"worker:0 \(the chief\) did not initialise ps:0"):
+            psflow.DistributedOptimizer(torch.nn.Linear(1, 1), worker_ctx(cluster, 1), ready_timeout=1.0)
+    finally:
+        ps.kill()
+        stop(ps)
+
+
+def test_mismatched_model_is_refused_with_the_variable_named() -> None:
+    cluster = local_cluster(1, 2)
+    ps = start_ps(cluster)
+    try:
+        with psflow.DistributedOptimizer(torch.nn.Linear(2, 1), worker_ctx(cluster, 0)):
+            with pytest.raises(ValueError, match="the model has"):
+                psflow.DistributedOptimizer(torch.nn.Linear(3, 1), worker_ctx(cluster, 1))
+    finally:
+        ps.kill()
+        stop(ps)

@@ -1,0 +1,103 @@
+"""The wire format: round trips for every dtype, chunking, inline data, and malformed input."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import torch
+
+from psflow.transport import wire
+
+pytestmark = pytest.mark.unit
+
+
+def roundtrip(
+    tensors: list[tuple[str, torch.Tensor]], chunk: int = 4096
+) -> list[tuple[str, torch.Tensor]]:
+    frames = wire.encode({"op": "push", "id": 7}, tensors, chunk=chunk)
+    header = wire.decode_header(bytes(frames[0]))
+    assert header["op"] == "push" and header["id"] == 7
+    return wire.decode_tensors(header, [bytes(f) for f in frames[1:]], max_bytes=1 << 30)
+
+
+@pytest.mark.parametrize("dtype", list(wire.DTYPES.values()))
+@pytest.mark.parametrize("numel", [0, 1, 3, 5000, 70000])
+def test_roundtrip_every_dtype_and_size(dtype: torch.dtype, numel: int) -> None:
+    t = (
+        (torch.arange(numel) % 7).to(dtype).reshape(-1, 1)
+        if numel
+        else torch.empty(0, 1, dtype=dtype)
+    )
+    ((name, back),) = roundtrip([("w", t)])
+    assert name == "w" and back.dtype == dtype and back.shape == t.shape
+    assert torch.equal(back, t)
+
+
+def test_small_messages_are_one_frame_large_ones_are_chunked() -> None:
+    small = wire.encode({"op": "x", "id": 1}, [("a", torch.ones(10)), ("b", torch.zeros(3))])
+    assert len(small) == 1
+    big = torch.randn(10_000)  # 40000 bytes > INLINE_BYTES
+    frames = wire.encode({"op": "x", "id": 1}, [("a", big), ("b", torch.ones(2))], chunk=4096)
+    assert len(frames) == 1 + 10 + 1
+    assert all(len(f) <= 4096 for f in frames[1:])
+    back = dict(wire.decode_tensors(wire.decode_header(frames[0]), frames[1:], max_bytes=1 << 20))
+    assert torch.equal(back["a"], big) and torch.equal(back["b"], torch.ones(2))
+
+
+def test_non_contiguous_tensors_travel() -> None:
+    t = torch.arange(12.0).reshape(3, 4).t()
+    ((_, back),) = roundtrip([("t", t)])
+    assert torch.equal(back, t)
+
+
+def test_unsupported_dtype_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="cannot travel"):
+        wire.encode({"op": "x", "id": 1}, [("c", torch.zeros(2, dtype=torch.complex64))])
+
+
+def pack(header: object) -> bytes:
+    return msgpack.packb(header, use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"\xc1garbage", "not valid msgpack"),
+        (pack([1, 2]), "must be a map"),
+        (pack({"op": "pull", "id": 1}), "protocol version"),
+        (pack({"v": 1, "id": 1}), "no string 'op'"),
+        (pack({"v": 1, "op": "pull"}), "no integer 'id'"),
+        (pack({"v": 1, "op": "pull", "id": True}), "no integer 'id'"),
+        (b"\x00" * (wire.MAX_HEADER_BYTES + 1), "exceeds"),
+    ],
+)
+def test_bad_headers(raw: bytes, message: str) -> None:
+    with pytest.raises(wire.WireError, match=message):
+        wire.decode_header(raw)
+
+
+def header(**fields: object) -> dict[str, object]:
+    return {"v": 1, "op": "push", "id": 1, **fields}
+
+
+@pytest.mark.parametrize(
+    ("h", "frames", "message"),
+    [
+        (header(t="x"), [], "must be a list"),
+        (header(t=[["w", "float32"]]), [], "is not \\[name, dtype, shape\\]"),
+        (header(t=[["", "float32", [1]]]), [], "tensor name"),
+        (header(t=[["w", "complex64", [1]]]), [], "unknown dtype"),
+        (header(t=[["w", "float32", [-1]]]), [], "bad shape"),
+        (header(t=[["w", "float32", [1.5]]]), [], "bad shape"),
+        (header(t=[["w", "float32", [2]]], c=4096), [], "expected 1 data frame"),
+        (header(t=[["w", "float32", [2]]], c=4096), [b"\x00" * 4], "needs 8 bytes"),
+        (header(t=[["w", "float32", [2]]], c=0), [b"\x00" * 8], "bad chunk size"),
+        (header(t=[["w", "float32", [1 << 40]]], c=4096), [b""], "over the"),
+        (header(t=[["w", "float32", [2]]], b=b"\x00" * 4), [], "inline data holds 4 bytes"),
+        (header(t=[["w", "float32", [1]]], b="text"), [], "must be bytes"),
+        (header(), [b"x"], "lists no tensors"),
+    ],
+)
+def test_bad_tensor_frames(h: dict[str, object], frames: list[bytes], message: str) -> None:
+    with pytest.raises(wire.WireError, match=message):
+        wire.decode_tensors(h, frames, max_bytes=1 << 30)
