@@ -12,15 +12,21 @@ from psflow.cluster.spec import ClusterSpec, TaskContext, TaskSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 
-PS_MAIN = "import psflow; ctx, _ = psflow.resolve([]); psflow.ParameterServer(ctx).join()"
+PS_MAIN = "import logging, psflow; logging.basicConfig(level=logging.INFO); ctx, _ = psflow.resolve([]); psflow.ParameterServer(ctx).join()"
 
 
-def start_ps(cluster: ClusterSpec, index: int = 0, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+def start_ps(
+    cluster: ClusterSpec, index: int = 0, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
     """A ps task as its own process, serving until the workers are done."""
     task = TaskSpec(job="ps", index=index)
     e = dict(os.environ, TF_CONFIG=cluster.to_tf_config(task), PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.Popen(
-        [sys.executable, "-c", PS_MAIN], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", PS_MAIN],
+        env=e,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 

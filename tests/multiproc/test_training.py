@@ -18,9 +18,22 @@ from .support import ROOT, local_cluster, start_ps, stop, worker_ctx
 
 def test_linear_regression_example_converges_and_every_task_exits() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "psflow.cli", "launch", "--ps", "1", "--workers", "2",
-         str(ROOT / "examples" / "linear_regression.py"), "--train_steps", "6000"],
-        capture_output=True, text=True, timeout=100,
+        [
+            sys.executable,
+            "-m",
+            "psflow.cli",
+            "launch",
+            "--ps",
+            "1",
+            "--workers",
+            "2",
+            str(ROOT / "examples" / "linear_regression.py"),
+            "--train_steps",
+            "6000",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
@@ -48,7 +61,9 @@ def test_two_shards_with_a_partitioned_tensor() -> None:
         torch.manual_seed(0)
         model = Wide()
         initial = model.table.detach().clone()
-        with psflow.DistributedOptimizer(model, worker_ctx(cluster), lr=0.05, partition_bytes=64) as opt:
+        with psflow.DistributedOptimizer(
+            model, worker_ctx(cluster), lr=0.05, partition_bytes=64
+        ) as opt:
             parts = [p for p in opt.pieces if p.param == "table"]
             assert [p.rows for p in parts] == [(0, 5), (5, 9)]
             assert {p.shard for p in parts} == {0, 1}
@@ -68,7 +83,9 @@ def test_two_shards_with_a_partitioned_tensor() -> None:
             finally:
                 probe.close()
             assert sorted(held) == ["bias", "table/part_0", "table/part_1"]
-            assert torch.equal(torch.cat([held["table/part_0"], held["table/part_1"]]), model.table.detach())
+            assert torch.equal(
+                torch.cat([held["table/part_0"], held["table/part_1"]]), model.table.detach()
+            )
         for p in ps:
             code, err = stop(p)
             assert code == 0, err
@@ -107,7 +124,9 @@ def test_worker_gives_up_waiting_for_the_chief() -> None:
     ps = start_ps(cluster)
     try:
         with pytest.raises(TimeoutError, match=r"worker:0 \(the chief\) did not initialise ps:0"):
-            psflow.DistributedOptimizer(torch.nn.Linear(1, 1), worker_ctx(cluster, 1), ready_timeout=1.0)
+            psflow.DistributedOptimizer(
+                torch.nn.Linear(1, 1), worker_ctx(cluster, 1), ready_timeout=1.0
+            )
     finally:
         ps.kill()
         stop(ps)
