@@ -181,7 +181,8 @@ class JobConfig:
             (self.task_name(job, n - 1) for job, n in self.counts().items() if n),
             key=len,
         )
-        longest = max(longest, f"{self.name}-tensorboard", key=len)
+        if self.tensorboard:
+            longest = max(longest, f"{self.name}-tensorboard", key=len)
         if len(longest) > DNS_LABEL_MAX:
             raise ValueError(
                 f"name {self.name!r} is too long: task name {longest!r} has {len(longest)} "
