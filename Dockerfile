@@ -1,0 +1,50 @@
+# The psflow image: every task of a job runs it; TF_CONFIG (or the classic flags) picks the role.
+#
+#   docker build -t psflow:0.1.0 .
+#   docker run --rm psflow:0.1.0 psflow render compose --name demo --image psflow:0.1.0 train.py
+#
+# A job image adds its script on top:  FROM psflow:0.1.0 / COPY train.py .
+# The manifests from `psflow render` set only the arguments (`python SCRIPT ARGS`), so this
+# ENTRYPOINT stays in front of them everywhere.
+FROM python:3.11-slim
+
+# tini as PID 1 forwards SIGTERM to Python (which, as PID 1, would ignore it) and reaps zombies,
+# so `kubectl delete` and `docker compose down` stop a task at once, not after the grace period.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends tini \
+    && rm -rf /var/lib/apt/lists/*
+
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# CPU wheels unless told otherwise, e.g. --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+
+WORKDIR /opt/psflow
+# The runtime pins come from the same file the tests install, so the image runs what was tested;
+# the test-only tools in it (pytest, ruff, pyspark, ...) stay out. Own layer: code changes
+# do not reinstall torch.
+COPY requirements/test.txt requirements/test.txt
+RUN grep -E '^(torch|numpy|pyzmq|msgpack|safetensors|pyyaml|jinja2|google-crc32c|protobuf|fsspec|tensorboard)==' \
+        requirements/test.txt > /tmp/runtime.txt \
+    && pip install --extra-index-url "$TORCH_INDEX" -r /tmp/runtime.txt \
+    && rm /tmp/runtime.txt
+COPY pyproject.toml README.md ./
+COPY psflow ./psflow
+RUN pip install --no-deps . && python -c "import psflow, torch, zmq"
+
+# A fixed non-root uid/gid: the Kubernetes manifests set fsGroup 1000 so the keys Secret and
+# the logdir volume are readable and writable by it.
+RUN groupadd --gid 1000 psflow \
+    && useradd --uid 1000 --gid 1000 --create-home psflow \
+    && mkdir -p /logs /workspace \
+    && chown psflow:psflow /logs /workspace
+USER 1000:1000
+WORKDIR /workspace
+ENV PSFLOW_LOGDIR=/logs
+
+EXPOSE 2222 6006
+ENTRYPOINT ["tini", "--"]
+CMD ["psflow", "--help"]
