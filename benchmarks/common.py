@@ -53,7 +53,9 @@ def run_job(
                 continue
             out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
             if proc.returncode != 0:
-                raise RuntimeError(f"{task} failed with exit code {proc.returncode}:\n{err[-3000:]}")
+                raise RuntimeError(
+                    f"{task} failed with exit code {proc.returncode}:\n{err[-3000:]}"
+                )
             lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
             if lines:
                 results[str(task)] = json.loads(lines[-1][len("RESULT ") :])
@@ -63,9 +65,13 @@ def run_job(
                     try:
                         code = proc.wait(timeout=ps_exit_timeout)
                     except subprocess.TimeoutExpired:
-                        raise RuntimeError(f"{task} did not exit after the workers finished") from None
+                        raise RuntimeError(
+                            f"{task} did not exit after the workers finished"
+                        ) from None
                     if code != 0:
-                        raise RuntimeError(f"{task} exited with {code}: {proc.stderr.read()[-3000:]}")  # type: ignore[union-attr]
+                        raise RuntimeError(
+                            f"{task} exited with {code}: {proc.stderr.read()[-3000:]}"
+                        )  # type: ignore[union-attr]
         return results
     finally:
         for proc in procs.values():

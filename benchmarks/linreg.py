@@ -16,7 +16,6 @@ import os
 import sys
 import time
 
-
 PRESETS = {
     "full": {"steps": 5000, "warmup": 500, "repeat": 3},
     "smoke": {"steps": 200, "warmup": 20, "repeat": 1},
@@ -62,7 +61,9 @@ def tf_task(steps: int, warmup: int) -> None:
         server.join()  # never returns: TensorFlow's ps tasks do not exit (tensorflow#25858)
         return
     with tf.compat.v1.device(
-        tf.compat.v1.train.replica_device_setter(worker_device=f"/job:worker/task:{index}", cluster=cluster)
+        tf.compat.v1.train.replica_device_setter(
+            worker_device=f"/job:worker/task:{index}", cluster=cluster
+        )
     ):
         x = tf.compat.v1.placeholder(tf.float32, shape=())
         y = tf.compat.v1.placeholder(tf.float32, shape=())
@@ -70,12 +71,16 @@ def tf_task(steps: int, warmup: int) -> None:
         b = tf.Variable(0.0)
         loss = tf.square(y - (w * x + b))
         global_step = tf.compat.v1.train.get_or_create_global_step()
-        train_op = tf.compat.v1.train.GradientDescentOptimizer(0.001).minimize(loss, global_step=global_step)
+        train_op = tf.compat.v1.train.GradientDescentOptimizer(0.001).minimize(
+            loss, global_step=global_step
+        )
     rng = np.random.default_rng(index)
     xs = rng.uniform(-1, 1, steps + warmup).astype(np.float32)
     ys = 2 * xs + 0.3 + 0.1 * rng.standard_normal(steps + warmup).astype(np.float32)
     # Without device filters a worker waits on every other worker, finished ones included.
-    session_config = tf.compat.v1.ConfigProto(device_filters=["/job:ps", f"/job:worker/task:{index}"])
+    session_config = tf.compat.v1.ConfigProto(
+        device_filters=["/job:ps", f"/job:worker/task:{index}"]
+    )
     with tf.compat.v1.train.MonitoredTrainingSession(
         master=server.target,
         is_chief=index == 0,
@@ -102,8 +107,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--compare-tf", action="store_true", help="also run TensorFlow's ps runtime")
-    parser.add_argument("--tf-python", default=sys.executable, help="a Python that imports tensorflow")
+    parser.add_argument(
+        "--compare-tf", action="store_true", help="also run TensorFlow's ps runtime"
+    )
+    parser.add_argument(
+        "--tf-python", default=sys.executable, help="a Python that imports tensorflow"
+    )
     parser.add_argument("--role", choices=["psflow", "tf"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     preset = PRESETS[args.preset]
@@ -117,7 +126,11 @@ def main() -> None:
     from common import emit, machine, median, new_cluster, run_job
 
     me = os.path.abspath(__file__)
-    result: dict[str, object] = {"benchmark": "linreg", "preset": args.preset, "workers": args.workers}
+    result: dict[str, object] = {
+        "benchmark": "linreg",
+        "preset": args.preset,
+        "workers": args.workers,
+    }
     runs = []
     tf_runs = []
     for _ in range(preset["repeat"]):

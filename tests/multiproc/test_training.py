@@ -104,7 +104,7 @@ def test_async_workers_share_one_global_step() -> None:
         o1 = psflow.DistributedOptimizer(m1, worker_ctx(cluster, 1), lr=0.1)
         assert torch.equal(m0.weight, m1.weight)  # worker 1 starts from the chief's values
         steps = []
-        for i in range(10):
+        for _ in range(10):
             for m, o in ((m0, o0), (m1, o1)):
                 o.zero_grad()
                 m(torch.ones(1, 2)).sum().backward()
@@ -136,9 +136,11 @@ def test_mismatched_model_is_refused_with_the_variable_named() -> None:
     cluster = local_cluster(1, 2)
     ps = start_ps(cluster)
     try:
-        with psflow.DistributedOptimizer(torch.nn.Linear(2, 1), worker_ctx(cluster, 0)):
-            with pytest.raises(ValueError, match="the model has"):
-                psflow.DistributedOptimizer(torch.nn.Linear(3, 1), worker_ctx(cluster, 1))
+        with (
+            psflow.DistributedOptimizer(torch.nn.Linear(2, 1), worker_ctx(cluster, 0)),
+            pytest.raises(ValueError, match="the model has"),
+        ):
+            psflow.DistributedOptimizer(torch.nn.Linear(3, 1), worker_ctx(cluster, 1))
     finally:
         ps.kill()
         stop(ps)

@@ -47,7 +47,7 @@ def test_bad_optimizer_spec(name: str, kwargs: dict[str, object], message: str) 
 
 
 def test_bad_optimizer_arguments_are_value_errors() -> None:
-    with pytest.raises(ValueError, match="cannot build torch.optim.SGD"):
+    with pytest.raises(ValueError, match=r"cannot build torch\.optim\.SGD"):
         OptimizerSpec(name="SGD", kwargs={"lr": 0.1, "warp": 9}).build([torch.zeros(1)])
 
 
