@@ -182,9 +182,7 @@ def _merge(a: Column, b: Column) -> Column:
     return Column(rid[order], np.concatenate([a.kind, b.kind])[order], counts[order], values)
 
 
-def _finalize(
-    name: str, spec: FeatureSpec, col: Column, batch: RecordBatch, backend: str
-) -> Any:
+def _finalize(name: str, spec: FeatureSpec, col: Column, batch: RecordBatch, backend: str) -> Any:
     n = len(batch)
     want = DTYPES[spec.dtype]
     wrong = np.flatnonzero((col.kind != want) & (col.kind != 0))

@@ -107,7 +107,9 @@ class DataLossError(OSError):
 
     def __init__(self, path: str, offset: int, index: int, reason: str, compressed: bool = False):
         where = "offset in the decompressed stream" if compressed else "byte offset"
-        super().__init__(f"{path}: corrupted record at {where} {offset} (record index {index}): {reason}")
+        super().__init__(
+            f"{path}: corrupted record at {where} {offset} (record index {index}): {reason}"
+        )
         self.path = path
         self.offset = offset
         self.index = index
@@ -376,7 +378,10 @@ class TFRecordReader:
         if pos + _HEADER <= end:
             # An incomplete record: trust its length only once its checksum is good, so that a
             # corrupt length never makes the reader wait for gigabytes.
-            if self.verify and masked_crc32c(buf[pos : pos + 8]) != _U32.unpack_from(buf, pos + 8)[0]:
+            if (
+                self.verify
+                and masked_crc32c(buf[pos : pos + 8]) != _U32.unpack_from(buf, pos + 8)[0]
+            ):
                 pending_bad = True
             else:
                 need = _HEADER + u64(buf, pos)[0] + _FOOTER - (end - pos)
@@ -393,7 +398,9 @@ class TFRecordReader:
             hdr_ok = _mask_np(_crc32c_8(arr, s - _HEADER)) == _u32_at(arr, s - 4)
             if not hdr_ok.all():
                 bad_header_at = int(np.argmin(hdr_ok))
-            check = np.flatnonzero(keep if bad_header_at is None else keep & (idx < idx[bad_header_at]))
+            check = np.flatnonzero(
+                keep if bad_header_at is None else keep & (idx < idx[bad_header_at])
+            )
             crc = google_crc32c.value  # takes bytes only (not memoryview): slicing copies, cheaply
             sl, nl = s[check].tolist(), n[check].tolist()
             got = np.fromiter(
@@ -403,11 +410,15 @@ class TFRecordReader:
             )
             data_ok = _mask_np(got) == _u32_at(arr, s[check] + n[check])
             for j in check[~data_ok].tolist():
-                self._skip(self._error(base + int(s[j]) - _HEADER, int(idx[j]), "data checksum mismatch"))
+                self._skip(
+                    self._error(base + int(s[j]) - _HEADER, int(idx[j]), "data checksum mismatch")
+                )
                 keep[j] = False
         if bad_header_at is not None:
             j = bad_header_at
-            self._skip(self._error(base + int(s[j]) - _HEADER, int(idx[j]), "length checksum mismatch"))
+            self._skip(
+                self._error(base + int(s[j]) - _HEADER, int(idx[j]), "length checksum mismatch")
+            )
             keep[j:] = False
             batch = RecordBatch(buf, s[keep], n[keep], idx[keep], self.path)
             return batch, int(s[j]) - _HEADER, int(idx[j]), 1, True
