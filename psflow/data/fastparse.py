@@ -50,24 +50,26 @@ def _varint(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Decodes one varint at each position; returns (value, position after it, ok)."""
     last = len(arr) - 1
-    b = arr[np.minimum(pos, last)]
-    val = (b & 0x7F).astype(np.uint64)
+    if len(pos) and pos.max() > last:
+        pos = np.minimum(pos, last)  # past the buffer: `ok` comes out False below
+    b = arr[pos]
     more = b >= 0x80
+    if not more.any():  # tags and short lengths: one byte each, the common case
+        after = pos + 1
+        return b.astype(np.uint64), after, after <= end
+    val = (b & 0x7F).astype(np.uint64)
     size = np.ones(len(pos), dtype=np.int64)
     ok = np.ones(len(pos), dtype=bool)
+    idx = np.flatnonzero(more)
     k = 1
-    while True:
-        idx = np.flatnonzero(more)
-        if not len(idx):
-            break
+    while len(idx):
         if k == 10:
             ok[idx] = False
             break
         b = arr[np.minimum(pos[idx] + k, last)]
         val[idx] |= (b & 0x7F).astype(np.uint64) << np.uint64(7 * k)
         size[idx] += 1
-        more[:] = False
-        more[idx] = b >= 0x80
+        idx = idx[b >= 0x80]
         k += 1
     after = pos + size
     ok &= after <= end
@@ -128,7 +130,9 @@ def _fields(
     while len(active):
         r, p, e = rid[active], pos[active], end[active]
         field, wt, ps, pe, ok = _next_field(arr, p, e)
-        wanted = np.isin(field, want)
+        wanted = field == want[0]
+        for w in want[1:]:
+            wanted |= field == w
         ok &= ~wanted | (wt == 2)
         bad[r[~ok]] = True
         take = np.flatnonzero(ok & wanted)
@@ -161,6 +165,11 @@ def _ragged_take(raw: bytes, arr: np.ndarray, start: np.ndarray, length: np.ndar
     """``concatenate([arr[s : s + n] for s, n in zip(start, length)])``, as uint8."""
     if not len(start) or not length.any():
         return arr[:0]
+    total = int(length.sum())
+    if total <= 64 * len(start):
+        # Short lists: an index array is cheaper than one Python slice per record.
+        offsets = np.cumsum(length) - length
+        return arr[np.repeat(start - offsets, length) + np.arange(total, dtype=np.int64)]
     if len(start) > 1 and (length == length[0]).all():
         step = np.diff(start)
         if (step == step[0]).all() and step[0] >= length[0]:
