@@ -52,6 +52,7 @@ def _column_encoder(name: str, arrow_type: Any) -> Callable[[Any, Any], None]:
     t = arrow_type
     is_list = pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
     elem = t.value_type if is_list else t
+    cast: Callable[[Any], Any]
     if pa.types.is_integer(elem) or pa.types.is_boolean(elem):
         field, cast = "int64_list", int
     elif pa.types.is_floating(elem):

@@ -195,8 +195,8 @@ def _decode_varints(payload: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nda
     starts[0] = 0
     starts[1:] = ends[:-1] + 1
     sizes = ends - starts + 1
-    shift = np.arange(len(payload), dtype=np.int64) - np.repeat(starts, sizes)
-    shift = np.minimum(shift, 9).astype(np.uint64) * np.uint64(7)
+    pos_in = np.arange(len(payload), dtype=np.int64) - np.repeat(starts, sizes)
+    shift = np.minimum(pos_in, 9).astype(np.uint64) * np.uint64(7)
     parts = (payload.astype(np.uint64) & _U64_7F) << shift
     values = np.bitwise_or.reduceat(parts, starts)
     return values.view(np.int64), ends, sizes

@@ -197,7 +197,7 @@ def _finalize(name: str, spec: FeatureSpec, col: Column, batch: RecordBatch, bac
     if is_bytes:
         if spec.dtype == "string":
             values = [v.decode("utf-8") for v in values]
-        values = np.array(values + [None], dtype=object)[:-1]  # never a 2-D array of chars
+        values = np.array([*values, None], dtype=object)[:-1]  # never a 2-D array of chars
     counts = np.zeros(n, dtype=np.int64)
     counts[col.rid] = col.counts
     if isinstance(spec, FixedLenFeature):

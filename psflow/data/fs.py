@@ -38,7 +38,7 @@ def expand_paths(patterns: str | os.PathLike[str] | Iterable[str | os.PathLike[s
     if isinstance(patterns, str | os.PathLike):
         patterns = [patterns]
     out: list[str] = []
-    for pattern in map(os.fspath, patterns):
+    for pattern in (os.fspath(p) for p in patterns):
         found = _expand_one(pattern)
         if not found:
             raise FileNotFoundError(f"no file matches {pattern!r}")

@@ -39,7 +39,8 @@ def assign_files(
         perm = np.random.default_rng([seed, epoch]).permutation(len(order))
         order = [order[i] for i in perm]
     if len(order) >= num_shards:
-        return [(f, i, None) for i, f in enumerate(order)][shard_index::num_shards]
+        whole: list[FileShard] = [(f, i, None) for i, f in enumerate(order)]
+        return whole[shard_index::num_shards]
     return [(f, i, (shard_index, num_shards, i)) for i, f in enumerate(order)]
 
 

@@ -95,14 +95,14 @@ def file_descriptor_proto() -> descriptor_pb2.FileDescriptorProto:
 
 
 POOL = descriptor_pool.DescriptorPool()
-_FILE = POOL.Add(file_descriptor_proto())
+POOL.Add(file_descriptor_proto())
 
 
 def _message_class(name: str) -> Any:
     descriptor = POOL.FindMessageTypeByName(f"{PACKAGE}.{name}")
     if hasattr(message_factory, "GetMessageClass"):  # protobuf >= 4.22
         return message_factory.GetMessageClass(descriptor)
-    return message_factory.MessageFactory(POOL).GetPrototype(descriptor)  # pragma: no cover
+    return message_factory.MessageFactory(POOL).GetPrototype(descriptor)  # type: ignore[attr-defined]
 
 
 BytesList: Any = _message_class("BytesList")

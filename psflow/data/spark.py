@@ -246,8 +246,7 @@ def read_dataframe(
                 fmap = proto.Example.FromString(record).features.feature
                 where = f"{path} record {index}"
                 yield tuple(
-                    conv(fmap[n] if n in fmap else None, where)
-                    for n, conv in zip(names, converters, strict=True)
+                    conv(fmap.get(n), where) for n, conv in zip(names, converters, strict=True)
                 )
 
     rdd = spark.sparkContext.parallelize(files, max(1, len(files))).flatMap(read_file)

@@ -420,8 +420,8 @@ class TFRecordReader:
                 self._error(base + int(s[j]) - _HEADER, int(idx[j]), "length checksum mismatch")
             )
             keep[j:] = False
-            batch = RecordBatch(buf, s[keep], n[keep], idx[keep], self.path)
-            return batch, int(s[j]) - _HEADER, int(idx[j]), 1, True
+            good = RecordBatch(buf, s[keep], n[keep], idx[keep], self.path)
+            return good, int(s[j]) - _HEADER, int(idx[j]), 1, True
         if pending_bad:
             self._skip(self._error(base + pos, index + len(s), "length checksum mismatch"))
         batch = RecordBatch(buf, s[keep], n[keep], idx[keep], self.path) if len(s) else None

@@ -91,7 +91,9 @@ def test_round_trip_with_schema_and_plain_reader(spark: Any, tmp_path: Path) -> 
 
 def test_read_tensorflow_style_files_with_inferred_schema(spark: Any, tmp_path: Path) -> None:
     recs = [
-        proto.serialize_example({"label": i, "x": [i * 1.0, 2.0], "ids": proto.int64_feature(range(i % 3))})
+        proto.serialize_example(
+            {"label": i, "x": [i * 1.0, 2.0], "ids": proto.int64_feature(range(i % 3))}
+        )
         for i in range(20)
     ]
     write_records(tmp_path / "a.tfrecord", recs[:10])

@@ -49,7 +49,9 @@ def test_convert_parquet_and_csv(tmp_path: Path, capsys: pytest.CaptureFixture[s
             "id": pa.array(range(1000), pa.int32()),
             "score": pa.array([i / 8 if i % 5 else None for i in range(1000)], pa.float64()),
             "name": [f"n{i}" for i in range(1000)],
-            "vec": pa.array([[float(i), 1.0][: i % 3] for i in range(1000)], pa.list_(pa.float32())),
+            "vec": pa.array(
+                [[float(i), 1.0][: i % 3] for i in range(1000)], pa.list_(pa.float32())
+            ),
         }
     )
     pq.write_table(table, tmp_path / "t.parquet", row_group_size=300)

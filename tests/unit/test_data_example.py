@@ -40,7 +40,7 @@ def test_runtime_descriptor_matches_the_proto_file() -> None:
     text = PROTO.read_text()
     fd = proto.file_descriptor_proto()
     for msg in fd.message_type:
-        body = re.search(r"message %s \{(.*?)\n\}" % msg.name, text, re.S)
+        body = re.search(rf"message {msg.name} \{{(.*?)\n\}}", text, re.S)
         assert body, msg.name
         declared = dict(
             (name, int(num)) for name, num in re.findall(r"(\w+) = (\d+)", body.group(1))
@@ -123,7 +123,9 @@ def test_irregular_encodings_agree_with_protobuf() -> None:
     weird = [
         _ld(1, _entry("x", unpacked_floats) + _entry("i", unpacked_ints)),
         # the same key twice: the last entry wins
-        _ld(1, _entry("x", _ld(2, _ld(1, struct.pack("<2f", 9, 9)))) + _entry("x", unpacked_floats)),
+        _ld(
+            1, _entry("x", _ld(2, _ld(1, struct.pack("<2f", 9, 9)))) + _entry("x", unpacked_floats)
+        ),
         # unknown fields at every level, and two `features` fields that merge
         b"\x28\x07"
         + _ld(1, _entry("i", _ld(3, _ld(1, _varint(3) + _varint(4))) + b"\x20\x01"))
@@ -142,7 +144,13 @@ def test_irregular_encodings_agree_with_protobuf() -> None:
     np.testing.assert_array_equal(fast["i"].values, ref["i"].values)
     np.testing.assert_array_equal(fast["i"].row_splits, ref["i"].row_splits)
     assert fast["x"].tolist() == [[1, 2], [1, 2], [3, 4], [5, 6], [7, 8]]
-    assert [fast["i"].row(k).tolist() for k in range(5)] == [[5, -7], [], [3, 4], [], [1, 2**63 - 1]]
+    assert [fast["i"].row(k).tolist() for k in range(5)] == [
+        [5, -7],
+        [],
+        [3, 4],
+        [],
+        [1, 2**63 - 1],
+    ]
 
 
 def test_random_examples_fast_equals_protobuf() -> None:
@@ -157,7 +165,9 @@ def test_random_examples_fast_equals_protobuf() -> None:
             feats["i"] = proto.int64_feature(big)
         if rng.random() < 0.9:
             n = int(rng.integers(0, 3))
-            feats["b"] = proto.bytes_feature([rng.bytes(int(rng.integers(0, 40))) for _ in range(n)])
+            feats["b"] = proto.bytes_feature(
+                [rng.bytes(int(rng.integers(0, 40))) for _ in range(n)]
+            )
         feats["noise"] = rng.bytes(int(rng.integers(0, 200)))
         records.append(proto.serialize_example(feats))
     spec = {
@@ -181,7 +191,9 @@ def test_random_examples_fast_equals_protobuf() -> None:
 @pytest.mark.parametrize("method", ["fast", "protobuf"])
 def test_spec_mismatches_name_the_record_and_feature(method: str) -> None:
     records = [proto.serialize_example({"x": [1.0, 2.0]}), proto.serialize_example({"x": [1.0]})]
-    with pytest.raises(ValueError, match=r"record 1 of the batch: feature 'x' has 1 values, the spec wants 2"):
+    with pytest.raises(
+        ValueError, match=r"record 1 of the batch: feature 'x' has 1 values, the spec wants 2"
+    ):
         parse_examples(records, {"x": FixedLenFeature(dtype="float32", shape=(2,))}, method=method)
     with pytest.raises(ValueError, match=r"record 0 .*required feature 'y' is missing"):
         parse_examples(records, {"y": FixedLenFeature(dtype="float32")}, method=method)
@@ -226,7 +238,13 @@ def test_sequence_example_round_trip() -> None:
 def test_make_example_types_and_errors() -> None:
     d = proto.example_to_dict(
         proto.serialize_example(
-            {"i": np.arange(3), "f": np.ones((2, 2)), "b": [b"a", "é"], "t": True, "e": proto.float_feature([])}
+            {
+                "i": np.arange(3),
+                "f": np.ones((2, 2)),
+                "b": [b"a", "é"],
+                "t": True,
+                "e": proto.float_feature([]),
+            }
         )
     )
     assert d["i"].tolist() == [0, 1, 2] and d["f"].tolist() == [1.0] * 4

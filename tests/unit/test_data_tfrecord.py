@@ -39,7 +39,9 @@ def sha(records: list[bytes]) -> list[str]:
     return [hashlib.sha256(r).hexdigest() for r in records]
 
 
-@pytest.mark.parametrize("name", ["examples.tfrecord", "examples.tfrecord.gz", "examples.tfrecord.zlib"])
+@pytest.mark.parametrize(
+    "name", ["examples.tfrecord", "examples.tfrecord.gz", "examples.tfrecord.zlib"]
+)
 @pytest.mark.parametrize("chunk_size", [64, 1000, 4 << 20])
 def test_reads_tensorflow_files(name: str, chunk_size: int) -> None:
     with TFRecordReader(FIX / name, chunk_size=chunk_size) as r:
@@ -59,7 +61,11 @@ def test_reads_shards_round_robin_and_raw_payloads() -> None:
 
 @pytest.mark.parametrize(
     ("name", "compression"),
-    [("examples.tfrecord", ""), ("examples.tfrecord.gz", "GZIP"), ("examples.tfrecord.zlib", "ZLIB")],
+    [
+        ("examples.tfrecord", ""),
+        ("examples.tfrecord.gz", "GZIP"),
+        ("examples.tfrecord.zlib", "ZLIB"),
+    ],
 )
 def test_writes_byte_identical_files(name: str, compression: str, tmp_path: Path) -> None:
     records = list(read_records(FIX / "examples.tfrecord"))
@@ -146,11 +152,11 @@ def test_garbage_and_bad_gzip_are_data_loss(tmp_path: Path) -> None:
         assert list(r) == []
     g = tmp_path / "junk.tfrecord.gz"
     g.write_bytes(b"\x1f\x8b" + b"\x00" * 50)
-    with pytest.raises(DataLossError, match="junk.tfrecord.gz"):
+    with pytest.raises(DataLossError, match=r"junk\.tfrecord\.gz"):
         list(read_records(g))
     cut = tmp_path / "cut.tfrecord.gz"
     cut.write_bytes((FIX / "examples.tfrecord.gz").read_bytes()[:-40])
-    with pytest.raises(DataLossError, match="cut.tfrecord.gz"):
+    with pytest.raises(DataLossError, match=r"cut\.tfrecord\.gz"):
         list(read_records(cut))
 
 
@@ -172,10 +178,8 @@ def test_record_batch_views_and_packing() -> None:
 
 
 def test_record_sharding_partitions_and_skips_others_checksums() -> None:
-    parts = [
-        list(TFRecordReader(FIX / "examples.tfrecord", shard=(i, 3, 1))) for i in range(3)
-    ]
-    assert sorted(sum(parts, [])) == sorted(read_records(FIX / "examples.tfrecord"))
+    parts = [list(TFRecordReader(FIX / "examples.tfrecord", shard=(i, 3, 1))) for i in range(3)]
+    assert sorted(r for p in parts for r in p) == sorted(read_records(FIX / "examples.tfrecord"))
     # Record 0 is corrupt: only the shard that owns it ((0 + 1) % 3 == 1) notices.
     assert len(list(TFRecordReader(FIX / "corrupt_crc.tfrecord", shard=(0, 3, 1)))) == 16
     with pytest.raises(DataLossError):
