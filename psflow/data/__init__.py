@@ -1,1 +1,78 @@
-"""Data: TFRecord files, tf.train.Example, per-worker sharding, Spark."""
+"""Data: TFRecord files, ``tf.train.Example``, per-worker sharding, DataLoader, Spark.
+
+No TensorFlow at run time. Where things live:
+
+- ``tfrecord.py``: :class:`TFRecordReader`, :class:`TFRecordWriter`, :class:`RecordBatch`,
+  :class:`DataLossError`, :func:`read_records`, :func:`write_records` (framing, CRC32C, GZIP/ZLIB)
+- ``proto.py`` (+ ``example.proto``): :data:`Example`, :data:`SequenceExample`, :data:`Feature`
+  and friends, built at run time with TensorFlow's field numbers; :func:`make_example`,
+  :func:`serialize_example`, :func:`example_to_dict`, :func:`make_sequence_example`,
+  :func:`sequence_example_to_dict`
+- ``features.py``: :class:`FixedLenFeature`, :class:`VarLenFeature`, :class:`Ragged`,
+  :func:`parse_examples` (vectorized wire decoder in ``fastparse.py``; protobuf as reference)
+- ``schema.py``: :func:`infer_schema`, :func:`format_schema`
+- ``pipeline.py``: file/record sharding, interleave, shuffle buffer, rebatching, prefetch
+- ``dataset.py``: :class:`TFRecordDataset` (a torch ``IterableDataset``), :class:`DatasetConfig`
+- ``fs.py``: :func:`expand_paths` (local paths, fsspec URLs, globs)
+- ``spark.py``: :func:`write_dataframe`, :func:`read_dataframe` (pyspark imported lazily)
+- ``convert.py``: :func:`convert_table` (CSV/Parquet to TFRecord, pyarrow imported lazily)
+- ``cli.py``: ``psflow data inspect`` and ``psflow data convert``
+"""
+
+from psflow.data.dataset import DatasetConfig, TFRecordDataset
+from psflow.data.features import FixedLenFeature, Ragged, VarLenFeature, parse_examples
+from psflow.data.fs import expand_paths
+from psflow.data.proto import (
+    Example,
+    Feature,
+    SequenceExample,
+    bytes_feature,
+    example_to_dict,
+    float_feature,
+    int64_feature,
+    make_example,
+    make_sequence_example,
+    sequence_example_to_dict,
+    serialize_example,
+)
+from psflow.data.schema import format_schema, infer_schema
+from psflow.data.spark import read_dataframe, write_dataframe
+from psflow.data.tfrecord import (
+    DataLossError,
+    RecordBatch,
+    TFRecordReader,
+    TFRecordWriter,
+    read_records,
+    write_records,
+)
+
+__all__ = [
+    "DataLossError",
+    "DatasetConfig",
+    "Example",
+    "Feature",
+    "FixedLenFeature",
+    "Ragged",
+    "RecordBatch",
+    "SequenceExample",
+    "TFRecordDataset",
+    "TFRecordReader",
+    "TFRecordWriter",
+    "VarLenFeature",
+    "bytes_feature",
+    "example_to_dict",
+    "expand_paths",
+    "float_feature",
+    "format_schema",
+    "infer_schema",
+    "int64_feature",
+    "make_example",
+    "make_sequence_example",
+    "parse_examples",
+    "read_dataframe",
+    "read_records",
+    "sequence_example_to_dict",
+    "serialize_example",
+    "write_dataframe",
+    "write_records",
+]

@@ -1,0 +1,221 @@
+"""The record pipeline of one shard: file assignment, interleave, shuffle, batching, prefetch.
+
+Every function here is a plain generator over :class:`RecordBatch` objects, so that the pipeline
+moves whole buffers and touches records one by one only where it must (the shuffle buffer).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+from psflow.data.tfrecord import RecordBatch, TFRecordReader
+
+T = TypeVar("T")
+
+FileShard = tuple[str, int, tuple[int, int, int] | None]
+"""(path, position in the epoch's file order, record filter for :class:`TFRecordReader`)."""
+
+
+def assign_files(
+    files: Sequence[str], shard_index: int, num_shards: int, *, seed: int, epoch: int, shuffle: bool
+) -> list[FileShard]:
+    """The files (and, with fewer files than shards, the records) one shard reads in one epoch.
+
+    With at least as many files as shards, shard ``i`` reads files ``i::num_shards`` of the
+    epoch's file order (shuffled with ``(seed, epoch)`` when ``shuffle``, identically in every
+    shard, so the assignment stays a partition). With fewer files, every shard reads every file
+    and keeps record ``j`` of file ``f`` when ``(j + f) % num_shards == i``; the ``+ f`` spreads
+    the remainders of short files over the shards.
+    """
+    if not 0 <= shard_index < num_shards:
+        raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index}")
+    order = list(files)
+    if shuffle:
+        perm = np.random.default_rng([seed, epoch]).permutation(len(order))
+        order = [order[i] for i in perm]
+    if len(order) >= num_shards:
+        whole: list[FileShard] = [(f, i, None) for i, f in enumerate(order)]
+        return whole[shard_index::num_shards]
+    return [(f, i, (shard_index, num_shards, i)) for i, f in enumerate(order)]
+
+
+def interleave(
+    shards: Sequence[FileShard],
+    open_reader: Callable[[str, tuple[int, int, int] | None], TFRecordReader],
+    *,
+    cycle_length: int,
+    block_length: int,
+) -> Iterator[RecordBatch]:
+    """Reads ``cycle_length`` files at a time, ``block_length`` records from each in turn.
+
+    ``cycle_length == 1`` reads the files one after another, whole chunks at a time.
+    """
+    pending = list(shards)
+    active: list[tuple[Iterator[RecordBatch], list[RecordBatch]]] = []
+
+    def refill() -> None:
+        while pending and len(active) < cycle_length:
+            path, _, keep = pending.pop(0)
+            active.append((open_reader(path, keep).iter_batches(), []))
+
+    refill()
+    if cycle_length == 1:
+        while active:
+            yield from active.pop()[0]
+            refill()
+        return
+    i = 0
+    while active:
+        i %= len(active)
+        it, carry = active[i]
+        need = block_length
+        while need > 0:
+            if not carry:
+                nxt = next(it, None)
+                if nxt is None:
+                    break
+                carry.append(nxt)
+            head = carry[0]
+            take = min(need, len(head))
+            yield _slice(head, 0, take)
+            need -= take
+            if take == len(head):
+                carry.pop(0)
+            else:
+                carry[0] = _slice(head, take, len(head))
+        if need > 0:  # this file is done
+            active.pop(i)
+            refill()
+        else:
+            i += 1
+
+
+def _slice(b: RecordBatch, lo: int, hi: int) -> RecordBatch:
+    return RecordBatch(b.buffer, b.starts[lo:hi], b.lengths[lo:hi], b.indices[lo:hi], b.path)
+
+
+def shuffle_records(
+    batches: Iterator[RecordBatch], buffer_size: int, rng: np.random.Generator
+) -> Iterator[bytes]:
+    """tf.data's shuffle buffer: keep ``buffer_size`` records, emit a random one per arrival."""
+    buf: list[bytes] = []
+    draws = iter(())  # type: Iterator[int]
+    for batch in batches:
+        for record in batch:
+            if len(buf) < buffer_size:
+                buf.append(record)
+                continue
+            j = next(draws, None)
+            if j is None:
+                draws = iter(rng.integers(0, buffer_size, 4096).tolist())
+                j = next(draws)
+            buf[j], record = record, buf[j]
+            yield record
+    rng.shuffle(buf)  # type: ignore[arg-type]
+    yield from buf
+
+
+def rebatch(
+    batches: Iterator[RecordBatch], batch_size: int, *, drop_remainder: bool
+) -> Iterator[RecordBatch]:
+    """Batches of exactly ``batch_size`` records (the last may be smaller unless dropped).
+
+    A batch inside one chunk is a zero-copy slice; one spanning chunks is packed into one buffer.
+    """
+    parts: list[RecordBatch] = []
+    have = 0
+    for b in batches:
+        lo = 0
+        while lo < len(b):
+            take = min(batch_size - have, len(b) - lo)
+            part = _slice(b, lo, lo + take)
+            lo += take
+            if not parts and take == batch_size:
+                yield part
+                continue
+            parts.append(part)
+            have += take
+            if have == batch_size:
+                yield _concat(parts)
+                parts, have = [], 0
+    if parts and not drop_remainder:
+        yield _concat(parts)
+
+
+def _concat(parts: list[RecordBatch]) -> RecordBatch:
+    if len(parts) == 1:
+        return parts[0]
+    return RecordBatch.from_records([r for p in parts for r in p])
+
+
+def chunk_records(records: Iterator[bytes], size: int) -> Iterator[RecordBatch]:
+    batch: list[bytes] = []
+    for r in records:
+        batch.append(r)
+        if len(batch) == size:
+            yield RecordBatch.from_records(batch)
+            batch = []
+    if batch:
+        yield RecordBatch.from_records(batch)
+
+
+_DONE = object()
+
+
+class _Failure:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+def prefetch(source: Iterator[T], depth: int) -> Iterator[T]:
+    """Runs ``source`` in a background thread, ``depth`` items ahead of the consumer.
+
+    Reading and decompression release the GIL, so the thread overlaps I/O with the consumer's
+    work. Errors are re-raised in the consumer; closing the generator stops the thread.
+    """
+    if depth <= 0:
+        yield from source
+        return
+    q: queue.Queue[Any] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def run() -> None:
+        try:
+            for item in source:
+                if not put(item):
+                    return
+            put(_DONE)
+        except BaseException as e:  # handed to the consumer, who re-raises it
+            put(_Failure(e))
+        finally:
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()
+
+    thread = threading.Thread(target=run, name="psflow-data-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = q.get()
+            if item is _DONE:
+                return
+            if isinstance(item, _Failure):
+                raise item.exc
+            yield item
+    finally:
+        stop.set()
+        thread.join(timeout=5)
