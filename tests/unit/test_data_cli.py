@@ -12,10 +12,11 @@ import pytest
 from psflow.data import cli, proto
 from psflow.data.features import FixedLenFeature, VarLenFeature, parse_examples
 from psflow.data.tfrecord import read_records
+from tests.paths import TFRECORD_FIXTURES
 
 pytestmark = pytest.mark.unit
 
-FIX = Path("/work/shared/fixtures/tfrecord")
+FIX = TFRECORD_FIXTURES
 
 
 def run(*argv: str) -> int:

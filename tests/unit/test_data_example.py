@@ -15,10 +15,11 @@ from psflow.data import proto
 from psflow.data.features import FixedLenFeature, Ragged, VarLenFeature, parse_examples
 from psflow.data.schema import format_schema, infer_schema
 from psflow.data.tfrecord import TFRecordReader, read_records
+from tests.paths import TFRECORD_FIXTURES
 
 pytestmark = pytest.mark.unit
 
-FIX = Path("/work/shared/fixtures/tfrecord")
+FIX = TFRECORD_FIXTURES
 EXPECTED = json.loads((FIX / "expected.json").read_text())["examples"]
 PROTO = Path(proto.__file__).with_name("example.proto")
 

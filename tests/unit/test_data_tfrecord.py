@@ -26,12 +26,11 @@ from psflow.data.tfrecord import (
     read_records,
     write_records,
 )
+from tests.paths import TFRECORD_FIXTURES
 
 pytestmark = pytest.mark.unit
 
-FIX = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "tfrecord"
-if not FIX.is_dir():  # the worktree may sit elsewhere; the fixtures live in /work/shared
-    FIX = Path("/work/shared/fixtures/tfrecord")
+FIX = TFRECORD_FIXTURES
 EXPECTED = json.loads((FIX / "expected.json").read_text())
 
 
