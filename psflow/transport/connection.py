@@ -221,6 +221,8 @@ class Client:
         for name, address in peers.items():
             sock = self._context.socket(zmq.DEALER)
             sock.linger = 0
+            # A DEALER with no live peer (down, or refused by CurveZMQ) blocks its sends.
+            sock.sndtimeo = int(config.timeout * 1000)
             if config.keys is not None:
                 configure_client(sock, config.keys)
             sock.connect(_endpoint(address, bind=False))
@@ -247,7 +249,13 @@ class Client:
         header["id"] = rid
         frames = wire.encode(header, tensors, chunk=self.config.chunk_bytes)
         size = sum(len(f) for f in frames[1:])
-        self._socks[peer].send_multipart(frames, copy=size < _ZERO_COPY_ABOVE)
+        try:
+            self._socks[peer].send_multipart(frames, copy=size < _ZERO_COPY_ABOVE)
+        except zmq.Again:
+            raise PeerTimeoutError(
+                f"{peer} at {self._addresses[peer]}",
+                f"could not send within {self.config.timeout:g} s (down, or not authorised?)",
+            ) from None
         self._inflight[rid] = peer
         return rid
 

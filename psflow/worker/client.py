@@ -47,7 +47,10 @@ class ShardedClient:
         return len(self.shards)
 
     def _all(
-        self, headers: dict[int, dict[str, Any]], tensors: dict[int, Tensors] | None = None
+        self,
+        headers: dict[int, dict[str, Any]],
+        tensors: dict[int, Tensors] | None = None,
+        timeout: float | None = None,
     ) -> dict[int, tuple[dict[str, Any], Tensors]]:
         rids = {}
         for shard, header in headers.items():
@@ -55,7 +58,7 @@ class ShardedClient:
             rids[shard] = self._client.send(
                 self.shards[shard], header, (tensors or {}).get(shard, [])
             )
-        replies = self._client.wait(rids.values())
+        replies = self._client.wait(rids.values(), timeout)
         return {shard: replies[rid] for shard, rid in rids.items()}
 
     def status(self) -> dict[int, dict[str, Any]]:
@@ -78,11 +81,11 @@ class ShardedClient:
             log.warning("shards %s were already initialised, the others were not", already)
         return not already
 
-    def wait_ready(self, timeout: float) -> None:
-        """Waits until every shard has been initialised by the chief.
+    def wait_ready(self, timeout: float, *, initialized: bool = True) -> None:
+        """Waits until every shard answers and (with ``initialized``) the chief has set it up.
 
         Raises:
-            TimeoutError: naming the chief and the shards still uninitialised.
+            TimeoutError: naming the shards still unreachable or uninitialised (and the chief).
         """
         deadline = time.monotonic() + timeout
         pending = set(range(self.num_shards))
@@ -90,8 +93,9 @@ class ShardedClient:
         while True:
             try:
                 headers = {s: {"op": "status"} for s in pending}
-                for s, (h, _) in self._all(headers).items():
-                    if h.get("initialized"):
+                left = max(0.1, min(self.config.timeout, deadline - time.monotonic()))
+                for s, (h, _) in self._all(headers, timeout=left).items():
+                    if h.get("initialized") or not initialized:
                         pending.discard(s)
             except PeerError as e:
                 if time.monotonic() > deadline:
@@ -100,9 +104,12 @@ class ShardedClient:
             if not pending:
                 return
             if time.monotonic() > deadline:
+                names = ", ".join(self.shards[s] for s in sorted(pending))
+                if not initialized:
+                    raise TimeoutError(f"{names} did not answer within {timeout:g} s")
                 raise TimeoutError(
-                    f"{self.ctx.cluster.chief} (the chief) did not initialise "
-                    f"{', '.join(self.shards[s] for s in sorted(pending))} within {timeout:g} s"
+                    f"{self.ctx.cluster.chief} (the chief) did not initialise {names} "
+                    f"within {timeout:g} s"
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.5)

@@ -94,6 +94,8 @@ class DistributedOptimizer:
 
     def _start(self, ready_timeout: float) -> None:
         if self.is_chief:
+            # The ps tasks may still be starting: wait for them, not just one request's timeout.
+            self._client.wait_ready(ready_timeout, initialized=False)
             values = {s: self._values(pieces) for s, pieces in self._by_shard.items()}
             fresh = self._client.initialize(values, self.spec)
             log.info(

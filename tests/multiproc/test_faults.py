@@ -1,0 +1,229 @@
+"""Bad input and dead peers: the ps keeps serving, nobody waits forever, nothing is orphaned."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+import psflow
+from psflow.transport import Client, CurveKeys, PeerTimeoutError, TransportConfig
+
+from .support import ROOT, local_cluster, start_ps, stop, worker_ctx
+
+
+def ask(sock: zmq.Socket[bytes], frames: list[bytes]) -> dict[str, object]:
+    sock.send_multipart(frames)
+    assert sock.poll(5000), "the ps did not answer a malformed message"
+    return msgpack.unpackb(sock.recv_multipart()[0])  # type: ignore[no-any-return]
+
+
+def hdr(op: str, rid: int, **fields: object) -> bytes:
+    return msgpack.packb({"v": 1, "op": op, "id": rid, **fields})
+
+
+def test_garbage_messages_get_errors_and_the_ps_keeps_serving() -> None:
+    cluster = local_cluster(1, 1)
+    ps = start_ps(cluster)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    try:
+        model = torch.nn.Linear(2, 1, bias=False)
+        with psflow.DistributedOptimizer(model, worker_ctx(cluster), lr=1.0) as opt:
+            before = model.weight.detach().clone()
+            sock.connect(f"tcp://{cluster.addresses('ps')[0]}")
+            f32 = [["weight", "float32", [1, 2]]]
+            cases = [
+                ([b"\xc1\xc1\xc1"], "not valid msgpack"),
+                ([msgpack.packb(42)], "must be a map"),
+                ([hdr("steal", 1)], "unknown op 'steal'"),
+                (
+                    [hdr("push", 2, t=[["nope", "float32", [1, 2]]], b=b"\x00" * 8)],
+                    "unknown variable 'nope'",
+                ),
+                (
+                    [hdr("push", 3, t=[["weight", "float32", [2, 1]]], b=b"\x00" * 8)],
+                    "does not match the stored",
+                ),
+                (
+                    [hdr("push", 4, t=[["weight", "float64", [1, 2]]], b=b"\x00" * 16)],
+                    "dtype float64",
+                ),
+                ([hdr("push", 5, t=f32, c=4096), b"\x00" * 4], "needs 8 bytes"),  # truncated
+                ([hdr("push", 6, t=f32, c=4096)], "expected 1 data frame"),  # frames missing
+                ([hdr("push", 7, t=[["weight", "float32", [1 << 40]]], c=4096), b""], "over the"),
+                ([hdr("push", 8, t=[["weight", "cfloat", [1, 2]]], b=b"")], "unknown dtype"),
+                ([hdr("pull", 9, names="weight")], "must be a list"),
+                (
+                    [hdr("init", 10, optimizer={"name": "os.system"})],
+                    "already",
+                ),  # no error: ignored
+                ([hdr("done", 11, task="worker:7")], "not a worker"),
+            ]
+            for frames, expected in cases:
+                reply = ask(sock, frames)
+                text = str(reply.get("error", reply))
+                assert expected in text, (frames[0][:40], reply)
+            assert torch.equal(model.weight, before)
+            opt.zero_grad()
+            model(torch.ones(1, 2)).sum().backward()
+            assert opt.step() == 1  # still serving, and no garbage was applied
+            assert torch.equal(model.weight, before - 1.0)
+        code, err = stop(ps)
+        assert code == 0, err
+        assert "unknown op 'steal'" in err and "rejected a malformed message" in err
+    finally:
+        sock.close()
+        ctx.term()
+        stop(ps, timeout=1)
+
+
+def test_unauthorised_clients_can_neither_read_nor_write(tmp_path: Path) -> None:
+    keys_dir, other_dir = tmp_path / "keys", tmp_path / "other"
+    for d in (keys_dir, other_dir):
+        out = subprocess.run(
+            [sys.executable, "-m", "psflow.cli", "keys", "generate", str(d)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert out.returncode == 0, out.stderr
+    cluster = local_cluster(1, 1)
+    ps = start_ps(cluster, env={"PSFLOW_KEYS_DIR": str(keys_dir)})
+    keys = CurveKeys.load(keys_dir)
+    try:
+        model = torch.nn.Linear(2, 1, bias=False)
+        good = TransportConfig(keys=keys, timeout=10)
+        with psflow.DistributedOptimizer(model, worker_ctx(cluster), lr=1.0, config=good):
+            value = model.weight.detach().clone()
+            other = CurveKeys.load(other_dir)
+            intruder_keys = CurveKeys(
+                server_public=keys.server_public,
+                server_secret=None,
+                client_public=other.client_public,
+                client_secret=other.client_secret,
+                authorized_dir=None,
+            )
+            peers = {"ps:0": cluster.addresses("ps")[0]}
+            for config in (
+                TransportConfig(keys=intruder_keys, timeout=1.5),
+                TransportConfig(timeout=1.5),
+            ):
+                intruder = Client(peers, config)
+                try:
+                    with pytest.raises(PeerTimeoutError, match="ps:0"):
+                        intruder.request("ps:0", {"op": "pull"})
+                    with pytest.raises(PeerTimeoutError):
+                        intruder.request(
+                            "ps:0", {"op": "push"}, [("weight", torch.full((1, 2), 100.0))]
+                        )
+                finally:
+                    intruder.close()
+            trusted = Client(peers, good)
+            try:
+                _, tensors = trusted.request("ps:0", {"op": "pull"})
+            finally:
+                trusted.close()
+            assert torch.equal(dict(tensors)["weight"], value)  # nothing was written
+        code, err = stop(ps)
+        assert code == 0, err
+    finally:
+        stop(ps, timeout=1)
+
+
+def test_ps_with_no_workers_gives_up_and_names_them() -> None:
+    cluster = local_cluster(1, 2)
+    start = time.monotonic()
+    ps = start_ps(cluster, env={"PSFLOW_PS_IDLE_TIMEOUT": "1"})
+    code, err = stop(ps, timeout=20)
+    assert code != 0
+    assert "still waiting for worker:0, worker:1 to finish" in err
+    assert time.monotonic() - start < 15
+
+
+def test_a_hung_ps_is_named_in_the_workers_error() -> None:
+    cluster = local_cluster(1, 1)
+    ps = start_ps(cluster)
+    try:
+        model = torch.nn.Linear(2, 1)
+        config = TransportConfig(timeout=20.0)  # a loaded machine may start the ps slowly
+        opt = psflow.DistributedOptimizer(model, worker_ctx(cluster), config=config)
+        config.timeout = 1.0
+        os.kill(ps.pid, signal.SIGSTOP)
+        model(torch.ones(1, 2)).sum().backward()
+        address = cluster.addresses("ps")[0]
+        with pytest.raises(PeerTimeoutError, match=f"ps:0 at {address}: no answer within 1 s"):
+            opt.step()
+        os.kill(ps.pid, signal.SIGCONT)
+        opt.close()
+    finally:
+        os.kill(ps.pid, signal.SIGCONT)
+        stop(ps, timeout=5)
+
+
+def _pids(d: Path) -> dict[str, int]:
+    return {p.stem: int(p.read_text()) for p in d.glob("*.pid") if p.read_text()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead; its parent (the launcher) may not have reaped it yet.
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.split(") ")[1][0] != "Z"
+
+
+def launch(tmp_path: Path, **env: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "psflow.cli",
+            "launch",
+            "--ps",
+            "1",
+            "--workers",
+            "2",
+            str(ROOT / "tests" / "multiproc" / "scripts" / "sleeper.py"),
+            str(tmp_path),
+        ],
+        env=dict(os.environ, **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_launcher_names_the_failed_task_and_stops_the_others(tmp_path: Path) -> None:
+    proc = launch(tmp_path, FAIL_WORKER1="1")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "task worker:1 failed with exit code 3; stopping the other tasks" in err
+    assert "[worker:0] started worker:0" in out and "[ps:0] started ps:0" in out
+    pids = _pids(tmp_path)
+    assert sorted(pids) == ["ps:0", "worker:0", "worker:1"]
+    assert not any(_alive(p) for p in pids.values())
+
+
+def test_ctrl_c_stops_every_task(tmp_path: Path) -> None:
+    proc = launch(tmp_path)
+    deadline = time.monotonic() + 30
+    while len(_pids(tmp_path)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(_pids(tmp_path)) == 3
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert "received SIGINT; stopping every task" in err
+    assert not any(_alive(p) for p in _pids(tmp_path).values())
