@@ -22,7 +22,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,7 +62,13 @@ def join(path: str, *names: str) -> str:
     return "/".join([path.rstrip("/"), *names])
 
 
-def atomic_write(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+def atomic_write(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    data: bytes,
+    *,
+    before_commit: Callable[[], None] | None = None,
+) -> None:
     """Writes ``data`` to ``path`` so that a reader sees either the old file or the whole new one.
 
     Locally: a temporary name in the same directory, fsync, rename, fsync of the directory.
@@ -76,6 +82,8 @@ def atomic_write(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        if before_commit is not None:
+            before_commit()
         os.replace(tmp, path)
         fd = os.open(parent, os.O_RDONLY)
         try:
@@ -86,6 +94,8 @@ def atomic_write(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
         parent = path.rsplit("/", 1)[0]
         fs.makedirs(parent, exist_ok=True)
         fs.pipe_file(tmp, data)
+        if before_commit is not None:
+            before_commit()
         fs.mv(tmp, path)
 
 
@@ -363,10 +373,10 @@ class ShardCheckpointer:
                     raise ValueError(f"{name!r} is not finite: refusing to checkpoint it")
             data = encode_shard(snap)
             del snap
-            if self.slow_save > 0:
-                time.sleep(self.slow_save)  # tests: a window in which to kill the task
             fs, path = url_to_fs(file_url)
-            atomic_write(fs, path, data)
+            # Tests: a window, with the temporary file written, in which to kill the task.
+            pause = (lambda: time.sleep(self.slow_save)) if self.slow_save > 0 else None
+            atomic_write(fs, path, data, before_commit=pause)
             status = {"state": "done", "file": file_url, "seconds": time.perf_counter() - start}
         except Exception as e:
             log.error("shard %d: writing %s failed: %s", self.shard, file_url, e)
