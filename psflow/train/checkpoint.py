@@ -197,6 +197,9 @@ class Checkpointer:
         self.timeout = timeout
         self.last_saved_step: int | None = None
         self.last_pause: float = 0.0
+        """Seconds the last save request took the caller (the ps snapshots, then replies)."""
+        self.last_snapshot_seconds: float = 0.0
+        """The longest time a ps paused serving to copy its shard for the last save."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -221,6 +224,9 @@ class Checkpointer:
         start = time.perf_counter()
         replies = self.client.save({s: url for s in range(self.client.num_shards)})
         self.last_pause = time.perf_counter() - start
+        self.last_snapshot_seconds = max(
+            float(h.get("snapshot_seconds", 0)) for h in replies.values()
+        )
         self._thread = threading.Thread(
             target=self._finish, args=(name, url, replies), name="psflow-ckpt", daemon=True
         )
