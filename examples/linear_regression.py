@@ -1,11 +1,14 @@
 """The classic distributed TensorFlow example: learn y = 2x + 0.3 on parameter servers.
 
-    psflow launch --ps 1 --workers 2 examples/linear_regression.py
+    psflow launch --ps 1 --workers 2 examples/linear_regression.py --logdir runs/linreg
 
 Every task runs this same script and learns its role from TF_CONFIG (set by the launcher) or
 the classic flags (--ps_hosts --worker_hosts --job_name --task_index). The ps tasks hold W and
 b and apply SGD; each worker draws one example per step, pushes its gradient and pulls the new
-values. The chief prints the result, `W=... b=...`, once the global step reaches --train_steps.
+values. The chief restores the latest checkpoint under --logdir (or initialises), saves
+checkpoints and TensorBoard summaries there (``tensorboard --logdir runs/linreg``), and prints
+the result, `W=... b=...`, once the global step reaches --train_steps. Run the same command
+again after killing it (or after it finished) and it resumes from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import psflow
+from psflow.train import TrainingSession
 
 
 def main() -> None:
@@ -26,6 +30,8 @@ def main() -> None:
     parser.add_argument("--train_steps", type=int, default=10000, help="global steps to train")
     parser.add_argument("--lr", type=float, default=0.001)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--logdir", default=None, help="checkpoints and TensorBoard summaries")
+    parser.add_argument("--save_checkpoint_steps", type=int, default=1000)
     args = parser.parse_args(argv)
 
     if ctx.job == "ps":
@@ -34,18 +40,24 @@ def main() -> None:
 
     torch.manual_seed(args.seed + ctx.index)
     model = torch.nn.Linear(1, 1)  # z = w*x + b
-    with psflow.DistributedOptimizer(model, ctx, optimizer="SGD", lr=args.lr) as opt:
-        step = opt.global_step
-        while step < args.train_steps:
+    with TrainingSession(
+        model,
+        ctx,
+        optimizer="SGD",
+        lr=args.lr,
+        checkpoint_dir=args.logdir,
+        save_checkpoint_steps=args.save_checkpoint_steps,
+        last_step=args.train_steps,
+        log_step_count_steps=1000,
+    ) as sess:
+        while not sess.should_stop():
             x = torch.rand(1, 1) * 2 - 1
             y = 2 * x + 0.3 + 0.1 * torch.randn(1, 1)
             loss = F.mse_loss(model(x), y)
-            opt.zero_grad()
+            sess.zero_grad()
             loss.backward()
-            step = opt.step()
-            if ctx.is_chief and step % 2000 < 2:
-                print(f"step {step}: loss {loss.item():.4f}")
-        opt.pull()  # the other workers' last updates too
+            sess.step(loss=loss)
+    # The session's end pulled the final values (the other workers' last updates too).
     if ctx.is_chief:
         print(f"W={model.weight.item():.4f} b={model.bias.item():.4f}")
 

@@ -23,3 +23,9 @@ PSFLOW_LOG_LEVEL = "PSFLOW_LOG_LEVEL"
 
 PSFLOW_LOGDIR = "PSFLOW_LOGDIR"
 """Default directory for checkpoints and TensorBoard summaries."""
+
+PSFLOW_TEST_SLOW_SAVE = "PSFLOW_TEST_SLOW_SAVE"
+"""Tests only: seconds each ps sleeps while writing a checkpoint shard (a window to kill it in)."""
+
+PSFLOW_TEST_KILL_AT_STEP = "PSFLOW_TEST_KILL_AT_STEP"
+"""Tests only: ``<task>@<step>`` (``worker:0@3000``): that task SIGKILLs itself at that step."""

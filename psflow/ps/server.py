@@ -8,6 +8,8 @@ Requests (``op`` in the header):
 - ``push``: gradients, applied with the shard's optimizer; replies with the new step.
 - ``push_pull``: ``push`` then ``pull`` in one round trip.
 - ``done``: a worker (or the chief) has finished; after the last one the server exits.
+- ``save``/``save_status``: snapshot the shard and write it in the background; report progress
+  (:mod:`psflow.ps.checkpoint`). ``init`` may carry optimizer state and the step of a restore.
 
 Every request is validated; a bad one gets an error reply and a log line, and the server goes
 on serving.
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 
 from psflow.cluster.spec import TaskContext, TaskSpec
+from psflow.ps.checkpoint import ShardCheckpointer, load_optimizer_state, split_init_tensors
 from psflow.ps.store import OptimizerSpec, ShardStore
 from psflow.transport import wire
 from psflow.transport.connection import Request, Server, TransportConfig
@@ -79,7 +82,12 @@ class ParameterServer:
             "push": self._push,
             "push_pull": self._push,
             "done": self._done,
+            "save": lambda r: self._reply(r, self.checkpointer.save(r.header)),
+            "save_status": lambda r: self._reply(r, self.checkpointer.status(r.header)),
         }
+        self.checkpointer = ShardCheckpointer(
+            self.store, shard=ctx.task.index, num_shards=ctx.cluster.num_tasks("ps")
+        )
 
     @property
     def name(self) -> str:
@@ -113,6 +121,7 @@ class ParameterServer:
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError(f"{self.name} still serving after {timeout} s")
+        self.checkpointer.wait(self.config.timeout)  # a shard file still being written
         if self.error is not None:
             raise RuntimeError(f"{self.name} stopped: {self.error}") from self.error
 
@@ -223,7 +232,14 @@ class ParameterServer:
         step = request.header.get("step", 0)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"bad initial step {step!r}")
+        tensors, opt_tensors, opt_plain = split_init_tensors(request.header, tensors)
         self.store.initialize(tensors, spec, step=step)
+        if opt_tensors or opt_plain:
+            try:
+                load_optimizer_state(self.store, opt_tensors, opt_plain)
+            except (ValueError, KeyError, RuntimeError) as e:
+                self.store.optimizer = None  # not initialised: the chief may try again
+                raise ValueError(f"cannot restore the optimizer state: {e}") from None
         log.info(
             "%s initialised by %s: %d variables, %.1f MB, optimizer %s",
             self.name,

@@ -1,1 +1,46 @@
-"""Training supervision: the monitored session, checkpoints, summaries, hooks."""
+"""Training supervision: the monitored session, checkpoints, summaries, hooks.
+
+- ``session.py``: :class:`TrainingSession` (alias :data:`MonitoredTrainingSession`),
+  :class:`SessionConfig`.
+- ``checkpoint.py``: :class:`Checkpointer` (saving through the ps), :func:`load_checkpoint`,
+  :func:`export_state_dict`, :class:`Checkpoint`.
+- ``manifest.py``: :class:`CheckpointDir` (``latest`` pointer, retention), :class:`Manifest`.
+- ``hooks.py``: :class:`Hook`, :class:`StepContext`, :class:`StopAtStepHook`,
+  :class:`NanGuardHook` (:class:`NanLossError`), :class:`LoggingHook`.
+- ``summary.py``: :class:`SummaryHook` (TensorBoard event files).
+- ``cli.py``: ``psflow checkpoint inspect|export``.
+
+The shard-file format the ps tasks write is in :mod:`psflow.ps.checkpoint`.
+"""
+
+from psflow.train.checkpoint import Checkpoint, Checkpointer, export_state_dict, load_checkpoint
+from psflow.train.hooks import (
+    Hook,
+    LoggingHook,
+    NanGuardHook,
+    NanLossError,
+    StepContext,
+    StopAtStepHook,
+)
+from psflow.train.manifest import CheckpointDir, Manifest
+from psflow.train.session import MonitoredTrainingSession, SessionConfig, TrainingSession
+from psflow.train.summary import SummaryHook
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointDir",
+    "Checkpointer",
+    "Hook",
+    "LoggingHook",
+    "Manifest",
+    "MonitoredTrainingSession",
+    "NanGuardHook",
+    "NanLossError",
+    "SessionConfig",
+    "StepContext",
+    "StopAtStepHook",
+    "SummaryHook",
+    "TrainingSession",
+    "export_state_dict",
+    "load_checkpoint",
+]

@@ -81,6 +81,40 @@ class ShardedClient:
             log.warning("shards %s were already initialised, the others were not", already)
         return not already
 
+    def initialize_restored(
+        self,
+        values: dict[int, Tensors],
+        opt_state: dict[int, dict[str, dict[str, Any]]],
+        spec: OptimizerSpec,
+        step: int,
+    ) -> bool:
+        """Like :meth:`initialize`, with optimizer state from a checkpoint.
+
+        ``values[s]`` holds shard ``s``'s variables followed by its optimizer-state tensors
+        (named ``<var>/opt/<key>``); ``opt_state[s]`` its non-tensor state per variable.
+        """
+        headers = {
+            s: {
+                "op": "init",
+                "optimizer": spec.to_wire(),
+                "step": step,
+                "opt_state": opt_state.get(s, {}),
+            }
+            for s in range(self.num_shards)
+        }
+        replies = self._all(headers, values)
+        return not any(h.get("already") for h, _ in replies.values())
+
+    def save(self, url_of: dict[int, str]) -> dict[int, dict[str, Any]]:
+        """Asks each shard to snapshot itself and write the file under ``url_of[shard]``."""
+        replies = self._all({s: {"op": "save", "dir": url} for s, url in url_of.items()})
+        return {s: h for s, (h, _) in replies.items()}
+
+    def save_status(self, url_of: dict[int, str]) -> dict[int, dict[str, Any]]:
+        """Each shard's progress on the save into ``url_of[shard]``."""
+        replies = self._all({s: {"op": "save_status", "dir": url} for s, url in url_of.items()})
+        return {s: h for s, (h, _) in replies.items()}
+
     def wait_ready(self, timeout: float, *, initialized: bool = True) -> None:
         """Waits until every shard answers and (with ``initialized``) the chief has set it up.
 

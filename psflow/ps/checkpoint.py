@@ -1,0 +1,400 @@
+"""One ps shard's checkpoint file: a safetensors file of its variables and optimizer state.
+
+The format, shared with :mod:`psflow.train` (which reads the files back and writes the
+manifest):
+
+- ``<var>``: each variable under its placement name (``fc.weight``, ``emb/part_0``);
+- ``<var>/opt/<key>``: each tensor of the optimizer state of that variable (``exp_avg``,
+  ``momentum_buffer``, Adam's ``step``);
+- metadata (string to string, JSON values): the shard index and count, the shard's step, the
+  optimizer spec, the optimizer's non-tensor state per variable and its ``param_groups``.
+
+Saving happens in two parts, so that serving pauses only for an in-memory copy: the serving
+thread takes a :class:`ShardSnapshot` between two requests, and a background thread writes it
+(temporary name, fsync, rename). Nothing is pickled, ever: safetensors holds only raw tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from psflow import env as envvars
+from psflow.ps.store import OptimizerSpec, ShardStore
+from psflow.transport import wire
+
+log = logging.getLogger(__name__)
+
+OPT_SEP = "/opt/"
+"""Separates a variable's name from its optimizer-state key in a shard file."""
+
+CKPT_DIR_RE = re.compile(r"^ckpt-(\d+)$")
+"""A checkpoint directory's name: ``ckpt-<global step>``."""
+
+
+def shard_file_name(shard: int, num_shards: int) -> str:
+    return f"shard-{shard}-of-{num_shards}.safetensors"
+
+
+# -- files --------------------------------------------------------------------------------
+
+
+def url_to_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem and the path within it for a local path or an fsspec URL."""
+    fs, path = fsspec.core.url_to_fs(url)
+    return fs, path.rstrip("/") if len(path) > 1 else path
+
+
+def join(path: str, *names: str) -> str:
+    return "/".join([path.rstrip("/"), *names])
+
+
+def atomic_write(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    data: bytes,
+    *,
+    before_commit: Callable[[], None] | None = None,
+) -> None:
+    """Writes ``data`` to ``path`` so that a reader sees either the old file or the whole new one.
+
+    Locally: a temporary name in the same directory, fsync, rename, fsync of the directory.
+    Elsewhere: the filesystem's own write then move (object stores replace whole objects).
+    """
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    if isinstance(fs, LocalFileSystem):
+        parent = os.path.dirname(path) or "."
+        os.makedirs(parent, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if before_commit is not None:
+            before_commit()
+        os.replace(tmp, path)
+        fd = os.open(parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    else:
+        parent = path.rsplit("/", 1)[0]
+        fs.makedirs(parent, exist_ok=True)
+        fs.pipe_file(tmp, data)
+        if before_commit is not None:
+            before_commit()
+        fs.mv(tmp, path)
+
+
+# -- optimizer state ------------------------------------------------------------------------
+
+
+def flatten_optimizer_state(
+    optimizer: torch.optim.Optimizer, names: Sequence[str]
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """Splits ``optimizer.state_dict()`` into tensors keyed ``<var>/opt/<key>`` and plain data.
+
+    ``names`` are the variables in the order they were given to the optimizer. Returns the
+    tensors (not copied), the non-tensor state per variable, and the ``param_groups`` without
+    their parameter indices.
+    """
+    sd = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    plain: dict[str, dict[str, Any]] = {}
+    for index, state in sd["state"].items():
+        var = names[index]
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{var}{OPT_SEP}{key}"] = value
+            else:
+                plain.setdefault(var, {})[key] = _json_value(value, f"{var}/{key}")
+    groups = [
+        {k: _json_value(v, k) for k, v in g.items() if k != "params"} for g in sd["param_groups"]
+    ]
+    return tensors, plain, groups
+
+
+def _json_value(value: Any, what: str) -> Any:
+    if isinstance(value, tuple):
+        value = list(value)
+    try:
+        json.dumps(value)
+    except TypeError:
+        raise ValueError(f"optimizer state {what!r} is not plain data: {value!r}") from None
+    return value
+
+
+def split_opt_key(name: str) -> tuple[str, str] | None:
+    """``("fc.weight", "exp_avg")`` for ``"fc.weight/opt/exp_avg"``, ``None`` for a variable."""
+    var, sep, key = name.rpartition(OPT_SEP)
+    return (var, key) if sep and var and key else None
+
+
+def load_optimizer_state(
+    store: ShardStore,
+    tensors: Mapping[str, Mapping[str, torch.Tensor]],
+    plain: Mapping[str, Mapping[str, Any]],
+) -> None:
+    """Loads per-variable optimizer state into an initialised shard.
+
+    The hyperparameters stay those of the shard's current :class:`OptimizerSpec` (the running
+    script's, as in TensorFlow where they are part of the graph); only the state is restored.
+
+    Raises:
+        ValueError: naming a variable the shard does not hold, or a state tensor whose shape
+            matches neither the variable nor a scalar.
+    """
+    assert store.optimizer is not None
+    names = list(store.variables)
+    index = {n: i for i, n in enumerate(names)}
+    state: dict[int, dict[str, Any]] = {}
+    for var in set(tensors) | set(plain):
+        if var not in index:
+            raise ValueError(f"optimizer state for unknown variable {var!r}")
+        entry: dict[str, Any] = dict(plain.get(var, {}))
+        for key, t in tensors.get(var, {}).items():
+            shape = store.variables[var].shape
+            if t.dim() != 0 and t.shape != shape:
+                raise ValueError(
+                    f"optimizer state {var!r}/{key!r} has shape {list(t.shape)}, "
+                    f"the variable {list(shape)}"
+                )
+            entry[key] = t.detach().clone()
+        state[index[var]] = entry
+    sd = store.optimizer.state_dict()
+    store.optimizer.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+
+
+def split_init_tensors(
+    header: Mapping[str, Any], tensors: list[tuple[str, torch.Tensor]]
+) -> tuple[
+    list[tuple[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]], dict[str, dict[str, Any]]
+]:
+    """Splits an ``init`` request into variables and optimizer state (``opt_state`` header).
+
+    An ``init`` without ``opt_state`` (the original form) has only variables.
+    """
+    opt_plain = header.get("opt_state")
+    if opt_plain is None:
+        return tensors, {}, {}
+    if not isinstance(opt_plain, dict) or not all(
+        isinstance(k, str) and isinstance(v, dict) for k, v in opt_plain.items()
+    ):
+        raise ValueError("'opt_state' must map variable names to maps")
+    variables: list[tuple[str, torch.Tensor]] = []
+    opt: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in tensors:
+        split = split_opt_key(name)
+        if split is None:
+            variables.append((name, t))
+        else:
+            opt.setdefault(split[0], {})[split[1]] = t
+    return variables, opt, opt_plain
+
+
+# -- snapshots and the background writer ------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class ShardSnapshot:
+    """An in-memory copy of one shard, taken between two requests."""
+
+    shard: int
+    num_shards: int
+    step: int
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+    seconds: float = 0.0
+    """How long taking the copy paused serving."""
+
+
+def snapshot(store: ShardStore, *, shard: int, num_shards: int) -> ShardSnapshot:
+    """Copies the shard's variables and optimizer state (the only part that pauses serving)."""
+    assert store.optimizer is not None and store.optimizer_spec is not None
+    start = time.perf_counter()
+    opt_tensors, plain, groups = flatten_optimizer_state(store.optimizer, list(store.variables))
+    tensors = {n: t.detach().clone() for n, t in store.variables.items()}
+    tensors.update({n: t.detach().clone() for n, t in opt_tensors.items()})
+    metadata = {
+        "psflow.format": "1",
+        "psflow.shard": str(shard),
+        "psflow.num_shards": str(num_shards),
+        "psflow.step": str(store.step),
+        "psflow.optimizer": json.dumps(store.optimizer_spec.to_wire()),
+        "psflow.opt_state": json.dumps(plain),
+        "psflow.param_groups": json.dumps(groups),
+    }
+    return ShardSnapshot(
+        shard=shard,
+        num_shards=num_shards,
+        step=store.step,
+        tensors=tensors,
+        metadata=metadata,
+        seconds=time.perf_counter() - start,
+    )
+
+
+@dataclass(kw_only=True)
+class ShardFile:
+    """A shard file read back: its tensors and decoded metadata."""
+
+    tensors: dict[str, torch.Tensor]
+    shard: int
+    num_shards: int
+    step: int
+    optimizer: OptimizerSpec
+    opt_state: dict[str, dict[str, Any]] = field(default_factory=dict)
+    param_groups: list[dict[str, Any]] = field(default_factory=list)
+
+    def variables(self) -> dict[str, torch.Tensor]:
+        return {n: t for n, t in self.tensors.items() if split_opt_key(n) is None}
+
+    def optimizer_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for n, t in self.tensors.items():
+            split = split_opt_key(n)
+            if split is not None:
+                out.setdefault(split[0], {})[split[1]] = t
+        return out
+
+
+def encode_shard(snap: ShardSnapshot) -> bytes:
+    return st_save({n: t.contiguous() for n, t in snap.tensors.items()}, metadata=snap.metadata)
+
+
+def read_shard(url: str) -> ShardFile:
+    """Reads one shard file (safetensors only: nothing in it can run code).
+
+    Raises:
+        ValueError: naming the file when it is not a psflow shard.
+    """
+    fs, path = url_to_fs(url)
+    data = fs.cat_file(path)
+    try:
+        tensors = st_load(data)
+        meta = _safetensors_metadata(data)
+        return ShardFile(
+            tensors=tensors,
+            shard=int(meta["psflow.shard"]),
+            num_shards=int(meta["psflow.num_shards"]),
+            step=int(meta["psflow.step"]),
+            optimizer=OptimizerSpec.from_wire(json.loads(meta["psflow.optimizer"])),
+            opt_state=json.loads(meta.get("psflow.opt_state", "{}")),
+            param_groups=json.loads(meta.get("psflow.param_groups", "[]")),
+        )
+    except (KeyError, ValueError, json.JSONDecodeError) as e:
+        raise ValueError(f"{url} is not a readable psflow shard file: {e}") from None
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise ValueError(f"{url} is not a readable psflow shard file: {e}") from None
+
+
+def _safetensors_metadata(data: bytes) -> dict[str, str]:
+    if len(data) < 8:
+        raise ValueError("file too short")
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8:
+        raise ValueError("header length past the end of the file")
+    header = json.loads(data[8 : 8 + n])
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict):
+        raise ValueError("metadata is not a map")
+    return meta
+
+
+class ShardCheckpointer:
+    """The ps side of a checkpoint: snapshot in the serving thread, write in the background.
+
+    One save at a time: a second ``save`` while the first is still writing is refused.
+    """
+
+    def __init__(self, store: ShardStore, *, shard: int, num_shards: int) -> None:
+        self.store = store
+        self.shard = shard
+        self.num_shards = num_shards
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._status: dict[str, dict[str, Any]] = {}
+        self.slow_save = float(os.environ.get(envvars.PSFLOW_TEST_SLOW_SAVE, 0) or 0)
+
+    def save(self, header: Mapping[str, Any]) -> dict[str, Any]:
+        """Handles a ``save`` request: ``{"dir": URL of ckpt-<n>}``; returns the reply header."""
+        if not self.store.initialized:
+            raise ValueError("cannot save a shard that is not initialised")
+        url = header.get("dir")
+        if not isinstance(url, str) or not CKPT_DIR_RE.match(url.rstrip("/").rsplit("/", 1)[-1]):
+            raise ValueError(f"'dir' must be a checkpoint directory .../ckpt-<step>, got {url!r}")
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                raise ValueError("a checkpoint of this shard is still being written")
+        snap = snapshot(self.store, shard=self.shard, num_shards=self.num_shards)
+        file_url = join(url.rstrip("/"), shard_file_name(self.shard, self.num_shards))
+        with self._lock:
+            self._status[url] = {"state": "writing", "file": file_url}
+            self._thread = threading.Thread(
+                target=self._write, args=(url, file_url, snap), name="psflow-ckpt", daemon=True
+            )
+            self._thread.start()
+        log.info(
+            "shard %d: snapshot at step %d in %.1f ms; writing %s",
+            self.shard,
+            snap.step,
+            snap.seconds * 1e3,
+            file_url,
+        )
+        return {
+            "saving": file_url,
+            "snapshot_step": snap.step,
+            "snapshot_seconds": snap.seconds,
+            "optimizer": self.store.optimizer_spec.to_wire() if self.store.optimizer_spec else {},
+            "variables": {
+                n: [wire.dtype_name(t.dtype), list(t.shape)]
+                for n, t in self.store.variables.items()
+            },
+        }
+
+    def _write(self, url: str, file_url: str, snap: ShardSnapshot) -> None:
+        start = time.perf_counter()
+        try:
+            for name, t in snap.tensors.items():
+                if t.is_floating_point() and not torch.isfinite(t).all():
+                    raise ValueError(f"{name!r} is not finite: refusing to checkpoint it")
+            data = encode_shard(snap)
+            del snap
+            fs, path = url_to_fs(file_url)
+            # Tests: a window, with the temporary file written, in which to kill the task.
+            pause = (lambda: time.sleep(self.slow_save)) if self.slow_save > 0 else None
+            atomic_write(fs, path, data, before_commit=pause)
+            status = {"state": "done", "file": file_url, "seconds": time.perf_counter() - start}
+        except Exception as e:
+            log.error("shard %d: writing %s failed: %s", self.shard, file_url, e)
+            status = {"state": "error", "file": file_url, "error": f"{type(e).__name__}: {e}"}
+        with self._lock:
+            self._status[url] = status
+
+    def status(self, header: Mapping[str, Any]) -> dict[str, Any]:
+        """Handles ``save_status``: the state (``writing``, ``done``, ``error``) of one save."""
+        url = header.get("dir")
+        with self._lock:
+            status = self._status.get(url) if isinstance(url, str) else None
+        if status is None:
+            return {"state": "unknown"}
+        return dict(status)
+
+    def wait(self, timeout: float) -> None:
+        """Waits for a write in progress (before the ps exits)."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)

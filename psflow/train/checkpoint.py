@@ -1,0 +1,319 @@
+"""Sharded checkpoints from the chief's side: save through the ps, restore, export.
+
+Saving (:class:`Checkpointer`): the chief asks every ps to snapshot its shard (the pause) and
+goes on training; a background thread waits for every shard file, then publishes the manifest
+and the ``latest`` pointer (:class:`~psflow.train.manifest.CheckpointDir`) and prunes.
+
+Restoring (:func:`load_checkpoint`, :meth:`Checkpoint.place`): the shard files are read back,
+partitions are concatenated into whole parameters (optimizer state tensors of the parameter's
+shape with them; scalars such as Adam's ``step`` copied), and the result is re-placed for the
+current number of ps tasks, which need not be the number that saved it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from safetensors.torch import save as st_save
+
+from psflow.ps.checkpoint import OPT_SEP, ShardFile, atomic_write, read_shard, url_to_fs
+from psflow.ps.store import OptimizerSpec
+from psflow.train.manifest import CheckpointDir, Manifest, VariableEntry
+from psflow.transport.wire import dtype_name
+from psflow.worker.client import ShardedClient, Tensors
+from psflow.worker.placement import Piece
+
+log = logging.getLogger(__name__)
+
+_POLL_SECONDS = 0.02
+
+
+@dataclass(kw_only=True)
+class Checkpoint:
+    """A checkpoint reassembled into whole parameters, independent of any placement."""
+
+    name: str
+    manifest: Manifest
+    params: dict[str, torch.Tensor]
+    opt_tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    opt_plain: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def global_step(self) -> int:
+        return self.manifest.global_step
+
+    @property
+    def optimizer(self) -> OptimizerSpec:
+        return OptimizerSpec.from_wire(self.manifest.optimizer)
+
+    def check_model(self, params: dict[str, torch.Tensor]) -> None:
+        """Raises ``ValueError`` naming the first parameter that differs from the checkpoint."""
+        missing = sorted(set(params) - set(self.params))
+        extra = sorted(set(self.params) - set(params))
+        if missing or extra:
+            raise ValueError(
+                f"checkpoint {self.name} does not match the model: missing {missing}, "
+                f"not in the model {extra}"
+            )
+        for name, p in params.items():
+            t = self.params[name]
+            if t.shape != p.shape or t.dtype != p.dtype:
+                raise ValueError(
+                    f"checkpoint {self.name}: {name!r} is {dtype_name(t.dtype)}{list(t.shape)}, "
+                    f"the model has {dtype_name(p.dtype)}{list(p.shape)}"
+                )
+
+    def place(
+        self, pieces: Sequence[Piece]
+    ) -> tuple[dict[int, Tensors], dict[int, dict[str, dict[str, Any]]]]:
+        """Each shard's variables and optimizer-state tensors, and its non-tensor state."""
+        values: dict[int, Tensors] = {}
+        plain: dict[int, dict[str, dict[str, Any]]] = {}
+        for p in pieces:
+            full = self.params[p.param]
+            out = values.setdefault(p.shard, [])
+            out.append((p.var, _rows(full, p.rows)))
+            for key, t in self.opt_tensors.get(p.param, {}).items():
+                part = _rows(t, p.rows) if t.shape == full.shape else t.clone()
+                out.append((f"{p.var}{OPT_SEP}{key}", part))
+            if p.param in self.opt_plain:
+                plain.setdefault(p.shard, {})[p.var] = self.opt_plain[p.param]
+        return values, plain
+
+
+def _rows(t: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
+    return t if rows is None else t[rows[0] : rows[1]].contiguous()
+
+
+def load_checkpoint(checkpoint_dir: str, name: str | None = None) -> Checkpoint | None:
+    """Reads a checkpoint (the latest complete one by default); ``None`` when there is none.
+
+    Example:
+        >>> load_checkpoint("memory://nothing-here") is None
+        True
+    """
+    d = CheckpointDir(checkpoint_dir)
+    name = name or d.latest()
+    if name is None:
+        return None
+    manifest = d.manifest(name)
+    files: dict[str, ShardFile] = {}
+    for entry in manifest.variables:
+        if entry.file not in files:
+            files[entry.file] = read_shard(d.url_of(f"{name}/{entry.file}"))
+    by_param: dict[str, list[VariableEntry]] = {}
+    for entry in manifest.variables:
+        by_param.setdefault(entry.param, []).append(entry)
+    params: dict[str, torch.Tensor] = {}
+    opt_tensors: dict[str, dict[str, torch.Tensor]] = {}
+    opt_plain: dict[str, dict[str, Any]] = {}
+    for param, entries in by_param.items():
+        entries.sort(key=lambda e: e.rows[0] if e.rows else 0)
+        parts, states = [], []
+        for e in entries:
+            shard = files[e.file]
+            value = shard.tensors.get(e.var)
+            if value is None:
+                raise ValueError(f"{name}/{e.file} lacks variable {e.var!r} named in the manifest")
+            parts.append(value)
+            states.append(shard.optimizer_tensors().get(e.var, {}))
+            if e.var in shard.opt_state:
+                opt_plain.setdefault(param, shard.opt_state[e.var])
+        params[param] = parts[0] if len(parts) == 1 else torch.cat(parts)
+        keys = set().union(*states)
+        for key in sorted(keys):
+            ts = [s[key] for s in states if key in s]
+            if len(ts) != len(parts):
+                raise ValueError(f"{name}: optimizer state {key!r} missing for part of {param!r}")
+            joined = ts[0] if len(ts) == 1 or ts[0].dim() == 0 else torch.cat(ts)
+            opt_tensors.setdefault(param, {})[key] = joined
+        expected = manifest.params.get(param, {}).get("shape")
+        if expected is not None and list(params[param].shape) != list(expected):
+            raise ValueError(
+                f"{name}: {param!r} reassembles to {list(params[param].shape)}, "
+                f"the manifest says {expected}"
+            )
+    return Checkpoint(
+        name=name, manifest=manifest, params=params, opt_tensors=opt_tensors, opt_plain=opt_plain
+    )
+
+
+def export_state_dict(checkpoint_dir: str, out: str, name: str | None = None) -> Checkpoint:
+    """Writes the checkpoint's parameters as a plain safetensors state dict.
+
+    ``model.load_state_dict(safetensors.torch.load_file(out))`` loads it with no cluster
+    (use ``strict=False`` for a model with buffers: the ps holds parameters only).
+    """
+    ckpt = load_checkpoint(checkpoint_dir, name)
+    if ckpt is None:
+        raise ValueError(f"no complete checkpoint in {checkpoint_dir}")
+    data = st_save(
+        {n: t.contiguous() for n, t in ckpt.params.items()},
+        metadata={"global_step": str(ckpt.global_step), "source": ckpt.name},
+    )
+    fs, path = url_to_fs(out)
+    atomic_write(fs, path, data)
+    return ckpt
+
+
+class Checkpointer:
+    """Saves the job's checkpoints through the ps tasks (used by the chief's session).
+
+    Args:
+        checkpoint_dir: a local path or fsspec URL that every ps task can also write.
+        client: the chief's connection to the ps (used from the calling thread only).
+        pieces: the placement, recorded in each manifest.
+        params: the model's parameters (for their shapes and dtypes).
+        make_client: a fresh client for the background thread (sockets are per thread).
+        max_to_keep: complete checkpoints to keep (``None``: all).
+        timeout: seconds a save may take before it fails, naming the shards not done.
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        *,
+        client: ShardedClient,
+        pieces: Sequence[Piece],
+        params: dict[str, torch.Tensor],
+        make_client: Any,
+        max_to_keep: int | None = 5,
+        timeout: float = 300.0,
+    ) -> None:
+        self.dir = CheckpointDir(checkpoint_dir)
+        self.client = client
+        self.pieces = list(pieces)
+        self.param_meta = {
+            n: {"shape": list(p.shape), "dtype": dtype_name(p.dtype)} for n, p in params.items()
+        }
+        self.make_client = make_client
+        self.max_to_keep = max_to_keep
+        self.timeout = timeout
+        self.last_saved_step: int | None = None
+        self.last_pause: float = 0.0
+        """Seconds the last save request took the caller (the ps snapshots, then replies)."""
+        self.last_snapshot_seconds: float = 0.0
+        """The longest time a ps paused serving to copy its shard for the last save."""
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def save(self, step: int, *, wait: bool = True) -> str | None:
+        """Saves the ps state as ``ckpt-<step>``; returns its name (``None`` if skipped).
+
+        With ``wait=False`` only the snapshot happens now; the rest runs in the background
+        and a failure is raised by the next call (or :meth:`wait`).
+        """
+        self.wait(raise_error=True) if wait else self._raise_pending()
+        if self.busy:
+            log.info("checkpoint at step %d skipped: the previous one is still being written", step)
+            return None
+        name = f"ckpt-{step}"
+        if any(c.name == name and c.complete for c in self.dir.checkpoints()):
+            return name
+        url = self.dir.url_of(name)
+        start = time.perf_counter()
+        replies = self.client.save({s: url for s in range(self.client.num_shards)})
+        self.last_pause = time.perf_counter() - start
+        self.last_snapshot_seconds = max(
+            float(h.get("snapshot_seconds", 0)) for h in replies.values()
+        )
+        self._thread = threading.Thread(
+            target=self._finish, args=(name, url, replies), name="psflow-ckpt", daemon=True
+        )
+        self._thread.start()
+        if wait:
+            self.wait(raise_error=True)
+        return name
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"saving a checkpoint failed: {error}") from error
+
+    def wait(self, timeout: float | None = None, *, raise_error: bool = True) -> None:
+        """Waits for the save in progress; raises its error."""
+        if self._thread is not None:
+            self._thread.join(self.timeout if timeout is None else timeout)
+        if raise_error:
+            self._raise_pending()
+
+    def _finish(self, name: str, url: str, replies: dict[int, dict[str, Any]]) -> None:
+        try:
+            client = self.make_client()
+            try:
+                self._await_shards(client, url)
+            finally:
+                client.close()
+            manifest = self._manifest(replies)
+            self.dir.publish(name, manifest)
+            self.last_saved_step = manifest.global_step
+            removed = self.dir.prune(self.max_to_keep, incomplete_below=manifest.global_step)
+            log.info(
+                "saved checkpoint %s (global step %d)%s",
+                self.dir.url_of(name),
+                manifest.global_step,
+                f"; removed {', '.join(removed)}" if removed else "",
+            )
+        except BaseException as e:
+            log.error("checkpoint %s failed: %s", name, e)
+            self._error = e
+
+    def _await_shards(self, client: ShardedClient, url: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        pending = set(range(client.num_shards))
+        while pending:
+            statuses = client.save_status({s: url for s in pending})
+            for s, h in statuses.items():
+                if h.get("state") == "done":
+                    pending.discard(s)
+                elif h.get("state") == "error":
+                    raise RuntimeError(
+                        f"ps:{s} could not write its shard of {url}: {h.get('error')}"
+                    )
+                elif h.get("state") != "writing":
+                    raise RuntimeError(f"ps:{s} knows of no save into {url} (restarted?)")
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(f"ps:{s}" for s in sorted(pending))
+                raise TimeoutError(
+                    f"{names} did not finish writing {url} within {self.timeout:g} s"
+                )
+            if pending:
+                time.sleep(_POLL_SECONDS)
+
+    def _manifest(self, replies: dict[int, dict[str, Any]]) -> Manifest:
+        n = self.client.num_shards
+        variables = []
+        for p in self.pieces:
+            held = replies[p.shard].get("variables", {}).get(p.var)
+            if held is None:
+                raise RuntimeError(f"ps:{p.shard} does not hold {p.var!r}: placement mismatch")
+            variables.append(
+                VariableEntry(
+                    var=p.var,
+                    param=p.param,
+                    shard=p.shard,
+                    file=f"shard-{p.shard}-of-{n}.safetensors",
+                    shape=list(held[1]),
+                    dtype=str(held[0]),
+                    rows=list(p.rows) if p.rows else None,
+                )
+            )
+        return Manifest(
+            global_step=int(replies[0]["snapshot_step"]),
+            num_shards=n,
+            optimizer=dict(replies[0].get("optimizer") or {}),
+            variables=variables,
+            params=self.param_meta,
+            shard_steps=[int(replies[s]["snapshot_step"]) for s in range(n)],
+            created=time.time(),
+        )

@@ -1,0 +1,215 @@
+"""Hooks: code that runs at the begin, around each step, and at the end of a session.
+
+TensorFlow's ``SessionRunHook`` vocabulary: ``begin``, ``before_run``/``after_run`` (here
+:meth:`Hook.before_step`/:meth:`Hook.after_step`) and ``end``. Built in:
+
+- :class:`StopAtStepHook`: stop once the global step reaches ``last_step``.
+- :class:`NanGuardHook`: stop with :class:`NanLossError` before a non-finite loss or gradient
+  reaches the ps (so it is never checkpointed).
+- :class:`LoggingHook`: a progress bar with rate, loss and ETA on the chief's terminal.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import IO, TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from psflow.train.session import TrainingSession
+
+
+class NanLossError(RuntimeError):
+    """The loss (or a gradient) was NaN or infinite; nothing of that step reached the ps."""
+
+
+@dataclass(kw_only=True)
+class StepContext:
+    """What a hook sees of one step."""
+
+    session: TrainingSession
+    global_step: int
+    """Before the step: the last global step seen; after it: the new one."""
+    loss: float | None = None
+    values: dict[str, Any] = field(default_factory=dict)
+    """Anything the script passed to :meth:`TrainingSession.step` besides the loss."""
+
+    def request_stop(self) -> None:
+        self.session.request_stop()
+
+
+class Hook:
+    """Subclass and override what you need; every method does nothing by default.
+
+    Example:
+        >>> class PrintEvery100(Hook):
+        ...     def after_step(self, ctx: StepContext) -> None:
+        ...         if ctx.global_step % 100 == 0:
+        ...             print(ctx.global_step, ctx.loss)
+    """
+
+    def begin(self, session: TrainingSession) -> None:
+        """After the model is ready (restored or initialised), before the first step."""
+
+    def before_step(self, ctx: StepContext) -> None:
+        """After backward, before the gradients are pushed."""
+
+    def after_step(self, ctx: StepContext) -> None:
+        """After the push and pull; ``ctx.global_step`` is the new global step."""
+
+    def end(self, session: TrainingSession) -> None:
+        """When the session ends without an error (before the final checkpoint)."""
+
+
+class StopAtStepHook(Hook):
+    """Requests a stop once the global step reaches ``last_step``."""
+
+    def __init__(self, last_step: int) -> None:
+        if last_step < 0:
+            raise ValueError(f"last_step must be >= 0, got {last_step}")
+        self.last_step = last_step
+
+    def begin(self, session: TrainingSession) -> None:
+        if session.global_step >= self.last_step:
+            session.request_stop()
+
+    def after_step(self, ctx: StepContext) -> None:
+        if ctx.global_step >= self.last_step:
+            ctx.request_stop()
+
+
+class NanGuardHook(Hook):
+    """Stops with :class:`NanLossError` when the loss or a gradient is not finite.
+
+    It runs before the push, so the bad values never reach the ps (nor a checkpoint).
+    """
+
+    def __init__(self, *, check_gradients: bool = True) -> None:
+        self.check_gradients = check_gradients
+
+    def before_step(self, ctx: StepContext) -> None:
+        where = f"at global step {ctx.global_step} on {ctx.session.ctx.task}"
+        latest = ctx.session.latest_checkpoint
+        after = f"; the last checkpoint is {latest}" if latest else ""
+        if ctx.loss is not None and not math.isfinite(ctx.loss):
+            raise NanLossError(f"loss is {ctx.loss} {where}: stopping without pushing it{after}")
+        if self.check_gradients:
+            for name, p in ctx.session.model.named_parameters():
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                    raise NanLossError(
+                        f"gradient of {name!r} is not finite {where}: stopping without pushing "
+                        f"it{after}"
+                    )
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+class LoggingHook(Hook):
+    """A progress line: global step (of ``last_step``), steps per second, mean loss, ETA.
+
+    On a terminal it redraws one line in place a few times a second; otherwise (under
+    ``psflow launch``, which relays lines) it prints a line every ``every_n_steps`` steps.
+    """
+
+    def __init__(
+        self,
+        *,
+        every_n_steps: int = 100,
+        last_step: int | None = None,
+        stream: IO[str] | None = None,
+        width: int = 24,
+    ) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self.last_step = last_step
+        self.stream = stream or sys.stderr
+        self.width = width
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._t0 = self._last_t = time.monotonic()
+        self._step0 = self._last_step = 0
+        self._loss_sum = 0.0
+        self._loss_n = 0
+        self._drawn = False
+
+    def begin(self, session: TrainingSession) -> None:
+        self._t0 = self._last_t = time.monotonic()
+        self._step0 = self._last_step = session.global_step
+
+    def after_step(self, ctx: StepContext) -> None:
+        if ctx.loss is not None:
+            self._loss_sum += ctx.loss
+            self._loss_n += 1
+        now = time.monotonic()
+        due = (
+            now - self._last_t >= 0.2
+            if self.tty
+            else ctx.global_step - self._last_step >= self.every_n_steps
+        )
+        if due:
+            self._emit(ctx.global_step, now)
+
+    def _emit(self, step: int, now: float) -> None:
+        rate = (step - self._last_step) / max(now - self._last_t, 1e-9)
+        loss = self._loss_sum / self._loss_n if self._loss_n else float("nan")
+        parts = [f"step {step}" + (f"/{self.last_step}" if self.last_step else "")]
+        if self.last_step:
+            frac = min(1.0, step / self.last_step) if self.last_step else 0.0
+            filled = int(frac * self.width)
+            parts[0] += f" [{'#' * filled}{'.' * (self.width - filled)}] {frac:4.0%}"
+        parts.append(f"{rate:.1f} steps/s")
+        parts.append(f"loss {loss:.4g}")
+        if self.last_step:
+            overall = (step - self._step0) / max(now - self._t0, 1e-9)
+            eta = (self.last_step - step) / overall if overall > 0 else float("inf")
+            parts.append(f"ETA {_duration(max(eta, 0.0))}")
+        line = " | ".join(parts)
+        if self.tty:
+            self.stream.write("\r" + line + "\033[K")
+            self._drawn = True
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+        self._last_t, self._last_step = now, step
+        self._loss_sum, self._loss_n = 0.0, 0
+
+    def end(self, session: TrainingSession) -> None:
+        if self.tty and self._drawn:
+            self._emit(session.global_step, time.monotonic())
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+class FaultHook(Hook):
+    """Tests only: SIGKILLs this task once the global step reaches ``step``.
+
+    Driven by ``PSFLOW_TEST_KILL_AT_STEP=<task>@<step>`` (``worker:0@3000``), the fault
+    schedule of the resume tests.
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    @classmethod
+    def from_spec(cls, spec: str, task: str) -> FaultHook | None:
+        who, sep, at = spec.partition("@")
+        if not sep or not at.isdigit():
+            raise ValueError(f"fault schedule {spec!r} must be <task>@<step>, e.g. worker:0@3000")
+        return cls(int(at)) if who == task else None
+
+    def after_step(self, ctx: StepContext) -> None:
+        if ctx.global_step >= self.step:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,176 @@
+"""The checkpoint directory: manifests, the ``latest`` pointer, retention.
+
+Layout of a checkpoint directory (a local path or any fsspec URL)::
+
+    <dir>/latest                          "ckpt-<step>": the newest complete checkpoint
+    <dir>/ckpt-<step>/shard-<i>-of-<n>.safetensors   one per ps task, written by that task
+    <dir>/ckpt-<step>/manifest.json       written by the chief once every shard is on disk
+
+A checkpoint is complete when its manifest exists; the manifest is written after every shard
+file and the pointer after the manifest, each by an atomic replace, so a task killed at any
+moment leaves ``latest`` naming a complete checkpoint. Incomplete directories are ignored by
+readers and removed by the chief.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from psflow.ps.checkpoint import CKPT_DIR_RE, atomic_write, join, url_to_fs
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+FORMAT = 1
+
+
+def psflow_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("psflow")
+    except Exception:
+        return "unknown"
+
+
+@dataclass(kw_only=True)
+class VariableEntry:
+    """One variable as a ps held it: a parameter or a row range of one, in one shard file."""
+
+    var: str
+    param: str
+    shard: int
+    file: str
+    shape: list[int]
+    dtype: str
+    rows: list[int] | None = None
+
+
+@dataclass(kw_only=True)
+class Manifest:
+    """What a checkpoint holds, written last (its presence makes the checkpoint complete)."""
+
+    global_step: int
+    num_shards: int
+    optimizer: dict[str, Any]
+    variables: list[VariableEntry]
+    params: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Every model parameter: ``{"shape": [...], "dtype": "float32"}``."""
+    shard_steps: list[int] = field(default_factory=list)
+    psflow_version: str = field(default_factory=psflow_version)
+    format: int = FORMAT
+    created: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.global_step < 0:
+            raise ValueError(f"global_step must be >= 0, got {self.global_step}")
+        if self.num_shards < 1:
+            raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Manifest:
+        try:
+            data = json.loads(text)
+            if data.get("format") != FORMAT:
+                raise ValueError(f"unsupported manifest format {data.get('format')!r}")
+            data["variables"] = [VariableEntry(**v) for v in data["variables"]]
+            return cls(**data)
+        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
+            raise ValueError(f"malformed manifest: {e}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointInfo:
+    name: str
+    step: int
+    complete: bool
+
+
+class CheckpointDir:
+    """A directory of checkpoints: list them, find the latest, publish a new one, prune.
+
+    Example:
+        >>> d = CheckpointDir("memory://doc-example")
+        >>> d.latest() is None
+        True
+    """
+
+    def __init__(self, url: str) -> None:
+        if not isinstance(url, str) or not url:
+            raise ValueError(f"checkpoint_dir must be a path or URL, got {url!r}")
+        self.url = url.rstrip("/") or "/"
+        self.fs, self.path = url_to_fs(self.url)
+
+    def url_of(self, name: str) -> str:
+        return join(self.url, name)
+
+    def checkpoints(self) -> list[CheckpointInfo]:
+        """Every ``ckpt-<step>`` directory, oldest first."""
+        try:
+            entries = self.fs.ls(self.path, detail=False)
+        except FileNotFoundError:
+            return []
+        out = []
+        for entry in entries:
+            name = str(entry).rstrip("/").rsplit("/", 1)[-1]
+            m = CKPT_DIR_RE.match(name)
+            if m:
+                complete = self.fs.exists(join(self.path, name, MANIFEST))
+                out.append(CheckpointInfo(name=name, step=int(m.group(1)), complete=complete))
+        return sorted(out, key=lambda c: c.step)
+
+    def latest(self) -> str | None:
+        """The newest complete checkpoint's name: the pointer's, else the newest manifest's."""
+        pointer = join(self.path, LATEST)
+        try:
+            name = self.fs.cat_file(pointer).decode().strip()
+        except FileNotFoundError:
+            name = ""
+        if CKPT_DIR_RE.match(name) and self.fs.exists(join(self.path, name, MANIFEST)):
+            return name
+        if name:
+            log.warning("%s names %r, which is not a complete checkpoint", pointer, name)
+        complete = [c for c in self.checkpoints() if c.complete]
+        return complete[-1].name if complete else None
+
+    def manifest(self, name: str) -> Manifest:
+        try:
+            return Manifest.from_json(self.fs.cat_file(join(self.path, name, MANIFEST)))
+        except FileNotFoundError:
+            raise ValueError(
+                f"{self.url_of(name)} has no {MANIFEST}: not a complete checkpoint"
+            ) from None
+
+    def publish(self, name: str, manifest: Manifest) -> None:
+        """Writes the manifest, then points ``latest`` at it (each an atomic replace)."""
+        atomic_write(self.fs, join(self.path, name, MANIFEST), manifest.to_json().encode())
+        atomic_write(self.fs, join(self.path, LATEST), f"{name}\n".encode())
+
+    def prune(self, max_to_keep: int | None, *, incomplete_below: int | None = None) -> list[str]:
+        """Removes complete checkpoints beyond the newest ``max_to_keep`` (never the latest)
+        and incomplete ones older than step ``incomplete_below``; returns the names removed."""
+        latest = self.latest()
+        items = self.checkpoints()
+        complete = [c for c in items if c.complete]
+        doomed = []
+        if max_to_keep is not None and len(complete) > max_to_keep:
+            doomed += [c for c in complete[: len(complete) - max_to_keep] if c.name != latest]
+        if incomplete_below is not None:
+            doomed += [c for c in items if not c.complete and c.step < incomplete_below]
+        removed = []
+        for c in doomed:
+            try:
+                self.fs.rm(join(self.path, c.name), recursive=True)
+                removed.append(c.name)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("could not remove %s: %s", self.url_of(c.name), e)
+        return removed

@@ -1,0 +1,412 @@
+"""``TrainingSession``: TensorFlow's ``MonitoredTrainingSession``/``Supervisor`` for psflow.
+
+The chief restores the latest checkpoint or initialises the ps, the other workers wait for a
+ready model, checkpoints are saved on a schedule (and at the end), summaries go to
+TensorBoard, and hooks run around every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from psflow import env as envvars
+from psflow.cluster.resolve import resolve
+from psflow.cluster.spec import TaskContext
+from psflow.ps.store import OptimizerSpec
+from psflow.train.checkpoint import Checkpointer, load_checkpoint
+from psflow.train.hooks import (
+    FaultHook,
+    Hook,
+    LoggingHook,
+    NanGuardHook,
+    StepContext,
+    StopAtStepHook,
+)
+from psflow.train.manifest import CheckpointDir
+from psflow.train.summary import SummaryHook
+from psflow.transport.connection import TransportConfig
+from psflow.worker.client import ShardedClient
+from psflow.worker.optimizer import PSFLOW_READY_TIMEOUT, DistributedOptimizer
+from psflow.worker.placement import ParamInfo, place
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class SessionConfig:
+    """How a :class:`TrainingSession` supervises training (TensorFlow's argument names)."""
+
+    checkpoint_dir: str | None = None
+    """Where checkpoints (and, by default, summaries) go: a path or fsspec URL. ``None``:
+    no checkpoints and no summaries."""
+    summary_dir: str | None = None
+    """TensorBoard event files (a local path); default ``checkpoint_dir``."""
+    save_checkpoint_secs: float | None = None
+    """Save every this many seconds (default 600 when no ``save_checkpoint_steps``)."""
+    save_checkpoint_steps: int | None = None
+    """Save every this many global steps."""
+    max_to_keep: int | None = 5
+    """Complete checkpoints kept (older ones are deleted); ``None`` keeps all."""
+    save_summaries_steps: int | None = 100
+    """Scalar summaries every this many global steps; ``None``: no summaries."""
+    histogram_steps: int | None = 1000
+    """Parameter histograms every this many global steps; ``None``: none."""
+    log_step_count_steps: int | None = 100
+    """Progress line every this many steps on the chief (``None``: no progress output)."""
+    last_step: int | None = None
+    """Stop once the global step reaches this (a :class:`StopAtStepHook`)."""
+    nan_guard: bool = True
+    """Stop with an error on a non-finite loss or gradient, before it reaches the ps."""
+    restore: bool = True
+    """Whether the chief restores the latest checkpoint (when there is one)."""
+    ready_timeout: float | None = None
+    """Seconds a worker waits for the chief to make the model ready (default 300)."""
+    save_timeout: float = 300.0
+    """Seconds one checkpoint may take to write before it fails."""
+    end_timeout: float = 60.0
+    """Seconds the chief waits for the other workers before the final checkpoint."""
+
+    def __post_init__(self) -> None:
+        for name in ("save_checkpoint_secs", "ready_timeout"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        for name in (
+            "save_checkpoint_steps",
+            "max_to_keep",
+            "save_summaries_steps",
+            "histogram_steps",
+            "log_step_count_steps",
+        ):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be >= 1 or None, got {value!r}")
+        if self.last_step is not None and self.last_step < 0:
+            raise ValueError(f"last_step must be >= 0, got {self.last_step}")
+        if self.save_timeout <= 0 or self.end_timeout <= 0:
+            raise ValueError("save_timeout and end_timeout must be > 0 seconds")
+        if self.checkpoint_dir is not None:
+            CheckpointDir(self.checkpoint_dir)  # validates the URL
+            if self.save_checkpoint_secs is None and self.save_checkpoint_steps is None:
+                self.save_checkpoint_secs = 600.0
+        if self.summary_dir is None:
+            self.summary_dir = self.checkpoint_dir
+
+
+_CONFIG_FIELDS = {f.name for f in dataclasses.fields(SessionConfig)}
+
+
+class TrainingSession:
+    """Trains ``model`` on the ps with supervision: restore or init, checkpoints, summaries, hooks.
+
+    The PyTorch spelling of TensorFlow's ``tf.train.MonitoredTrainingSession`` (also exported
+    under that name). It wraps a :class:`~psflow.worker.DistributedOptimizer`; every argument
+    that is not a :class:`SessionConfig` field is an optimizer argument (``lr=...``).
+
+    Args:
+        model: the module to train (the same on every worker).
+        ctx: this task (default: from flags or ``TF_CONFIG``).
+        optimizer: a ``torch.optim`` class name, applied on the ps.
+        hooks: extra :class:`~psflow.train.hooks.Hook` objects, run on every worker.
+        placement, partition_bytes, transport: as for ``DistributedOptimizer``.
+        config: a :class:`SessionConfig`; or give its fields as keyword arguments.
+
+    Example:
+        >>> # ctx, argv = psflow.resolve()
+        >>> # model = torch.nn.Linear(1, 1)
+        >>> # with psflow.TrainingSession(model, ctx, optimizer="SGD", lr=0.001,
+        >>> #                             checkpoint_dir="runs/linreg", last_step=10000,
+        >>> #                             save_checkpoint_steps=1000) as sess:
+        >>> #     while not sess.should_stop():
+        >>> #         loss = F.mse_loss(model(x), y)
+        >>> #         sess.zero_grad()
+        >>> #         loss.backward()
+        >>> #         sess.step(loss=loss)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        ctx: TaskContext | None = None,
+        *,
+        optimizer: str = "SGD",
+        hooks: Sequence[Hook] = (),
+        placement: str = "greedy",
+        partition_bytes: int | None = 64 << 20,
+        transport: TransportConfig | None = None,
+        config: SessionConfig | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if ctx is None:
+            ctx, _ = resolve()
+        if ctx.task.job not in ("worker", "chief"):
+            raise ValueError(f"a TrainingSession runs on worker or chief tasks, not {ctx.task}")
+        session_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _CONFIG_FIELDS}
+        if config is not None and session_kwargs:
+            raise ValueError(f"give either config= or {sorted(session_kwargs)}, not both")
+        self.config = config or SessionConfig(**session_kwargs)
+        self.model = model
+        self.ctx = ctx
+        self.transport = transport or TransportConfig.from_env()
+        self.optimizer_name = optimizer
+        self.optimizer_kwargs = kwargs
+        self.global_step = 0
+        self.checkpointer: Checkpointer | None = None
+        self.restored_from: str | None = None
+        self._stop = False
+        self._last_save_t = time.monotonic()
+        self._last_save_step = 0
+        self._summary: SummaryHook | None = None
+        self.hooks = self._builtin_hooks() + list(hooks)
+        infos = [
+            ParamInfo(name=n, shape=tuple(p.shape), dtype=p.dtype)
+            for n, p in model.named_parameters()
+        ]
+        self.pieces = place(
+            infos, ctx.cluster.num_tasks("ps"), strategy=placement, partition_bytes=partition_bytes
+        )
+        self._client: ShardedClient | None = None
+        ready_timeout = self.config.ready_timeout
+        if ready_timeout is None:
+            ready_timeout = float(os.environ.get(PSFLOW_READY_TIMEOUT, 300))
+        try:
+            if self.is_chief:
+                self._client = ShardedClient(ctx, self.transport)
+                self._restore_or_nothing()
+            self.opt = DistributedOptimizer(
+                model,
+                ctx,
+                optimizer=optimizer,
+                placement=placement,
+                partition_bytes=partition_bytes,
+                config=self.transport,
+                ready_timeout=ready_timeout,
+                **kwargs,
+            )
+        except BaseException:
+            if self._client is not None:
+                self._client.close()
+            raise
+        assert self.opt.pieces == self.pieces, "placement differs from the optimizer's"
+        self.global_step = self._last_save_step = self.opt.global_step
+        if self.is_chief and self.config.checkpoint_dir is not None:
+            assert self._client is not None
+            self.checkpointer = Checkpointer(
+                self.config.checkpoint_dir,
+                client=self._client,
+                pieces=self.pieces,
+                params=dict(model.named_parameters()),
+                make_client=lambda: ShardedClient(ctx, self.transport),
+                max_to_keep=self.config.max_to_keep,
+                timeout=self.config.save_timeout,
+            )
+        for hook in self.hooks:
+            hook.begin(self)
+
+    # -- start ------------------------------------------------------------------------------
+
+    @property
+    def is_chief(self) -> bool:
+        return self.ctx.is_chief
+
+    def _builtin_hooks(self) -> list[Hook]:
+        cfg = self.config
+        hooks: list[Hook] = []
+        if cfg.nan_guard:
+            hooks.append(NanGuardHook())
+        if cfg.last_step is not None:
+            hooks.append(StopAtStepHook(cfg.last_step))
+        if self.is_chief and cfg.log_step_count_steps is not None:
+            hooks.append(
+                LoggingHook(every_n_steps=cfg.log_step_count_steps, last_step=cfg.last_step)
+            )
+        if self.is_chief and cfg.summary_dir is not None and cfg.save_summaries_steps is not None:
+            lr = self.optimizer_kwargs.get("lr")
+            self._summary = SummaryHook(
+                cfg.summary_dir,
+                every_n_steps=cfg.save_summaries_steps,
+                histogram_steps=cfg.histogram_steps,
+                learning_rate=float(lr) if isinstance(lr, int | float) else None,
+            )
+            hooks.append(self._summary)
+        fault = os.environ.get(envvars.PSFLOW_TEST_KILL_AT_STEP)
+        if fault:
+            hook = FaultHook.from_spec(fault, str(self.ctx.task))
+            if hook is not None:
+                hooks.append(hook)
+        return hooks
+
+    def _restore_or_nothing(self) -> None:
+        """The chief: restore the latest checkpoint into the ps (else the optimizer inits)."""
+        cfg = self.config
+        if cfg.checkpoint_dir is None:
+            return
+        d = CheckpointDir(cfg.checkpoint_dir)
+        removed = d.prune(None, incomplete_below=2**62)  # left by a task killed mid-save
+        if removed:
+            log.info("removed incomplete checkpoints %s", ", ".join(removed))
+        if not cfg.restore:
+            return
+        ckpt = load_checkpoint(cfg.checkpoint_dir)
+        if ckpt is None:
+            log.info("no checkpoint in %s: initialising", cfg.checkpoint_dir)
+            return
+        ckpt.check_model({n: p.detach() for n, p in self.model.named_parameters()})
+        values, plain = ckpt.place(self.pieces)
+        assert self._client is not None
+        spec = OptimizerSpec(name=self.optimizer_name, kwargs=self.optimizer_kwargs or {"lr": 0.01})
+        if ckpt.optimizer.name != spec.name:
+            log.warning(
+                "%s was saved with %s, the job uses %s: optimizer state not restored",
+                ckpt.name,
+                ckpt.optimizer.name,
+                spec.name,
+            )
+            values = {s: [(n, t) for n, t in ts if "/opt/" not in n] for s, ts in values.items()}
+            plain = {}
+        fresh = self._client.initialize_restored(values, plain, spec, ckpt.global_step)
+        if fresh:
+            self.restored_from = ckpt.name
+            log.info(
+                "restored %s from %s (global step %d, saved on %d ps)",
+                self.model.__class__.__name__,
+                d.url_of(ckpt.name),
+                ckpt.global_step,
+                ckpt.manifest.num_shards,
+            )
+        else:
+            log.info("the ps were already initialised: not restoring %s", ckpt.name)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def should_stop(self) -> bool:
+        """True once a hook (or :meth:`request_stop`) asked to stop."""
+        return self._stop
+
+    def request_stop(self) -> None:
+        self._stop = True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none)
+
+    def step(self, loss: torch.Tensor | float | None = None, **values: Any) -> int:
+        """Runs the hooks, pushes the gradients, pulls the parameters; returns the global step.
+
+        ``loss`` feeds the NaN guard, the progress line and the ``loss`` summary.
+        """
+        loss_value = (
+            None
+            if loss is None
+            else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        )
+        ctx = StepContext(
+            session=self, global_step=self.global_step, loss=loss_value, values=values
+        )
+        for hook in self.hooks:
+            hook.before_step(ctx)
+        self.global_step = ctx.global_step = self.opt.step()
+        for hook in self.hooks:
+            hook.after_step(ctx)
+        if self.checkpointer is not None and self._save_due():
+            self._save(wait=False)
+        return self.global_step
+
+    def _save_due(self) -> bool:
+        cfg = self.config
+        if (
+            cfg.save_checkpoint_steps
+            and self.global_step - self._last_save_step >= cfg.save_checkpoint_steps
+        ):
+            return True
+        return bool(
+            cfg.save_checkpoint_secs
+            and time.monotonic() - self._last_save_t >= cfg.save_checkpoint_secs
+        )
+
+    def _save(self, *, wait: bool) -> str | None:
+        assert self.checkpointer is not None
+        name = self.checkpointer.save(self.global_step, wait=wait)
+        if name is not None:
+            self._last_save_t = time.monotonic()
+            self._last_save_step = self.global_step
+        return name
+
+    def save(self) -> str | None:
+        """Saves a checkpoint now and waits for it (chief only; elsewhere returns ``None``)."""
+        if self.checkpointer is None:
+            return None
+        name = self._save(wait=True)
+        return None if name is None else self.checkpointer.dir.url_of(name)
+
+    @property
+    def latest_checkpoint(self) -> str | None:
+        if self.config.checkpoint_dir is None:
+            return None
+        return CheckpointDir(self.config.checkpoint_dir).latest()
+
+    def add_scalar(self, tag: str, value: float | torch.Tensor, step: int | None = None) -> None:
+        """A user summary (chief only; a no-op on other workers)."""
+        if self._summary is not None:
+            v = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+            self._summary.scalar(tag, v, self.global_step if step is None else step)
+
+    # -- end --------------------------------------------------------------------------------
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Ends the session: on the chief, a final checkpoint (unless ``error``); then ``done``."""
+        try:
+            if error is None:
+                for hook in self.hooks:
+                    hook.end(self)
+                if self.checkpointer is not None:
+                    self._wait_for_workers()
+                    self.opt.pull()
+                    self.global_step = self.opt.global_step
+                    self.checkpointer.wait()
+                    self._save(wait=True)
+            elif self.checkpointer is not None:
+                self.checkpointer.wait(raise_error=False)
+        finally:
+            if self._summary is not None:
+                self._summary.close()
+            if self._client is not None:
+                self._client.close()
+            self.opt.close()
+
+    def _wait_for_workers(self) -> None:
+        """The chief waits (bounded) for the other workers to finish, so the final checkpoint
+        holds their last updates too."""
+        assert self._client is not None
+        others = {str(t) for t in self.ctx.cluster.trainers} - {str(self.ctx.task)}
+        deadline = time.monotonic() + self.config.end_timeout
+        while others:
+            finished = set(self._client.status()[0].get("finished", []))
+            if others <= finished:
+                return
+            if time.monotonic() > deadline:
+                log.warning(
+                    "%s still training after %g s; saving the final checkpoint without waiting",
+                    ", ".join(sorted(others - finished)),
+                    self.config.end_timeout,
+                )
+                return
+            time.sleep(0.05)
+
+    def __enter__(self) -> TrainingSession:
+        return self
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        self.close(exc)
+
+
+MonitoredTrainingSession = TrainingSession
+"""TensorFlow's name for :class:`TrainingSession`."""

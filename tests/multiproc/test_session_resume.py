@@ -1,0 +1,79 @@
+"""Kill -9 a running job, run the same command again: it resumes from the last checkpoint."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from psflow import env as envvars
+from psflow.train import CheckpointDir
+
+from .support import ROOT
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(90)]
+
+_PROGRESS = re.compile(r"\[worker:0\] step (\d+)/\d+ .*\| loss (\S+) \|")
+
+
+def _launch(logdir: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "psflow.cli",
+        "launch",
+        "--ps",
+        "1",
+        "--workers",
+        "2",
+        str(ROOT / "examples" / "linear_regression.py"),
+        "--train_steps",
+        "6000",
+        "--logdir",
+        str(logdir),
+    ]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=60, env=dict(os.environ, **(env or {}))
+    )
+
+
+def test_killed_job_resumes_step_and_loss_from_the_last_checkpoint(tmp_path: Path) -> None:
+    logdir = tmp_path / "run"
+    first = _launch(logdir, {envvars.PSFLOW_TEST_KILL_AT_STEP: "worker:0@3500"})
+    assert first.returncode == 1, first.stderr[-3000:]
+    assert "task worker:0 failed with signal 9" in first.stderr
+    saved = CheckpointDir(str(logdir))
+    latest = saved.latest()
+    assert latest is not None
+    step = saved.manifest(latest).global_step
+    assert 2900 <= step <= 3500
+    losses_before = [float(m.group(2)) for m in _PROGRESS.finditer(first.stderr)]
+
+    second = _launch(logdir)  # the same command
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"global step {step}, saved on 1 ps" in second.stderr
+    resumed = [(int(m.group(1)), float(m.group(2))) for m in _PROGRESS.finditer(second.stderr)]
+    assert resumed and resumed[0][0] > step
+    # The loss goes on from where it was: far below where the first run started.
+    assert resumed[0][1] < losses_before[0] / 4, (losses_before, resumed)
+    m = re.fullmatch(r"\[worker:0\] W=(\S+) b=(\S+)", second.stdout.strip().splitlines()[-1])
+    assert m and abs(float(m.group(1)) - 2.0) < 0.05 and abs(float(m.group(2)) - 0.3) < 0.05
+    assert "job finished: 3 tasks exited 0" in second.stderr
+
+    final = saved.latest()
+    assert final is not None and saved.manifest(final).global_step >= 6000
+    assert len([c for c in saved.checkpoints() if c.complete]) <= 5  # max_to_keep
+
+    # Both runs wrote TensorBoard events; TensorBoard's own reader sees them.
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "histograms": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    assert {"loss", "global_step/sec", "learning_rate"} <= set(tags["scalars"])
+    assert {"weight", "bias"} <= set(tags["histograms"])
+    steps = [e.step for e in acc.Scalars("loss")]
+    assert min(steps) < step < max(steps)

@@ -1,0 +1,132 @@
+"""Hooks, session configuration and summaries (no sockets)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from psflow.train import (
+    LoggingHook,
+    NanGuardHook,
+    NanLossError,
+    SessionConfig,
+    StepContext,
+    StopAtStepHook,
+    SummaryHook,
+)
+from psflow.train.hooks import FaultHook
+
+pytestmark = pytest.mark.unit
+
+
+class FakeSession:
+    def __init__(self) -> None:
+        self.model = torch.nn.Linear(2, 1)
+        self.ctx = SimpleNamespace(task="worker:1")
+        self.global_step = 0
+        self.latest_checkpoint = "ckpt-10"
+        self.stopped = False
+
+    def request_stop(self) -> None:
+        self.stopped = True
+
+
+def _ctx(sess: Any, step: int, loss: float | None = 1.0) -> StepContext:
+    return StepContext(session=sess, global_step=step, loss=loss)
+
+
+def test_stop_at_step() -> None:
+    sess = FakeSession()
+    hook = StopAtStepHook(5)
+    hook.begin(sess)  # type: ignore[arg-type]
+    assert not sess.stopped
+    hook.after_step(_ctx(sess, 4))
+    assert not sess.stopped
+    hook.after_step(_ctx(sess, 5))
+    assert sess.stopped
+    resumed = FakeSession()
+    resumed.global_step = 7
+    hook.begin(resumed)  # type: ignore[arg-type]
+    assert resumed.stopped
+    with pytest.raises(ValueError, match="last_step"):
+        StopAtStepHook(-1)
+
+
+def test_nan_guard_names_the_step_task_and_last_checkpoint() -> None:
+    sess = FakeSession()
+    guard = NanGuardHook()
+    guard.before_step(_ctx(sess, 3, 0.5))
+    with pytest.raises(NanLossError, match=r"loss is nan at global step 3 on worker:1.*ckpt-10"):
+        guard.before_step(_ctx(sess, 3, float("nan")))
+    sess.model.weight.grad = torch.tensor([[1.0, float("inf")]])
+    with pytest.raises(NanLossError, match="gradient of 'weight'"):
+        guard.before_step(_ctx(sess, 3, 0.5))
+
+
+def test_logging_hook_prints_rate_loss_and_eta_lines_when_not_a_tty() -> None:
+    out = io.StringIO()
+    hook = LoggingHook(every_n_steps=10, last_step=100, stream=out)
+    sess = FakeSession()
+    hook.begin(sess)  # type: ignore[arg-type]
+    for step in range(1, 21):
+        hook.after_step(_ctx(sess, step, loss=0.5))
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("step 10/100 [##") and "10%" in lines[0]
+    assert "steps/s" in lines[0] and "loss 0.5" in lines[0] and "ETA 0:00:" in lines[0]
+
+
+def test_fault_schedule_parsing() -> None:
+    assert FaultHook.from_spec("worker:0@30", "worker:1") is None
+    hook = FaultHook.from_spec("worker:0@30", "worker:0")
+    assert hook is not None and hook.step == 30
+    with pytest.raises(ValueError, match="<task>@<step>"):
+        FaultHook.from_spec("worker:0", "worker:0")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"save_checkpoint_steps": 0}, "save_checkpoint_steps"),
+        ({"max_to_keep": 0}, "max_to_keep"),
+        ({"save_checkpoint_secs": -1.0}, "save_checkpoint_secs"),
+        ({"last_step": -2}, "last_step"),
+        ({"checkpoint_dir": ""}, "checkpoint_dir"),
+    ],
+)
+def test_session_config_rejects_bad_values(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SessionConfig(**kwargs)
+
+
+def test_session_config_defaults_follow_tensorflow() -> None:
+    cfg = SessionConfig(checkpoint_dir="/tmp/x")
+    assert cfg.save_checkpoint_secs == 600.0 and cfg.summary_dir == "/tmp/x"
+    assert (
+        SessionConfig(checkpoint_dir="/tmp/x", save_checkpoint_steps=5).save_checkpoint_secs is None
+    )
+
+
+def test_summaries_are_readable_by_tensorboard(tmp_path: Path) -> None:
+    sess = FakeSession()
+    hook = SummaryHook(str(tmp_path), every_n_steps=10, histogram_steps=20, learning_rate=0.1)
+    hook.begin(sess)  # type: ignore[arg-type]
+    for step in range(1, 41):
+        hook.after_step(_ctx(sess, step, loss=1.0 / step))
+    hook.scalar("user/accuracy", 0.75, 40)
+    hook.close()
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "histograms": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    assert {"loss", "global_step/sec", "learning_rate", "user/accuracy"} <= set(tags["scalars"])
+    assert {"weight", "bias"} <= set(tags["histograms"])
+    assert [e.step for e in acc.Scalars("loss")] == [10, 20, 30, 40]
+    assert acc.Scalars("learning_rate")[0].value == pytest.approx(0.1)
+    assert acc.Scalars("loss")[0].value == pytest.approx(sum(1 / s for s in range(1, 11)) / 10)
+    assert [e.step for e in acc.Histograms("weight")] == [20, 40]
