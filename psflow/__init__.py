@@ -17,11 +17,25 @@ A training script, in full (``psflow launch --ps 1 --workers 2 train.py`` runs i
 
 The public API, by layer: cluster (:class:`ClusterSpec`, :class:`TaskSpec`,
 :class:`TaskContext`, :func:`resolve`), ps (:class:`ParameterServer`, :class:`OptimizerSpec`),
-worker (:class:`DistributedOptimizer`), transport (:class:`TransportConfig`, errors).
+worker (:class:`DistributedOptimizer`), train (:class:`TrainingSession` and its hooks,
+checkpoints), transport (:class:`TransportConfig`, errors). Data (TFRecord, Example, Spark) is
+in :mod:`psflow.data`, deployment templates in :mod:`psflow.deploy`.
 """
 
 from psflow.cluster import ClusterSpec, TaskContext, TaskSpec, resolve
 from psflow.ps import OptimizerSpec, ParameterServer
+from psflow.train import (
+    Hook,
+    LoggingHook,
+    MonitoredTrainingSession,
+    NanGuardHook,
+    NanLossError,
+    SessionConfig,
+    StopAtStepHook,
+    TrainingSession,
+    export_state_dict,
+    load_checkpoint,
+)
 from psflow.transport import PeerError, PeerTimeoutError, TransportConfig
 from psflow.worker import DistributedOptimizer
 
@@ -30,13 +44,23 @@ __version__ = "0.1.0"
 __all__ = [
     "ClusterSpec",
     "DistributedOptimizer",
+    "Hook",
+    "LoggingHook",
+    "MonitoredTrainingSession",
+    "NanGuardHook",
+    "NanLossError",
     "OptimizerSpec",
     "ParameterServer",
     "PeerError",
     "PeerTimeoutError",
+    "SessionConfig",
+    "StopAtStepHook",
     "TaskContext",
     "TaskSpec",
+    "TrainingSession",
     "TransportConfig",
     "__version__",
+    "export_state_dict",
+    "load_checkpoint",
     "resolve",
 ]

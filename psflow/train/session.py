@@ -181,6 +181,7 @@ class TrainingSession:
         try:
             if self.is_chief:
                 self._client = ShardedClient(ctx, self.transport)
+                self._client.wait_ready(ready_timeout, initialized=False)  # ps may be starting
                 self._restore_or_nothing()
             self.opt = DistributedOptimizer(
                 model,

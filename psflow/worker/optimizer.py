@@ -97,12 +97,12 @@ class DistributedOptimizer:
             # The ps tasks may still be starting: wait for them, not just one request's timeout.
             self._client.wait_ready(ready_timeout, initialized=False)
             values = {s: self._values(pieces) for s, pieces in self._by_shard.items()}
-            fresh = self._client.initialize(values, self.spec)
-            log.info(
-                "%s %s the ps",
-                self.ctx.task,
-                "initialised" if fresh else "found an already initialised",
-            )
+            if self._client.initialize(values, self.spec):
+                log.info("%s initialised the ps", self.ctx.task)
+            else:
+                log.info(
+                    "%s found the ps already initialised (restored or restarted)", self.ctx.task
+                )
         else:
             self._client.wait_ready(ready_timeout)
         self.pull()
