@@ -133,7 +133,7 @@ class ShardedClient:
                         pending.discard(s)
             except PeerError as e:
                 if time.monotonic() > deadline:
-                    raise
+                    raise TimeoutError(f"waited {timeout:g} s for the ps tasks: {e}") from e
                 log.debug("waiting for the ps: %s", e)
             if not pending:
                 return

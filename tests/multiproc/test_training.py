@@ -123,6 +123,11 @@ def test_worker_gives_up_waiting_for_the_chief() -> None:
     cluster = local_cluster(1, 2)
     ps = start_ps(cluster)
     try:
+        probe = ShardedClient(worker_ctx(cluster, 1), TransportConfig(timeout=30))
+        try:
+            probe.wait_ready(60, initialized=False)  # the ps is up; only the chief is missing
+        finally:
+            probe.close()
         with pytest.raises(TimeoutError, match=r"worker:0 \(the chief\) did not initialise ps:0"):
             psflow.DistributedOptimizer(
                 torch.nn.Linear(1, 1), worker_ctx(cluster, 1), ready_timeout=1.0
