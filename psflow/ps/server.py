@@ -187,9 +187,11 @@ class ParameterServer:
         sender = request.header.get("task")
         return sender if isinstance(sender, str) else "an unnamed client"
 
-    def _tensors(self, request: Request) -> list[tuple[str, torch.Tensor]]:
+    def _tensors(
+        self, request: Request, into: dict[str, torch.Tensor] | None = None
+    ) -> list[tuple[str, torch.Tensor]]:
         return wire.decode_tensors(
-            request.header, request.frames, max_bytes=self.config.max_message_bytes
+            request.header, request.frames, max_bytes=self.config.max_message_bytes, into=into
         )
 
     def _reply(
@@ -266,9 +268,9 @@ class ParameterServer:
 
     def _push(self, request: Request) -> None:
         self._require_initialized()
-        grads = self._tensors(request)
-        self.store.check(grads)
         assert self._server is not None
+        grads = self._tensors(request, into=self.store.grad_buffers)
+        self.store.check(grads)
         # Values still being sent from their own memory must not change under the sender.
         self._server.flush(self.config.timeout)
         step = self.store.apply(grads)

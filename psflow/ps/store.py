@@ -74,6 +74,7 @@ class ShardStore:
         self.optimizer_spec: OptimizerSpec | None = None
         self.step = 0
         """Updates applied (on shard 0: the job's global step)."""
+        self.grad_buffers: dict[str, torch.Tensor] = {}
 
     @property
     def initialized(self) -> bool:
@@ -96,33 +97,43 @@ class ShardStore:
                 raise ValueError(f"initial value of {name!r} is not finite")
         # Own copies: the received tensors may be views of network buffers.
         self.variables = {name: t.detach().clone() for name, t in tensors}
+        # Gradients of large variables are received into these: no allocation per push.
+        self.grad_buffers = {
+            name: torch.empty_like(t) for name, t in self.variables.items() if t.nbytes > 1 << 16
+        }
         self.optimizer = spec.build(list(self.variables.values()))
         self.optimizer_spec = spec
         self.step = step
 
     def check(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Raises ``ValueError`` unless every tensor matches a stored variable exactly."""
-        for name, t in tensors:
+        self.check_shapes([(name, t.dtype, tuple(t.shape)) for name, t in tensors])
+
+    def check_shapes(self, metas: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+        """Raises ``ValueError`` unless every (name, dtype, shape) matches a stored variable."""
+        names = set()
+        for name, dtype, shape in metas:
             var = self.variables.get(name)
             if var is None:
                 raise ValueError(f"unknown variable {name!r}")
-            if t.dtype != var.dtype:
+            if dtype != var.dtype:
                 raise ValueError(
-                    f"{name!r}: dtype {dtype_name(t.dtype)} does not match the stored "
+                    f"{name!r}: dtype {dtype_name(dtype)} does not match the stored "
                     f"{dtype_name(var.dtype)}"
                 )
-            if t.shape != var.shape:
+            if tuple(shape) != tuple(var.shape):
                 raise ValueError(
-                    f"{name!r}: shape {list(t.shape)} does not match the stored {list(var.shape)}"
+                    f"{name!r}: shape {list(shape)} does not match the stored {list(var.shape)}"
                 )
+            if name in names:
+                raise ValueError("a variable appears twice in one push")
+            names.add(name)
 
     def apply(self, grads: Sequence[tuple[str, torch.Tensor]]) -> int:
         """Applies one gradient for (some of) the variables and returns the new step count."""
         assert self.optimizer is not None
         self.check(grads)
         names = [n for n, _ in grads]
-        if len(set(names)) != len(names):
-            raise ValueError("a variable appears twice in one push")
         for name, g in grads:
             self.variables[name].grad = g
         try:

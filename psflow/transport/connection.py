@@ -260,9 +260,15 @@ class Client:
         return rid
 
     def wait(
-        self, rids: Iterable[int], timeout: float | None = None
+        self,
+        rids: Iterable[int],
+        timeout: float | None = None,
+        *,
+        into: dict[str, torch.Tensor] | None = None,
     ) -> dict[int, tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]]:
         """The replies to ``rids`` (header and tensors), keyed by request id.
+
+        Large tensors named in ``into`` are received straight into those tensors.
 
         Raises:
             PeerTimeoutError: naming each peer that has not answered by the deadline.
@@ -304,7 +310,7 @@ class Client:
                         raise PeerError(peer, str(header.get("error", "unknown error")))
                     try:
                         tensors = wire.decode_tensors(
-                            header, parts[1:], max_bytes=self.config.max_message_bytes
+                            header, parts[1:], max_bytes=self.config.max_message_bytes, into=into
                         )
                     except wire.WireError as e:
                         raise PeerError(peer, f"malformed reply: {e}") from None

@@ -176,24 +176,15 @@ def tensor_metas(header: Mapping[str, Any]) -> list[TensorMeta]:
     return out
 
 
-def decode_tensors(
+def frame_views(
     header: Mapping[str, Any], frames: Sequence[Any], *, max_bytes: int
-) -> list[tuple[str, torch.Tensor]]:
-    """The tensors of a message whose header was decoded by :func:`decode_header`.
-
-    A tensor that arrived in one frame is a zero-copy view of that frame; one that arrived in
-    several is assembled into fresh memory.
+) -> list[tuple[TensorMeta, list[memoryview]]]:
+    """Each tensor of a framed message (not inline) with the frames that hold its bytes.
 
     Raises:
         WireError: when the frames do not match the header (count, sizes) or exceed ``max_bytes``.
     """
     metas = tensor_metas(header)
-    if not metas:
-        if frames:
-            raise WireError(f"{len(frames)} data frame(s) but the header lists no tensors")
-        return []
-    if "b" in header:
-        return _decode_inline(metas, header["b"], frames)
     chunk = header.get("c")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
         raise WireError(f"bad chunk size {chunk!r}")
@@ -214,21 +205,57 @@ def decode_tensors(
         got = sum(len(p) for p in parts)
         if got != m.nbytes:
             raise WireError(f"tensor {m.name!r} needs {m.nbytes} bytes, its frames hold {got}")
+        out.append((m, parts))
+    return out
+
+
+def decode_tensors(
+    header: Mapping[str, Any],
+    frames: Sequence[Any],
+    *,
+    max_bytes: int,
+    into: Mapping[str, torch.Tensor] | None = None,
+) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a message whose header was decoded by :func:`decode_header`.
+
+    A tensor that arrived in one frame is a zero-copy view of that frame; one that arrived in
+    several is assembled into ``into[name]`` when that is a contiguous tensor of the same dtype
+    and shape (the caller's own buffer: no allocation, no second copy), else into fresh memory.
+
+    Raises:
+        WireError: when the frames do not match the header (count, sizes) or exceed ``max_bytes``.
+    """
+    metas = tensor_metas(header)
+    if not metas:
+        if frames:
+            raise WireError(f"{len(frames)} data frame(s) but the header lists no tensors")
+        return []
+    if "b" in header:
+        return _decode_inline(metas, header["b"], frames)
+    out = []
+    for m, parts in frame_views(header, frames, max_bytes=max_bytes):
         if m.nbytes == 0:
             t = torch.empty(0, dtype=m.dtype)
-        elif n == 1 and not parts[0].readonly and m.nbytes >= _CLONE_BELOW:
+        elif len(parts) == 1 and not parts[0].readonly and m.nbytes >= _CLONE_BELOW:
             # Zero-copy: the tensor is the frame (tiny frames may sit unaligned inside
             # ZeroMQ's message struct, so those are copied below).
             t = torch.frombuffer(parts[0], dtype=m.dtype)
         else:
-            t = torch.empty(m.numel, dtype=m.dtype)
-            dst = t.view(torch.uint8).numpy()
+            t = _destination(m, into)
+            dst = t.view(-1).view(torch.uint8).numpy()
             off = 0
             for p in parts:
                 dst[off : off + len(p)] = np.frombuffer(p, dtype=np.uint8)
                 off += len(p)
         out.append((m.name, t.view(m.shape)))
     return out
+
+
+def _destination(m: TensorMeta, into: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
+    t = into.get(m.name) if into is not None else None
+    if t is not None and t.dtype == m.dtype and t.shape == m.shape and t.is_contiguous():
+        return t
+    return torch.empty(m.shape, dtype=m.dtype)
 
 
 def _decode_inline(

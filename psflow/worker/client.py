@@ -51,6 +51,7 @@ class ShardedClient:
         headers: dict[int, dict[str, Any]],
         tensors: dict[int, Tensors] | None = None,
         timeout: float | None = None,
+        into: dict[str, torch.Tensor] | None = None,
     ) -> dict[int, tuple[dict[str, Any], Tensors]]:
         rids = {}
         for shard, header in headers.items():
@@ -58,7 +59,7 @@ class ShardedClient:
             rids[shard] = self._client.send(
                 self.shards[shard], header, (tensors or {}).get(shard, [])
             )
-        replies = self._client.wait(rids.values(), timeout)
+        replies = self._client.wait(rids.values(), timeout, into=into)
         return {shard: replies[rid] for shard, rid in rids.items()}
 
     def status(self) -> dict[int, dict[str, Any]]:
@@ -148,16 +149,23 @@ class ShardedClient:
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
 
-    def pull(self) -> dict[int, tuple[dict[str, Any], Tensors]]:
-        return self._all({s: {"op": "pull"} for s in range(self.num_shards)})
+    def pull(
+        self, into: dict[str, torch.Tensor] | None = None
+    ) -> dict[int, tuple[dict[str, Any], Tensors]]:
+        """Every shard's variables (large ones received straight into ``into[name]``)."""
+        return self._all({s: {"op": "pull"} for s in range(self.num_shards)}, into=into)
 
     def push(
-        self, grads: dict[int, Tensors], *, pull: bool
+        self,
+        grads: dict[int, Tensors],
+        *,
+        pull: bool,
+        into: dict[str, torch.Tensor] | None = None,
     ) -> dict[int, tuple[dict[str, Any], Tensors]]:
         """Pushes each shard's gradients (always including shard 0) in one round trip each."""
         op = "push_pull" if pull else "push"
         shards = set(grads) | {0}
-        return self._all({s: {"op": op} for s in sorted(shards)}, grads)
+        return self._all({s: {"op": op} for s in sorted(shards)}, grads, into=into)
 
     def done(self, timeout: float = 5.0) -> None:
         """Tells every shard this task has finished (best effort: a dead shard is logged)."""

@@ -124,6 +124,8 @@ class DistributedOptimizer:
                     if piece is None or piece.shard != shard:
                         raise ValueError(f"ps:{shard} sent unknown variable {var!r}")
                     dst = self._slice(self.params[piece.param], piece)
+                    if value.data_ptr() == dst.data_ptr():
+                        continue  # received in place
                     if dst.shape != value.shape:
                         raise ValueError(
                             f"ps:{shard} sent {var!r} with shape {list(value.shape)}, "
@@ -133,9 +135,18 @@ class DistributedOptimizer:
                 if shard == 0:
                     self.global_step = int(header["step"])
 
+    def _destinations(self) -> dict[str, torch.Tensor]:
+        """Where each variable's values land: the model's own memory, when contiguous."""
+        out = {}
+        for p in self.pieces:
+            dst = self._slice(self.params[p.param].data, p)
+            if dst.is_contiguous():
+                out[p.var] = dst
+        return out
+
     def pull(self) -> int:
         """Overwrites the model's parameters with the ps values; returns the global step."""
-        self._load(self._client.pull())
+        self._load(self._client.pull(into=self._destinations()))
         return self.global_step
 
     def step(self) -> int:
@@ -154,7 +165,7 @@ class DistributedOptimizer:
                 grads[shard] = out
         if not grads:
             raise ValueError("no gradients to push: call loss.backward() before step()")
-        self._load(self._client.push(grads, pull=True))
+        self._load(self._client.push(grads, pull=True, into=self._destinations()))
         return self.global_step
 
     def zero_grad(self, set_to_none: bool = True) -> None:
