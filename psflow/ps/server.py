@@ -198,12 +198,12 @@ class ParameterServer:
         self,
         request: Request,
         header: dict[str, Any],
-        tensors: list[tuple[str, torch.Tensor]] | None = None,
+        tensors: list[tuple[str, torch.Tensor]] | wire.TensorSet = (),  # type: ignore[assignment]
     ) -> None:
         assert self._server is not None
         header.setdefault("op", "ok")
         header.setdefault("step", self.store.step)
-        self._server.reply(request, header, tensors or [])
+        self._server.reply(request, header, tensors)
 
     def _require_initialized(self) -> None:
         if not self.store.initialized:
@@ -255,8 +255,9 @@ class ParameterServer:
     def _pull(self, request: Request) -> None:
         self._require_initialized()
         names = request.header.get("names")
+        tensors: list[tuple[str, torch.Tensor]] | wire.TensorSet
         if names is None:
-            tensors = list(self.store.variables.items())
+            tensors = self.store.wire_set
         else:
             if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
                 raise ValueError("'names' must be a list of variable names")
@@ -270,12 +271,11 @@ class ParameterServer:
         self._require_initialized()
         assert self._server is not None
         grads = self._tensors(request, into=self.store.grad_buffers)
-        self.store.check(grads)
         # Values still being sent from their own memory must not change under the sender.
         self._server.flush(self.config.timeout)
-        step = self.store.apply(grads)
+        step = self.store.apply(grads)  # validates first: a bad push changes nothing
         if request.header["op"] == "push_pull":
-            self._reply(request, {"step": step}, list(self.store.variables.items()))
+            self._reply(request, {"step": step}, self.store.wire_set)
         else:
             self._reply(request, {"step": step})
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from psflow.transport.wire import dtype_name
+from psflow.transport.wire import TensorSet, dtype_name
 
 _ARG_TYPES = (int, float, bool, str, type(None))
 
@@ -75,6 +75,8 @@ class ShardStore:
         self.step = 0
         """Updates applied (on shard 0: the job's global step)."""
         self.grad_buffers: dict[str, torch.Tensor] = {}
+        self._wire: TensorSet | None = None
+        self._step: Callable[[], Any] = lambda: None
 
     @property
     def initialized(self) -> bool:
@@ -97,13 +99,26 @@ class ShardStore:
                 raise ValueError(f"initial value of {name!r} is not finite")
         # Own copies: the received tensors may be views of network buffers.
         self.variables = {name: t.detach().clone() for name, t in tensors}
+        self._wire = None
         # Gradients of large variables are received into these: no allocation per push.
         self.grad_buffers = {
             name: torch.empty_like(t) for name, t in self.variables.items() if t.nbytes > 1 << 16
         }
         self.optimizer = spec.build(list(self.variables.values()))
+        # torch.optim wraps step() in a profiler range and hook calls that cost more than the
+        # update itself for small models; the ps registers no hooks, so it calls step directly.
+        raw_step = getattr(type(self.optimizer).step, "__wrapped__", None)
+        opt = self.optimizer
+        self._step = (lambda: raw_step(opt)) if raw_step is not None else opt.step
         self.optimizer_spec = spec
         self.step = step
+
+    @property
+    def wire_set(self) -> TensorSet:
+        """All variables, described for the wire once (every pull and push_pull sends them)."""
+        if self._wire is None:
+            self._wire = TensorSet(list(self.variables.items()))
+        return self._wire
 
     def check(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Raises ``ValueError`` unless every tensor matches a stored variable exactly."""
@@ -137,7 +152,7 @@ class ShardStore:
         for name, g in grads:
             self.variables[name].grad = g
         try:
-            self.optimizer.step()
+            self._step()
         finally:
             for name in names:
                 # Drop the reference: the gradient may be a view of a network buffer.

@@ -14,7 +14,7 @@ import socket as pysocket
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import zmq
@@ -133,9 +133,13 @@ class Server:
             wire.WireError: for a message whose header is malformed; the server sends the
                 error reply itself when it knows whom to answer.
         """
-        if not self._sock.poll(int(timeout * 1000)):
+        ms = max(1, int(timeout * 1000))
+        if self._sock.rcvtimeo != ms:
+            self._sock.rcvtimeo = ms
+        try:
+            parts = self._sock.recv_multipart(copy=False)
+        except zmq.Again:
             return None
-        parts = self._sock.recv_multipart(copy=False)
         identity = parts[0].bytes
         if len(parts) < 2:
             raise wire.WireError("message has no header frame")
@@ -150,7 +154,7 @@ class Server:
         self,
         request: Request,
         header: dict[str, Any],
-        tensors: Sequence[tuple[str, torch.Tensor]] = (),
+        tensors: Sequence[tuple[str, torch.Tensor]] | wire.TensorSet = (),
     ) -> None:
         """Answers ``request``; tensors are sent from their own memory, without a copy."""
         header["id"] = request.header["id"]
@@ -278,44 +282,71 @@ class Client:
         out: dict[int, tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]] = {}
         timeout = self.config.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
+        peers = {self._inflight[r] for r in want}
+        # One peer (one ps shard): a blocking receive with a timeout, no poller, no retries.
+        single = self._socks[next(iter(peers))] if len(peers) == 1 else None
         while want:
             left = deadline - time.monotonic()
+            if single is not None:
+                if left > 0:
+                    single.rcvtimeo = max(1, int(left * 1000))
+                    try:
+                        parts = single.recv_multipart(copy=False)
+                    except zmq.Again:
+                        pass
+                    else:
+                        self._take(single, parts, want, out, into)
+                        continue
+                self._timeout(want, timeout)
             ready = dict(self._poller.poll(max(0, int(left * 1000)))) if left > 0 else {}
             if not ready:
-                late = sorted({self._inflight[r] for r in want})
-                for r in want:
-                    self._inflight.pop(r, None)
-                names = ", ".join(f"{p} at {self._addresses[p]}" for p in late)
-                raise PeerTimeoutError(
-                    names,
-                    f"no answer within {timeout:g} s (dead, hung, unreachable or not authorised?)",
-                )
+                self._timeout(want, timeout)
             for sock in ready:
-                peer = self._peer_of[sock]  # type: ignore[index]
                 while True:
                     try:
                         parts = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)  # type: ignore[union-attr]
                     except zmq.Again:
                         break
-                    try:
-                        header = wire.decode_header(parts[0].buffer)
-                    except wire.WireError as e:
-                        raise PeerError(peer, f"malformed reply: {e}") from None
-                    rid = header["id"]
-                    if rid not in want:
-                        continue  # the reply to a request that already timed out
-                    want.discard(rid)
-                    self._inflight.pop(rid, None)
-                    if header["op"] == "error":
-                        raise PeerError(peer, str(header.get("error", "unknown error")))
-                    try:
-                        tensors = wire.decode_tensors(
-                            header, parts[1:], max_bytes=self.config.max_message_bytes, into=into
-                        )
-                    except wire.WireError as e:
-                        raise PeerError(peer, f"malformed reply: {e}") from None
-                    out[rid] = (header, tensors)
+                    self._take(sock, parts, want, out, into)  # type: ignore[arg-type]
         return out
+
+    def _timeout(self, want: set[int], timeout: float) -> NoReturn:
+        late = sorted({self._inflight[r] for r in want})
+        for r in want:
+            self._inflight.pop(r, None)
+        names = ", ".join(f"{p} at {self._addresses[p]}" for p in late)
+        raise PeerTimeoutError(
+            names, f"no answer within {timeout:g} s (dead, hung, unreachable or not authorised?)"
+        )
+
+    def _take(
+        self,
+        sock: zmq.Socket[bytes],
+        parts: list[Any],
+        want: set[int],
+        out: dict[int, tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]],
+        into: dict[str, torch.Tensor] | None,
+    ) -> None:
+        """Files one reply under its request id (dropping replies nobody waits for any more)."""
+        peer = self._peer_of[sock]
+        try:
+            header = wire.decode_header(parts[0].buffer)
+        except wire.WireError as e:
+            raise PeerError(peer, f"malformed reply: {e}") from None
+        rid = header["id"]
+        if rid not in want:
+            return  # the reply to a request that already timed out
+        want.discard(rid)
+        self._inflight.pop(rid, None)
+        if header["op"] == "error":
+            raise PeerError(peer, str(header.get("error", "unknown error")))
+        try:
+            tensors = wire.decode_tensors(
+                header, parts[1:], max_bytes=self.config.max_message_bytes, into=into
+            )
+        except wire.WireError as e:
+            raise PeerError(peer, f"malformed reply: {e}") from None
+        out[rid] = (header, tensors)
 
     def request(
         self,

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import msgpack
 import numpy as np
@@ -63,21 +62,17 @@ class Buffer(Protocol):
     def buffer(self) -> memoryview: ...
 
 
-@dataclass(frozen=True, kw_only=True)
-class TensorMeta:
-    """Name, dtype and shape of one tensor on the wire."""
+class TensorMeta(NamedTuple):
+    """Name, dtype, shape and size of one tensor on the wire (a tuple: made per message)."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
+    nbytes: int
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * ITEMSIZE[self.dtype]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -91,9 +86,31 @@ def num_frames(nbytes: int, chunk: int) -> int:
     return max(1, -(-nbytes // chunk))
 
 
+def _raw(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
+def _aligned(n: int) -> int:
+    return (n + 7) & ~7
+
+
+class TensorSet:
+    """Tensors that go out again and again (a ps shard's variables): described once.
+
+    The tensors must stay the same objects, contiguous and on the CPU; their values may change.
+    """
+
+    def __init__(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        for name, t in tensors:
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError(f"{name!r} must be a contiguous CPU tensor to join a TensorSet")
+        self.metas = [[name, dtype_name(t.dtype), list(t.shape)] for name, t in tensors]
+        self.raws = [_raw(t) for _, t in tensors]
+
+
 def encode(
     header: dict[str, Any],
-    tensors: Sequence[tuple[str, torch.Tensor]] = (),
+    tensors: Sequence[tuple[str, torch.Tensor]] | TensorSet = (),
     *,
     chunk: int = DEFAULT_CHUNK_BYTES,
 ) -> list[Any]:
@@ -104,22 +121,24 @@ def encode(
     bounds the latency of small steps. Large tensors travel as views of their own memory: the
     caller must keep them unchanged until ZeroMQ has sent them (see ``Server.flush``).
     """
-    metas = []
-    raws = []
-    for name, t in tensors:
-        if t.device.type != "cpu":
-            t = t.cpu()
-        if not t.is_contiguous():
-            t = t.contiguous()
-        metas.append([name, dtype_name(t.dtype), list(t.shape)])
-        raws.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
-    header = dict(header)
+    if isinstance(tensors, TensorSet):
+        metas, raws = tensors.metas, tensors.raws
+    else:
+        metas, raws = [], []
+        for name, t in tensors:
+            if t.device.type != "cpu":
+                t = t.cpu()
+            if not t.is_contiguous():
+                t = t.contiguous()
+            metas.append([name, dtype_name(t.dtype), list(t.shape)])
+            raws.append(_raw(t))
     header["v"] = PROTOCOL_VERSION
     frames: list[Any] = [b""]
     if metas:
         header["t"] = metas
         if sum(len(r) for r in raws) <= INLINE_BYTES:
-            header["b"] = b"".join(raws)
+            # Each tensor starts 8-byte aligned, so the receiver can view it in place.
+            header["b"] = b"".join(bytes(r) + bytes(-len(r) % 8) if len(r) % 8 else r for r in raws)
         else:
             header["c"] = chunk
             for raw in raws:
@@ -152,9 +171,24 @@ def decode_header(frame: bytes | memoryview) -> dict[str, Any]:
     return header
 
 
+_last_metas: tuple[Any, list[TensorMeta]] = (None, [])
+
+
 def tensor_metas(header: Mapping[str, Any]) -> list[TensorMeta]:
     """The validated tensor descriptions of a header (empty when it carries none)."""
+    global _last_metas
     raw = header.get("t", [])
+    # Training sends the same descriptions every step: validate each distinct list once.
+    # (One tuple, read and replaced whole, so threads sharing it see a consistent pair.)
+    last = _last_metas
+    if raw == last[0]:
+        return last[1]
+    out = _validate_metas(raw)
+    _last_metas = (raw, out)
+    return out
+
+
+def _validate_metas(raw: Any) -> list[TensorMeta]:
     if not isinstance(raw, list) or len(raw) > MAX_TENSORS:
         raise WireError("'t' must be a list of at most 65536 [name, dtype, shape] entries")
     out = []
@@ -172,7 +206,8 @@ def tensor_metas(header: Mapping[str, Any]) -> list[TensorMeta]:
             or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
         ):
             raise WireError(f"tensor {name!r} has a bad shape {shape!r}")
-        out.append(TensorMeta(name=name, dtype=DTYPES[dtype], shape=tuple(shape)))
+        t = DTYPES[dtype]
+        out.append(TensorMeta(name, t, tuple(shape), math.prod(shape) * ITEMSIZE[t]))
     return out
 
 
@@ -265,16 +300,19 @@ def _decode_inline(
         raise WireError("inline tensor data 'b' must be bytes")
     if frames:
         raise WireError("a message with inline tensor data carries no data frames")
-    total = sum(m.nbytes for m in metas)
+    total = sum(_aligned(m.nbytes) for m in metas)
     if total != len(blob):
         raise WireError(f"inline data holds {len(blob)} bytes, the listed tensors need {total}")
-    src = np.frombuffer(blob, dtype=np.uint8)
+    # One copy into fresh (aligned, writable) memory; every tensor is a view of it.
+    src = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else None
     out = []
     off = 0
     for m in metas:
-        t = torch.empty(m.shape, dtype=m.dtype)
-        t.view(-1).view(torch.uint8).numpy()[:] = src[off : off + m.nbytes]
-        off += m.nbytes
+        if m.nbytes == 0 or src is None:
+            t = torch.empty(m.shape, dtype=m.dtype)
+        else:
+            t = src[off : off + m.nbytes].view(m.dtype).view(m.shape)
+        off += _aligned(m.nbytes)
         out.append((m.name, t))
     return out
 

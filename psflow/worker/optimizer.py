@@ -12,6 +12,7 @@ from torch import nn
 from psflow.cluster.resolve import resolve
 from psflow.cluster.spec import TaskContext
 from psflow.ps.store import OptimizerSpec
+from psflow.transport import wire
 from psflow.transport.connection import TransportConfig
 from psflow.worker.client import ShardedClient, Tensors, group_by_shard
 from psflow.worker.placement import ParamInfo, Piece, place
@@ -79,7 +80,14 @@ class DistributedOptimizer:
             infos, self._client.num_shards, strategy=placement, partition_bytes=partition_bytes
         )
         self._by_shard = group_by_shard(self.pieces)
-        self._by_var = {p.var: p for p in self.pieces}
+        self._shard_of = {p.var: p.shard for p in self.pieces}
+        self._grad_plan = [
+            (shard, [(p.var, self.params[p.param], p.rows) for p in pieces])
+            for shard, pieces in self._by_shard.items()
+        ]
+        self._view_ptrs: tuple[int, ...] = ()
+        self._view_of: dict[str, torch.Tensor] = {}
+        self._into: dict[str, torch.Tensor] = {}
         self.global_step = 0
         self._closed = False
         try:
@@ -116,14 +124,33 @@ class DistributedOptimizer:
             return t
         return t[piece.rows[0] : piece.rows[1]]
 
+    def _views(self) -> dict[str, torch.Tensor]:
+        """Each variable's place in the model: views of the parameters' memory.
+
+        Built once and rebuilt only when a parameter's storage changed (``model.to(...)``):
+        this runs every step, and for small models its cost is the step's cost.
+        """
+        ptrs = tuple(p.data_ptr() for p in self.params.values())
+        if ptrs != self._view_ptrs:
+            self._view_of = {p.var: self._slice(self.params[p.param].data, p) for p in self.pieces}
+            # Large tensors are received straight into the model (small ones arrive inline).
+            self._into = {
+                v: t
+                for v, t in self._view_of.items()
+                if t.is_contiguous() and t.nbytes > wire.INLINE_BYTES
+            }
+            self._view_ptrs = ptrs
+        return self._view_of
+
     def _load(self, replies: dict[int, tuple[dict[str, Any], Tensors]]) -> None:
+        views = self._views()
+        shard_of = self._shard_of
         with torch.no_grad():
             for shard, (header, tensors) in replies.items():
                 for var, value in tensors:
-                    piece = self._by_var.get(var)
-                    if piece is None or piece.shard != shard:
+                    dst = views.get(var)
+                    if dst is None or shard_of[var] != shard:
                         raise ValueError(f"ps:{shard} sent unknown variable {var!r}")
-                    dst = self._slice(self.params[piece.param], piece)
                     if value.data_ptr() == dst.data_ptr():
                         continue  # received in place
                     if dst.shape != value.shape:
@@ -135,18 +162,10 @@ class DistributedOptimizer:
                 if shard == 0:
                     self.global_step = int(header["step"])
 
-    def _destinations(self) -> dict[str, torch.Tensor]:
-        """Where each variable's values land: the model's own memory, when contiguous."""
-        out = {}
-        for p in self.pieces:
-            dst = self._slice(self.params[p.param].data, p)
-            if dst.is_contiguous():
-                out[p.var] = dst
-        return out
-
     def pull(self) -> int:
         """Overwrites the model's parameters with the ps values; returns the global step."""
-        self._load(self._client.pull(into=self._destinations()))
+        self._views()
+        self._load(self._client.pull(into=self._into))
         return self.global_step
 
     def step(self) -> int:
@@ -155,17 +174,18 @@ class DistributedOptimizer:
         Parameters whose ``grad`` is ``None`` are not pushed (they still get pulled).
         """
         grads: dict[int, Tensors] = {}
-        for shard, pieces in self._by_shard.items():
+        for shard, plan in self._grad_plan:
             out = []
-            for p in pieces:
-                g = self.params[p.param].grad
+            for var, param, rows in plan:
+                g = param.grad
                 if g is not None:
-                    out.append((p.var, self._slice(g, p)))
+                    out.append((var, g if rows is None else g[rows[0] : rows[1]]))
             if out:
                 grads[shard] = out
         if not grads:
             raise ValueError("no gradients to push: call loss.backward() before step()")
-        self._load(self._client.push(grads, pull=True, into=self._destinations()))
+        self._views()
+        self._load(self._client.push(grads, pull=True, into=self._into))
         return self.global_step
 
     def zero_grad(self, set_to_none: bool = True) -> None:
