@@ -29,7 +29,7 @@ def test_linear_regression_example_converges_and_every_task_exits() -> None:
             "2",
             str(ROOT / "examples" / "linear_regression.py"),
             "--train_steps",
-            "6000",
+            "10000",
         ],
         capture_output=True,
         text=True,
