@@ -80,6 +80,20 @@ def run_job(
             proc.wait()
 
 
+def run_tf_job(cluster: ClusterSpec, argv: list[str], tf_python: str) -> dict[str, dict[str, Any]]:
+    """TensorFlow's side of a comparison: every task runs ``argv`` in ``tf_python``, on the CPU.
+
+    Its ps tasks never exit by themselves (tensorflow#25858), so they are killed at the end.
+    """
+    return run_job(
+        cluster,
+        lambda _task: argv,
+        python=tf_python,
+        ps_exit_timeout=None,
+        env={"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""},
+    )
+
+
 def new_cluster(ps: int, workers: int) -> ClusterSpec:
     return local_cluster(ps, workers)
 

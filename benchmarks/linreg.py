@@ -123,7 +123,7 @@ def main() -> None:
 
     # Imported only here: the TensorFlow tasks run in a Python that may lack psflow and torch.
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from common import emit, machine, median, new_cluster, run_job
+    from common import emit, machine, median, new_cluster, run_job, run_tf_job
 
     me = os.path.abspath(__file__)
     result: dict[str, object] = {
@@ -139,13 +139,7 @@ def main() -> None:
         runs.append(steps_per_second(run_job(new_cluster(1, args.workers), lambda _t, c=cmd: c)))
         if args.compare_tf:
             cmd = [me, "--role", "tf", "--preset", args.preset]
-            res = run_job(
-                new_cluster(1, args.workers),
-                lambda _t, c=cmd: c,
-                python=args.tf_python,
-                ps_exit_timeout=None,
-                env={"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""},
-            )
+            res = run_tf_job(new_cluster(1, args.workers), cmd, args.tf_python)
             tf_runs.append(steps_per_second(res))
     result["psflow_steps_per_s"] = round(median(runs), 1)
     result["psflow_runs"] = [round(r, 1) for r in runs]

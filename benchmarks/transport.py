@@ -170,7 +170,7 @@ def main() -> None:
         return tf_worker(p["mb"], p["iters"], p["warmup"])
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from common import emit, machine, median, new_cluster, run_job
+    from common import emit, machine, median, new_cluster, run_job, run_tf_job
 
     me = os.path.abspath(__file__)
     raw, ours, theirs = [], [], []
@@ -182,13 +182,7 @@ def main() -> None:
         ours.append(r["bytes"] / r["seconds"] / 1e9)
         if args.compare_tf:
             cmd = [me, "--role", "tf", "--preset", args.preset]
-            r = run_job(
-                new_cluster(1, 1),
-                lambda _t, c=cmd: c,
-                python=args.tf_python,
-                ps_exit_timeout=None,
-                env={"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""},
-            )["worker:0"]
+            r = run_tf_job(new_cluster(1, 1), cmd, args.tf_python)["worker:0"]
             theirs.append(r["bytes"] / r["seconds"] / 1e9)
     result: dict[str, object] = {
         "benchmark": "transport",

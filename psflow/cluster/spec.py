@@ -229,14 +229,7 @@ class ClusterSpec:
         or just the ``cluster`` mapping itself.
         """
         p = Path(path)
-        try:
-            text = p.read_text()
-        except OSError as e:
-            raise ValueError(f"cannot read cluster file {str(p)!r}: {e.strerror}") from None
-        try:
-            data = yaml.safe_load(text)  # YAML is a superset of JSON
-        except yaml.YAMLError as e:
-            raise ValueError(f"cluster file {str(p)!r} is not valid YAML or JSON: {e}") from None
+        data = read_yaml(p, "cluster file")
         if not isinstance(data, dict):
             raise ValueError(f"cluster file {str(p)!r} must hold a mapping of jobs to addresses")
         if "cluster" not in data:
@@ -244,6 +237,23 @@ class ClusterSpec:
         if "task" in data:
             return cls.from_tf_config(data)
         return cls(jobs=data["cluster"]), None
+
+
+def read_yaml(path: str | os.PathLike[str], kind: str) -> Any:
+    """The parsed contents of a YAML (or JSON: YAML is its superset) file.
+
+    Raises:
+        ValueError: naming the ``kind`` of file and its path when it cannot be read or parsed.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read {kind} {str(p)!r}: {e.strerror}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"{kind} {str(p)!r} is not valid YAML or JSON: {e}") from None
 
 
 def _split_hosts(hosts: str | Sequence[str]) -> list[str]:

@@ -15,9 +15,8 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from psflow import env as envvars
+from psflow.cluster.spec import read_yaml
 
 DNS_LABEL_MAX = 63
 """Kubernetes (and Mesos-DNS) limit on one DNS label: every task name must fit in it."""
@@ -323,14 +322,7 @@ def load_job_file(path: str | Path) -> dict[str, Any]:
         ValueError: when the file cannot be read, is not a YAML mapping, or has unknown keys.
     """
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ValueError(f"cannot read job file {str(p)!r}: {e.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ValueError(f"job file {str(p)!r} is not valid YAML: {e}") from None
+    data = read_yaml(p, "job file")
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -30,6 +30,22 @@ def start_ps(
     )
 
 
+def launch_cmd(script: Path, *args: str, ps: int = 1, workers: int = 2) -> list[str]:
+    """``psflow launch`` of ``script`` as a command line."""
+    return [
+        sys.executable,
+        "-m",
+        "psflow.cli",
+        "launch",
+        "--ps",
+        str(ps),
+        "--workers",
+        str(workers),
+        str(script),
+        *args,
+    ]
+
+
 def worker_ctx(cluster: ClusterSpec, index: int = 0) -> TaskContext:
     return TaskContext(cluster=cluster, task=TaskSpec(job="worker", index=index))
 
@@ -44,4 +60,4 @@ def stop(proc: subprocess.Popen[str], timeout: float = 10) -> tuple[int, str]:
     return proc.returncode, err
 
 
-__all__ = ["ROOT", "local_cluster", "start_ps", "stop", "worker_ctx"]
+__all__ = ["ROOT", "launch_cmd", "local_cluster", "start_ps", "stop", "worker_ctx"]

@@ -17,7 +17,7 @@ import zmq
 import psflow
 from psflow.transport import Client, CurveKeys, PeerTimeoutError, TransportConfig
 
-from .support import ROOT, local_cluster, start_ps, stop, worker_ctx
+from .support import ROOT, launch_cmd, local_cluster, start_ps, stop, worker_ctx
 
 
 def ask(sock: zmq.Socket[bytes], frames: list[bytes]) -> dict[str, object]:
@@ -186,18 +186,7 @@ def _alive(pid: int) -> bool:
 
 def launch(tmp_path: Path, **env: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "psflow.cli",
-            "launch",
-            "--ps",
-            "1",
-            "--workers",
-            "2",
-            str(ROOT / "tests" / "multiproc" / "scripts" / "sleeper.py"),
-            str(tmp_path),
-        ],
+        launch_cmd(ROOT / "tests" / "multiproc" / "scripts" / "sleeper.py", str(tmp_path)),
         env=dict(os.environ, **env),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from psflow import env as envvars
 from psflow.train import CheckpointDir
 
-from .support import ROOT
+from .support import ROOT, launch_cmd
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(90)]
 
@@ -22,21 +21,13 @@ _PROGRESS = re.compile(r"\[worker:0\] step (\d+)/\d+ .*\| loss (\S+) \|")
 
 
 def _launch(logdir: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "psflow.cli",
-        "launch",
-        "--ps",
-        "1",
-        "--workers",
-        "2",
-        str(ROOT / "examples" / "linear_regression.py"),
+    cmd = launch_cmd(
+        ROOT / "examples" / "linear_regression.py",
         "--train_steps",
         "10000",
         "--logdir",
         str(logdir),
-    ]
+    )
     return subprocess.run(
         cmd, capture_output=True, text=True, timeout=60, env=dict(os.environ, **(env or {}))
     )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,24 +12,12 @@ import psflow
 from psflow.transport import TransportConfig
 from psflow.worker.client import ShardedClient
 
-from .support import ROOT, local_cluster, start_ps, stop, worker_ctx
+from .support import ROOT, launch_cmd, local_cluster, start_ps, stop, worker_ctx
 
 
 def test_linear_regression_example_converges_and_every_task_exits() -> None:
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "psflow.cli",
-            "launch",
-            "--ps",
-            "1",
-            "--workers",
-            "2",
-            str(ROOT / "examples" / "linear_regression.py"),
-            "--train_steps",
-            "10000",
-        ],
+        launch_cmd(ROOT / "examples" / "linear_regression.py", "--train_steps", "10000"),
         capture_output=True,
         text=True,
         timeout=100,
