@@ -75,13 +75,20 @@ class TransportConfig:
         return cls(**overrides)
 
 
-def _endpoint(address: str, *, bind: bool) -> str:
+def _endpoint(address: str, *, bind: bool, timeout: float = 0.0) -> str:
     host, port = parse_address(address)
     if bind and host not in ("*", "0.0.0.0", "::"):
-        try:
-            host = pysocket.gethostbyname(host)
-        except OSError as e:
-            raise ValueError(f"cannot resolve {host!r} to bind {address!r}: {e}") from None
+        # A task's own DNS name (a Kubernetes headless Service) can appear a little after the
+        # task starts: keep trying for up to ``timeout`` seconds.
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                host = pysocket.gethostbyname(host)
+                break
+            except OSError as e:
+                if time.monotonic() >= deadline:
+                    raise ValueError(f"cannot resolve {host!r} to bind {address!r}: {e}") from None
+                time.sleep(0.5)
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
@@ -103,6 +110,7 @@ class Server:
         self.config = config
         self._context = context or zmq.Context.instance()
         self._auth: ThreadAuthenticator | None = None
+        bind_to = _endpoint(address, bind=True, timeout=config.timeout)
         sock = self._context.socket(zmq.ROUTER)
         sock.linger = 0
         sock.router_mandatory = False
@@ -115,7 +123,6 @@ class Server:
                 raise ValueError("keys without authorized_clients/: no client could connect")
             self._auth.configure_curve(domain="*", location=location)
             configure_server(sock, config.keys)
-        bind_to = _endpoint(address, bind=True)
         try:
             sock.bind(bind_to)
         except zmq.ZMQError as e:

@@ -190,7 +190,13 @@ class DistributedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients of the model's parameters, like ``torch.optim.Optimizer``."""
-        self.model.zero_grad(set_to_none=set_to_none)
+        for p in self.params.values():  # the parameters we train: no walk over submodules
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_().zero_()
 
     def close(self) -> None:
         """Tells the ps this worker has finished (the ps exit after the last one) and disconnects."""
