@@ -15,6 +15,7 @@ from psflow.ps.store import OptimizerSpec
 from psflow.transport.connection import TransportConfig
 from psflow.worker.client import ShardedClient, Tensors, group_by_shard
 from psflow.worker.placement import ParamInfo, Piece, place
+from psflow.worker.sync import Engine, ModeConfig, StalenessEngine, SyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,16 @@ class DistributedOptimizer:
         partition_bytes: a parameter larger than this is split across the shards along dim 0.
         config: transport settings (timeouts, keys); default from the environment.
         ready_timeout: seconds a worker waits for the chief to initialise the ps.
+        mode: ``"async"`` (default, or ``PSFLOW_MODE``), ``"sync"`` (gradients of
+            ``replicas_to_aggregate`` workers averaged per step on the ps) or ``"allreduce"``
+            (no ps: torch.distributed averages the gradients, each worker applies them); see
+            docs/sync.md.
+        replicas_to_aggregate, total_num_replicas: sync mode; more replicas than are
+            aggregated makes backup workers (default: every worker, no backup).
+        max_staleness: async mode: no worker pushes more than this many steps ahead of the
+            slowest (it waits).
+        sync_timeout: seconds a worker waits for its synchronous step (or for the slowest
+            worker) before it fails with :class:`~psflow.worker.sync.SyncTimeoutError`.
         **optimizer_kwargs: the optimizer's arguments (``lr=0.01``, ``momentum=0.9``, ...).
 
     Example:
@@ -59,6 +70,11 @@ class DistributedOptimizer:
         partition_bytes: int | None = 64 << 20,
         config: TransportConfig | None = None,
         ready_timeout: float | None = None,
+        mode: str | None = None,
+        replicas_to_aggregate: int | None = None,
+        total_num_replicas: int | None = None,
+        max_staleness: int | None = None,
+        sync_timeout: float | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if ctx is None:
@@ -71,17 +87,37 @@ class DistributedOptimizer:
         self.ctx = ctx
         self.spec = OptimizerSpec(name=optimizer, kwargs=optimizer_kwargs or {"lr": 0.01})
         self.params: dict[str, nn.Parameter] = dict(model.named_parameters())
+        given: dict[str, Any] = {"mode": mode, "timeout": sync_timeout}
+        self.mode_config = ModeConfig(
+            replicas_to_aggregate=replicas_to_aggregate,
+            total_num_replicas=total_num_replicas,
+            max_staleness=max_staleness,
+            **{k: v for k, v in given.items() if v is not None},  # else from the environment
+        )
+        self._engine: Engine | None = None
+        self._closed = False
+        if self.mode_config.mode == "allreduce":
+            from psflow.worker.allreduce import AllReduceEngine  # torch.distributed: lazily
+
+            self.pieces: list[Piece] = []
+            self._engine = AllReduceEngine(model, ctx, self.spec, self.mode_config)
+            self.global_step = 0
+            return
         infos = [
             ParamInfo(name=n, shape=tuple(p.shape), dtype=p.dtype) for n, p in self.params.items()
         ]
         self._client = ShardedClient(ctx, config or TransportConfig.from_env())
-        self.pieces: list[Piece] = place(
+        self.pieces = place(
             infos, self._client.num_shards, strategy=placement, partition_bytes=partition_bytes
         )
         self._by_shard = group_by_shard(self.pieces)
         self._by_var = {p.var: p for p in self.pieces}
         self.global_step = 0
         self._closed = False
+        if self.mode_config.mode == "sync":
+            self._engine = SyncEngine(self, self.mode_config)
+        elif self.mode_config.max_staleness is not None:
+            self._engine = StalenessEngine(self, self.mode_config)
         try:
             self._start(ready_timeout)
         except BaseException:
@@ -146,6 +182,8 @@ class DistributedOptimizer:
 
     def pull(self) -> int:
         """Overwrites the model's parameters with the ps values; returns the global step."""
+        if self._engine is not None:
+            return self._engine.pull()
         self._load(self._client.pull(into=self._destinations()))
         return self.global_step
 
@@ -154,6 +192,9 @@ class DistributedOptimizer:
 
         Parameters whose ``grad`` is ``None`` are not pushed (they still get pulled).
         """
+        if self._engine is not None:
+            self.global_step = self._engine.step()
+            return self.global_step
         grads: dict[int, Tensors] = {}
         for shard, pieces in self._by_shard.items():
             out = []
@@ -170,6 +211,8 @@ class DistributedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients of the model's parameters, like ``torch.optim.Optimizer``."""
+        if self.mode_config.mode == "allreduce" and self._engine is not None:
+            return self._engine.zero_grad(set_to_none)
         self.model.zero_grad(set_to_none=set_to_none)
 
     def close(self) -> None:
@@ -177,10 +220,31 @@ class DistributedOptimizer:
         if self._closed:
             return
         self._closed = True
+        if self._engine is not None:
+            self._engine.close()
+        if self.mode_config.mode == "allreduce":
+            return
         try:
             self._client.done()
         finally:
             self._client.close()
+
+    @property
+    def mode(self) -> str:
+        """``"async"``, ``"sync"`` or ``"allreduce"``."""
+        return self.mode_config.mode
+
+    def stats(self) -> dict[str, Any]:
+        """The training mode's counters: sync accepted/dropped gradients, staleness, waits."""
+        if self._engine is None:
+            return {"mode": self.mode, "global_step": self.global_step}
+        return {**self._engine.stats(), "global_step": self.global_step}
+
+    def sync_status(self, timeout: float | None = None) -> dict[str, Any]:
+        """ps:0's synchronous state: step, arrivals, dropped gradients per worker, decisions."""
+        if self.mode == "allreduce":
+            raise ValueError("mode='allreduce' has no ps to ask")
+        return self._client.call({0: {"op": "sync_status"}}, timeout=timeout)[0][0]
 
     def __enter__(self) -> DistributedOptimizer:
         return self
