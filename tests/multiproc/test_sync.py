@@ -161,3 +161,40 @@ def test_pending_push_gets_an_error_when_the_last_other_worker_finishes() -> Non
         assert code == 0, err
     finally:
         stop(ps, timeout=1)
+
+
+def test_bounded_staleness_holds_the_fast_worker_back() -> None:
+    cluster = local_cluster(1, 2)
+    ps = start_ps(cluster)
+    done = [0, 0]
+    violations: list[tuple[int, int]] = []
+    s = 1
+    try:
+
+        def body(index: int, steps: int, delay: float) -> dict[str, object]:
+            model = make_model("linear")
+            with psflow.DistributedOptimizer(
+                model, worker_ctx(cluster, index), lr=LR, max_staleness=s, sync_timeout=20
+            ) as opt:
+                for _ in range(steps):
+                    time.sleep(delay)
+                    x, y = batch(done[index], index, 4)
+                    opt.zero_grad()
+                    loss_fn(model, x, y).backward()
+                    opt.step()
+                    done[index] += 1
+                    other = done[1 - index]
+                    # Until the slow worker finishes (6 steps), fast stays within s of it.
+                    if index == 0 and other < 6 and done[0] - 1 - other > s:
+                        violations.append((done[0], other))
+                return opt.stats()
+
+        fast, slow = run_threads([lambda: body(0, 12, 0.0), lambda: body(1, 6, 0.05)])
+        assert not violations
+        assert fast["waited_steps"] > 0 and slow["mode"] == "async"
+        assert fast["local_steps"] == 12 and sum(fast["staleness_histogram"].values()) == 12
+        assert fast["staleness_max"] <= 6 and fast["staleness_mean"] >= 0
+        code, err = stop(ps)
+        assert code == 0, err
+    finally:
+        stop(ps, timeout=1)

@@ -71,3 +71,36 @@ def test_one_backup_worker_killing_a_worker_mid_run_does_not_stop_training() -> 
             p.wait()
         ps.kill()
         stop(ps)
+
+
+def _launch(mode: str, workers: int, steps: int, extra: list[str]) -> list[dict]:  # type: ignore[type-arg]
+    cmd = [sys.executable, "-m", "psflow.cli", "launch", "--workers", str(workers), "--mode", mode]
+    proc = subprocess.run(
+        [*cmd, *extra, SCRIPT, str(steps)], capture_output=True, text=True, timeout=100
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = {}
+    for line in proc.stdout.splitlines():
+        task, _, rest = line.partition("] ")
+        if rest.startswith("RESULT "):
+            results[task.lstrip("[")] = json.loads(rest[len("RESULT ") :])
+    assert sorted(results) == [f"worker:{i}" for i in range(workers)], proc.stdout[-2000:]
+    return [results[f"worker:{i}"] for i in range(workers)]
+
+
+def test_allreduce_equals_synchronous_ps_mode() -> None:
+    steps = 20
+    allreduce = _launch("allreduce", 2, steps, [])
+    sync = _launch("sync", 2, steps, ["--ps", "1"])
+    for r in allreduce:
+        assert r["stats"]["mode"] == "allreduce" and r["stats"]["backend"] == "gloo"
+        assert r["step"] == steps
+        assert r["eval_last"] < r["eval_first"]
+    assert allreduce[0]["params"] == allreduce[1]["params"]  # the ranks stay identical
+    assert sync[0]["params"] == sync[1]["params"]
+    for name, want in sync[0]["params"].items():
+        got = allreduce[0]["params"][name]
+        assert len(got) == len(want)
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-12 * max(
+            1.0, max(abs(v) for v in want)
+        ), name
