@@ -16,9 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import psflow  # noqa: E402
-from psflow import env  # noqa: E402
-from sync_support import batch, loss_fn, make_model  # noqa: E402
+from sync_support import batch, loss_fn, make_model
+
+import psflow
+from psflow import env
 
 
 def main() -> None:
