@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import time
+from itertools import pairwise
 
 PRESETS = {
     # 1024 -> 4096 -> 4096 -> 1024 -> 10: 25.2M float32 parameters, 101 MB.
@@ -36,7 +37,7 @@ LR = 0.01
 
 
 def _num_params(dims: list[int]) -> int:
-    return sum(a * b + b for a, b in zip(dims[:-1], dims[1:], strict=False))
+    return sum(a * b + b for a, b in pairwise(dims))
 
 
 def _torch_model(dims: list[int]):  # type: ignore[no-untyped-def]
@@ -44,7 +45,7 @@ def _torch_model(dims: list[int]):  # type: ignore[no-untyped-def]
 
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
-    for i, (a, b) in enumerate(zip(dims[:-1], dims[1:], strict=False)):
+    for i, (a, b) in enumerate(pairwise(dims)):
         layers.append(torch.nn.Linear(a, b))
         if i < len(dims) - 2:
             layers.append(torch.nn.ReLU())
@@ -143,7 +144,7 @@ def tf_task(sync: bool, dims: list[int], steps: int, warmup: int) -> None:
         y = tf.compat.v1.placeholder(tf.int64, shape=(BATCH,))
         h = x
         init = tf.compat.v1.glorot_uniform_initializer(seed=0)
-        for i, (a, b) in enumerate(zip(dims[:-1], dims[1:], strict=False)):
+        for i, (a, b) in enumerate(pairwise(dims)):
             w = tf.compat.v1.get_variable(f"w{i}", [a, b], initializer=init)
             bias = tf.compat.v1.get_variable(f"b{i}", [b], initializer=tf.zeros_initializer())
             h = tf.matmul(h, w) + bias

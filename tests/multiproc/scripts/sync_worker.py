@@ -23,7 +23,7 @@ from psflow import env
 
 
 def main() -> None:
-    ctx, argv = psflow.resolve([])
+    ctx, _ = psflow.resolve([])
     if ctx.job == "ps":
         psflow.ParameterServer(ctx).join()
         return
