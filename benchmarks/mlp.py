@@ -67,11 +67,11 @@ def psflow_task(mode: str, dims: list[int], steps: int, warmup: int) -> None:
 
     import psflow
 
-    torch.set_num_threads(1)  # two workers and a ps share two cores
     ctx, _ = psflow.resolve([])
     if ctx.job == "ps":
-        psflow.ParameterServer(ctx).join()
+        psflow.ParameterServer(ctx).join()  # default threads, like TensorFlow's ps
         return
+    torch.set_num_threads(1)  # two workers share two cores (TensorFlow's: intra_op 1)
     model = _torch_model(dims)
     x, y = _torch_batch(dims, ctx.index)
     with psflow.DistributedOptimizer(model, ctx, mode=mode, lr=LR) as opt:

@@ -152,8 +152,8 @@ class SyncAggregator:
             acc = self._sums.get(name)
             if acc is None or acc.shape != gs[0].shape or acc.dtype != gs[0].dtype:
                 acc = self._sums[name] = torch.empty_like(gs[0])
-            acc.copy_(gs[0])
-            for g in gs[1:]:
+            torch.add(gs[0], gs[1], out=acc) if len(gs) > 1 else acc.copy_(gs[0])
+            for g in gs[2:]:
                 acc.add_(g)
             # Averaged over the workers that sent this variable (a worker may send no
             # gradient for a variable its loss did not touch).
