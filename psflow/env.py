@@ -29,3 +29,10 @@ PSFLOW_TEST_SLOW_SAVE = "PSFLOW_TEST_SLOW_SAVE"
 
 PSFLOW_TEST_KILL_AT_STEP = "PSFLOW_TEST_KILL_AT_STEP"
 """Tests only: ``<task>@<step>`` (``worker:0@3000``): that task SIGKILLs itself at that step."""
+
+PSFLOW_MODE = "PSFLOW_MODE"
+"""Training mode when the script does not pass one: ``async`` (default), ``sync`` or
+``allreduce`` (``psflow launch --mode`` sets it for every task)."""
+
+PSFLOW_SYNC_TIMEOUT = "PSFLOW_SYNC_TIMEOUT"
+"""Seconds a synchronous worker waits for its step to complete (default: ``PSFLOW_TIMEOUT``)."""

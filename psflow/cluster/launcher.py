@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 
+LAUNCH_MODES = ("async", "sync", "allreduce")
+
 
 @dataclass(kw_only=True)
 class LaunchConfig:
@@ -52,6 +54,9 @@ class LaunchConfig:
     """Seconds a task gets between SIGTERM and SIGKILL when the job is stopped."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for every task."""
+    mode: str | None = None
+    """Training mode for every task (``PSFLOW_MODE``): ``async``, ``sync`` or ``allreduce``;
+    ``allreduce`` starts no ps task. ``None`` leaves it to the script."""
 
     def __post_init__(self) -> None:
         if self.ps < 0:
@@ -60,6 +65,10 @@ class LaunchConfig:
             raise ValueError(f"--workers must be >= 1 (or give --chief), got {self.workers}")
         if not os.path.isfile(self.script):
             raise ValueError(f"script {self.script!r} does not exist")
+        if self.mode is not None and self.mode not in LAUNCH_MODES:
+            raise ValueError(f"--mode must be one of {LAUNCH_MODES}, got {self.mode!r}")
+        if self.mode == "allreduce" and self.ps:
+            raise ValueError(f"--mode allreduce runs without ps tasks: drop --ps {self.ps}")
         if self.ps_exit_timeout <= 0 or self.grace <= 0:
             raise ValueError("ps_exit_timeout and grace must be > 0 seconds")
 
@@ -123,6 +132,8 @@ class Launcher:
             env = dict(os.environ)
             env.update(self.config.env)
             env[envvars.TF_CONFIG] = self.cluster.to_tf_config(task)
+            if self.config.mode is not None:
+                env[envvars.PSFLOW_MODE] = self.config.mode
             env["PYTHONUNBUFFERED"] = "1"
             cmd = [sys.executable, self.config.script, *self.config.args]
             self.procs[task] = subprocess.Popen(

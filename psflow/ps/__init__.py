@@ -2,9 +2,21 @@
 
 - ``store.py``: :class:`ShardStore` (variables, optimizer, step), :class:`OptimizerSpec`.
 - ``server.py``: :class:`ParameterServer`, which serves a shard until every worker is done.
+- ``sync.py``: :class:`SyncAggregator` (synchronous steps, backup workers, decisions shared by
+  the shards), :class:`SyncService` (its ops on the server).
+- ``staleness.py``: :class:`ClockTable`, bounded staleness for asynchronous training.
 """
 
 from psflow.ps.server import ParameterServer
+from psflow.ps.staleness import ClockTable
 from psflow.ps.store import OptimizerSpec, ShardStore
+from psflow.ps.sync import SyncAggregator, SyncService
 
-__all__ = ["OptimizerSpec", "ParameterServer", "ShardStore"]
+__all__ = [
+    "ClockTable",
+    "OptimizerSpec",
+    "ParameterServer",
+    "ShardStore",
+    "SyncAggregator",
+    "SyncService",
+]

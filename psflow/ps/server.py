@@ -8,6 +8,8 @@ Requests (``op`` in the header):
 - ``push``: gradients, applied with the shard's optimizer; replies with the new step.
 - ``push_pull``: ``push`` then ``pull`` in one round trip.
 - ``done``: a worker (or the chief) has finished; after the last one the server exits.
+- ``sync_push``/``sync_stage``/``sync_pull``/``sync_status``/``ssp_wait``: synchronous
+  training and bounded staleness (:mod:`psflow.ps.sync`).
 - ``save``/``save_status``: snapshot the shard and write it in the background; report progress
   (:mod:`psflow.ps.checkpoint`). ``init`` may carry optimizer state and the step of a restore.
 
@@ -30,6 +32,7 @@ import torch
 from psflow.cluster.spec import TaskContext, TaskSpec
 from psflow.ps.checkpoint import ShardCheckpointer, load_optimizer_state, split_init_tensors
 from psflow.ps.store import OptimizerSpec, ShardStore
+from psflow.ps.sync import SyncService
 from psflow.transport import wire
 from psflow.transport.connection import Request, Server, TransportConfig
 
@@ -88,6 +91,7 @@ class ParameterServer:
         self.checkpointer = ShardCheckpointer(
             self.store, shard=ctx.task.index, num_shards=ctx.cluster.num_tasks("ps")
         )
+        self.sync = SyncService(self)  # adds the sync_* and ssp_wait handlers
 
     @property
     def name(self) -> str:
@@ -167,6 +171,9 @@ class ParameterServer:
             self.error = e
             log.error("%s: %s", self.name, e)
         finally:
+            self.sync.fail_pending(
+                f"{self.name} stopped" + (f": {self.error}" if self.error else "")
+            )
             with contextlib.suppress(TimeoutError):
                 server.flush(self.config.timeout)
             server.close(linger=2.0)  # let the last replies ('done') reach the workers

@@ -8,6 +8,7 @@
 - ``hooks.py``: :class:`Hook`, :class:`StepContext`, :class:`StopAtStepHook`,
   :class:`NanGuardHook` (:class:`NanLossError`), :class:`LoggingHook`.
 - ``summary.py``: :class:`SummaryHook` (TensorBoard event files).
+- ``mode_stats.py``: :class:`ModeStatsHook` (sync drops, staleness, waits as summaries).
 - ``cli.py``: ``psflow checkpoint inspect|export``.
 
 The shard-file format the ps tasks write is in :mod:`psflow.ps.checkpoint`.
@@ -23,6 +24,7 @@ from psflow.train.hooks import (
     StopAtStepHook,
 )
 from psflow.train.manifest import CheckpointDir, Manifest
+from psflow.train.mode_stats import ModeStatsHook
 from psflow.train.session import MonitoredTrainingSession, SessionConfig, TrainingSession
 from psflow.train.summary import SummaryHook
 
@@ -33,6 +35,7 @@ __all__ = [
     "Hook",
     "LoggingHook",
     "Manifest",
+    "ModeStatsHook",
     "MonitoredTrainingSession",
     "NanGuardHook",
     "NanLossError",

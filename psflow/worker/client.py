@@ -167,6 +167,17 @@ class ShardedClient:
         shards = set(grads) | {0}
         return self._all({s: {"op": op} for s in sorted(shards)}, grads, into=into)
 
+    def call(
+        self,
+        headers: dict[int, dict[str, Any]],
+        tensors: dict[int, Tensors] | None = None,
+        *,
+        timeout: float | None = None,
+        into: dict[str, torch.Tensor] | None = None,
+    ) -> dict[int, tuple[dict[str, Any], Tensors]]:
+        """One request per listed shard (its header, its tensors), sent at once; the replies."""
+        return self._all(headers, tensors, timeout, into)
+
     def done(self, timeout: float = 5.0) -> None:
         """Tells every shard this task has finished (best effort: a dead shard is logged)."""
         rids = {}

@@ -16,6 +16,7 @@ from psflow.transport import wire
 from psflow.transport.connection import TransportConfig
 from psflow.worker.client import ShardedClient, Tensors, group_by_shard
 from psflow.worker.placement import ParamInfo, Piece, place
+from psflow.worker.sync import Engine, ModeConfig, StalenessEngine, SyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,16 @@ class DistributedOptimizer:
         partition_bytes: a parameter larger than this is split across the shards along dim 0.
         config: transport settings (timeouts, keys); default from the environment.
         ready_timeout: seconds a worker waits for the chief to initialise the ps.
+        mode: ``"async"`` (default, or ``PSFLOW_MODE``), ``"sync"`` (gradients of
+            ``replicas_to_aggregate`` workers averaged per step on the ps) or ``"allreduce"``
+            (no ps: torch.distributed averages the gradients, each worker applies them); see
+            docs/sync.md.
+        replicas_to_aggregate, total_num_replicas: sync mode; more replicas than are
+            aggregated makes backup workers (default: every worker, no backup).
+        max_staleness: async mode: no worker pushes more than this many steps ahead of the
+            slowest (it waits).
+        sync_timeout: seconds a worker waits for its synchronous step (or for the slowest
+            worker) before it fails with :class:`~psflow.worker.sync.SyncTimeoutError`.
         **optimizer_kwargs: the optimizer's arguments (``lr=0.01``, ``momentum=0.9``, ...).
 
     Example:
@@ -60,6 +71,11 @@ class DistributedOptimizer:
         partition_bytes: int | None = 64 << 20,
         config: TransportConfig | None = None,
         ready_timeout: float | None = None,
+        mode: str | None = None,
+        replicas_to_aggregate: int | None = None,
+        total_num_replicas: int | None = None,
+        max_staleness: int | None = None,
+        sync_timeout: float | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if ctx is None:
@@ -72,11 +88,27 @@ class DistributedOptimizer:
         self.ctx = ctx
         self.spec = OptimizerSpec(name=optimizer, kwargs=optimizer_kwargs or {"lr": 0.01})
         self.params: dict[str, nn.Parameter] = dict(model.named_parameters())
+        given: dict[str, Any] = {"mode": mode, "timeout": sync_timeout}
+        self.mode_config = ModeConfig(
+            replicas_to_aggregate=replicas_to_aggregate,
+            total_num_replicas=total_num_replicas,
+            max_staleness=max_staleness,
+            **{k: v for k, v in given.items() if v is not None},  # else from the environment
+        )
+        self._engine: Engine | None = None
+        self._closed = False
+        if self.mode_config.mode == "allreduce":
+            from psflow.worker.allreduce import AllReduceEngine  # torch.distributed: lazily
+
+            self.pieces: list[Piece] = []
+            self._engine = AllReduceEngine(model, ctx, self.spec, self.mode_config)
+            self.global_step = 0
+            return
         infos = [
             ParamInfo(name=n, shape=tuple(p.shape), dtype=p.dtype) for n, p in self.params.items()
         ]
         self._client = ShardedClient(ctx, config or TransportConfig.from_env())
-        self.pieces: list[Piece] = place(
+        self.pieces = place(
             infos, self._client.num_shards, strategy=placement, partition_bytes=partition_bytes
         )
         self._by_shard = group_by_shard(self.pieces)
@@ -90,6 +122,10 @@ class DistributedOptimizer:
         self._into: dict[str, torch.Tensor] = {}
         self.global_step = 0
         self._closed = False
+        if self.mode_config.mode == "sync":
+            self._engine = SyncEngine(self, self.mode_config)
+        elif self.mode_config.max_staleness is not None:
+            self._engine = StalenessEngine(self, self.mode_config)
         try:
             self._start(ready_timeout)
         except BaseException:
@@ -142,6 +178,11 @@ class DistributedOptimizer:
             self._view_ptrs = ptrs
         return self._view_of
 
+    def _destinations(self) -> dict[str, torch.Tensor]:
+        """The model's memory for the large variables, to receive them straight into it."""
+        self._views()
+        return self._into
+
     def _load(self, replies: dict[int, tuple[dict[str, Any], Tensors]]) -> None:
         views = self._views()
         shard_of = self._shard_of
@@ -164,8 +205,9 @@ class DistributedOptimizer:
 
     def pull(self) -> int:
         """Overwrites the model's parameters with the ps values; returns the global step."""
-        self._views()
-        self._load(self._client.pull(into=self._into))
+        if self._engine is not None:
+            return self._engine.pull()
+        self._load(self._client.pull(into=self._destinations()))
         return self.global_step
 
     def step(self) -> int:
@@ -173,6 +215,9 @@ class DistributedOptimizer:
 
         Parameters whose ``grad`` is ``None`` are not pushed (they still get pulled).
         """
+        if self._engine is not None:
+            self.global_step = self._engine.step()
+            return self.global_step
         grads: dict[int, Tensors] = {}
         for shard, plan in self._grad_plan:
             out = []
@@ -184,12 +229,13 @@ class DistributedOptimizer:
                 grads[shard] = out
         if not grads:
             raise ValueError("no gradients to push: call loss.backward() before step()")
-        self._views()
-        self._load(self._client.push(grads, pull=True, into=self._into))
+        self._load(self._client.push(grads, pull=True, into=self._destinations()))
         return self.global_step
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients of the model's parameters, like ``torch.optim.Optimizer``."""
+        if self.mode_config.mode == "allreduce" and self._engine is not None:
+            return self._engine.zero_grad(set_to_none)
         for p in self.params.values():  # the parameters we train: no walk over submodules
             if p.grad is None:
                 continue
@@ -203,10 +249,31 @@ class DistributedOptimizer:
         if self._closed:
             return
         self._closed = True
+        if self._engine is not None:
+            self._engine.close()
+        if self.mode_config.mode == "allreduce":
+            return
         try:
             self._client.done()
         finally:
             self._client.close()
+
+    @property
+    def mode(self) -> str:
+        """``"async"``, ``"sync"`` or ``"allreduce"``."""
+        return self.mode_config.mode
+
+    def stats(self) -> dict[str, Any]:
+        """The training mode's counters: sync accepted/dropped gradients, staleness, waits."""
+        if self._engine is None:
+            return {"mode": self.mode, "global_step": self.global_step}
+        return {**self._engine.stats(), "global_step": self.global_step}
+
+    def sync_status(self, timeout: float | None = None) -> dict[str, Any]:
+        """ps:0's synchronous state: step, arrivals, dropped gradients per worker, decisions."""
+        if self.mode == "allreduce":
+            raise ValueError("mode='allreduce' has no ps to ask")
+        return self._client.call({0: {"op": "sync_status"}}, timeout=timeout)[0][0]
 
     def __enter__(self) -> DistributedOptimizer:
         return self

@@ -1,0 +1,81 @@
+"""Bounded staleness for asynchronous training: no worker runs more than ``s`` steps ahead.
+
+Stale synchronous parallel (SSP): each worker reports its clock (the steps it has completed)
+to shard 0 before it pushes; shard 0 answers at once when the worker is at most
+``max_staleness`` steps ahead of the slowest unfinished worker, and otherwise keeps the request
+pending until the slowest catches up (or finishes). Nothing is dropped: every gradient is
+applied on arrival, as in plain asynchronous mode, and is at most ``max_staleness`` clock
+ticks of any other worker old.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from psflow.transport.connection import Request
+
+
+@dataclass
+class _Waiting:
+    request: Request
+    worker: str
+    clock: int
+    bound: int
+    counted: bool = False
+
+
+class ClockTable:
+    """Each worker's clock, and the ``ssp_wait`` requests held until the slowest catches up."""
+
+    def __init__(self, trainers: set[str]) -> None:
+        self.trainers = set(trainers)
+        self.clocks: dict[str, int] = {}
+        self.finished: set[str] = set()
+        self.waits = 0
+        """Requests that had to wait for a slower worker."""
+        self._waiting: list[_Waiting] = []
+
+    def slowest(self) -> tuple[int, list[str]]:
+        """The lowest clock among unfinished workers (0 for one not seen yet), and who has it."""
+        live = sorted(self.trainers - self.finished)
+        if not live:
+            return 0, []
+        low = min(self.clocks.get(w, 0) for w in live)
+        return low, [w for w in live if self.clocks.get(w, 0) == low]
+
+    def wait(self, worker: str, clock: int, bound: int, request: Request) -> None:
+        self.clocks[worker] = clock
+        self._waiting = [w for w in self._waiting if w.worker != worker]
+        self._waiting.append(_Waiting(request=request, worker=worker, clock=clock, bound=bound))
+
+    def release(self) -> list[tuple[Request, dict[str, Any]]]:
+        """The waiting requests that may go on now, with their reply headers."""
+        low, laggards = self.slowest()
+        out = []
+        keep = []
+        for w in self._waiting:
+            if not laggards or w.clock - low <= w.bound:
+                out.append((w.request, {"slowest": low, "ahead": w.clock - low, "held": w.counted}))
+            else:
+                if not w.counted:
+                    w.counted = True
+                    self.waits += 1
+                keep.append(w)
+        self._waiting = keep
+        return out
+
+    def drop_waiting(self) -> list[Request]:
+        out = [w.request for w in self._waiting]
+        self._waiting.clear()
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        low, laggards = self.slowest()
+        return {
+            "clocks": dict(self.clocks),
+            "slowest": low,
+            "laggards": laggards,
+            "waiting": [w.worker for w in self._waiting],
+            "waits": self.waits,
+        }

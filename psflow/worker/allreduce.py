@@ -1,0 +1,196 @@
+"""``mode="allreduce"``: dense synchronous data parallelism without ps, over torch.distributed.
+
+Every worker (the chief included) is one rank: rank 0 is the chief, whose address is the
+rendezvous (its port is free in this mode: no psflow server binds it). The backend is gloo on
+CPU and NCCL when the model is on a GPU. At start rank 0 broadcasts the parameters, so every
+worker begins from the chief's values; each step sums the gradients with ``all_reduce``,
+divides by the number of workers and applies the optimizer locally, so the workers stay
+identical and the result equals synchronous ps mode (same optimizer, same mean gradient).
+
+Gradients live in a few flat buckets (``bucket_bytes`` each, like DDP's
+``gradient_as_bucket_view``): each parameter's ``.grad`` is a view into its bucket, autograd
+accumulates straight into it, and one ``all_reduce`` per bucket moves it without any copy. A
+gradient replaced behind our back (``model.zero_grad()`` sets them to ``None``) is copied in.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from psflow.cluster.spec import TaskContext, parse_address
+from psflow.ps.store import OptimizerSpec
+from psflow.transport.connection import TransportConfig
+from psflow.worker.sync import Engine, ModeConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 25 << 20
+"""DDP's default bucket size."""
+
+
+class AllReduceEngine(Engine):
+    """One rank of an all-reduce job; :class:`DistributedOptimizer` dispatches to it.
+
+    Example:
+        >>> # with psflow.DistributedOptimizer(model, ctx, mode="allreduce", lr=0.1) as opt:
+        >>> #     ...same loop as with a ps...   (`psflow launch --workers 2 --mode allreduce`)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        ctx: TaskContext,
+        spec: OptimizerSpec,
+        config: ModeConfig,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        trainers = ctx.cluster.trainers
+        if ctx.task not in trainers:
+            raise ValueError(f"{ctx.task} is not a worker: all-reduce runs on the workers")
+        self.rank = trainers.index(ctx.task)
+        self.world_size = len(trainers)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("the model has no parameter that requires a gradient")
+        devices = {p.device for p in self.params}
+        if len(devices) != 1:
+            raise ValueError(
+                f"all-reduce needs the model on one device, got {sorted(map(str, devices))}"
+            )
+        self.device = devices.pop()
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        timeout = config.timeout or TransportConfig.from_env().timeout
+        self._owns_group = not dist.is_initialized()
+        if self._owns_group:
+            host, port = parse_address(ctx.cluster.address(ctx.cluster.chief))
+            init = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+            dist.init_process_group(
+                backend,
+                init_method=init,
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+        elif dist.get_world_size() != self.world_size:
+            raise ValueError(
+                f"the process group has {dist.get_world_size()} ranks, the cluster "
+                f"{self.world_size} workers"
+            )
+        self.backend = dist.get_backend()
+        try:
+            self.buckets = self._make_buckets(bucket_bytes)
+            with torch.no_grad():
+                for bucket, params in self.buckets:
+                    flat = torch.cat([p.detach().reshape(-1) for p in params])
+                    dist.broadcast(flat, src=0)
+                    self._unflatten(flat, params, grads=False)
+                    bucket.zero_()
+            self.optimizer = spec.build(self.params)
+        except BaseException:
+            self.close()
+            raise
+        self.global_step = 0
+        log.info(
+            "%s is rank %d of %d (%s), %d bucket(s)",
+            ctx.task,
+            self.rank,
+            self.world_size,
+            self.backend,
+            len(self.buckets),
+        )
+
+    def _make_buckets(self, bucket_bytes: int) -> list[tuple[torch.Tensor, list[nn.Parameter]]]:
+        groups: list[list[nn.Parameter]] = []
+        size = 0
+        # Reverse order, as DDP: the last layers' gradients are ready first.
+        for p in reversed(self.params):
+            nbytes = p.numel() * p.element_size()
+            same_dtype = groups and groups[-1][0].dtype == p.dtype
+            if not groups or not same_dtype or size + nbytes > bucket_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(p)
+            size += nbytes
+        out = []
+        for params in groups:
+            bucket = torch.zeros(
+                sum(p.numel() for p in params), dtype=params[0].dtype, device=self.device
+            )
+            self._attach(bucket, params)
+            out.append((bucket, params))
+        return out
+
+    @staticmethod
+    def _attach(bucket: torch.Tensor, params: list[nn.Parameter]) -> None:
+        off = 0
+        for p in params:
+            p.grad = bucket[off : off + p.numel()].view_as(p)
+            off += p.numel()
+
+    @staticmethod
+    def _unflatten(flat: torch.Tensor, params: list[nn.Parameter], *, grads: bool) -> None:
+        off = 0
+        for p in params:
+            n = p.numel()
+            dst = p.grad if grads else p.data
+            assert dst is not None
+            dst.copy_(flat[off : off + n].view_as(p))
+            off += n
+
+    def _gather(self, bucket: torch.Tensor, params: list[nn.Parameter]) -> None:
+        """Makes the bucket hold every gradient (a parameter whose grad was replaced)."""
+        off = 0
+        for p in params:
+            n = p.numel()
+            view = bucket[off : off + n]
+            g = p.grad
+            if g is None:
+                view.zero_()
+                p.grad = view.view_as(p)
+            elif g.data_ptr() != view.data_ptr():
+                view.copy_(g.reshape(-1))
+                p.grad = view.view_as(p)
+            off += n
+
+    def step(self) -> int:
+        works = []
+        for bucket, params in self.buckets:
+            self._gather(bucket, params)
+            works.append(dist.all_reduce(bucket, op=dist.ReduceOp.SUM, async_op=True))
+        for (bucket, _), work in zip(self.buckets, works, strict=True):
+            assert work is not None
+            work.wait()
+            bucket.div_(self.world_size)
+        self.optimizer.step()
+        self.global_step += 1
+        return self.global_step
+
+    def pull(self) -> int:
+        return self.global_step  # the parameters are already local and identical everywhere
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # The gradients stay views of the buckets: zeroed, never set to None.
+        for bucket, _ in self.buckets:
+            bucket.zero_()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "mode": "allreduce",
+            "backend": self.backend,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "buckets": len(self.buckets),
+        }
+
+    def close(self) -> None:
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,114 @@
+"""Towers: one worker, several local devices, one push.
+
+Each batch is split along dim 0 (``torch.chunk``) into one part per device; a replica of the
+model on each device computes its part's gradients, and their average, weighted by the part
+sizes, lands in the main model's ``.grad``. With a loss that is a mean over the examples this
+is exactly the full-batch gradient, so :meth:`DistributedOptimizer.step` pushes it once, as if
+one device had done the whole batch.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+REDUCTIONS = ("mean", "sum")
+
+
+class Towers:
+    """Replicas of ``model`` on ``devices`` that share each batch.
+
+    Args:
+        model: the main model (the one :class:`DistributedOptimizer` trains); it keeps the
+            averaged gradients and the parameters the ps sends.
+        devices: one entry per tower: ``["cuda:0", "cuda:1"]``, or ``["cpu", "cpu"]`` for
+            several CPU replicas.
+        reduction: ``"mean"`` when the loss is a mean over the examples (gradients weighted by
+            part size), ``"sum"`` when it is a sum (gradients added).
+
+    Example:
+        >>> model = torch.nn.Linear(3, 1)
+        >>> towers = Towers(model, ["cpu", "cpu"])
+        >>> x, y = torch.randn(8, 3), torch.randn(8, 1)
+        >>> loss = towers.backward(lambda m, x, y: ((m(x) - y) ** 2).mean(), x, y)
+        >>> model.weight.grad.shape
+        torch.Size([1, 3])
+    """
+
+    def __init__(
+        self, model: nn.Module, devices: Sequence[str | torch.device], *, reduction: str = "mean"
+    ) -> None:
+        if not devices:
+            raise ValueError("towers need at least one device")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"unknown reduction {reduction!r}: expected one of {REDUCTIONS}")
+        self.devices = [torch.device(d) for d in devices]
+        for d in self.devices:
+            if d.type == "cuda":
+                index = d.index if d.index is not None else 0
+                if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+                    raise ValueError(f"device {d} is not available on this machine")
+            elif d.type != "cpu":
+                raise ValueError(f"device {d}: towers run on cpu or cuda devices")
+        self.model = model
+        self.reduction = reduction
+        self.replicas = [copy.deepcopy(model).to(d) for d in self.devices]
+        self._main = dict(model.named_parameters())
+        self._replica_params = [dict(r.named_parameters()) for r in self.replicas]
+
+    def sync(self) -> None:
+        """Copies the main model's parameters and buffers into every replica."""
+        with torch.no_grad():
+            for replica in self.replicas:
+                for name, p in replica.named_parameters():
+                    p.copy_(self._main[name], non_blocking=True)
+                for (_, b), (_, mb) in zip(
+                    replica.named_buffers(), self.model.named_buffers(), strict=True
+                ):
+                    b.copy_(mb, non_blocking=True)
+
+    def backward(self, loss_fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+        """Splits ``inputs`` across the towers, backpropagates, and averages into ``.grad``.
+
+        ``loss_fn(replica, *parts)`` computes one tower's loss. The main model's gradients are
+        overwritten (not accumulated). Returns the batch's loss, combined like the gradients.
+        """
+        if not inputs:
+            raise ValueError("backward needs at least one input tensor to split")
+        n = inputs[0].shape[0]
+        if any(t.shape[0] != n for t in inputs):
+            raise ValueError(f"inputs differ in batch size: {[t.shape[0] for t in inputs]}")
+        parts = [torch.chunk(t, len(self.devices)) for t in inputs]
+        used = len(parts[0])  # fewer towers than devices when the batch is smaller
+        self.sync()
+        losses = []
+        weights = []
+        for i in range(used):
+            replica, device = self.replicas[i], self.devices[i]
+            replica.zero_grad(set_to_none=True)
+            chunk = [p[i].to(device, non_blocking=True) for p in parts]
+            loss = loss_fn(replica, *chunk)
+            loss.backward()
+            losses.append(loss.detach())
+            weights.append(chunk[0].shape[0] / n if self.reduction == "mean" else 1.0)
+        with torch.no_grad():
+            for name, p in self._main.items():
+                grads = [
+                    (w, self._replica_params[i][name].grad)
+                    for i, w in zip(range(used), weights, strict=True)
+                ]
+                present = [(w, g) for w, g in grads if g is not None]
+                if not present:
+                    p.grad = None
+                    continue
+                total = torch.zeros_like(p)
+                for w, g in present:
+                    total.add_(g.to(p.device), alpha=w)
+                p.grad = total
+            return sum(
+                (w * loss.to("cpu") for w, loss in zip(weights, losses, strict=True)),
+                torch.zeros((), dtype=losses[0].dtype),
+            )

@@ -1,0 +1,69 @@
+"""A worker of the training-mode tests: trains the MLP of sync_support until a global step.
+
+    python sync_worker.py STEPS [KEY=VALUE ...]   (KEY: mode, replicas_to_aggregate, ...)
+
+Honours PSFLOW_TEST_KILL_AT_STEP (``worker:1@7``: that worker SIGKILLs itself there). Prints
+``RESULT {json}`` last: final parameters, first and last loss, the mode's counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sync_support import batch, loss_fn, make_model
+
+import psflow
+from psflow import env
+
+
+def main() -> None:
+    ctx, _ = psflow.resolve([])
+    if ctx.job == "ps":
+        psflow.ParameterServer(ctx).join()
+        return
+    steps = int(sys.argv[1])
+    kwargs: dict[str, object] = {}
+    for item in sys.argv[2:]:
+        key, _, value = item.partition("=")
+        kwargs[key] = value if key == "mode" else float(value) if "." in value else int(value)
+    kill_at = None
+    fault = os.environ.get(env.PSFLOW_TEST_KILL_AT_STEP, "")
+    who, _, at = fault.partition("@")
+    if who == str(ctx.task):
+        kill_at = int(at)
+    model = make_model("mlp")
+    losses = []
+    ex, ey = batch(10**6, 0, 512)  # held out: the same for every worker
+    with psflow.DistributedOptimizer(model, ctx, lr=0.1, **kwargs) as opt:  # type: ignore[arg-type]
+        eval_first = loss_fn(model, ex, ey).item()
+        while opt.global_step < steps:
+            if kill_at is not None and opt.global_step >= kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            x, y = batch(opt.global_step, ctx.index, 4)
+            opt.zero_grad()
+            loss = loss_fn(model, x, y)
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+        stats = opt.stats()
+        eval_last = loss_fn(model, ex, ey).item()
+    params = {n: p.detach().reshape(-1).tolist() for n, p in model.state_dict().items()}
+    result = {
+        "step": opt.global_step,
+        "losses": losses,
+        "eval_first": eval_first,
+        "eval_last": eval_last,
+        "stats": stats,
+        "params": params,
+    }
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
