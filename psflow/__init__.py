@@ -17,7 +17,7 @@ A training script, in full (``psflow launch --ps 1 --workers 2 train.py`` runs i
 
 The public API, by layer: cluster (:class:`ClusterSpec`, :class:`TaskSpec`,
 :class:`TaskContext`, :func:`resolve`), ps (:class:`ParameterServer`, :class:`OptimizerSpec`),
-worker (:class:`DistributedOptimizer`), train (:class:`TrainingSession` and its hooks,
+worker (:class:`DistributedOptimizer` in async, sync or all-reduce mode, :class:`Towers`), train (:class:`TrainingSession` and its hooks,
 checkpoints), transport (:class:`TransportConfig`, errors). Data (TFRecord, Example, Spark) is
 in :mod:`psflow.data`, deployment templates in :mod:`psflow.deploy`.
 """
@@ -27,6 +27,7 @@ from psflow.ps import OptimizerSpec, ParameterServer
 from psflow.train import (
     Hook,
     LoggingHook,
+    ModeStatsHook,
     MonitoredTrainingSession,
     NanGuardHook,
     NanLossError,
@@ -37,7 +38,7 @@ from psflow.train import (
     load_checkpoint,
 )
 from psflow.transport import PeerError, PeerTimeoutError, TransportConfig
-from psflow.worker import DistributedOptimizer
+from psflow.worker import DistributedOptimizer, ModeConfig, SyncTimeoutError, Towers
 
 __version__ = "0.1.0"
 
@@ -46,6 +47,8 @@ __all__ = [
     "DistributedOptimizer",
     "Hook",
     "LoggingHook",
+    "ModeConfig",
+    "ModeStatsHook",
     "MonitoredTrainingSession",
     "NanGuardHook",
     "NanLossError",
@@ -55,8 +58,10 @@ __all__ = [
     "PeerTimeoutError",
     "SessionConfig",
     "StopAtStepHook",
+    "SyncTimeoutError",
     "TaskContext",
     "TaskSpec",
+    "Towers",
     "TrainingSession",
     "TransportConfig",
     "__version__",
