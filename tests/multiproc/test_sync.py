@@ -198,3 +198,36 @@ def test_bounded_staleness_holds_the_fast_worker_back() -> None:
         assert code == 0, err
     finally:
         stop(ps, timeout=1)
+
+
+def test_bounded_staleness_names_a_worker_that_stopped_stepping() -> None:
+    cluster = local_cluster(1, 2)
+    ps = start_ps(cluster)
+    try:
+        m0, m1 = make_model("linear"), make_model("linear")
+        fast = psflow.DistributedOptimizer(
+            m0, worker_ctx(cluster, 0), lr=LR, max_staleness=1, sync_timeout=1.5
+        )
+        # worker:1 joins and then never steps (hung, or stuck in its input pipeline).
+        hung = psflow.DistributedOptimizer(
+            m1, worker_ctx(cluster, 1), lr=LR, max_staleness=1, sync_timeout=1.5
+        )
+        steps = 0
+        start = time.monotonic()
+        with pytest.raises(SyncTimeoutError) as info:
+            for _ in range(10):
+                x, y = batch(steps, 0, 4)
+                fast.zero_grad()
+                loss_fn(m0, x, y).backward()
+                fast.step()
+                steps += 1
+        assert steps == 2  # clock 0 and 1 pass; clock 2 would be 2 ahead of worker:1
+        message = str(info.value)
+        assert "worker:1" in message and "max_staleness=1" in message, message
+        assert time.monotonic() - start < 10
+        hung.close()
+        fast.close()
+        code, err = stop(ps)
+        assert code == 0, err
+    finally:
+        stop(ps, timeout=1)
