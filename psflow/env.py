@@ -36,3 +36,10 @@ PSFLOW_MODE = "PSFLOW_MODE"
 
 PSFLOW_SYNC_TIMEOUT = "PSFLOW_SYNC_TIMEOUT"
 """Seconds a synchronous worker waits for its step to complete (default: ``PSFLOW_TIMEOUT``)."""
+
+PSFLOW_READY_TIMEOUT = "PSFLOW_READY_TIMEOUT"
+"""Seconds a worker waits for the chief to initialise the ps (default 300)."""
+
+PSFLOW_PS_IDLE_TIMEOUT = "PSFLOW_PS_IDLE_TIMEOUT"
+"""Seconds a ps serves without any request before it gives up, naming the workers it still
+waits for (default 1800)."""

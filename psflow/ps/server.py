@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from psflow import env as envvars
 from psflow.cluster.spec import TaskContext, TaskSpec
 from psflow.ps.checkpoint import ShardCheckpointer, load_optimizer_state, split_init_tensors
 from psflow.ps.store import OptimizerSpec, ShardStore
@@ -38,7 +39,6 @@ from psflow.transport.connection import Request, Server, TransportConfig
 
 log = logging.getLogger(__name__)
 
-PSFLOW_PS_IDLE_TIMEOUT = "PSFLOW_PS_IDLE_TIMEOUT"
 
 _POLL_SECONDS = 0.1
 
@@ -65,7 +65,7 @@ class ParameterServer:
         self.ctx = ctx
         self.config = config or TransportConfig.from_env()
         if idle_timeout is None:
-            idle_timeout = float(os.environ.get(PSFLOW_PS_IDLE_TIMEOUT, 1800))
+            idle_timeout = float(os.environ.get(envvars.PSFLOW_PS_IDLE_TIMEOUT, 1800))
         if idle_timeout <= 0:
             raise ValueError(f"idle_timeout must be > 0 seconds, got {idle_timeout}")
         self.idle_timeout = idle_timeout

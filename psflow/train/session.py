@@ -35,7 +35,7 @@ from psflow.train.manifest import CheckpointDir
 from psflow.train.summary import SummaryHook
 from psflow.transport.connection import TransportConfig
 from psflow.worker.client import ShardedClient
-from psflow.worker.optimizer import PSFLOW_READY_TIMEOUT, DistributedOptimizer
+from psflow.worker.optimizer import DistributedOptimizer
 from psflow.worker.placement import ParamInfo, place
 
 log = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ class TrainingSession:
         self._client: ShardedClient | None = None
         ready_timeout = self.config.ready_timeout
         if ready_timeout is None:
-            ready_timeout = float(os.environ.get(PSFLOW_READY_TIMEOUT, 300))
+            ready_timeout = float(os.environ.get(envvars.PSFLOW_READY_TIMEOUT, 300))
         try:
             if self.is_chief:
                 self._client = ShardedClient(ctx, self.transport)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from psflow import env as envvars
 from psflow.cluster.resolve import resolve
 from psflow.cluster.spec import TaskContext
 from psflow.ps.store import OptimizerSpec
@@ -19,8 +20,6 @@ from psflow.worker.placement import ParamInfo, Piece, place
 from psflow.worker.sync import Engine, ModeConfig, StalenessEngine, SyncEngine
 
 log = logging.getLogger(__name__)
-
-PSFLOW_READY_TIMEOUT = "PSFLOW_READY_TIMEOUT"
 
 
 class DistributedOptimizer:
@@ -83,7 +82,7 @@ class DistributedOptimizer:
         if ctx.task.job not in ("worker", "chief"):
             raise ValueError(f"DistributedOptimizer runs on worker or chief tasks, not {ctx.task}")
         if ready_timeout is None:
-            ready_timeout = float(os.environ.get(PSFLOW_READY_TIMEOUT, 300))
+            ready_timeout = float(os.environ.get(envvars.PSFLOW_READY_TIMEOUT, 300))
         self.model = model
         self.ctx = ctx
         self.spec = OptimizerSpec(name=optimizer, kwargs=optimizer_kwargs or {"lr": 0.01})
