@@ -46,13 +46,15 @@ class ShardedClient:
     def num_shards(self) -> int:
         return len(self.shards)
 
-    def _all(
+    def call(
         self,
         headers: dict[int, dict[str, Any]],
         tensors: dict[int, Tensors] | None = None,
+        *,
         timeout: float | None = None,
         into: dict[str, torch.Tensor] | None = None,
     ) -> dict[int, tuple[dict[str, Any], Tensors]]:
+        """One request per listed shard (its header, its tensors), sent at once; the replies."""
         rids = {}
         for shard, header in headers.items():
             header["task"] = self.me
@@ -65,7 +67,7 @@ class ShardedClient:
     def status(self) -> dict[int, dict[str, Any]]:
         return {
             s: h
-            for s, (h, _) in self._all(
+            for s, (h, _) in self.call(
                 {s: {"op": "status"} for s in range(self.num_shards)}
             ).items()
         }
@@ -76,7 +78,7 @@ class ShardedClient:
             s: {"op": "init", "optimizer": spec.to_wire(), "step": step}
             for s in range(self.num_shards)
         }
-        replies = self._all(headers, values)
+        replies = self.call(headers, values)
         already = [s for s, (h, _) in replies.items() if h.get("already")]
         if already and len(already) != self.num_shards:
             log.warning("shards %s were already initialised, the others were not", already)
@@ -103,17 +105,17 @@ class ShardedClient:
             }
             for s in range(self.num_shards)
         }
-        replies = self._all(headers, values)
+        replies = self.call(headers, values)
         return not any(h.get("already") for h, _ in replies.values())
 
     def save(self, url_of: dict[int, str]) -> dict[int, dict[str, Any]]:
         """Asks each shard to snapshot itself and write the file under ``url_of[shard]``."""
-        replies = self._all({s: {"op": "save", "dir": url} for s, url in url_of.items()})
+        replies = self.call({s: {"op": "save", "dir": url} for s, url in url_of.items()})
         return {s: h for s, (h, _) in replies.items()}
 
     def save_status(self, url_of: dict[int, str]) -> dict[int, dict[str, Any]]:
         """Each shard's progress on the save into ``url_of[shard]``."""
-        replies = self._all({s: {"op": "save_status", "dir": url} for s, url in url_of.items()})
+        replies = self.call({s: {"op": "save_status", "dir": url} for s, url in url_of.items()})
         return {s: h for s, (h, _) in replies.items()}
 
     def wait_ready(self, timeout: float, *, initialized: bool = True) -> None:
@@ -129,7 +131,7 @@ class ShardedClient:
             try:
                 headers = {s: {"op": "status"} for s in pending}
                 left = max(0.1, min(self.config.timeout, deadline - time.monotonic()))
-                for s, (h, _) in self._all(headers, timeout=left).items():
+                for s, (h, _) in self.call(headers, timeout=left).items():
                     if h.get("initialized") or not initialized:
                         pending.discard(s)
             except PeerError as e:
@@ -153,7 +155,7 @@ class ShardedClient:
         self, into: dict[str, torch.Tensor] | None = None
     ) -> dict[int, tuple[dict[str, Any], Tensors]]:
         """Every shard's variables (large ones received straight into ``into[name]``)."""
-        return self._all({s: {"op": "pull"} for s in range(self.num_shards)}, into=into)
+        return self.call({s: {"op": "pull"} for s in range(self.num_shards)}, into=into)
 
     def push(
         self,
@@ -165,18 +167,7 @@ class ShardedClient:
         """Pushes each shard's gradients (always including shard 0) in one round trip each."""
         op = "push_pull" if pull else "push"
         shards = set(grads) | {0}
-        return self._all({s: {"op": op} for s in sorted(shards)}, grads, into=into)
-
-    def call(
-        self,
-        headers: dict[int, dict[str, Any]],
-        tensors: dict[int, Tensors] | None = None,
-        *,
-        timeout: float | None = None,
-        into: dict[str, torch.Tensor] | None = None,
-    ) -> dict[int, tuple[dict[str, Any], Tensors]]:
-        """One request per listed shard (its header, its tensors), sent at once; the replies."""
-        return self._all(headers, tensors, timeout, into)
+        return self.call({s: {"op": op} for s in sorted(shards)}, grads, into=into)
 
     def done(self, timeout: float = 5.0) -> None:
         """Tells every shard this task has finished (best effort: a dead shard is logged)."""

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from psflow.cluster.launcher import local_cluster
 from psflow.cluster.spec import ClusterSpec, TaskContext, TaskSpec
@@ -46,6 +48,19 @@ def launch_cmd(script: Path, *args: str, ps: int = 1, workers: int = 2) -> list[
     ]
 
 
+def run_benchmark_smoke(script: str, timeout: float = 110) -> dict[str, Any]:
+    """Runs ``benchmarks/<script> --preset smoke``; returns its last line, which must be JSON."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--preset", "smoke"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
 def worker_ctx(cluster: ClusterSpec, index: int = 0) -> TaskContext:
     return TaskContext(cluster=cluster, task=TaskSpec(job="worker", index=index))
 
@@ -60,4 +75,12 @@ def stop(proc: subprocess.Popen[str], timeout: float = 10) -> tuple[int, str]:
     return proc.returncode, err
 
 
-__all__ = ["ROOT", "launch_cmd", "local_cluster", "start_ps", "stop", "worker_ctx"]
+__all__ = [
+    "ROOT",
+    "launch_cmd",
+    "local_cluster",
+    "run_benchmark_smoke",
+    "start_ps",
+    "stop",
+    "worker_ctx",
+]
