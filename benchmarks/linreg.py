@@ -51,15 +51,9 @@ def psflow_task(steps: int, warmup: int) -> None:
 def tf_task(steps: int, warmup: int) -> None:
     import numpy as np
     import tensorflow as tf
+    from tf_side import start_tf_task
 
-    tf.compat.v1.disable_eager_execution()
-    config = json.loads(os.environ["TF_CONFIG"])
-    cluster = tf.train.ClusterSpec(config["cluster"])
-    job, index = config["task"]["type"], config["task"]["index"]
-    server = tf.distribute.Server(cluster, job_name=job, task_index=index)
-    if job == "ps":
-        server.join()  # never returns: TensorFlow's ps tasks do not exit (tensorflow#25858)
-        return
+    cluster, server, index, _ = start_tf_task()
     with tf.compat.v1.device(
         tf.compat.v1.train.replica_device_setter(
             worker_device=f"/job:worker/task:{index}", cluster=cluster

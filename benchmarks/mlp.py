@@ -125,15 +125,9 @@ def ddp_task(dims: list[int], steps: int, warmup: int) -> None:
 def tf_task(sync: bool, dims: list[int], steps: int, warmup: int) -> None:
     import numpy as np
     import tensorflow as tf
+    from tf_side import start_tf_task
 
-    tf.compat.v1.disable_eager_execution()
-    config = json.loads(os.environ["TF_CONFIG"])
-    cluster = tf.train.ClusterSpec(config["cluster"])
-    job, index = config["task"]["type"], config["task"]["index"]
-    server = tf.distribute.Server(cluster, job_name=job, task_index=index)
-    if job == "ps":
-        server.join()  # never returns
-        return
+    cluster, server, index, config = start_tf_task()
     workers = len(config["cluster"]["worker"])
     with tf.compat.v1.device(
         tf.compat.v1.train.replica_device_setter(

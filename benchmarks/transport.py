@@ -118,15 +118,9 @@ def psflow_worker(mb: int, iters: int, warmup: int) -> None:
 
 def tf_worker(mb: int, iters: int, warmup: int) -> None:
     import tensorflow as tf
+    from tf_side import start_tf_task
 
-    tf.compat.v1.disable_eager_execution()
-    config = json.loads(os.environ["TF_CONFIG"])
-    cluster = tf.train.ClusterSpec(config["cluster"])
-    job, index = config["task"]["type"], config["task"]["index"]
-    server = tf.distribute.Server(cluster, job_name=job, task_index=index)
-    if job == "ps":
-        server.join()
-        return
+    _, server, index, _ = start_tf_task()
     n = (mb << 20) // 4
     with tf.compat.v1.device("/job:ps/task:0"):
         w = tf.Variable(tf.zeros([n]))

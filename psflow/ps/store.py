@@ -122,23 +122,19 @@ class ShardStore:
 
     def check(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Raises ``ValueError`` unless every tensor matches a stored variable exactly."""
-        self.check_shapes([(name, t.dtype, tuple(t.shape)) for name, t in tensors])
-
-    def check_shapes(self, metas: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
-        """Raises ``ValueError`` unless every (name, dtype, shape) matches a stored variable."""
         names = set()
-        for name, dtype, shape in metas:
+        for name, t in tensors:
             var = self.variables.get(name)
             if var is None:
                 raise ValueError(f"unknown variable {name!r}")
-            if dtype != var.dtype:
+            if t.dtype != var.dtype:
                 raise ValueError(
-                    f"{name!r}: dtype {dtype_name(dtype)} does not match the stored "
+                    f"{name!r}: dtype {dtype_name(t.dtype)} does not match the stored "
                     f"{dtype_name(var.dtype)}"
                 )
-            if tuple(shape) != tuple(var.shape):
+            if t.shape != var.shape:
                 raise ValueError(
-                    f"{name!r}: shape {list(shape)} does not match the stored {list(var.shape)}"
+                    f"{name!r}: shape {list(t.shape)} does not match the stored {list(var.shape)}"
                 )
             if name in names:
                 raise ValueError("a variable appears twice in one push")

@@ -120,6 +120,7 @@ def encode(
     bytes inside the header: each frame costs a wake-up of ZeroMQ's I/O thread, which is what
     bounds the latency of small steps. Large tensors travel as views of their own memory: the
     caller must keep them unchanged until ZeroMQ has sent them (see ``Server.flush``).
+    ``header`` is completed in place (version, tensor list): pass a fresh dict per message.
     """
     if isinstance(tensors, TensorSet):
         metas, raws = tensors.metas, tensors.raws
