@@ -43,3 +43,8 @@ PSFLOW_READY_TIMEOUT = "PSFLOW_READY_TIMEOUT"
 PSFLOW_PS_IDLE_TIMEOUT = "PSFLOW_PS_IDLE_TIMEOUT"
 """Seconds a ps serves without any request before it gives up, naming the workers it still
 waits for (default 1800)."""
+
+PSFLOW_MALLOC = "PSFLOW_MALLOC"
+"""``tuned`` (default): ps and worker processes keep freed memory in glibc's heap for reuse
+instead of returning it to the system (see :mod:`psflow.allocator`); ``system`` leaves the C
+allocator as it is."""

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from psflow import allocator
 from psflow import env as envvars
 from psflow.cluster.spec import TaskContext, TaskSpec
 from psflow.ps.checkpoint import ShardCheckpointer, load_optimizer_state, split_init_tensors
@@ -69,6 +70,7 @@ class ParameterServer:
         if idle_timeout <= 0:
             raise ValueError(f"idle_timeout must be > 0 seconds, got {idle_timeout}")
         self.idle_timeout = idle_timeout
+        allocator.tune()
         self.store = ShardStore()
         self.trainers = {str(t) for t in ctx.cluster.trainers}
         self.finished: set[str] = set()

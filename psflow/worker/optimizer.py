@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from psflow import allocator
 from psflow import env as envvars
 from psflow.cluster.resolve import resolve
 from psflow.cluster.spec import TaskContext
@@ -83,6 +84,7 @@ class DistributedOptimizer:
             raise ValueError(f"DistributedOptimizer runs on worker or chief tasks, not {ctx.task}")
         if ready_timeout is None:
             ready_timeout = float(os.environ.get(envvars.PSFLOW_READY_TIMEOUT, 300))
+        allocator.tune()
         self.model = model
         self.ctx = ctx
         self.spec = OptimizerSpec(name=optimizer, kwargs=optimizer_kwargs or {"lr": 0.01})
