@@ -6,7 +6,10 @@ Three measurements in one run, each between two processes on loopback:
 
 - raw: a plain TCP socket sends 64 MB and the peer sends 64 MB back (the physical limit);
 - psflow: ``DistributedOptimizer.step()`` on a one-tensor model against a ps process, which
-  receives the gradient, applies SGD with torch and replies with the parameters;
+  receives the gradient, applies SGD with torch and replies with the parameters, through the
+  socket (``PSFLOW_SHM=0``: what crosses a network, compared with the raw socket);
+- psflow-shm: the same through a shared-memory lane, what psflow does when worker and ps share
+  a host (the default there);
 - tensorflow (``--compare-tf``): the same push and pull on TensorFlow's ps runtime.
 
 GB/s counts both directions (128 MB a round trip). The last line is one JSON object.
@@ -167,13 +170,14 @@ def main() -> None:
     from common import emit, machine, median, new_cluster, run_job, run_tf_job
 
     me = os.path.abspath(__file__)
-    raw, ours, theirs = [], [], []
+    raw, ours, lanes, theirs = [], [], [], []
     for _ in range(p["repeat"]):
-        # Side by side, interleaved, so that all three see the same machine conditions.
+        # Side by side, interleaved, so that all of them see the same machine conditions.
         raw.append(run_raw(p["mb"], p["iters"], p["warmup"]))
         cmd = [me, "--role", "psflow", "--preset", args.preset]
-        r = run_job(new_cluster(1, 1), lambda _t, c=cmd: c)["worker:0"]
-        ours.append(r["bytes"] / r["seconds"] / 1e9)
+        for shm, out in (("0", ours), ("1", lanes)):
+            r = run_job(new_cluster(1, 1), lambda _t, c=cmd: c, env={"PSFLOW_SHM": shm})
+            out.append(r["worker:0"]["bytes"] / r["worker:0"]["seconds"] / 1e9)
         if args.compare_tf:
             cmd = [me, "--role", "tf", "--preset", args.preset]
             r = run_tf_job(new_cluster(1, 1), cmd, args.tf_python)["worker:0"]
@@ -187,10 +191,13 @@ def main() -> None:
         "psflow_vs_raw": round(median(ours) / median(raw), 3),
         "raw_runs": [round(x, 3) for x in raw],
         "psflow_runs": [round(x, 3) for x in ours],
+        "psflow_shm_gbps": round(median(lanes), 3),
+        "psflow_shm_runs": [round(x, 3) for x in lanes],
     }
     print(
-        f"raw socket: {median(raw):.2f} GB/s; psflow: {median(ours):.2f} GB/s "
-        f"({100 * median(ours) / median(raw):.0f}% of raw)"
+        f"raw socket: {median(raw):.2f} GB/s; psflow through the socket: {median(ours):.2f} GB/s "
+        f"({100 * median(ours) / median(raw):.0f}% of raw); through shared memory: "
+        f"{median(lanes):.2f} GB/s"
     )
     if theirs:
         result["tf_gbps"] = round(median(theirs), 3)

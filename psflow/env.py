@@ -48,3 +48,7 @@ PSFLOW_MALLOC = "PSFLOW_MALLOC"
 """``tuned`` (default): ps and worker processes keep freed memory in glibc's heap for reuse
 instead of returning it to the system (see :mod:`psflow.allocator`); ``system`` leaves the C
 allocator as it is."""
+
+PSFLOW_SHM = "PSFLOW_SHM"
+"""``1`` (default): large tensors between tasks on the same host go through shared memory
+(:mod:`psflow.transport.shm`); ``0`` sends everything through the socket."""

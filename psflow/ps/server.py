@@ -197,11 +197,14 @@ class ParameterServer:
         return sender if isinstance(sender, str) else "an unnamed client"
 
     def _tensors(
-        self, request: Request, into: dict[str, torch.Tensor] | None = None
+        self,
+        request: Request,
+        into: dict[str, torch.Tensor] | None = None,
+        *,
+        transient: bool = False,
     ) -> list[tuple[str, torch.Tensor]]:
-        return wire.decode_tensors(
-            request.header, request.frames, max_bytes=self.config.max_message_bytes, into=into
-        )
+        assert self._server is not None
+        return self._server.tensors(request, into=into, transient=transient)
 
     def _reply(
         self,
@@ -279,7 +282,8 @@ class ParameterServer:
     def _push(self, request: Request) -> None:
         self._require_initialized()
         assert self._server is not None
-        grads = self._tensors(request, into=self.store.grad_buffers)
+        # Applied before the reply: gradients in a shared-memory lane need no copy.
+        grads = self._tensors(request, into=self.store.grad_buffers, transient=True)
         # Values still being sent from their own memory must not change under the sender.
         self._server.flush(self.config.timeout)
         step = self.store.apply(grads)  # validates first: a bad push changes nothing

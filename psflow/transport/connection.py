@@ -12,6 +12,7 @@ import logging
 import os
 import socket as pysocket
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -24,6 +25,7 @@ from psflow import env as envvars
 from psflow.cluster.spec import parse_address
 from psflow.transport import wire
 from psflow.transport.auth import CurveKeys, configure_client, configure_server
+from psflow.transport.shm import Lane, LaneError
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,13 @@ class TransportConfig:
     """Bytes per frame for large tensors."""
     keys: CurveKeys | None = None
     """CurveZMQ keys: when given, traffic is encrypted and clients must be authorised."""
+    shared_memory: bool = field(
+        default_factory=lambda: (
+            os.environ.get(envvars.PSFLOW_SHM, "1").lower() not in ("0", "off", "false", "no")
+        )
+    )
+    """Move large tensors through a shared-memory lane when client and server share a host
+    (:mod:`psflow.transport.shm`); the socket otherwise."""
 
     def __post_init__(self) -> None:
         if self.timeout <= 0:
@@ -99,6 +108,14 @@ class Request:
     identity: bytes
     header: dict[str, Any]
     frames: list[Any]
+    lane: Lane | None = None
+    """The client's shared-memory lane, when the request may use it."""
+
+
+_MAX_LANES = 64
+"""Lanes a server keeps mapped (one per client); the least recently used goes first."""
+_LANE_ABOVE = 1 << 18
+"""Tensor payloads at least this large go through a lane when one is possible."""
 
 
 class Server:
@@ -132,6 +149,7 @@ class Server:
             raise OSError(f"cannot listen on {address} ({bind_to}): {e}") from None
         self._sock = sock
         self._pending: list[zmq.MessageTracker] = []
+        self._lanes: OrderedDict[bytes, Lane] = OrderedDict()
 
     def recv(self, timeout: float) -> Request | None:
         """The next request, or ``None`` after ``timeout`` seconds without one.
@@ -155,7 +173,62 @@ class Server:
         except wire.WireError as e:
             self.send_error(identity, -1, str(e))
             raise
-        return Request(identity=identity, header=header, frames=parts[2:])
+        lane = None
+        if "l" in header or "s" in header:
+            lane = self._lanes.get(identity)
+            if lane is not None:
+                self._lanes.move_to_end(identity)
+            elif "s" in header:
+                # Restarted, or the lane was evicted: the client attaches a new one.
+                message = "its tensors are in a shared-memory lane this server does not hold"
+                frames = wire.encode(
+                    {"op": "error", "id": header["id"], "error": message, "lane": False}
+                )
+                self._sock.send_multipart([identity, *frames])
+                return None
+        elif header["op"] == "_lane":
+            self._attach(identity, header)
+            return None
+        return Request(identity=identity, header=header, frames=parts[2:], lane=lane)
+
+    def _attach(self, identity: bytes, header: dict[str, Any]) -> None:
+        """Maps a client's lane (its request to attach one is answered here, not above)."""
+        try:
+            if not self.config.shared_memory:
+                raise LaneError("shared memory is off on this server")
+            lane = Lane.attach(
+                header.get("name"), header.get("token"), header.get("req"), header.get("rep")
+            )  # type: ignore[arg-type]
+        except LaneError as e:
+            self.send_error(identity, header["id"], f"no shared-memory lane: {e}")
+            return
+        self._lanes.pop(identity, None)
+        self._lanes[identity] = lane
+        while len(self._lanes) > _MAX_LANES:
+            self._lanes.popitem(last=False)
+        self._sock.send_multipart([identity, *wire.encode({"op": "ok", "id": header["id"]})])
+
+    def tensors(
+        self,
+        request: Request,
+        *,
+        into: dict[str, torch.Tensor] | None = None,
+        transient: bool = False,
+    ) -> list[tuple[str, torch.Tensor]]:
+        """The tensors of ``request``, validated (see :func:`wire.decode_tensors`).
+
+        With ``transient``, tensors that came through a lane may be views of it: valid until
+        the reply to ``request`` is sent.
+        """
+        lane = request.lane
+        return wire.decode_tensors(
+            request.header,
+            request.frames,
+            max_bytes=self.config.max_message_bytes,
+            into=into,
+            area=lane.request if lane is not None and "s" in request.header else None,
+            transient=transient,
+        )
 
     def reply(
         self,
@@ -163,9 +236,18 @@ class Server:
         header: dict[str, Any],
         tensors: Sequence[tuple[str, torch.Tensor]] | wire.TensorSet = (),
     ) -> None:
-        """Answers ``request``; tensors are sent from their own memory, without a copy."""
+        """Answers ``request``; tensors are sent from their own memory, without a copy.
+
+        When the request came with a lane, large tensors are copied into it instead.
+        """
         header["id"] = request.header["id"]
-        frames = wire.encode(header, tensors, chunk=self.config.chunk_bytes)
+        lane = request.lane if "l" in request.header else None
+        frames = wire.encode(
+            header,
+            tensors,
+            chunk=self.config.chunk_bytes,
+            area=lane.reply if lane is not None else None,
+        )
         size = sum(len(f) for f in frames[1:])
         msg = [request.identity, *frames]
         if size < _ZERO_COPY_ABOVE:
@@ -192,6 +274,7 @@ class Server:
     def close(self, linger: float = 0.0) -> None:
         """Closes the socket, giving queued replies up to ``linger`` seconds to leave."""
         self._sock.close(linger=int(linger * 1000))
+        self._lanes.clear()
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
@@ -229,6 +312,9 @@ class Client:
         self._next_id = 1
         self._inflight: dict[int, str] = {}
         self._poller = zmq.Poller()
+        self._lanes: dict[str, Lane] = {}
+        self._lane_need: dict[str, int] = {}  # the largest reply payload seen from each peer
+        self._no_lane: set[str] = set() if config.shared_memory else set(peers)
         for name, address in peers.items():
             sock = self._context.socket(zmq.DEALER)
             sock.linger = 0
@@ -255,10 +341,23 @@ class Client:
 
         The tensors must stay unchanged until the reply has arrived.
         """
+        lane = None if peer in self._no_lane else self._lane_for(peer, tensors)
         rid = self._next_id
         self._next_id += 1
         header["id"] = rid
-        frames = wire.encode(header, tensors, chunk=self.config.chunk_bytes)
+        if lane is not None:
+            header["l"] = 1
+        frames = wire.encode(
+            header,
+            tensors,
+            chunk=self.config.chunk_bytes,
+            area=lane.request if lane is not None else None,
+        )
+        self._send(peer, frames)
+        self._inflight[rid] = peer
+        return rid
+
+    def _send(self, peer: str, frames: list[Any]) -> None:
         size = sum(len(f) for f in frames[1:])
         try:
             self._socks[peer].send_multipart(frames, copy=size < _ZERO_COPY_ABOVE)
@@ -267,8 +366,64 @@ class Client:
                 f"{peer} at {self._addresses[peer]}",
                 f"could not send within {self.config.timeout:g} s (down, or not authorised?)",
             ) from None
-        self._inflight[rid] = peer
-        return rid
+
+    def _lane_for(
+        self, peer: str, tensors: Sequence[tuple[str, torch.Tensor]] | wire.TensorSet
+    ) -> Lane | None:
+        """The lane for a request to ``peer``, attaching or growing it when worthwhile.
+
+        None when the request or the expected reply is small, or when another request to
+        ``peer`` is in flight (a lane carries one request at a time).
+        """
+        if isinstance(tensors, wire.TensorSet):
+            sizes = [len(r) for r in tensors.raws]
+        else:
+            sizes = [t.nbytes for _, t in tensors]
+        need = wire.lane_bytes(sizes) if sum(sizes) >= _LANE_ABOVE else 0
+        reply_need = self._lane_need.get(peer, 0)
+        if not (need or reply_need) or peer in self._inflight.values():
+            return None
+        lane = self._lanes.get(peer)
+        if lane is None or lane.request_bytes < need or lane.reply_bytes < reply_need:
+            request_bytes = max(need, lane.request_bytes if lane else 0)
+            # A push is usually answered with parameters of the same size.
+            reply_bytes = max(reply_need, need, lane.reply_bytes if lane else 0)
+            lane = self._attach(peer, request_bytes, reply_bytes)
+        return lane
+
+    def _attach(self, peer: str, request_bytes: int, reply_bytes: int) -> Lane | None:
+        self._lanes.pop(peer, None)
+        try:
+            lane = Lane.create(request_bytes, reply_bytes)
+        except LaneError as e:
+            log.info("%s: %s; large tensors go through the socket", peer, e)
+            self._no_lane.add(peer)
+            return None
+        try:
+            rid = self._next_id
+            self._next_id += 1
+            header = {
+                "op": "_lane",
+                "id": rid,
+                "name": lane.name,
+                "token": lane.token,
+                "req": request_bytes,
+                "rep": reply_bytes,
+            }
+            self._send(peer, wire.encode(header))
+            self._inflight[rid] = peer
+            self.wait([rid])
+        except PeerTimeoutError:
+            raise
+        except PeerError as e:
+            log.info("%s; large tensors go through the socket", e)
+            self._no_lane.add(peer)
+            return None
+        finally:
+            lane.unlink()
+        log.debug("%s: attached %s", peer, lane)
+        self._lanes[peer] = lane
+        return lane
 
     def wait(
         self,
@@ -321,6 +476,9 @@ class Client:
         late = sorted({self._inflight[r] for r in want})
         for r in want:
             self._inflight.pop(r, None)
+        for peer in late:
+            # Its server may still read or write the lane later: never use it again.
+            self._lanes.pop(peer, None)
         names = ", ".join(f"{p} at {self._addresses[p]}" for p in late)
         raise PeerTimeoutError(
             names, f"no answer within {timeout:g} s (dead, hung, unreachable or not authorised?)"
@@ -346,13 +504,24 @@ class Client:
         want.discard(rid)
         self._inflight.pop(rid, None)
         if header["op"] == "error":
+            if header.get("lane") is False:
+                self._lanes.pop(peer, None)  # the next request attaches a new one
             raise PeerError(peer, str(header.get("error", "unknown error")))
+        lane = self._lanes.get(peer) if "s" in header else None
         try:
             tensors = wire.decode_tensors(
-                header, parts[1:], max_bytes=self.config.max_message_bytes, into=into
+                header,
+                parts[1:],
+                max_bytes=self.config.max_message_bytes,
+                into=into,
+                area=lane.reply if lane is not None else None,
             )
         except wire.WireError as e:
             raise PeerError(peer, f"malformed reply: {e}") from None
+        if "c" in header and peer not in self._no_lane:
+            payload = wire.lane_bytes(t.nbytes for _, t in tensors)
+            if payload >= _LANE_ABOVE:
+                self._lane_need[peer] = max(self._lane_need.get(peer, 0), payload)
         out[rid] = (header, tensors)
 
     def request(
@@ -370,3 +539,4 @@ class Client:
         for sock in self._socks.values():
             sock.close(linger=0)
         self._socks.clear()
+        self._lanes.clear()

@@ -2,9 +2,14 @@
 
 A message is ``[header, *frames]``. The header is a msgpack map with at least ``op`` (str) and
 ``id`` (int); its ``t`` entry describes the tensors that follow as ``[name, dtype, shape]``
-triples. Each tensor's bytes travel in ``ceil(nbytes / chunk)`` frames (at least one), where
-``chunk`` is the header's ``c`` entry: moderate frames (1 MiB by default) move faster through
-ZeroMQ than a few huge ones. Frames are sent straight from the tensor's memory, without a copy.
+triples. Their bytes travel in one of three ways:
+
+- inline (``b``): up to :data:`INLINE_BYTES` in all, inside the header frame;
+- framed (``c``): each tensor in ``ceil(nbytes / chunk)`` frames (at least one), where ``chunk``
+  is the ``c`` entry: moderate frames (1 MiB by default) move faster through ZeroMQ than a few
+  huge ones. Frames are sent straight from the tensor's memory, without a copy;
+- in a shared-memory lane (``s``): one after another from the start of the lane's area, each
+  at a multiple of 64 bytes (see :mod:`psflow.transport.shm`); no data frames.
 
 Nothing here is pickled: the header is plain msgpack data, validated field by field, and tensor
 bytes are only ever reinterpreted as one of the dtypes in :data:`DTYPES`.
@@ -13,7 +18,7 @@ bytes are only ever reinterpreted as one of the dtypes in :data:`DTYPES`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import msgpack
@@ -113,8 +118,12 @@ def encode(
     tensors: Sequence[tuple[str, torch.Tensor]] | TensorSet = (),
     *,
     chunk: int = DEFAULT_CHUNK_BYTES,
+    area: np.ndarray[Any, Any] | None = None,
 ) -> list[Any]:
     """The frames of one message: the packed header, then each tensor's bytes in chunks.
+
+    With ``area`` (a lane's uint8 area), tensors too large to go inline are copied into it
+    when they fit, and the message is the header alone (``header["s"]`` is then set).
 
     Small messages (at most :data:`INLINE_BYTES` of tensor data) travel as one frame, the
     bytes inside the header: each frame costs a wake-up of ZeroMQ's I/O thread, which is what
@@ -140,6 +149,13 @@ def encode(
         if sum(len(r) for r in raws) <= INLINE_BYTES:
             # Each tensor starts 8-byte aligned, so the receiver can view it in place.
             header["b"] = b"".join(bytes(r) + bytes(-len(r) % 8) if len(r) % 8 else r for r in raws)
+        elif area is not None and lane_bytes(len(r) for r in raws) <= len(area):
+            off = 0
+            for raw in raws:
+                n = len(raw)
+                area[off : off + n] = np.frombuffer(raw, dtype=np.uint8)
+                off = _lane_aligned(off + n)
+            header["s"] = 1
         else:
             header["c"] = chunk
             for raw in raws:
@@ -150,6 +166,21 @@ def encode(
                     frames.extend(raw[i : i + chunk] for i in range(0, n, chunk))
     frames[0] = msgpack.packb(header, use_bin_type=True)
     return frames
+
+
+LANE_ALIGN = 64
+
+
+def _lane_aligned(n: int) -> int:
+    return (n + LANE_ALIGN - 1) & ~(LANE_ALIGN - 1)
+
+
+def lane_bytes(sizes: Iterable[int]) -> int:
+    """Bytes a lane area needs for tensors of these sizes (each starts 64-byte aligned)."""
+    off = 0
+    for n in sizes:
+        off = _lane_aligned(off + n)
+    return off
 
 
 def decode_header(frame: bytes | memoryview) -> dict[str, Any]:
@@ -251,12 +282,17 @@ def decode_tensors(
     *,
     max_bytes: int,
     into: Mapping[str, torch.Tensor] | None = None,
+    area: np.ndarray[Any, Any] | None = None,
+    transient: bool = False,
 ) -> list[tuple[str, torch.Tensor]]:
     """The tensors of a message whose header was decoded by :func:`decode_header`.
 
     A tensor that arrived in one frame is a zero-copy view of that frame; one that arrived in
     several is assembled into ``into[name]`` when that is a contiguous tensor of the same dtype
     and shape (the caller's own buffer: no allocation, no second copy), else into fresh memory.
+    Tensors in a shared-memory lane (``area``, the lane's area the message used) are copied into
+    ``into[name]`` or fresh memory, or, with ``transient`` (the caller is done with them before
+    it answers), are views of the lane.
 
     Raises:
         WireError: when the frames do not match the header (count, sizes) or exceed ``max_bytes``.
@@ -268,6 +304,8 @@ def decode_tensors(
         return []
     if "b" in header:
         return _decode_inline(metas, header["b"], frames)
+    if "s" in header:
+        return _decode_lane(metas, area, frames, max_bytes=max_bytes, into=into, view=transient)
     out = []
     for m, parts in frame_views(header, frames, max_bytes=max_bytes):
         if m.nbytes == 0:
@@ -292,6 +330,38 @@ def _destination(m: TensorMeta, into: Mapping[str, torch.Tensor] | None) -> torc
     if t is not None and t.dtype == m.dtype and t.shape == m.shape and t.is_contiguous():
         return t
     return torch.empty(m.shape, dtype=m.dtype)
+
+
+def _decode_lane(
+    metas: list[TensorMeta],
+    area: np.ndarray[Any, Any] | None,
+    frames: Sequence[Any],
+    *,
+    max_bytes: int,
+    into: Mapping[str, torch.Tensor] | None,
+    view: bool,
+) -> list[tuple[str, torch.Tensor]]:
+    if area is None:
+        raise WireError("tensors in a shared-memory lane, but no lane is attached")
+    if frames:
+        raise WireError("a message with tensors in a lane carries no data frames")
+    need = lane_bytes(m.nbytes for m in metas)
+    if need > len(area) or need > max_bytes:
+        raise WireError(f"tensors need {need} bytes of lane, it holds {len(area)}")
+    out = []
+    off = 0
+    for m in metas:
+        src = area[off : off + m.nbytes]
+        off = _lane_aligned(off + m.nbytes)
+        if m.nbytes == 0:
+            t = torch.empty(m.shape, dtype=m.dtype)
+        elif view:
+            t = torch.from_numpy(src).view(m.dtype).view(m.shape)
+        else:
+            t = _destination(m, into)
+            t.view(-1).view(torch.uint8).numpy()[:] = src
+        out.append((m.name, t))
+    return out
 
 
 def _decode_inline(

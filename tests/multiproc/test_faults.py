@@ -68,6 +68,11 @@ def test_garbage_messages_get_errors_and_the_ps_keeps_serving() -> None:
                     "already",
                 ),  # no error: ignored
                 ([hdr("done", 11, task="worker:7")], "not a worker"),
+                (
+                    [hdr("_lane", 12, name="../../etc/passwd", token=b"0" * 16, req=8, rep=8)],
+                    "not a lane name",
+                ),
+                ([hdr("push", 13, t=f32, s=1)], "does not hold"),
             ]
             for frames, expected in cases:
                 reply = ask(sock, frames)
@@ -167,6 +172,42 @@ def test_a_hung_ps_is_named_in_the_workers_error() -> None:
         opt.close()
     finally:
         os.kill(ps.pid, signal.SIGCONT)
+        stop(ps, timeout=5)
+
+
+def test_a_lane_whose_request_timed_out_is_never_used_again() -> None:
+    cluster = local_cluster(1, 1)
+    ps = start_ps(cluster)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(256, 512)  # 512 KB: through a shared-memory lane
+        x = torch.randn(8, 256)
+        config = TransportConfig(timeout=20.0)
+        with psflow.DistributedOptimizer(model, worker_ctx(cluster), lr=0.1, config=config) as opt:
+            model(x).square().mean().backward()
+            assert opt.step() == 1
+            client = opt._client._client
+            first = client._lanes["ps:0"]
+            config.timeout = 1.0
+            os.kill(ps.pid, signal.SIGSTOP)
+            with pytest.raises(PeerTimeoutError, match="ps:0"):
+                opt.step()
+            # The ps may still read that request and write its reply there when it wakes.
+            assert "ps:0" not in client._lanes
+            os.kill(ps.pid, signal.SIGCONT)
+            config.timeout = 20.0
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            assert opt.step() == 3  # the late push was applied when the ps woke, then this one
+            assert client._lanes["ps:0"] is not first
+            values = model.weight.detach().clone()
+            opt.pull()
+            assert torch.equal(model.weight, values) and torch.isfinite(values).all()
+        code, err = stop(ps)
+        assert code == 0, err
+    finally:
+        if ps.poll() is None:
+            os.kill(ps.pid, signal.SIGCONT)
         stop(ps, timeout=5)
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
 import psflow
 from psflow.transport import TransportConfig
+from psflow.transport.shm import SHM_DIR
 from psflow.worker.client import ShardedClient
 
 from .support import ROOT, launch_cmd, local_cluster, start_ps, stop, worker_ctx
@@ -136,3 +138,36 @@ def test_mismatched_model_is_refused_with_the_variable_named() -> None:
     finally:
         ps.kill()
         stop(ps)
+
+
+def _train_wide_linear(env: dict[str, str]) -> tuple[torch.Tensor, dict[str, object]]:
+    """Five steps of a 512 KB layer against a real ps; the weights and the client's lanes."""
+    cluster = local_cluster(1, 1)
+    ps = start_ps(cluster, env=env)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(256, 512)
+        x = torch.randn(8, 256)
+        with psflow.DistributedOptimizer(model, worker_ctx(cluster), lr=0.1) as opt:
+            for _ in range(5):
+                opt.zero_grad()
+                model(x).square().mean().backward()
+                opt.step()
+            lanes = dict(opt._client._client._lanes)
+        code, err = stop(ps)
+        assert code == 0, err
+        return model.weight.detach().clone(), lanes
+    finally:
+        stop(ps, timeout=1)
+
+
+def test_large_tensors_go_through_shared_memory_with_the_socket_result() -> None:
+    through_lane, lanes = _train_wide_linear({})
+    assert list(lanes) == ["ps:0"]
+    lane = lanes["ps:0"]
+    assert lane.request_bytes >= 512 * 257 * 4 and lane.reply_bytes >= 512 * 257 * 4
+    assert not (Path(SHM_DIR) / lane.name).exists()  # unlinked once the ps mapped it
+    # A ps that refuses lanes: the worker falls back to the socket, same arithmetic.
+    through_socket, lanes = _train_wide_linear({"PSFLOW_SHM": "0"})
+    assert lanes == {}
+    assert torch.equal(through_lane, through_socket)

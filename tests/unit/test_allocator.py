@@ -69,5 +69,5 @@ def test_bad_setting_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     from psflow import allocator
 
     monkeypatch.setenv("PSFLOW_MALLOC", "jemalloc")
-    with pytest.raises(ValueError, match="PSFLOW_MALLOC.*'jemalloc'"):
+    with pytest.raises(ValueError, match=r"PSFLOW_MALLOC.*'jemalloc'"):
         allocator.tune()

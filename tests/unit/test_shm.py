@@ -1,0 +1,99 @@
+"""Shared-memory lanes: what the server checks before it maps one, and the wire inside it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from psflow.transport import wire
+from psflow.transport.shm import SHM_DIR, Lane, LaneError
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
+
+
+@pytest.fixture
+def lane() -> Lane:
+    lane = Lane.create(65536, 8192)
+    yield lane
+    lane.unlink()
+
+
+def test_both_sides_see_one_memory_and_the_name_goes_away(lane: Lane) -> None:
+    peer = Lane.attach(lane.name, lane.token, 65536, 8192)
+    lane.request[:5] = [1, 2, 3, 4, 5]
+    peer.reply[-1] = 7
+    assert list(peer.request[:5]) == [1, 2, 3, 4, 5] and lane.reply[-1] == 7
+    assert (len(peer.request), len(peer.reply)) == (65536, 8192)
+    path = os.path.join(SHM_DIR, lane.name)
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    lane.unlink()
+    assert not os.path.exists(path)
+    lane.request[0] = 9  # both mappings outlive the name
+    assert peer.request[0] == 9
+
+
+@pytest.mark.parametrize(
+    ("name", "token", "sizes", "message"),
+    [
+        ("../../etc/passwd", None, (65536, 8192), "not a lane name"),
+        ("psflow-" + "0" * 32, None, (65536, 8192), "cannot open"),
+        (None, b"x" * 16, (65536, 8192), "announced token"),
+        (None, b"short", (65536, 8192), "bad lane token"),
+        (None, None, (65536, 4096), "holds"),
+        (None, None, (-1, 8192), "bad lane size"),
+        (None, None, (True, 8192), "bad lane size"),
+    ],
+)
+def test_attach_refuses_what_does_not_match(
+    lane: Lane, name: str | None, token: bytes | None, sizes: tuple[int, int], message: str
+) -> None:
+    with pytest.raises(LaneError, match=message):
+        Lane.attach(name or lane.name, token or lane.token, *sizes)
+
+
+def test_attach_refuses_a_file_others_can_read(lane: Lane) -> None:
+    os.chmod(os.path.join(SHM_DIR, lane.name), 0o644)
+    with pytest.raises(LaneError, match="not a private file"):
+        Lane.attach(lane.name, lane.token, 65536, 8192)
+
+
+def test_tensors_travel_in_the_lane(lane: Lane) -> None:
+    a = torch.arange(300, dtype=torch.float32).view(30, 10)
+    b = torch.arange(7, dtype=torch.int64)
+    big = torch.randn(5000)  # with a and b: over the inline limit
+    header: dict[str, object] = {"op": "push", "id": 1}
+    frames = wire.encode(header, [("a", a), ("b", b), ("big", big)], area=lane.request)
+    assert len(frames) == 1 and header["s"] == 1 and "c" not in header and "b" not in header
+    got = wire.decode_header(frames[0])
+    into = {"a": torch.empty(30, 10)}
+    out = dict(wire.decode_tensors(got, [], max_bytes=1 << 20, area=lane.request, into=into))
+    assert out["a"] is into["a"] and torch.equal(out["a"], a)
+    assert torch.equal(out["b"], b) and torch.equal(out["big"], big)
+    views = dict(wire.decode_tensors(got, [], max_bytes=1 << 20, area=lane.request, transient=True))
+    lane.request[:4] = 0  # a view sees the lane change; the copies above do not
+    assert views["a"][0, 0] == 0 and out["a"][0, 0] == 0 and torch.equal(out["big"], big)
+    assert views["big"].data_ptr() % 64 == 0
+
+
+def test_what_does_not_fit_the_lane_is_framed(lane: Lane) -> None:
+    header: dict[str, object] = {"op": "push", "id": 1}
+    frames = wire.encode(header, [("x", torch.zeros(25000))], area=lane.request)  # 100 KB > 64 KB
+    assert "s" not in header and len(frames) == 2
+
+
+@pytest.mark.parametrize(
+    ("t", "area", "frames", "message"),
+    [
+        ([["x", "float32", [10]]], None, [], "no lane is attached"),
+        ([["x", "float32", [20000]]], "lane", [], "lane, it holds 65536"),
+        ([["x", "float32", [10]]], "lane", [b"\x00" * 40], "no data frames"),
+    ],
+)
+def test_bad_lane_messages(
+    lane: Lane, t: list[object], area: str | None, frames: list[bytes], message: str
+) -> None:
+    header = {"v": 1, "op": "push", "id": 1, "t": t, "s": 1}
+    with pytest.raises(wire.WireError, match=message):
+        wire.decode_tensors(header, frames, max_bytes=1 << 20, area=lane.request if area else None)
