@@ -3,6 +3,8 @@
 - ``wire.py``: the message format (msgpack header + raw tensor frames), :class:`WireError`.
 - ``connection.py``: :class:`Server` (ROUTER), :class:`Client` (requests to many peers in
   flight), :class:`TransportConfig`, :class:`PeerError`, :class:`PeerTimeoutError`.
+- ``shm.py``: :class:`~psflow.transport.shm.Lane`, shared memory for large tensors between
+  a client and a server on the same host.
 - ``auth.py``: CurveZMQ keys, :func:`generate_keys`, :class:`CurveKeys`.
 - ``cli.py``: ``psflow keys generate DIR``.
 """
