@@ -372,19 +372,20 @@ class Client:
     ) -> Lane | None:
         """The lane for a request to ``peer``, attaching or growing it when worthwhile.
 
-        None when the request or the expected reply is small, or when another request to
-        ``peer`` is in flight (a lane carries one request at a time).
+        A large request attaches one (or a larger one); any request may use one that exists,
+        so that large replies (pulls) come through it too. None when there is none to use or
+        another request to ``peer`` is in flight (a lane carries one request at a time).
         """
         if isinstance(tensors, wire.TensorSet):
             sizes = [len(r) for r in tensors.raws]
         else:
             sizes = [t.nbytes for _, t in tensors]
         need = wire.lane_bytes(sizes) if sum(sizes) >= _LANE_ABOVE else 0
-        reply_need = self._lane_need.get(peer, 0)
-        if not (need or reply_need) or peer in self._inflight.values():
-            return None
         lane = self._lanes.get(peer)
-        if lane is None or lane.request_bytes < need or lane.reply_bytes < reply_need:
+        if (lane is None and not need) or peer in self._inflight.values():
+            return None  # small requests (status, done, a pull) attach no new lane
+        reply_need = self._lane_need.get(peer, 0)
+        if lane is None or lane.request_bytes < need or (need and lane.reply_bytes < reply_need):
             request_bytes = max(need, lane.request_bytes if lane else 0)
             # A push is usually answered with parameters of the same size.
             reply_bytes = max(reply_need, need, lane.reply_bytes if lane else 0)
