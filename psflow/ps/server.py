@@ -190,7 +190,7 @@ class ParameterServer:
         except (ValueError, TypeError, wire.WireError) as e:
             log.warning("%s: bad %r request from %s: %s", self.name, op, self._sender(request), e)
             assert self._server is not None
-            self._server.send_error(request.identity, request.header["id"], str(e))
+            self._server.send_error(request, str(e))
 
     def _sender(self, request: Request) -> str:
         sender = request.header.get("task")

@@ -350,7 +350,7 @@ class SyncService:
         """Answers every waiting request with an error (the server is stopping, or stuck)."""
         assert self.ps._server is not None
         for p in self._pending:
-            self.ps._server.send_error(p.request.identity, p.request.header["id"], message)
+            self.ps._server.send_error(p.request, message)
         self._pending.clear()
         for request in self.clocks.drop_waiting():
-            self.ps._server.send_error(request.identity, request.header["id"], message)
+            self.ps._server.send_error(request, message)

@@ -12,7 +12,7 @@ import logging
 import os
 import socket as pysocket
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -109,17 +109,19 @@ class Request:
     header: dict[str, Any]
     frames: list[Any]
     lane: Lane | None = None
-    """The client's shared-memory lane, when the request may use it."""
+    """The shared-memory lane it came through (its reply goes back the same way)."""
 
 
 _MAX_LANES = 64
-"""Lanes a server keeps mapped (one per client); the least recently used goes first."""
-_LANE_ABOVE = 1 << 18
-"""Tensor payloads at least this large go through a lane when one is possible."""
+"""Lanes a server keeps (one per client); the least recently used goes first."""
 
 
 class Server:
-    """A ROUTER socket bound to one address, answering requests one at a time."""
+    """A ROUTER socket bound to one address, answering requests one at a time.
+
+    Clients on the same host may also attach shared-memory lanes (:mod:`psflow.transport.shm`):
+    :meth:`recv` then waits on the socket and on every lane at once.
+    """
 
     def __init__(
         self, address: str, config: TransportConfig, *, context: zmq.Context[Any] | None = None
@@ -150,6 +152,10 @@ class Server:
         self._sock = sock
         self._pending: list[zmq.MessageTracker] = []
         self._lanes: OrderedDict[bytes, Lane] = OrderedDict()
+        self._lane_of_fd: dict[int, tuple[bytes, Lane]] = {}
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+        self._ready: deque[Request] = deque()
 
     def recv(self, timeout: float) -> Request | None:
         """The next request, or ``None`` after ``timeout`` seconds without one.
@@ -158,38 +164,62 @@ class Server:
             wire.WireError: for a message whose header is malformed; the server sends the
                 error reply itself when it knows whom to answer.
         """
+        if self._ready:
+            return self._ready.popleft()
         ms = max(1, int(timeout * 1000))
-        if self._sock.rcvtimeo != ms:
-            self._sock.rcvtimeo = ms
-        try:
-            parts = self._sock.recv_multipart(copy=False)
-        except zmq.Again:
-            return None
+        if not self._lanes:
+            # The socket alone: a blocking receive, cheaper than a poll.
+            if self._sock.rcvtimeo != ms:
+                self._sock.rcvtimeo = ms
+            try:
+                parts = self._sock.recv_multipart(copy=False)
+            except zmq.Again:
+                return None
+            return self._from_socket(parts)
+        for what, _ in self._poller.poll(ms):
+            if what is self._sock:
+                try:
+                    parts = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    continue
+                try:
+                    request = self._from_socket(parts)
+                except wire.WireError:
+                    if not self._ready:
+                        raise
+                    continue  # answered already; the lanes' requests go first
+                if request is not None:
+                    self._ready.append(request)
+            else:
+                identity, lane = self._lane_of_fd[what]
+                request = self._from_lane(identity, lane)
+                if request is not None:
+                    self._ready.append(request)
+        return self._ready.popleft() if self._ready else None
+
+    def _from_socket(self, parts: list[Any]) -> Request | None:
         identity = parts[0].bytes
         if len(parts) < 2:
             raise wire.WireError("message has no header frame")
         try:
             header = wire.decode_header(parts[1].buffer)
         except wire.WireError as e:
-            self.send_error(identity, -1, str(e))
+            self._send_error(identity, -1, str(e))
             raise
-        lane = None
-        if "l" in header or "s" in header:
-            lane = self._lanes.get(identity)
-            if lane is not None:
-                self._lanes.move_to_end(identity)
-            elif "s" in header:
-                # Restarted, or the lane was evicted: the client attaches a new one.
-                message = "its tensors are in a shared-memory lane this server does not hold"
-                frames = wire.encode(
-                    {"op": "error", "id": header["id"], "error": message, "lane": False}
-                )
-                self._sock.send_multipart([identity, *frames])
-                return None
-        elif header["op"] == "_lane":
+        if header["op"] == "_lane":
             self._attach(identity, header)
             return None
-        return Request(identity=identity, header=header, frames=parts[2:], lane=lane)
+        return Request(identity=identity, header=header, frames=parts[2:])
+
+    def _from_lane(self, identity: bytes, lane: Lane) -> Request | None:
+        self._lanes.move_to_end(identity)
+        try:
+            header = wire.decode_header(lane.take_request())
+        except (wire.WireError, LaneError) as e:
+            log.warning("rejected a malformed message on %s: %s", lane, e)
+            self._post(lane, identity, wire.encode({"op": "error", "id": -1, "error": str(e)}))
+            return None
+        return Request(identity=identity, header=header, frames=[], lane=lane)
 
     def _attach(self, identity: bytes, header: dict[str, Any]) -> None:
         """Maps a client's lane (its request to attach one is answered here, not above)."""
@@ -198,15 +228,24 @@ class Server:
                 raise LaneError("shared memory is off on this server")
             lane = Lane.attach(
                 header.get("name"), header.get("token"), header.get("req"), header.get("rep")
-            )  # type: ignore[arg-type]
+            )
         except LaneError as e:
-            self.send_error(identity, header["id"], f"no shared-memory lane: {e}")
+            self._send_error(identity, header["id"], f"no shared-memory lane: {e}")
             return
-        self._lanes.pop(identity, None)
+        self._drop_lane(identity)
         self._lanes[identity] = lane
+        self._lane_of_fd[lane.requests_fd] = (identity, lane)
+        self._poller.register(lane.requests_fd, zmq.POLLIN)
         while len(self._lanes) > _MAX_LANES:
-            self._lanes.popitem(last=False)
+            self._drop_lane(next(iter(self._lanes)))
         self._sock.send_multipart([identity, *wire.encode({"op": "ok", "id": header["id"]})])
+
+    def _drop_lane(self, identity: bytes) -> None:
+        lane = self._lanes.pop(identity, None)
+        if lane is not None:
+            self._poller.unregister(lane.requests_fd)
+            del self._lane_of_fd[lane.requests_fd]
+            lane.close()
 
     def tensors(
         self,
@@ -226,7 +265,7 @@ class Server:
             request.frames,
             max_bytes=self.config.max_message_bytes,
             into=into,
-            area=lane.request if lane is not None and "s" in request.header else None,
+            area=lane.request if lane is not None else None,
             transient=transient,
         )
 
@@ -238,16 +277,22 @@ class Server:
     ) -> None:
         """Answers ``request``; tensors are sent from their own memory, without a copy.
 
-        When the request came with a lane, large tensors are copied into it instead.
+        A request that came through a lane is answered through it, its tensors copied there.
         """
         header["id"] = request.header["id"]
-        lane = request.lane if "l" in request.header else None
-        frames = wire.encode(
-            header,
-            tensors,
-            chunk=self.config.chunk_bytes,
-            area=lane.reply if lane is not None else None,
-        )
+        lane = request.lane
+        if lane is not None:
+            if lane.closed:
+                # Replaced or evicted since: its client gave up on this request.
+                log.debug("dropped the reply to %s: its lane is gone", request.header["op"])
+                return
+            frames = wire.encode(dict(header), tensors, area=lane.reply)
+            if len(frames) == 1 and lane.post_reply(frames[0]):
+                return
+            # Too large for the lane: the reply goes by socket, and the lane says so.
+            note = {"op": "_socket", "id": header["id"], "need": _payload(tensors)}
+            self._post(lane, request.identity, wire.encode(note))
+        frames = wire.encode(header, tensors, chunk=self.config.chunk_bytes)
         size = sum(len(f) for f in frames[1:])
         msg = [request.identity, *frames]
         if size < _ZERO_COPY_ABOVE:
@@ -255,9 +300,21 @@ class Server:
         else:
             self._pending.append(self._sock.send_multipart(msg, copy=False, track=True))
 
-    def send_error(self, identity: bytes, rid: int, message: str) -> None:
+    def send_error(self, request: Request, message: str) -> None:
+        """Answers ``request`` with an error."""
+        frames = wire.encode({"op": "error", "id": request.header["id"], "error": message})
+        if request.lane is not None:
+            self._post(request.lane, request.identity, frames)
+        else:
+            self._sock.send_multipart([request.identity, *frames])
+
+    def _send_error(self, identity: bytes, rid: int, message: str) -> None:
         frames = wire.encode({"op": "error", "id": rid, "error": message})
         self._sock.send_multipart([identity, *frames])
+
+    def _post(self, lane: Lane, identity: bytes, frames: list[Any]) -> None:
+        if not lane.post_reply(frames[0]):  # closed since: its client gave up
+            log.debug("cannot answer %r on %s", identity, lane)
 
     def flush(self, timeout: float) -> None:
         """Waits until ZeroMQ has sent every tensor handed to :meth:`reply`.
@@ -274,10 +331,18 @@ class Server:
     def close(self, linger: float = 0.0) -> None:
         """Closes the socket, giving queued replies up to ``linger`` seconds to leave."""
         self._sock.close(linger=int(linger * 1000))
-        self._lanes.clear()
+        for identity in list(self._lanes):
+            self._drop_lane(identity)
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
+
+
+def _payload(tensors: Sequence[tuple[str, torch.Tensor]] | wire.TensorSet) -> int:
+    """Lane bytes that ``tensors`` need."""
+    if isinstance(tensors, wire.TensorSet):
+        return wire.lane_bytes(len(r) for r in tensors.raws)
+    return wire.lane_bytes(t.nbytes for _, t in tensors)
 
 
 def _wait(tracker: zmq.MessageTracker, timeout: float) -> bool:
@@ -290,6 +355,10 @@ def _wait(tracker: zmq.MessageTracker, timeout: float) -> bool:
 
 class Client:
     """Requests to a fixed list of peers, many in flight at once.
+
+    A peer on the same host is reached through a shared-memory lane
+    (:mod:`psflow.transport.shm`) once it has answered once over the socket, when no other
+    request to it is in flight; everything else goes through the socket.
 
     Example:
         >>> client = Client({"ps:0": "127.0.0.1:2222"}, TransportConfig(timeout=5))
@@ -310,11 +379,12 @@ class Client:
         self._peer_of: dict[zmq.Socket[bytes], str] = {}
         self._addresses = dict(peers)
         self._next_id = 1
-        self._inflight: dict[int, str] = {}
-        self._poller = zmq.Poller()
+        self._inflight: dict[int, str] = {}  # through the socket
         self._lanes: dict[str, Lane] = {}
-        self._lane_need: dict[str, int] = {}  # the largest reply payload seen from each peer
+        self._lane_inflight: dict[int, str] = {}  # through a lane
+        self._lane_need: dict[str, int] = {}  # the largest reply seen from each peer
         self._no_lane: set[str] = set() if config.shared_memory else set(peers)
+        self._answered: set[str] = set()
         for name, address in peers.items():
             sock = self._context.socket(zmq.DEALER)
             sock.linger = 0
@@ -325,7 +395,6 @@ class Client:
             sock.connect(_endpoint(address, bind=False))
             self._socks[name] = sock
             self._peer_of[sock] = name
-            self._poller.register(sock, zmq.POLLIN)
 
     @property
     def peers(self) -> list[str]:
@@ -335,7 +404,7 @@ class Client:
         self,
         peer: str,
         header: dict[str, Any],
-        tensors: Sequence[tuple[str, torch.Tensor]] = (),
+        tensors: Sequence[tuple[str, torch.Tensor]] | wire.TensorSet = (),
     ) -> int:
         """Sends one request to ``peer`` and returns its id, without waiting for the reply.
 
@@ -346,13 +415,11 @@ class Client:
         self._next_id += 1
         header["id"] = rid
         if lane is not None:
-            header["l"] = 1
-        frames = wire.encode(
-            header,
-            tensors,
-            chunk=self.config.chunk_bytes,
-            area=lane.request if lane is not None else None,
-        )
+            frames = wire.encode(dict(header), tensors, area=lane.request)
+            if len(frames) == 1 and lane.post_request(frames[0]):
+                self._lane_inflight[rid] = peer
+                return rid
+        frames = wire.encode(header, tensors, chunk=self.config.chunk_bytes)
         self._send(peer, frames)
         self._inflight[rid] = peer
         return rid
@@ -370,34 +437,32 @@ class Client:
     def _lane_for(
         self, peer: str, tensors: Sequence[tuple[str, torch.Tensor]] | wire.TensorSet
     ) -> Lane | None:
-        """The lane for a request to ``peer``, attaching or growing it when worthwhile.
+        """The lane for a request to ``peer``, attached or grown when needed.
 
-        A large request attaches one (or a larger one); any request may use one that exists,
-        so that large replies (pulls) come through it too. None when there is none to use or
-        another request to ``peer`` is in flight (a lane carries one request at a time).
+        None before ``peer`` has answered over the socket (it may not be up yet), and while
+        another request to it is in flight (a lane carries one request at a time).
         """
-        if isinstance(tensors, wire.TensorSet):
-            sizes = [len(r) for r in tensors.raws]
-        else:
-            sizes = [t.nbytes for _, t in tensors]
-        need = wire.lane_bytes(sizes) if sum(sizes) >= _LANE_ABOVE else 0
+        if peer not in self._answered:
+            return None
+        if peer in self._inflight.values() or peer in self._lane_inflight.values():
+            return None
+        need = _payload(tensors)
+        if need <= wire.INLINE_BYTES:
+            need = 0
         lane = self._lanes.get(peer)
-        if (lane is None and not need) or peer in self._inflight.values():
-            return None  # small requests (status, done, a pull) attach no new lane
         reply_need = self._lane_need.get(peer, 0)
-        if lane is None or lane.request_bytes < need or (need and lane.reply_bytes < reply_need):
-            request_bytes = max(need, lane.request_bytes if lane else 0)
-            # A push is usually answered with parameters of the same size.
-            reply_bytes = max(reply_need, need, lane.reply_bytes if lane else 0)
-            lane = self._attach(peer, request_bytes, reply_bytes)
+        if lane is None or lane.request_bytes < need or lane.reply_bytes < reply_need:
+            old = (lane.request_bytes, lane.reply_bytes) if lane is not None else (0, 0)
+            # A push is usually answered with parameters of its own size.
+            lane = self._attach(peer, max(need, old[0]), max(reply_need, need, old[1]))
         return lane
 
     def _attach(self, peer: str, request_bytes: int, reply_bytes: int) -> Lane | None:
-        self._lanes.pop(peer, None)
+        self._drop_lane(peer)
         try:
             lane = Lane.create(request_bytes, reply_bytes)
         except LaneError as e:
-            log.info("%s: %s; large tensors go through the socket", peer, e)
+            log.info("%s: %s; requests go through the socket", peer, e)
             self._no_lane.add(peer)
             return None
         try:
@@ -415,16 +480,23 @@ class Client:
             self._inflight[rid] = peer
             self.wait([rid])
         except PeerTimeoutError:
+            lane.close()
             raise
         except PeerError as e:
-            log.info("%s; large tensors go through the socket", e)
+            log.info("%s; requests go through the socket", e)
             self._no_lane.add(peer)
+            lane.close()
             return None
         finally:
             lane.unlink()
         log.debug("%s: attached %s", peer, lane)
         self._lanes[peer] = lane
         return lane
+
+    def _drop_lane(self, peer: str) -> None:
+        lane = self._lanes.pop(peer, None)
+        if lane is not None:
+            lane.close()
 
     def wait(
         self,
@@ -445,42 +517,59 @@ class Client:
         out: dict[int, tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]] = {}
         timeout = self.config.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        peers = {self._inflight[r] for r in want}
-        # One peer (one ps shard): a blocking receive with a timeout, no poller, no retries.
-        single = self._socks[next(iter(peers))] if len(peers) == 1 else None
         while want:
             left = deadline - time.monotonic()
-            if single is not None:
-                if left > 0:
-                    single.rcvtimeo = max(1, int(left * 1000))
-                    try:
-                        parts = single.recv_multipart(copy=False)
-                    except zmq.Again:
-                        pass
-                    else:
-                        self._take(single, parts, want, out, into)
-                        continue
+            if left <= 0:
                 self._timeout(want, timeout)
-            ready = dict(self._poller.poll(max(0, int(left * 1000)))) if left > 0 else {}
-            if not ready:
-                self._timeout(want, timeout)
-            for sock in ready:
+            on_lanes = [r for r in want if r in self._lane_inflight]
+            if len(want) == 1:
+                # One request (one ps shard): a blocking wait on its lane or its socket.
+                (rid,) = want
+                if on_lanes:
+                    peer = self._lane_inflight[rid]
+                    lane = self._lanes[peer]
+                    if lane.wait_reply(left):
+                        self._take_lane(peer, lane, want, out, into)
+                    continue
+                sock = self._socks[self._inflight[rid]]
+                sock.rcvtimeo = max(1, int(left * 1000))
+                try:
+                    parts = sock.recv_multipart(copy=False)
+                except zmq.Again:
+                    continue
+                self._take(sock, parts, want, out, into)
+                continue
+            poller = zmq.Poller()
+            lane_of_fd = {}
+            for rid in on_lanes:
+                peer = self._lane_inflight[rid]
+                lane = self._lanes[peer]
+                lane_of_fd[lane.replies_fd] = (peer, lane)
+                poller.register(lane.replies_fd, zmq.POLLIN)
+            for peer in {self._inflight[r] for r in want if r in self._inflight}:
+                poller.register(self._socks[peer], zmq.POLLIN)
+            for what, _ in poller.poll(max(1, int(left * 1000))):
+                if isinstance(what, int):
+                    self._take_lane(*lane_of_fd[what], want, out, into)
+                    continue
                 while True:
                     try:
-                        parts = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)  # type: ignore[union-attr]
+                        parts = what.recv_multipart(flags=zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self._take(sock, parts, want, out, into)  # type: ignore[arg-type]
+                    self._take(what, parts, want, out, into)
         return out
 
     def _timeout(self, want: set[int], timeout: float) -> NoReturn:
-        late = sorted({self._inflight[r] for r in want})
+        late = set()
         for r in want:
-            self._inflight.pop(r, None)
-        for peer in late:
-            # Its server may still read or write the lane later: never use it again.
-            self._lanes.pop(peer, None)
-        names = ", ".join(f"{p} at {self._addresses[p]}" for p in late)
+            peer = self._inflight.pop(r, None)
+            if peer is None:
+                peer = self._lane_inflight.pop(r)
+                # Its server may still read or write the lane later: never use it again.
+                self._drop_lane(peer)
+            late.add(peer)
+        names = ", ".join(f"{p} at {self._addresses[p]}" for p in sorted(late))
         raise PeerTimeoutError(
             names, f"no answer within {timeout:g} s (dead, hung, unreachable or not authorised?)"
         )
@@ -493,8 +582,9 @@ class Client:
         out: dict[int, tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]],
         into: dict[str, torch.Tensor] | None,
     ) -> None:
-        """Files one reply under its request id (dropping replies nobody waits for any more)."""
+        """Files one reply from a socket under its request id (dropping stale ones)."""
         peer = self._peer_of[sock]
+        self._answered.add(peer)
         try:
             header = wire.decode_header(parts[0].buffer)
         except wire.WireError as e:
@@ -504,25 +594,60 @@ class Client:
             return  # the reply to a request that already timed out
         want.discard(rid)
         self._inflight.pop(rid, None)
+        self._lane_inflight.pop(rid, None)  # moved to the socket; the lane's note comes later
+        self._finish(peer, rid, header, parts[1:], None, out, into)
+
+    def _take_lane(
+        self,
+        peer: str,
+        lane: Lane,
+        want: set[int],
+        out: dict[int, tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]],
+        into: dict[str, torch.Tensor] | None,
+    ) -> None:
+        """Files the reply that ``lane`` rang for."""
+        try:
+            header = wire.decode_header(lane.take_reply())
+        except (wire.WireError, LaneError) as e:
+            raise PeerError(peer, f"malformed reply: {e}") from None
+        rid = header["id"]
+        if rid == -1 and header["op"] == "error":
+            # The server could not read the request at all: it answers whatever was in flight.
+            rid = next((r for r, p in self._lane_inflight.items() if p == peer), -1)
+        if self._lane_inflight.get(rid) != peer or rid not in want:
+            return  # a ring for a reply already taken from the socket
+        del self._lane_inflight[rid]
+        self._answered.add(peer)
+        if header["op"] == "_socket":
+            need = header.get("need")
+            if isinstance(need, int) and not isinstance(need, bool):
+                self._lane_need[peer] = max(self._lane_need.get(peer, 0), need)
+            self._inflight[rid] = peer  # too large for the lane: it comes by socket
+            return
+        want.discard(rid)
+        self._finish(peer, rid, header, [], lane.reply, out, into)
+
+    def _finish(
+        self,
+        peer: str,
+        rid: int,
+        header: dict[str, Any],
+        frames: list[Any],
+        area: Any,
+        out: dict[int, tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]],
+        into: dict[str, torch.Tensor] | None,
+    ) -> None:
         if header["op"] == "error":
-            if header.get("lane") is False:
-                self._lanes.pop(peer, None)  # the next request attaches a new one
             raise PeerError(peer, str(header.get("error", "unknown error")))
-        lane = self._lanes.get(peer) if "s" in header else None
         try:
             tensors = wire.decode_tensors(
-                header,
-                parts[1:],
-                max_bytes=self.config.max_message_bytes,
-                into=into,
-                area=lane.reply if lane is not None else None,
+                header, frames, max_bytes=self.config.max_message_bytes, into=into, area=area
             )
         except wire.WireError as e:
             raise PeerError(peer, f"malformed reply: {e}") from None
         if "c" in header and peer not in self._no_lane:
-            payload = wire.lane_bytes(t.nbytes for _, t in tensors)
-            if payload >= _LANE_ABOVE:
-                self._lane_need[peer] = max(self._lane_need.get(peer, 0), payload)
+            need = wire.lane_bytes(t.nbytes for _, t in tensors)
+            self._lane_need[peer] = max(self._lane_need.get(peer, 0), need)
         out[rid] = (header, tensors)
 
     def request(
@@ -540,4 +665,5 @@ class Client:
         for sock in self._socks.values():
             sock.close(linger=0)
         self._socks.clear()
-        self._lanes.clear()
+        for peer in list(self._lanes):
+            self._drop_lane(peer)

@@ -1,19 +1,25 @@
-"""Shared-memory lanes: large tensors between a client and a server on the same host.
+"""Shared-memory lanes: requests between a client and a server on the same host.
 
-Over loopback TCP a 100 MB gradient is copied twice by the kernel and once more into place,
-and ZeroMQ's I/O threads spend CPU on every chunk. When a worker and a ps share a host, a
-*lane* moves the tensor bytes through one shared-memory segment instead, with one ``memcpy``
-per side; the request and reply headers still travel over the socket, so ordering, timeouts,
-validation and error replies stay exactly those of the socket path.
+Over loopback a ZeroMQ round trip costs tens of microseconds of CPU on each side (two I/O
+threads, the kernel's TCP stack), and a 100 MB gradient is copied twice by the kernel and
+once more into place. When a worker and a ps share a host, a *lane* carries their requests
+instead: the message (the same msgpack header and raw tensor bytes as on the socket) is
+written into one shared-memory segment, and a byte written to a FIFO wakes the other side. A
+round trip then costs a few microseconds, and a tensor one ``memcpy`` per side.
 
-A lane is made by the client, for one server: a file in ``/dev/shm`` (mode 0600, created
-exclusively, a random name) holding a request area and a reply area. The client writes a
-random token at its start and asks the server to attach (``_lane``, handled by the transport,
-never seen by the ps). The server opens it only if the name has the lane form, the file is a
-regular file of this user with no access for anyone else, its size is the announced one and
-the token matches: this proves both sides see the same memory. Then the client unlinks the
-name, so nothing is left behind in ``/dev/shm`` when either process dies; the mappings live
-until both have dropped them.
+A lane is made by the client, for one server: a segment in ``/dev/shm`` and two FIFOs beside
+it (``<name>.q`` rings for requests, ``<name>.r`` for replies), all mode 0600, created
+exclusively under a random name. The client writes a random token at the segment's start and
+asks the server, over the socket, to attach (``_lane``, handled by the transport, never seen
+by the ps). The server opens the three only if the name has the lane form, each is a private
+file of this user of the right kind, the segment has the announced size and holds the token:
+this proves that both sides see the same memory. Then the client unlinks the names, so
+nothing is left in ``/dev/shm`` when either process dies; the mappings and open FIFOs live
+until both sides have dropped them. Any failure leaves the socket path, which always works.
+
+Segment layout: the token (64 bytes), the request header area and the reply header area
+(:data:`HEADER_BYTES` each: a 4-byte length, then the packed header), then the request data
+area and the reply data area, each tensor 64-byte aligned (see ``wire.lane_bytes``).
 
 A lane carries one request at a time: the client uses it only when no other request to that
 server is in flight, and retires it when a request through it times out.
@@ -28,7 +34,9 @@ import mmap
 import os
 import re
 import secrets
+import select
 import stat
+import weakref
 from typing import Any
 
 import numpy as np
@@ -39,9 +47,11 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 TOKEN_BYTES = 16
+HEADER_BYTES = 1 << 16
+"""Room for one packed header (with up to 16 KB of inline tensor data) in each direction."""
 _START = 64
-"""The areas start after the token, 64-byte aligned."""
 _NAME = re.compile(r"psflow-[0-9a-f]{32}\Z")
+_SUFFIXES = ("", ".q", ".r")
 
 
 def _aligned(n: int) -> int:
@@ -53,7 +63,10 @@ class LaneError(ValueError):
 
 
 class Lane:
-    """One shared-memory segment: ``request`` and ``reply`` areas (uint8 arrays).
+    """One shared-memory segment and its two FIFOs, seen from either side.
+
+    ``request`` and ``reply`` are the data areas (uint8 arrays); :meth:`post_request`,
+    :meth:`take_request`, :meth:`post_reply` and :meth:`take_reply` move packed headers.
 
     Example:
         >>> lane = Lane.create(1 << 20, 1 << 20)  # doctest: +SKIP
@@ -62,26 +75,43 @@ class Lane:
     """
 
     def __init__(
-        self, name: str, token: bytes, buf: mmap.mmap, request_bytes: int, reply_bytes: int
+        self,
+        name: str,
+        token: bytes,
+        buf: mmap.mmap,
+        fds: tuple[int, int],
+        request_bytes: int,
+        reply_bytes: int,
     ) -> None:
         self.name = name
         self.token = token
         self.request_bytes = request_bytes
         self.reply_bytes = reply_bytes
+        self.requests_fd, self.replies_fd = fds
+        """FIFOs (both ends open, non-blocking): one byte rings for each message."""
         whole = np.frombuffer(buf, dtype=np.uint8)
         start = _START
+        self._request_header = whole[start : start + HEADER_BYTES]
+        start += HEADER_BYTES
+        self._reply_header = whole[start : start + HEADER_BYTES]
+        start += HEADER_BYTES
         self.request = whole[start : start + request_bytes]
         start += _aligned(request_bytes)
         self.reply = whole[start : start + reply_bytes]
         self._linked = False
+        self.closed = False
+        """Closed lanes carry nothing (their FIFO numbers may belong to new files by now)."""
+        self._finalizer = weakref.finalize(self, _close, fds)
 
     @staticmethod
     def size(request_bytes: int, reply_bytes: int) -> int:
-        return _START + _aligned(request_bytes) + _aligned(reply_bytes)
+        return _START + 2 * HEADER_BYTES + _aligned(request_bytes) + _aligned(reply_bytes)
+
+    # -- making and attaching ---------------------------------------------------------------
 
     @classmethod
     def create(cls, request_bytes: int, reply_bytes: int) -> Lane:
-        """A new segment, its space reserved (so a full ``/dev/shm`` fails here, not later).
+        """A new lane, its space reserved (so a full ``/dev/shm`` fails here, not later).
 
         Raises:
             LaneError: when there is no ``/dev/shm`` or no room in it.
@@ -91,33 +121,37 @@ class Lane:
         name = f"psflow-{secrets.token_hex(16)}"
         path = os.path.join(SHM_DIR, name)
         size = cls.size(request_bytes, reply_bytes)
+        fds: list[int] = []
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        except OSError as e:
-            raise LaneError(f"cannot create {path}: {e.strerror}") from None
-        try:
             try:
-                # Reserve the pages now: a sparse file in a full tmpfs would SIGBUS on write.
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                os.ftruncate(fd, size)
-            buf = mmap.mmap(fd, size)
+                try:
+                    # Reserve the pages now: a sparse file in a full tmpfs would SIGBUS later.
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+                    os.ftruncate(fd, size)
+                buf = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            for suffix in _SUFFIXES[1:]:
+                os.mkfifo(path + suffix, 0o600)
+                fds.append(os.open(path + suffix, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW))
         except OSError as e:
-            os.close(fd)
-            _unlink(path)
+            _close(tuple(fds))
+            for suffix in _SUFFIXES:
+                _unlink(path + suffix)
             raise LaneError(f"cannot make a {size}-byte lane in {SHM_DIR}: {e.strerror}") from None
-        os.close(fd)
         token = secrets.token_bytes(TOKEN_BYTES)
         buf[:TOKEN_BYTES] = token
-        lane = cls(name, token, buf, request_bytes, reply_bytes)
+        lane = cls(name, token, buf, (fds[0], fds[1]), request_bytes, reply_bytes)
         lane._linked = True
         return lane
 
     @classmethod
     def attach(cls, name: Any, token: Any, request_bytes: Any, reply_bytes: Any) -> Lane:
-        """Maps a client's segment after checking that it is what the client says it is.
+        """Maps a client's lane after checking that it is what the client says it is.
 
         The arguments come from the network: each is checked before use.
 
@@ -132,34 +166,103 @@ class Lane:
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise LaneError(f"bad lane size {n!r}")
         path = os.path.join(SHM_DIR, name)
+        size = cls.size(request_bytes, reply_bytes)
+        fds: list[int] = []
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+            fd = _open_private(path, os.O_RDWR, "file")
+            try:
+                got = os.fstat(fd).st_size
+                if got != size:
+                    raise LaneError(f"{path} holds {got} bytes, not {size}")
+                buf = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            for suffix in _SUFFIXES[1:]:
+                fds.append(_open_private(path + suffix, os.O_RDWR | os.O_NONBLOCK, "fifo"))
         except OSError as e:
+            _close(tuple(fds))
             raise LaneError(f"cannot open {path}: {e.strerror} (another host?)") from None
-        try:
-            st = os.fstat(fd)
-            size = cls.size(request_bytes, reply_bytes)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-                raise LaneError(f"{path} is not a private file of this user")
-            if st.st_size != size:
-                raise LaneError(f"{path} holds {st.st_size} bytes, not {size}")
-            buf = mmap.mmap(fd, size)
-        except OSError as e:
-            raise LaneError(f"cannot map {path}: {e.strerror}") from None
-        finally:
-            os.close(fd)
+        except LaneError:
+            _close(tuple(fds))
+            raise
         if not secrets.compare_digest(buf[:TOKEN_BYTES], token):
+            _close(tuple(fds))
             raise LaneError(f"{path} does not hold the announced token (another host?)")
-        return cls(name, token, buf, request_bytes, reply_bytes)
+        return cls(name, token, buf, (fds[0], fds[1]), request_bytes, reply_bytes)
 
     def unlink(self) -> None:
-        """Removes the name (the mappings stay valid); the creator calls it once attached."""
+        """Removes the names (the mappings stay valid); the creator calls it once attached."""
         if self._linked:
             self._linked = False
-            _unlink(os.path.join(SHM_DIR, self.name))
+            for suffix in _SUFFIXES:
+                _unlink(os.path.join(SHM_DIR, self.name + suffix))
+
+    def close(self) -> None:
+        """Closes the FIFOs; the memory goes when the last view of it does."""
+        self.closed = True
+        self._finalizer()
+
+    # -- messages ---------------------------------------------------------------------------
+
+    def post_request(self, header: bytes) -> bool:
+        """Writes a packed request header and rings; False when it does not fit or closed."""
+        return not self.closed and _post(self._request_header, header, self.requests_fd)
+
+    def take_request(self) -> bytes:
+        """The packed request header (after the requests FIFO became readable)."""
+        return _take(self._request_header, self.requests_fd)
+
+    def post_reply(self, header: bytes) -> bool:
+        """Writes a packed reply header and rings; False when it does not fit or closed."""
+        return not self.closed and _post(self._reply_header, header, self.replies_fd)
+
+    def take_reply(self) -> bytes:
+        return _take(self._reply_header, self.replies_fd)
+
+    def wait_reply(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` seconds for the replies FIFO to ring."""
+        poller = select.poll()
+        poller.register(self.replies_fd, select.POLLIN)
+        return bool(poller.poll(max(0, int(timeout * 1000))))
 
     def __repr__(self) -> str:
         return f"Lane({self.name}, request={self.request_bytes}, reply={self.reply_bytes})"
+
+
+def _post(area: np.ndarray[Any, Any], header: bytes, fd: int) -> bool:
+    n = len(header)
+    if n + 4 > len(area):
+        return False
+    area[:4] = np.frombuffer(n.to_bytes(4, "little"), dtype=np.uint8)
+    area[4 : 4 + n] = np.frombuffer(header, dtype=np.uint8)
+    with contextlib.suppress(BlockingIOError):  # a full FIFO already rings
+        os.write(fd, b"\x01")
+    return True
+
+
+def _take(area: np.ndarray[Any, Any], fd: int) -> bytes:
+    with contextlib.suppress(BlockingIOError):
+        os.read(fd, 4096)
+    n = int.from_bytes(area[:4].tobytes(), "little")
+    if n > len(area) - 4:
+        raise LaneError(f"a lane message claims {n} bytes")
+    return area[4 : 4 + n].tobytes()
+
+
+def _open_private(path: str, flags: int, kind: str) -> int:
+    fd = os.open(path, flags | os.O_NOFOLLOW)
+    st = os.fstat(fd)
+    is_kind = stat.S_ISFIFO if kind == "fifo" else stat.S_ISREG
+    if not is_kind(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        os.close(fd)
+        raise LaneError(f"{path} is not a private {kind} of this user")
+    return fd
+
+
+def _close(fds: tuple[int, ...]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _unlink(path: str) -> None:

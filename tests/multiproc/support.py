@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,24 @@ def worker_ctx(cluster: ClusterSpec, index: int = 0) -> TaskContext:
     return TaskContext(cluster=cluster, task=TaskSpec(job="worker", index=index))
 
 
+def freeze(pid: int, timeout: float = 10) -> None:
+    """SIGSTOPs a process and returns once every thread of it has stopped.
+
+    The signal is asynchronous: on a loaded machine a thread can go on for milliseconds.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = [
+            (Path(d) / "stat").read_text().rsplit(") ", 1)[1][0]
+            for d in Path(f"/proc/{pid}/task").iterdir()
+        ]
+        if all(s == "T" for s in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: {states}"
+        time.sleep(0.001)
+
+
 def stop(proc: subprocess.Popen[str], timeout: float = 10) -> tuple[int, str]:
     """Waits for (or kills) a process; returns its exit code and stderr."""
     try:
@@ -77,6 +97,7 @@ def stop(proc: subprocess.Popen[str], timeout: float = 10) -> tuple[int, str]:
 
 __all__ = [
     "ROOT",
+    "freeze",
     "launch_cmd",
     "local_cluster",
     "run_benchmark_smoke",

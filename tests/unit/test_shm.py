@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from psflow.transport import wire
-from psflow.transport.shm import SHM_DIR, Lane, LaneError
+from psflow.transport.shm import HEADER_BYTES, SHM_DIR, Lane, LaneError
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
 
@@ -27,9 +27,10 @@ def test_both_sides_see_one_memory_and_the_name_goes_away(lane: Lane) -> None:
     assert list(peer.request[:5]) == [1, 2, 3, 4, 5] and lane.reply[-1] == 7
     assert (len(peer.request), len(peer.reply)) == (65536, 8192)
     path = os.path.join(SHM_DIR, lane.name)
-    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    for suffix in ("", ".q", ".r"):
+        assert oct(os.stat(path + suffix).st_mode & 0o777) == "0o600"
     lane.unlink()
-    assert not os.path.exists(path)
+    assert not any(os.path.exists(path + suffix) for suffix in ("", ".q", ".r"))
     lane.request[0] = 9  # both mappings outlive the name
     assert peer.request[0] == 9
 
@@ -53,10 +54,34 @@ def test_attach_refuses_what_does_not_match(
         Lane.attach(name or lane.name, token or lane.token, *sizes)
 
 
-def test_attach_refuses_a_file_others_can_read(lane: Lane) -> None:
-    os.chmod(os.path.join(SHM_DIR, lane.name), 0o644)
-    with pytest.raises(LaneError, match="not a private file"):
+@pytest.mark.parametrize(("suffix", "kind"), [("", "file"), (".q", "fifo"), (".r", "fifo")])
+def test_attach_refuses_what_others_can_read(lane: Lane, suffix: str, kind: str) -> None:
+    os.chmod(os.path.join(SHM_DIR, lane.name + suffix), 0o644)
+    with pytest.raises(LaneError, match=f"not a private {kind}"):
         Lane.attach(lane.name, lane.token, 65536, 8192)
+
+
+def test_attach_refuses_a_file_where_a_fifo_belongs(lane: Lane) -> None:
+    path = os.path.join(SHM_DIR, lane.name + ".q")
+    os.unlink(path)
+    with open(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600), "wb"):
+        pass
+    with pytest.raises(LaneError, match="not a private fifo"):
+        Lane.attach(lane.name, lane.token, 65536, 8192)
+
+
+def test_headers_ring_across(lane: Lane) -> None:
+    server = Lane.attach(lane.name, lane.token, 65536, 8192)
+    assert not lane.wait_reply(0)
+    assert lane.post_request(b"request one")
+    assert server.take_request() == b"request one"
+    assert server.post_reply(b"the reply")
+    assert lane.wait_reply(1) and lane.take_reply() == b"the reply"
+    assert not lane.wait_reply(0)  # taking drained the ring
+    assert not lane.post_request(b"x" * HEADER_BYTES)  # does not fit: the caller uses the socket
+    lane.close()
+    server.close()
+    assert not lane.post_request(b"late") and not server.post_reply(b"late")  # closed: nothing
 
 
 def test_tensors_travel_in_the_lane(lane: Lane) -> None:
