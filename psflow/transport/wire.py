@@ -54,6 +54,9 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 ITEMSIZE: dict[torch.dtype, int] = {v: v.itemsize for v in DTYPES.values()}
+NUMPY_DTYPES: dict[torch.dtype, np.dtype[Any]] = {
+    t: np.dtype(name) for name, t in DTYPES.items() if name != "bfloat16"
+}
 
 
 class WireError(ValueError):
@@ -92,6 +95,9 @@ def num_frames(nbytes: int, chunk: int) -> int:
 
 
 def _raw(t: torch.Tensor) -> memoryview:
+    if t.dtype in NUMPY_DTYPES and not t.requires_grad and t.numel():
+        # One call instead of three: small steps pay torch's per-op cost many times over.
+        return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
@@ -374,15 +380,21 @@ def _decode_inline(
     total = sum(_aligned(m.nbytes) for m in metas)
     if total != len(blob):
         raise WireError(f"inline data holds {len(blob)} bytes, the listed tensors need {total}")
-    # One copy into fresh (aligned, writable) memory; every tensor is a view of it.
-    src = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else None
+    # One copy into fresh (aligned, writable) memory; every tensor is a view of it, made by
+    # numpy where it can (one cheap call instead of three torch ops).
+    src = bytearray(blob)
     out = []
     off = 0
     for m in metas:
-        if m.nbytes == 0 or src is None:
+        np_dtype = NUMPY_DTYPES.get(m.dtype)
+        if m.nbytes == 0:
             t = torch.empty(m.shape, dtype=m.dtype)
+        elif np_dtype is not None:
+            count = m.nbytes // np_dtype.itemsize
+            t = torch.from_numpy(np.frombuffer(src, np_dtype, count, off).reshape(m.shape))
         else:
-            t = src[off : off + m.nbytes].view(m.dtype).view(m.shape)
+            t = torch.frombuffer(src, dtype=m.dtype, count=m.nbytes // 2, offset=off)
+            t = t.view(m.shape)
         off += _aligned(m.nbytes)
         out.append((m.name, t))
     return out
