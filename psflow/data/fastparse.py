@@ -161,7 +161,7 @@ def _repeats(rid: np.ndarray) -> np.ndarray:
     return rid[1:][rid[1:] == rid[:-1]]
 
 
-def _ragged_take(raw: bytes, arr: np.ndarray, start: np.ndarray, length: np.ndarray) -> np.ndarray:
+def ragged_take(raw: bytes, arr: np.ndarray, start: np.ndarray, length: np.ndarray) -> np.ndarray:
     """``concatenate([arr[s : s + n] for s, n in zip(start, length)])``, as uint8."""
     if not len(start) or not length.any():
         return arr[:0]
@@ -185,7 +185,7 @@ def _ragged_take(raw: bytes, arr: np.ndarray, start: np.ndarray, length: np.ndar
     )
 
 
-def _decode_varints(payload: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def decode_varints(payload: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Decodes concatenated varints: (values as int64, index of each one's last byte, sizes)."""
     ends = np.flatnonzero(payload < 0x80)
     if not len(ends):
@@ -195,10 +195,14 @@ def _decode_varints(payload: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nda
     starts[0] = 0
     starts[1:] = ends[:-1] + 1
     sizes = ends - starts + 1
-    pos_in = np.arange(len(payload), dtype=np.int64) - np.repeat(starts, sizes)
-    shift = np.minimum(pos_in, 9).astype(np.uint64) * np.uint64(7)
-    parts = (payload.astype(np.uint64) & _U64_7F) << shift
-    values = np.bitwise_or.reduceat(parts, starts)
+    values = (payload[starts] & 0x7F).astype(np.uint64)
+    last = len(payload) - 1
+    # One pass per byte position (3 for values below 2**21), each over all varints at once;
+    # bits past the 64th are dropped, as protobuf drops them.
+    for k in range(1, min(int(sizes.max()), 10)):
+        b = payload[np.minimum(starts + k, last)] & np.uint8(0x7F)
+        b[sizes <= k] = 0
+        values |= b.astype(np.uint64) << np.uint64(7 * k)
     return values.view(np.int64), ends, sizes
 
 
@@ -282,12 +286,12 @@ def _decode_features(
         bad_m[nonempty[~packed]] = True
         use = nonempty[packed]
         ps, pe = ps[packed], pe[packed]
-        payload = _ragged_take(raw, arr, ps, pe - ps)
+        payload = ragged_take(raw, arr, ps, pe - ps)
         if want == FLOAT:
             counts[use] = (pe - ps) // 4
             values = np.ascontiguousarray(payload).view("<f4").astype(np.float32, copy=False)
         else:
-            values, last, sizes = _decode_varints(payload)
+            values, last, sizes = decode_varints(payload)
             list_end = np.cumsum(pe - ps) - 1
             counts[use] = np.diff(np.searchsorted(last, list_end, side="right"), prepend=0)
             if (sizes > 10).any():
@@ -295,3 +299,51 @@ def _decode_features(
                 bad_m[use[owner]] = True
     bad[rid[bad_m]] = True
     return Column(rid, kind, counts, values)
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(s, s + c) for s, c in zip(starts, counts)])``, without the loop."""
+    total = int(counts.sum())
+    if not total:
+        return np.zeros(0, dtype=np.int64)
+    before = np.cumsum(counts) - counts
+    return np.repeat(starts - before, counts) + np.arange(total, dtype=np.int64)
+
+
+def _values_at(values: np.ndarray | list[bytes], idx: np.ndarray) -> np.ndarray | list[bytes]:
+    if isinstance(values, list):
+        return [values[j] for j in idx.tolist()]
+    return values[idx]
+
+
+def select(col: Column, mask: np.ndarray, rid: np.ndarray | None = None) -> Column:
+    """The rows of ``col`` where ``mask`` (one flag per row of the column), rids mapped by ``rid``.
+
+    ``rid`` maps the column's rids to others (``rid[col.rid]``), e.g. from a subset of a batch
+    back to the batch.
+    """
+    new_rid = col.rid if rid is None else rid[col.rid]
+    if mask.all():
+        return Column(new_rid, col.kind, col.counts, col.values)
+    offsets = np.cumsum(col.counts) - col.counts
+    idx = _ranges(offsets[mask], col.counts[mask])
+    return Column(new_rid[mask], col.kind[mask], col.counts[mask], _values_at(col.values, idx))
+
+
+def merge(cols: list[Column]) -> Column:
+    """Columns over disjoint rows, merged into one in row order."""
+    nonempty = [c for c in cols if len(c.rid)]
+    if len(nonempty) <= 1:
+        return nonempty[0] if nonempty else cols[0]
+    rid = np.concatenate([c.rid for c in nonempty])
+    order = np.argsort(rid, kind="stable")
+    counts = np.concatenate([c.counts for c in nonempty])
+    offsets = np.cumsum(counts) - counts
+    idx = _ranges(offsets[order], counts[order])
+    values: np.ndarray | list[bytes]
+    if isinstance(nonempty[0].values, list):
+        values = _values_at([v for c in nonempty for v in c.values], idx)
+    else:
+        values = np.concatenate([np.asarray(c.values) for c in nonempty])[idx]
+    kind = np.concatenate([c.kind for c in nonempty])[order]
+    return Column(rid[order], kind, counts[order], values)
