@@ -148,9 +148,43 @@ def rebatch(
 
 
 def _concat(parts: list[RecordBatch]) -> RecordBatch:
+    """One batch of the records of ``parts``, in one new buffer.
+
+    Each part's records usually lie in ascending order in one stretch of its buffer (only
+    framing bytes between them), so that stretch is copied whole and the offsets moved: one
+    copy per part, none per record. Parts that are scattered are packed record by record.
+    """
     if len(parts) == 1:
         return parts[0]
-    return RecordBatch.from_records([r for p in parts for r in p])
+    pieces: list[bytes] = []
+    starts, lengths = [], []
+    at = 0
+    for p in parts:
+        if not len(p):
+            continue
+        lo = int(p.starts[0])
+        hi = int(p.starts[-1] + p.lengths[-1])
+        if (np.diff(p.starts) >= p.lengths[:-1]).all() and hi - lo <= 2 * p.nbytes + 64 * len(p):
+            pieces.append(bytes(memoryview(p.buffer)[lo:hi]))
+            starts.append(p.starts - lo + at)
+            at += hi - lo
+        else:
+            packed = RecordBatch.from_records(p)
+            pieces.append(bytes(packed.buffer))
+            starts.append(packed.starts + at)
+            at += len(packed.buffer)
+        lengths.append(p.lengths)
+    path = parts[0].path
+    if all(p.path == path for p in parts):
+        indices = np.concatenate([p.indices for p in parts])
+    else:  # from several files: errors can only name the position in the batch
+        path, indices = "", np.arange(sum(map(len, parts)), dtype=np.int64)
+    if not pieces:
+        z = np.zeros(0, dtype=np.int64)
+        return RecordBatch(b"", z, z, z, path)
+    return RecordBatch(
+        b"".join(pieces), np.concatenate(starts), np.concatenate(lengths), indices, path
+    )
 
 
 def chunk_records(records: Iterator[bytes], size: int) -> Iterator[RecordBatch]:
