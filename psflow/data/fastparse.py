@@ -166,23 +166,25 @@ def ragged_take(raw: bytes, arr: np.ndarray, start: np.ndarray, length: np.ndarr
     if not len(start) or not length.any():
         return arr[:0]
     total = int(length.sum())
+    width = int(length.max())
+    if int(start.max()) + width <= len(arr) and width * len(start) <= 2 * total:
+        # Rows of `width` bytes, gathered as one opaque item each from an overlapping view of
+        # the buffer (a memcpy per row, no Python loop); rows longer than their list are
+        # trimmed by a mask when lengths differ.
+        items = np.ndarray(
+            (len(arr) - width + 1,), dtype=np.dtype((np.void, width)), buffer=raw, strides=(1,)
+        )
+        rows = items[start].view(np.uint8).reshape(len(start), width)
+        if (length == width).all():
+            return rows.reshape(-1)
+        return rows[np.arange(width) < length[:, None]]
     if total <= 64 * len(start):
         # Short lists: an index array is cheaper than one Python slice per record.
         offsets = np.cumsum(length) - length
         return arr[np.repeat(start - offsets, length) + np.arange(total, dtype=np.int64)]
-    width = int(length.max())
-    if int(start.max()) + width <= len(arr) and width * len(start) <= 2 * total:
-        # Rows of `width` bytes from a sliding-window view: one C-level gather, no Python loop;
-        # rows longer than their list are trimmed by a mask when lengths differ.
-        rows = np.lib.stride_tricks.sliding_window_view(arr, width)[start]
-        if (length == width).all():
-            return rows.reshape(-1)
-        return rows[np.arange(width) < length[:, None]]
     # Slicing bytes is a memcpy; an index array would cost 8 bytes per byte moved.
-    ends = (start + length).tolist()
-    return np.frombuffer(
-        b"".join([raw[a:b] for a, b in zip(start.tolist(), ends, strict=True)]), dtype=np.uint8
-    )
+    slices = map(slice, start.tolist(), (start + length).tolist())
+    return np.frombuffer(b"".join(map(raw.__getitem__, slices)), dtype=np.uint8)
 
 
 def decode_varints(payload: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

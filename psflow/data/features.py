@@ -9,6 +9,7 @@ record with protobuf instead (the reference: both give identical output).
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
@@ -61,7 +62,7 @@ class FixedLenFeature:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape))
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True, kw_only=True)

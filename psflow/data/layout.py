@@ -275,8 +275,7 @@ def _columns(
                 sel = ok[owner]
                 owner, start, size = np.searchsorted(keep, owner[sel]), start[sel], size[sel]
             counts = np.bincount(owner, minlength=m)
-            ends = (start + size).tolist()
-            values = [raw[a:b] for a, b in zip(start.tolist(), ends, strict=True)]
+            values = list(map(raw.__getitem__, map(slice, start.tolist(), (start + size).tolist())))
             columns[name] = Column(rid, kind, counts, values)
             continue
         if not all_ok:
