@@ -197,15 +197,18 @@ def decode_varints(payload: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
     starts[0] = 0
     starts[1:] = ends[:-1] + 1
     sizes = ends - starts + 1
-    values = (payload[starts] & 0x7F).astype(np.uint64)
+    longest = int(sizes.max())
+    # 32-bit arithmetic while it holds (values below 2**28), at half the memory traffic.
+    wide = np.dtype(np.uint64 if longest > 4 else np.uint32)
+    values: np.ndarray = (payload[starts] & 0x7F).astype(wide)
     last = len(payload) - 1
     # One pass per byte position (3 for values below 2**21), each over all varints at once;
     # bits past the 64th are dropped, as protobuf drops them.
-    for k in range(1, min(int(sizes.max()), 10)):
+    for k in range(1, min(longest, 10)):
         b = payload[np.minimum(starts + k, last)] & np.uint8(0x7F)
         b[sizes <= k] = 0
-        values |= b.astype(np.uint64) << np.uint64(7 * k)
-    return values.view(np.int64), ends, sizes
+        values |= np.left_shift(b.astype(wide), np.asarray(7 * k, dtype=wide))
+    return values.astype(np.uint64).view(np.int64), ends, sizes
 
 
 def decode_batch(
