@@ -187,6 +187,25 @@ def ragged_take(raw: bytes, arr: np.ndarray, start: np.ndarray, length: np.ndarr
     return np.frombuffer(b"".join(map(raw.__getitem__, slices)), dtype=np.uint8)
 
 
+def take_bytes(raw: bytes, start: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """``raw[s : s + n]`` for each pair, as a numpy object array of ``bytes``.
+
+    When every value has one length (fixed-size ids, hashes, names), the values are gathered as
+    opaque items and turned into ``bytes`` by numpy's C loop, several times faster than slicing.
+    """
+    out: np.ndarray
+    width = int(length[0]) if len(length) else 0
+    if width and (length == width).all() and int(start.max()) + width <= len(raw):
+        items = np.ndarray(
+            (len(raw) - width + 1,), dtype=np.dtype((np.void, width)), buffer=raw, strides=(1,)
+        )
+        out = items[start].astype(object)
+        return out
+    out = np.empty(len(start), dtype=object)
+    out[:] = list(map(raw.__getitem__, map(slice, start.tolist(), (start + length).tolist())))
+    return out
+
+
 def decode_varints(payload: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Decodes concatenated varints: (values as int64, index of each one's last byte, sizes)."""
     ends = np.flatnonzero(payload < 0x80)
@@ -277,7 +296,7 @@ def _decode_features(
     if want == BYTES:
         vr, _, vs2, ve2 = _fields(arr, sel, ls[sel], le[sel], (1,), bad_m)
         counts[:] = np.bincount(vr, minlength=m)
-        values = [raw[a:b] for a, b in zip(vs2.tolist(), ve2.tolist(), strict=True)]
+        values = take_bytes(raw, vs2, ve2 - vs2)
     else:
         # Packed encoding (what every protobuf writer emits): one field 1 spanning the list.
         nonempty = sel[le[sel] > ls[sel]]
@@ -315,6 +334,15 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.repeat(starts - before, counts) + np.arange(total, dtype=np.int64)
 
 
+def _objects(values: np.ndarray | list[bytes]) -> np.ndarray:
+    """Bytes values as an object array (``np.asarray`` would make fixed-width strings)."""
+    if isinstance(values, np.ndarray):
+        return values
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out
+
+
 def _values_at(values: np.ndarray | list[bytes], idx: np.ndarray) -> np.ndarray | list[bytes]:
     if isinstance(values, list):
         return [values[j] for j in idx.tolist()]
@@ -345,9 +373,8 @@ def merge(cols: list[Column]) -> Column:
     counts = np.concatenate([c.counts for c in nonempty])
     offsets = np.cumsum(counts) - counts
     idx = _ranges(offsets[order], counts[order])
-    values: np.ndarray | list[bytes]
-    if isinstance(nonempty[0].values, list):
-        values = _values_at([v for c in nonempty for v in c.values], idx)
+    if any(isinstance(c.values, list) or c.values.dtype == object for c in nonempty):
+        values = np.concatenate([_objects(c.values) for c in nonempty])[idx]
     else:
         values = np.concatenate([np.asarray(c.values) for c in nonempty])[idx]
     kind = np.concatenate([c.kind for c in nonempty])[order]

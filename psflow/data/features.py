@@ -205,7 +205,8 @@ def _finalize(name: str, spec: FeatureSpec, col: Column, batch: RecordBatch, bac
     if is_bytes:
         if spec.dtype == "string":
             values = [v.decode("utf-8") for v in values]
-        values = np.array([*values, None], dtype=object)[:-1]  # never a 2-D array of chars
+        if not (isinstance(values, np.ndarray) and values.dtype == object):
+            values = np.array([*values, None], dtype=object)[:-1]  # never a 2-D array of chars
     if isinstance(spec, FixedLenFeature) and len(col.rid) == n and (col.counts == spec.size).all():
         # Every record has the feature with the right count (rids are then 0..n-1 in order):
         # the values are the output as they are, without a copy.

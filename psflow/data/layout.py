@@ -20,7 +20,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from psflow.data.fastparse import BYTES, FLOAT, INT64, Column, decode_varints, ragged_take
+from psflow.data.fastparse import (
+    BYTES,
+    FLOAT,
+    INT64,
+    Column,
+    decode_varints,
+    ragged_take,
+    take_bytes,
+)
 
 _LIST_TAG = {BYTES: 0x0A, FLOAT: 0x12, INT64: 0x1A}  # Feature's oneof fields, length-delimited
 MAX_LAYOUTS = 4
@@ -275,7 +283,7 @@ def _columns(
                 sel = ok[owner]
                 owner, start, size = np.searchsorted(keep, owner[sel]), start[sel], size[sel]
             counts = np.bincount(owner, minlength=m)
-            values = list(map(raw.__getitem__, map(slice, start.tolist(), (start + size).tolist())))
+            values = take_bytes(raw, start, size)
             columns[name] = Column(rid, kind, counts, values)
             continue
         if not all_ok:
