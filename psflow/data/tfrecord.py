@@ -5,8 +5,7 @@ Each record on disk is::
     uint64 length | uint32 masked_crc32c(length) | data[length] | uint32 masked_crc32c(data)
 
 little-endian, the whole stream optionally GZIP- or ZLIB-compressed. The reader reads large chunks
-(in a thread of its own, ahead of the consumer) and finds record boundaries with one cheap
-Python step per record; checksums of the 8-byte headers are verified for a whole chunk at once
+and finds record boundaries with one cheap Python step per record; checksums of the 8-byte headers are verified for a whole chunk at once
 in numpy, checksums of the data with google-crc32c's C code. A :class:`RecordBatch` hands
 records out as one buffer plus offsets, so the hot path creates no Python object per record.
 """
@@ -15,9 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import struct
-import threading
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -237,61 +234,6 @@ class _Source:
         return b"".join(out)
 
 
-class _ReadAhead:
-    """A :class:`_Source` read by a thread of its own, ``depth`` chunks ahead of the consumer.
-
-    File reads and zlib release the GIL, so they overlap the framing, checksums and parsing
-    that the consumer's thread does meanwhile. Errors reach the consumer in stream order.
-    """
-
-    def __init__(self, src: _Source, depth: int = 2):
-        self.src = src
-        self._q: queue.Queue[bytes | BaseException] = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._done = False
-        self._thread = threading.Thread(target=self._run, name="psflow-tfrecord-read", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                chunk = self.src.read(1)
-                if not self._put(chunk) or not chunk:
-                    return
-        except BaseException as e:  # handed to the consumer, who re-raises it
-            self._put(e)
-
-    def _put(self, item: bytes | BaseException) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def read(self, at_least: int) -> bytes:
-        """At least ``at_least`` bytes unless the stream ends first; b"" only at the end."""
-        parts: list[bytes] = []
-        got = 0
-        while got < at_least and not self._done:
-            item = self._q.get()
-            if isinstance(item, BaseException):
-                self._done = True
-                raise item
-            if not item:
-                self._done = True
-                break
-            parts.append(item)
-            got += len(item)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
-    def close(self, timeout: float = 30.0) -> None:
-        """Stops the thread (after the read it is in, if any)."""
-        self._stop.set()
-        self._thread.join(timeout)
-
-
 class TFRecordReader:
     """Reads the records of one TFRecord file (local path or fsspec URL).
 
@@ -355,11 +297,9 @@ class TFRecordReader:
     def iter_batches(self) -> Iterator[RecordBatch]:
         """The file's records, one :class:`RecordBatch` per chunk read."""
         self._f = fs.open_read(self.path)
-        ahead = _ReadAhead(_Source(self._f, self.compression, self.path, self.chunk_size))
         try:
-            yield from self._batches(ahead)
+            yield from self._batches(_Source(self._f, self.compression, self.path, self.chunk_size))
         finally:
-            ahead.close()
             self.close()
 
     def _error(self, offset: int, index: int, reason: str) -> DataLossError:
@@ -371,7 +311,7 @@ class TFRecordReader:
         self.skipped += 1
         log.warning("skipping corrupt record: %s", err)
 
-    def _batches(self, src: _ReadAhead) -> Iterator[RecordBatch]:
+    def _batches(self, src: _Source) -> Iterator[RecordBatch]:
         buf: bytes = b""
         pos = 0  # next unread byte of buf
         base = 0  # stream offset of buf[0]
