@@ -5,9 +5,10 @@ Each record on disk is::
     uint64 length | uint32 masked_crc32c(length) | data[length] | uint32 masked_crc32c(data)
 
 little-endian, the whole stream optionally GZIP- or ZLIB-compressed. The reader reads large chunks
-and finds record boundaries with one cheap Python step per record; checksums of the 8-byte headers are verified for a whole chunk at once
-in numpy, checksums of the data with google-crc32c's C code. A :class:`RecordBatch` hands
-records out as one buffer plus offsets, so the hot path creates no Python object per record.
+and finds record boundaries with one cheap Python step per record; checksums of the 8-byte
+headers are verified for a whole chunk at once in numpy, checksums of the data with
+google-crc32c's C code. A :class:`RecordBatch` hands records out as one buffer plus offsets, so
+the hot path creates no Python object per record.
 """
 
 from __future__ import annotations
