@@ -306,7 +306,7 @@ def _decode_features(
             packed &= (pe - ps) % 4 == 0
         else:
             # the last byte of a list must end a varint, or one would run into the next list
-            packed &= (pe == ps) | (arr[np.maximum(pe - 1, 0)] < 0x80)
+            packed &= (pe == ps) | (arr[np.clip(pe - 1, 0, len(arr) - 1)] < 0x80)
         bad_m[nonempty[~packed]] = True
         use = nonempty[packed]
         ps, pe = ps[packed], pe[packed]

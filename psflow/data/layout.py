@@ -133,11 +133,8 @@ def _starts_with(raw: bytes, arr: np.ndarray, pos: np.ndarray, heads: list[bytes
     ok = np.ones(pos.shape[1], dtype=bool)
     if not width:
         return ok
-    if len(arr) < 8:  # too short for the uint64 view: byte by byte
-        for k, head in enumerate(heads):
-            for j, byte in enumerate(head):
-                ok &= _byte_is(arr, pos[k] + j, byte) & (pos[k] + j < len(arr))
-        return ok
+    if len(arr) < 8:  # no record with a feature is that short (the smallest takes 8 bytes)
+        return ~ok
     words = np.ndarray((len(arr) - 7,), dtype="<u8", buffer=raw, strides=(1,))
     lengths = np.asarray([len(h) for h in heads], dtype=np.int64)[:, None]
     ok &= (pos + lengths <= len(arr)).all(axis=0)
