@@ -363,6 +363,15 @@ def select(col: Column, mask: np.ndarray, rid: np.ndarray | None = None) -> Colu
     return Column(new_rid[mask], col.kind[mask], col.counts[mask], _values_at(col.values, idx))
 
 
+def empty_column(kind: int) -> Column:
+    """A column with no rows, for a feature of list kind ``kind``."""
+    z = np.zeros(0, dtype=np.int64)
+    values = np.zeros(
+        0, dtype=object if kind == BYTES else np.float32 if kind == FLOAT else z.dtype
+    )
+    return Column(z, z.astype(np.int8), z, values)
+
+
 def merge(cols: list[Column]) -> Column:
     """Columns over disjoint rows, merged into one in row order."""
     nonempty = [c for c in cols if len(c.rid)]

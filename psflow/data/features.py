@@ -187,7 +187,10 @@ def _columns_fast(batch: RecordBatch, names: Mapping[str, int]) -> dict[str, Col
         )
         if len(decoded.irregular):
             parts.append(_columns_protobuf(batch, rest[decoded.irregular].tolist(), names))
-    return {n: fastparse.merge([p[n] for p in parts]) for n in names}
+    return {
+        n: fastparse.merge([fastparse.empty_column(k)] + [p[n] for p in parts])
+        for n, k in names.items()
+    }
 
 
 def _finalize(name: str, spec: FeatureSpec, col: Column, batch: RecordBatch, backend: str) -> Any:

@@ -26,6 +26,7 @@ from psflow.data.fastparse import (
     INT64,
     Column,
     decode_varints,
+    empty_column,
     ragged_take,
     take_bytes,
 )
@@ -270,8 +271,7 @@ def _columns(
     for name, want in names.items():
         values: np.ndarray | list[bytes]
         if name not in lists:
-            z = np.zeros(0, dtype=np.int64)
-            columns[name] = Column(z, z.astype(np.int8), z, _empty(want))
+            columns[name] = empty_column(want)
             continue
         _, start, size, owner = lists[name]
         kind = np.full(m, want, dtype=np.int8)
@@ -297,9 +297,3 @@ def _columns(
             counts = np.diff(np.searchsorted(last, list_end, side="right"), prepend=0)
         columns[name] = Column(rid, kind, counts, values)
     return columns, np.zeros(0, dtype=np.int64)
-
-
-def _empty(want: int) -> np.ndarray | list[bytes]:
-    if want == BYTES:
-        return []
-    return np.zeros(0, dtype=np.float32 if want == FLOAT else np.int64)

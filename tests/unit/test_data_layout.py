@@ -391,3 +391,14 @@ def test_batch_units_cut_into_rebatch_batches() -> None:
             want = [b.tolist() for b in pipeline.rebatch(iter(chunks), bs, drop_remainder=False)]
             cut = [u.tolist()[k : k + bs] for u in units for k in range(0, len(u), bs)]
             assert cut == want
+
+
+def test_an_empty_batch() -> None:
+    spec = {
+        "f": FixedLenFeature(dtype="float32", shape=(2,)),
+        "b": VarLenFeature(dtype="bytes", ragged=True),
+        "i": VarLenFeature(dtype="int64"),
+    }
+    out = parse_both([], spec)
+    assert out["f"].shape == (0, 2) and out["i"].shape == (0, 0)
+    assert out["b"].values.dtype == object and out["b"].row_splits.tolist() == [0]
