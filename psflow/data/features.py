@@ -1,9 +1,13 @@
 """Parsing specs for ``tf.train.Example``: batches of records to numpy arrays or torch tensors.
 
 :class:`FixedLenFeature` and :class:`VarLenFeature` mirror ``tf.io.FixedLenFeature`` and
-``tf.io.VarLenFeature``/``RaggedFeature``. :func:`parse_examples` decodes a batch with the
-vectorized wire decoder in :mod:`psflow.data.fastparse`; ``method="protobuf"`` decodes each
-record with protobuf instead (the reference: both give identical output).
+``tf.io.VarLenFeature``/``RaggedFeature``. :func:`parse_examples` decodes the records of a batch
+that share a layout along it (:mod:`psflow.data.layout`), the others with the general vectorized
+wire decoder (:mod:`psflow.data.fastparse`), and what neither takes with protobuf;
+``method="protobuf"`` decodes each record with protobuf instead (the reference: both give
+identical output for every record protobuf accepts). Like TensorFlow's own parser, the fast path
+does not look into features outside the spec, so a record that protobuf rejects only for one of
+those (a broken list, a key that is not UTF-8) still decodes.
 """
 
 from __future__ import annotations
