@@ -205,19 +205,18 @@ class TFRecordDataset(torch.utils.data.IterableDataset[Any]):
             batches, batch_size, max_records=batch_size if padded else PARSE_UNIT_RECORDS
         )
         for unit in units:
-            whole = len(unit) <= batch_size
+            if len(unit) <= batch_size:
+                if len(unit) == batch_size or not cfg.drop_remainder:
+                    yield parse_examples(unit, spec, backend=cfg.backend)
+                continue
             try:
                 parsed = parse_examples(unit, spec, backend=cfg.backend)
             except ValueError:
-                if whole:
-                    raise
-                parsed = None
+                parsed = None  # parsed again batch by batch below, up to the bad batch
             for lo in range(0, len(unit), batch_size):
                 if cfg.drop_remainder and len(unit) - lo < batch_size:
-                    return
-                if whole:
-                    yield parsed  # type: ignore[misc]  # None only when not whole
-                elif parsed is None:  # raises at the batch with the bad record
+                    break  # only the last unit has a remainder
+                if parsed is None:
                     part = pipeline.slice_batch(unit, lo, lo + batch_size)
                     yield parse_examples(part, spec, backend=cfg.backend)
                 else:

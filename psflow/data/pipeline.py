@@ -192,7 +192,7 @@ def _concat(parts: list[RecordBatch]) -> RecordBatch:
     """
     if len(parts) == 1:
         return parts[0]
-    pieces: list[bytes] = []
+    pieces: list[bytes | bytearray | memoryview] = []
     starts, lengths = [], []
     at = 0
     for p in parts:
@@ -201,12 +201,12 @@ def _concat(parts: list[RecordBatch]) -> RecordBatch:
         lo = int(p.starts[0])
         hi = int(p.starts[-1] + p.lengths[-1])
         if (np.diff(p.starts) >= p.lengths[:-1]).all() and hi - lo <= 2 * p.nbytes + 64 * len(p):
-            pieces.append(bytes(memoryview(p.buffer)[lo:hi]))
+            pieces.append(memoryview(p.buffer)[lo:hi])  # copied once, by the join below
             starts.append(p.starts - lo + at)
             at += hi - lo
         else:
             packed = RecordBatch.from_records(p)
-            pieces.append(bytes(packed.buffer))
+            pieces.append(packed.buffer)
             starts.append(packed.starts + at)
             at += len(packed.buffer)
         lengths.append(p.lengths)
