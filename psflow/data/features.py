@@ -269,6 +269,8 @@ def _finalize(name: str, spec: FeatureSpec, col: Column, batch: RecordBatch, bac
 
 
 def _to_backend(arr: np.ndarray, backend: str) -> Any:
+    if not arr.flags.writeable:  # values read straight out of a bytes object: hand out a copy
+        arr = arr.copy()
     if backend == "torch" and arr.dtype != object:
         import torch
 

@@ -402,3 +402,14 @@ def test_an_empty_batch() -> None:
     out = parse_both([], spec)
     assert out["f"].shape == (0, 2) and out["i"].shape == (0, 0)
     assert out["b"].values.dtype == object and out["b"].row_splits.tolist() == [0]
+
+
+def test_outputs_are_writable_arrays() -> None:
+    """Values gathered out of the record buffer come out as arrays of their own."""
+    long_lists = [_example(("f", _floats([float(i)] * (1 + 40 * (i % 2))))) for i in range(9)]
+    for backend in ("numpy", "torch"):
+        out = parse_examples(
+            long_lists, {"f": VarLenFeature(dtype="float32", ragged=True)}, backend=backend
+        )
+        values = out["f"].values
+        assert values.numpy().flags.writeable if backend == "torch" else values.flags.writeable
