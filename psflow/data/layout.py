@@ -288,7 +288,7 @@ def _columns(
         payload = ragged_take(raw, arr, start, size)
         if want == FLOAT:
             counts = size // 4
-            values = np.ascontiguousarray(payload).view("<f4")
+            values = np.ascontiguousarray(payload).view("<f4").astype(np.float32, copy=False)
         else:
             values, last, sizes = decode_varints(payload)
             list_end = np.cumsum(size) - 1
