@@ -9,7 +9,8 @@ No TensorFlow at run time. Where things live:
   :func:`serialize_example`, :func:`example_to_dict`, :func:`make_sequence_example`,
   :func:`sequence_example_to_dict`
 - ``features.py``: :class:`FixedLenFeature`, :class:`VarLenFeature`, :class:`Ragged`,
-  :func:`parse_examples` (vectorized wire decoder in ``fastparse.py``; protobuf as reference)
+  :func:`parse_examples` (records sharing a layout decoded along it in ``layout.py``, the rest by
+  the general vectorized wire decoder in ``fastparse.py``; protobuf as reference)
 - ``schema.py``: :func:`infer_schema`, :func:`format_schema`
 - ``pipeline.py``: file/record sharding, interleave, shuffle buffer, rebatching, prefetch
 - ``dataset.py``: :class:`TFRecordDataset` (a torch ``IterableDataset``), :class:`DatasetConfig`

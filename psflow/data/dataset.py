@@ -11,7 +11,7 @@ import numpy as np
 import torch.utils.data
 
 from psflow.data import fs, pipeline
-from psflow.data.features import FeatureSpec, parse_examples
+from psflow.data.features import FeatureSpec, Ragged, VarLenFeature, parse_examples
 from psflow.data.tfrecord import RecordBatch, TFRecordReader, resolve_compression
 
 
@@ -72,6 +72,11 @@ class DatasetConfig:
         if self.backend not in ("numpy", "torch"):
             raise ValueError(f"backend must be 'numpy' or 'torch', got {self.backend!r}")
         resolve_compression("", self.compression)
+
+
+PARSE_UNIT_RECORDS = 8192
+"""Most records parsed in one call when batches are cut from a larger parse (see
+:meth:`TFRecordDataset._parsed_batches`)."""
 
 
 class TFRecordDataset(torch.utils.data.IterableDataset[Any]):
@@ -176,12 +181,55 @@ class TFRecordDataset(torch.utils.data.IterableDataset[Any]):
                     for i in range(len(b)):
                         yield {k: _row(v, i) for k, v in parsed.items()}
             return
-        for b in pipeline.rebatch(batches, cfg.batch_size, drop_remainder=cfg.drop_remainder):
-            yield (
-                b.tolist()
-                if self.spec is None
-                else parse_examples(b, self.spec, backend=cfg.backend)
-            )
+        if self.spec is None:
+            for b in pipeline.rebatch(batches, cfg.batch_size, drop_remainder=cfg.drop_remainder):
+                yield b.tolist()
+            return
+        yield from self._parsed_batches(batches, self.spec, cfg.batch_size)
+
+    def _parsed_batches(
+        self, batches: Iterator[RecordBatch], spec: dict[str, FeatureSpec], batch_size: int
+    ) -> Iterator[dict[str, Any]]:
+        """The batches of :func:`pipeline.rebatch`, parsed several at a time, then cut apart.
+
+        A padded :class:`VarLenFeature` without ``pad_to`` is as wide as the longest list of its
+        own batch, so such specs parse batch by batch. A unit that fails to parse is parsed
+        again batch by batch, so that the error comes with the same batch as it would alone.
+        """
+        cfg = self.config
+        padded = any(
+            isinstance(s, VarLenFeature) and not s.ragged and s.pad_to is None
+            for s in spec.values()
+        )
+        units = pipeline.batch_units(
+            batches, batch_size, max_records=batch_size if padded else PARSE_UNIT_RECORDS
+        )
+        for unit in units:
+            if len(unit) <= batch_size:
+                if len(unit) == batch_size or not cfg.drop_remainder:
+                    yield parse_examples(unit, spec, backend=cfg.backend)
+                continue
+            try:
+                parsed = parse_examples(unit, spec, backend=cfg.backend)
+            except ValueError:
+                parsed = None  # parsed again batch by batch below, up to the bad batch
+            for lo in range(0, len(unit), batch_size):
+                if cfg.drop_remainder and len(unit) - lo < batch_size:
+                    break  # only the last unit has a remainder
+                if parsed is None:
+                    part = pipeline.slice_batch(unit, lo, lo + batch_size)
+                    yield parse_examples(part, spec, backend=cfg.backend)
+                else:
+                    yield {k: _rows(v, lo, lo + batch_size) for k, v in parsed.items()}
+
+
+def _rows(value: Any, lo: int, hi: int) -> Any:
+    """Rows ``lo:hi`` of a parsed feature (a view, no copy)."""
+    if isinstance(value, Ragged):
+        splits = value.row_splits[lo : hi + 1]
+        start, stop = int(splits[0]), int(splits[-1])
+        return Ragged(value.values[start:stop], splits - splits[0])
+    return value[lo:hi]
 
 
 def _row(value: Any, i: int) -> Any:

@@ -1,21 +1,26 @@
 """Parsing specs for ``tf.train.Example``: batches of records to numpy arrays or torch tensors.
 
 :class:`FixedLenFeature` and :class:`VarLenFeature` mirror ``tf.io.FixedLenFeature`` and
-``tf.io.VarLenFeature``/``RaggedFeature``. :func:`parse_examples` decodes a batch with the
-vectorized wire decoder in :mod:`psflow.data.fastparse`; ``method="protobuf"`` decodes each
-record with protobuf instead (the reference: both give identical output).
+``tf.io.VarLenFeature``/``RaggedFeature``. :func:`parse_examples` decodes the records of a batch
+that share a layout along it (:mod:`psflow.data.layout`), the others with the general vectorized
+wire decoder (:mod:`psflow.data.fastparse`), and what neither takes with protobuf;
+``method="protobuf"`` decodes each record with protobuf instead (the reference: both give
+identical output for every record protobuf accepts). Like TensorFlow's own parser, the fast path
+does not look into features outside the spec, so a record that protobuf rejects only for one of
+those (a broken list, a key that is not UTF-8) still decodes.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from psflow.data import fastparse, proto
+from psflow.data import fastparse, layout, proto
 from psflow.data.fastparse import BYTES, FLOAT, INT64, Column
 from psflow.data.tfrecord import RecordBatch
 
@@ -61,7 +66,7 @@ class FixedLenFeature:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape))
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,36 +155,46 @@ def _columns_protobuf(
     return out
 
 
-def _take_rows(col: Column, keep: np.ndarray) -> Column:
-    """The column restricted to rows where ``keep[rid]``."""
-    mask = keep[col.rid]
-    offsets = np.concatenate(([0], np.cumsum(col.counts)))
-    sel = np.flatnonzero(mask)
-    idx = np.concatenate(
-        [np.arange(offsets[j], offsets[j + 1]) for j in sel] or [np.zeros(0, np.int64)]
-    ).astype(np.int64)
-    values: np.ndarray | list[bytes] = (
-        [col.values[j] for j in idx.tolist()] if isinstance(col.values, list) else col.values[idx]
-    )
-    return Column(col.rid[mask], col.kind[mask], col.counts[mask], values)
-
-
-def _merge(a: Column, b: Column) -> Column:
-    """Two columns over disjoint rows, merged in row order."""
-    rid = np.concatenate([a.rid, b.rid])
-    order = np.argsort(rid, kind="stable")
-    counts = np.concatenate([a.counts, b.counts])
-    offsets = np.concatenate(([0], np.cumsum(counts)))
-    idx = np.concatenate(
-        [np.arange(offsets[j], offsets[j + 1]) for j in order.tolist()] or [np.zeros(0, np.int64)]
-    ).astype(np.int64)
-    if isinstance(a.values, list):
-        allv = list(a.values) + list(b.values)
-        values: np.ndarray | list[bytes] = [allv[j] for j in idx.tolist()]
-    else:
-        assert isinstance(b.values, np.ndarray)
-        values = np.concatenate([a.values, b.values])[idx]
-    return Column(rid[order], np.concatenate([a.kind, b.kind])[order], counts[order], values)
+def _columns_fast(batch: RecordBatch, names: Mapping[str, int]) -> dict[str, Column]:
+    """Layouts first (:mod:`layout`), the general wire walker next, protobuf for what is left."""
+    raw = batch.buffer if isinstance(batch.buffer, bytes) else bytes(batch.buffer)
+    arr = np.frombuffer(raw, dtype=np.uint8)
+    starts = np.asarray(batch.starts, dtype=np.int64)
+    ends = starts + np.asarray(batch.lengths, dtype=np.int64)
+    want = dict(names)
+    parts: list[dict[str, Column]] = []
+    rest = np.arange(len(batch), dtype=np.int64)
+    unlearned: list[int] = []  # records whose own layout is not a plain one
+    for _ in range(layout.MAX_LAYOUTS):
+        if not len(rest):
+            break
+        first = int(rest[0])
+        keys = layout.learn(raw, int(starts[first]), int(ends[first]))
+        if keys is None:
+            unlearned.append(first)
+            rest = rest[1:]
+            continue
+        ok, cols = layout.decode(raw, arr, rest, starts[rest], ends[rest], want, keys)
+        parts.append(cols)
+        rest = rest[~ok]
+        if len(rest) and rest[0] == first:  # its lists did not decode: not a layout's job
+            unlearned.append(first)
+            rest = rest[1:]
+    if unlearned:
+        rest = np.union1d(rest, np.asarray(unlearned, dtype=np.int64))
+    if len(rest):
+        decoded = fastparse.decode_batch(raw, starts[rest], ends[rest] - starts[rest], want)
+        keep = np.ones(len(rest), dtype=bool)
+        keep[decoded.irregular] = False
+        parts.append(
+            {n: fastparse.select(c, keep[c.rid], rest) for n, c in decoded.columns.items()}
+        )
+        if len(decoded.irregular):
+            parts.append(_columns_protobuf(batch, rest[decoded.irregular].tolist(), names))
+    return {
+        n: fastparse.merge([fastparse.empty_column(k)] + [p[n] for p in parts])
+        for n, k in names.items()
+    }
 
 
 def _finalize(name: str, spec: FeatureSpec, col: Column, batch: RecordBatch, backend: str) -> Any:
@@ -197,7 +212,12 @@ def _finalize(name: str, spec: FeatureSpec, col: Column, batch: RecordBatch, bac
     if is_bytes:
         if spec.dtype == "string":
             values = [v.decode("utf-8") for v in values]
-        values = np.array([*values, None], dtype=object)[:-1]  # never a 2-D array of chars
+        if not (isinstance(values, np.ndarray) and values.dtype == object):
+            values = np.array([*values, None], dtype=object)[:-1]  # never a 2-D array of chars
+    if isinstance(spec, FixedLenFeature) and len(col.rid) == n and (col.counts == spec.size).all():
+        # Every record has the feature with the right count (rids are then 0..n-1 in order):
+        # the values are the output as they are, without a copy.
+        return _to_backend(np.asarray(values).reshape((n, *spec.shape)), backend)
     counts = np.zeros(n, dtype=np.int64)
     counts[col.rid] = col.counts
     if isinstance(spec, FixedLenFeature):
@@ -249,6 +269,8 @@ def _finalize(name: str, spec: FeatureSpec, col: Column, batch: RecordBatch, bac
 
 
 def _to_backend(arr: np.ndarray, backend: str) -> Any:
+    if not arr.flags.writeable:  # values read straight out of a bytes object: hand out a copy
+        arr = arr.copy()
     if backend == "torch" and arr.dtype != object:
         import torch
 
@@ -294,13 +316,7 @@ def parse_examples(
     if method == "protobuf":
         cols = _columns_protobuf(batch, range(len(batch)), names)
     elif method == "fast":
-        decoded = fastparse.decode_batch(batch.buffer, batch.starts, batch.lengths, names)
-        cols = decoded.columns
-        if len(decoded.irregular):
-            keep = np.ones(len(batch), dtype=bool)
-            keep[decoded.irregular] = False
-            slow = _columns_protobuf(batch, decoded.irregular.tolist(), names)
-            cols = {n: _merge(_take_rows(c, keep), slow[n]) for n, c in cols.items()}
+        cols = _columns_fast(batch, names)
     else:
         raise ValueError(f"method must be 'fast' or 'protobuf', got {method!r}")
     return {name: _finalize(name, s, cols[name], batch, backend) for name, s in spec.items()}

@@ -82,12 +82,12 @@ def interleave(
                 carry.append(nxt)
             head = carry[0]
             take = min(need, len(head))
-            yield _slice(head, 0, take)
+            yield slice_batch(head, 0, take)
             need -= take
             if take == len(head):
                 carry.pop(0)
             else:
-                carry[0] = _slice(head, take, len(head))
+                carry[0] = slice_batch(head, take, len(head))
         if need > 0:  # this file is done
             active.pop(i)
             refill()
@@ -95,7 +95,8 @@ def interleave(
             i += 1
 
 
-def _slice(b: RecordBatch, lo: int, hi: int) -> RecordBatch:
+def slice_batch(b: RecordBatch, lo: int, hi: int) -> RecordBatch:
+    """Records ``lo:hi`` of a batch, sharing its buffer."""
     return RecordBatch(b.buffer, b.starts[lo:hi], b.lengths[lo:hi], b.indices[lo:hi], b.path)
 
 
@@ -133,7 +134,7 @@ def rebatch(
         lo = 0
         while lo < len(b):
             take = min(batch_size - have, len(b) - lo)
-            part = _slice(b, lo, lo + take)
+            part = slice_batch(b, lo, lo + take)
             lo += take
             if not parts and take == batch_size:
                 yield part
@@ -147,10 +148,79 @@ def rebatch(
         yield _concat(parts)
 
 
+def batch_units(
+    batches: Iterator[RecordBatch], batch_size: int, *, max_records: int
+) -> Iterator[RecordBatch]:
+    """:func:`rebatch`'s batches, grouped into runs of whole batches for one parse call each.
+
+    Every unit but the last holds a multiple of ``batch_size`` records (at most ``max_records``,
+    and at least one batch), so that cutting the units in ``batch_size`` rows gives exactly the
+    batches of :func:`rebatch`. A unit is a zero-copy slice of one chunk unless it completes a
+    batch that spans chunks. Parsing a few thousand records at once costs much less per record
+    than parsing them a batch at a time.
+    """
+    per_unit = max(max_records // batch_size, 1) * batch_size
+    parts: list[RecordBatch] = []
+    have = 0
+    for b in batches:
+        lo = 0
+        if have:  # first complete the batch that spans from the chunks before
+            take = min(batch_size - have, len(b))
+            parts.append(slice_batch(b, 0, take))
+            have += take
+            lo = take
+            if have < batch_size:
+                continue
+            yield _concat(parts)
+            parts, have = [], 0
+        while len(b) - lo >= batch_size:
+            hi = lo + min(per_unit, (len(b) - lo) // batch_size * batch_size)
+            yield slice_batch(b, lo, hi)
+            lo = hi
+        if lo < len(b):
+            parts, have = [slice_batch(b, lo, len(b))], len(b) - lo
+    if parts:
+        yield _concat(parts)
+
+
 def _concat(parts: list[RecordBatch]) -> RecordBatch:
+    """One batch of the records of ``parts``, in one new buffer.
+
+    Each part's records usually lie in ascending order in one stretch of its buffer (only
+    framing bytes between them), so that stretch is copied whole and the offsets moved: one
+    copy per part, none per record. Parts that are scattered are packed record by record.
+    """
     if len(parts) == 1:
         return parts[0]
-    return RecordBatch.from_records([r for p in parts for r in p])
+    pieces: list[bytes | bytearray | memoryview] = []
+    starts, lengths = [], []
+    at = 0
+    for p in parts:
+        if not len(p):
+            continue
+        lo = int(p.starts[0])
+        hi = int(p.starts[-1] + p.lengths[-1])
+        if (np.diff(p.starts) >= p.lengths[:-1]).all() and hi - lo <= 2 * p.nbytes + 64 * len(p):
+            pieces.append(memoryview(p.buffer)[lo:hi])  # copied once, by the join below
+            starts.append(p.starts - lo + at)
+            at += hi - lo
+        else:
+            packed = RecordBatch.from_records(p)
+            pieces.append(packed.buffer)
+            starts.append(packed.starts + at)
+            at += len(packed.buffer)
+        lengths.append(p.lengths)
+    path = parts[0].path
+    if all(p.path == path for p in parts):
+        indices = np.concatenate([p.indices for p in parts])
+    else:  # from several files: errors can only name the position in the batch
+        path, indices = "", np.arange(sum(map(len, parts)), dtype=np.int64)
+    if not pieces:
+        z = np.zeros(0, dtype=np.int64)
+        return RecordBatch(b"", z, z, z, path)
+    return RecordBatch(
+        b"".join(pieces), np.concatenate(starts), np.concatenate(lengths), indices, path
+    )
 
 
 def chunk_records(records: Iterator[bytes], size: int) -> Iterator[RecordBatch]:

@@ -67,8 +67,21 @@ def _crc32c_8(buf: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return crc ^ np.uint32(0xFFFFFFFF)
 
 
+def _int_at(buf: np.ndarray, positions: np.ndarray, dtype: str) -> np.ndarray:
+    """The little-endian integer at each byte offset: one gather from an unaligned view."""
+    size = np.dtype(dtype).itemsize
+    if len(buf) < size:
+        return np.zeros(0, dtype=dtype)
+    view = np.ndarray((len(buf) - size + 1,), dtype=dtype, buffer=buf, strides=(1,))
+    return view[positions]
+
+
 def _u32_at(buf: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(buf[positions[:, None] + np.arange(4)]).view("<u4").reshape(-1)
+    return _int_at(buf, positions, "<u4")
+
+
+def _u64_at(buf: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    return _int_at(buf, positions, "<u8")
 
 
 def resolve_compression(path: str, compression: str | None) -> str:
@@ -309,9 +322,21 @@ class TFRecordReader:
         while True:
             chunk = src.read(max(need - (len(buf) - pos), 1))
             final = not chunk
-            if chunk:
+            tail = len(buf) - pos
+            if chunk and resync_from is None and tail >= _HEADER and need <= len(chunk):
+                # The record that straddles the two chunks gets a buffer of its own: a copy of
+                # one record, where joining the old tail to the new chunk would copy the chunk.
+                # Its header was verified when `need` was taken from it.
+                batch, _, index, _, _ = self._scan(
+                    buf[pos:] + chunk[:need], 0, base + pos, index, False
+                )
+                if batch is not None and len(batch):
+                    yield batch
+                base += len(buf)
+                buf, pos = chunk, need
+            elif chunk:
                 base += pos
-                buf = buf[pos:] + chunk if pos < len(buf) else chunk
+                buf = buf[pos:] + chunk if tail else chunk
                 pos = 0
             if resync_from is not None:
                 pos, found = self._resync(buf, pos, final)
@@ -361,18 +386,17 @@ class TFRecordReader:
         """
         end = len(buf)
         u64 = _U64.unpack_from
-        starts: list[int] = []
-        append = starts.append
-        lengths: list[int] = []
-        lappend = lengths.append
-        while pos + _HEADER <= end:
-            (length,) = u64(buf, pos)
-            dend = pos + _HEADER + length
-            if dend + _FOOTER > end:
+        heads: list[int] = []
+        append = heads.append
+        last = end - _HEADER - _FOOTER  # the last offset where a whole empty record fits
+        # The one step per record that stays in Python (each offset depends on the length
+        # before it); lengths are re-read below from the buffer in one numpy call.
+        while pos <= last:
+            nxt = pos + _HEADER + _FOOTER + u64(buf, pos)[0]
+            if nxt > end:
                 break
-            append(pos + _HEADER)
-            lappend(length)
-            pos = dend + _FOOTER
+            append(pos)
+            pos = nxt
         need = 1
         pending_bad = False
         if pos + _HEADER <= end:
@@ -385,8 +409,10 @@ class TFRecordReader:
                 pending_bad = True
             else:
                 need = _HEADER + u64(buf, pos)[0] + _FOOTER - (end - pos)
-        s = np.asarray(starts, dtype=np.int64)
-        n = np.asarray(lengths, dtype=np.int64)
+        arr = np.frombuffer(buf, dtype=np.uint8)
+        h = np.asarray(heads, dtype=np.int64)
+        s = h + _HEADER
+        n = _u64_at(arr, h).astype(np.int64)
         idx = np.arange(index, index + len(s), dtype=np.int64)
         keep = np.ones(len(s), dtype=bool)
         bad_header_at: int | None = None
@@ -394,17 +420,18 @@ class TFRecordReader:
             sh, count, off = self.shard
             keep = (idx + off) % count == sh
         if self.verify and len(s):
-            arr = np.frombuffer(buf, dtype=np.uint8)
             hdr_ok = _mask_np(_crc32c_8(arr, s - _HEADER)) == _u32_at(arr, s - 4)
             if not hdr_ok.all():
                 bad_header_at = int(np.argmin(hdr_ok))
             check = np.flatnonzero(
                 keep if bad_header_at is None else keep & (idx < idx[bad_header_at])
             )
-            crc = google_crc32c.value  # takes bytes only (not memoryview): slicing copies, cheaply
-            sl, nl = s[check].tolist(), n[check].tolist()
+            # google_crc32c takes bytes only (not memoryview): slicing copies, cheaply. The
+            # chain of maps runs in C, with no Python frame per record.
+            sl = s[check].tolist()
+            el = (s[check] + n[check]).tolist()
             got = np.fromiter(
-                (crc(buf[a : a + b]) for a, b in zip(sl, nl, strict=True)),
+                map(google_crc32c.value, map(buf.__getitem__, map(slice, sl, el))),
                 dtype=np.uint32,
                 count=len(sl),
             )
