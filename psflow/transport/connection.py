@@ -176,7 +176,7 @@ class Server:
             except zmq.Again:
                 return None
             return self._from_socket(parts)
-        for what, _ in self._poller.poll(ms):
+        for what, events in self._poller.poll(ms):
             if what is self._sock:
                 try:
                     parts = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
@@ -192,9 +192,13 @@ class Server:
                     self._ready.append(request)
             else:
                 identity, lane = self._lane_of_fd[what]
-                request = self._from_lane(identity, lane)
-                if request is not None:
-                    self._ready.append(request)
+                if events & zmq.POLLIN:
+                    request = self._from_lane(identity, lane)
+                    if request is not None:
+                        self._ready.append(request)
+                elif events & zmq.POLLERR:
+                    log.debug("client %r has gone: dropping %s", identity, lane)
+                    self._drop_lane(identity)
         return self._ready.popleft() if self._ready else None
 
     def _from_socket(self, parts: list[Any]) -> Request | None:

@@ -22,7 +22,8 @@ Segment layout: the token (64 bytes), the request header area and the reply head
 area and the reply data area, each tensor 64-byte aligned (see ``wire.lane_bytes``).
 
 A lane carries one request at a time: the client uses it only when no other request to that
-server is in flight, and retires it when a request through it times out.
+server is in flight, and retires it when a request through it times out. The server drops a
+lane when its client has gone (the requests FIFO hangs up), so dead workers leave nothing.
 """
 
 from __future__ import annotations
@@ -177,8 +178,10 @@ class Lane:
                 buf = mmap.mmap(fd, size)
             finally:
                 os.close(fd)
-            for suffix in _SUFFIXES[1:]:
-                fds.append(_open_private(path + suffix, os.O_RDWR | os.O_NONBLOCK, "fifo"))
+            # Read-only and write-only ends: when the client goes away (exits, dies, or retires
+            # the lane) the requests FIFO has no writer left and polls as hung up.
+            for suffix, flags in ((".q", os.O_RDONLY), (".r", os.O_WRONLY)):
+                fds.append(_open_private(path + suffix, flags | os.O_NONBLOCK, "fifo"))
         except OSError as e:
             _close(tuple(fds))
             raise LaneError(f"cannot open {path}: {e.strerror} (another host?)") from None
@@ -235,8 +238,12 @@ def _post(area: np.ndarray[Any, Any], header: bytes, fd: int) -> bool:
         return False
     area[:4] = np.frombuffer(n.to_bytes(4, "little"), dtype=np.uint8)
     area[4 : 4 + n] = np.frombuffer(header, dtype=np.uint8)
-    with contextlib.suppress(BlockingIOError):  # a full FIFO already rings
+    try:
         os.write(fd, b"\x01")
+    except BlockingIOError:
+        pass  # a full FIFO already rings
+    except BrokenPipeError:
+        return False  # the other side has gone
     return True
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -171,3 +172,30 @@ def test_large_tensors_go_through_shared_memory_with_the_socket_result() -> None
     through_socket, lanes = _train_wide_linear({"PSFLOW_SHM": "0"})
     assert lanes == {}
     assert torch.equal(through_lane, through_socket)
+
+
+def test_the_ps_lets_go_of_a_finished_workers_lane() -> None:
+    cluster = local_cluster(1, 2)
+    ps = start_ps(cluster)
+    try:
+        maps = Path(f"/proc/{ps.pid}/maps")
+        models = [torch.nn.Linear(256, 512) for _ in range(2)]
+        opts = [
+            psflow.DistributedOptimizer(m, worker_ctx(cluster, i), lr=0.1)
+            for i, m in enumerate(models)
+        ]
+        for model, opt in zip(models, opts, strict=True):
+            model(torch.ones(1, 256)).sum().backward()
+            opt.step()
+        names = [opt._client._client._lanes["ps:0"].name for opt in opts]
+        assert all(name in maps.read_text() for name in names)
+        opts[1].close()  # worker:1 finishes: the ps unmaps its lane
+        deadline = time.monotonic() + 10
+        while names[1] in maps.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert names[1] not in maps.read_text() and names[0] in maps.read_text()
+        opts[0].close()
+        code, err = stop(ps)
+        assert code == 0, err
+    finally:
+        stop(ps, timeout=1)

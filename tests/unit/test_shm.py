@@ -122,3 +122,18 @@ def test_bad_lane_messages(
     header = {"v": 1, "op": "push", "id": 1, "t": t, "s": 1}
     with pytest.raises(wire.WireError, match=message):
         wire.decode_tensors(header, frames, max_bytes=1 << 20, area=lane.request if area else None)
+
+
+def test_a_gone_client_hangs_up_its_lane() -> None:
+    import zmq
+
+    client = Lane.create(0, 0)
+    server = Lane.attach(client.name, client.token, 0, 0)
+    client.unlink()
+    poller = zmq.Poller()
+    poller.register(server.requests_fd, zmq.POLLIN)
+    assert poller.poll(0) == []
+    client.close()  # as when the client exits or dies
+    assert poller.poll(0) == [(server.requests_fd, zmq.POLLERR)]
+    assert not server.post_reply(b"nobody reads this")
+    server.close()
