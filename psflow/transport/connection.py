@@ -176,6 +176,9 @@ class Server:
             except zmq.Again:
                 return None
             return self._from_socket(parts)
+        # Events name file descriptors as they were when polled: handling one event may
+        # close a lane and open another under the same numbers.
+        lane_of_fd = dict(self._lane_of_fd)
         for what, events in self._poller.poll(ms):
             if what is self._sock:
                 try:
@@ -191,7 +194,9 @@ class Server:
                 if request is not None:
                     self._ready.append(request)
             else:
-                identity, lane = self._lane_of_fd[what]
+                identity, lane = lane_of_fd[what]
+                if lane.closed:
+                    continue
                 if events & zmq.POLLIN:
                     request = self._from_lane(identity, lane)
                     if request is not None:
