@@ -92,14 +92,16 @@ class Lane:
         """FIFOs (both ends open, non-blocking): one byte rings for each message."""
         whole = np.frombuffer(buf, dtype=np.uint8)
         start = _START
-        self._request_header = whole[start : start + HEADER_BYTES]
+        # Headers through memoryviews: for a small step, numpy's per-call cost would show.
+        self._request_header = memoryview(buf)[start : start + HEADER_BYTES]
         start += HEADER_BYTES
-        self._reply_header = whole[start : start + HEADER_BYTES]
+        self._reply_header = memoryview(buf)[start : start + HEADER_BYTES]
         start += HEADER_BYTES
         self.request = whole[start : start + request_bytes]
         start += _aligned(request_bytes)
         self.reply = whole[start : start + reply_bytes]
         self._linked = False
+        self._reply_poller: select.poll | None = None
         self.closed = False
         """Closed lanes carry nothing (their FIFO numbers may belong to new files by now)."""
         self._finalizer = weakref.finalize(self, _close, fds)
@@ -224,20 +226,21 @@ class Lane:
 
     def wait_reply(self, timeout: float) -> bool:
         """Waits up to ``timeout`` seconds for the replies FIFO to ring."""
-        poller = select.poll()
-        poller.register(self.replies_fd, select.POLLIN)
-        return bool(poller.poll(max(0, int(timeout * 1000))))
+        if self._reply_poller is None:
+            self._reply_poller = select.poll()
+            self._reply_poller.register(self.replies_fd, select.POLLIN)
+        return bool(self._reply_poller.poll(max(0, int(timeout * 1000))))
 
     def __repr__(self) -> str:
         return f"Lane({self.name}, request={self.request_bytes}, reply={self.reply_bytes})"
 
 
-def _post(area: np.ndarray[Any, Any], header: bytes, fd: int) -> bool:
+def _post(area: memoryview, header: bytes, fd: int) -> bool:
     n = len(header)
     if n + 4 > len(area):
         return False
-    area[:4] = np.frombuffer(n.to_bytes(4, "little"), dtype=np.uint8)
-    area[4 : 4 + n] = np.frombuffer(header, dtype=np.uint8)
+    area[:4] = n.to_bytes(4, "little")
+    area[4 : 4 + n] = header
     try:
         os.write(fd, b"\x01")
     except BlockingIOError:
@@ -247,10 +250,10 @@ def _post(area: np.ndarray[Any, Any], header: bytes, fd: int) -> bool:
     return True
 
 
-def _take(area: np.ndarray[Any, Any], fd: int) -> bytes:
+def _take(area: memoryview, fd: int) -> bytes:
     with contextlib.suppress(BlockingIOError):
         os.read(fd, 4096)
-    n = int.from_bytes(area[:4].tobytes(), "little")
+    n = int.from_bytes(area[:4], "little")
     if n > len(area) - 4:
         raise LaneError(f"a lane message claims {n} bytes")
     return area[4 : 4 + n].tobytes()
