@@ -187,10 +187,12 @@ class Server:
                     continue
                 try:
                     request = self._from_socket(parts)
-                except wire.WireError:
+                except wire.WireError as e:
                     if not self._ready:
                         raise
-                    continue  # answered already; the lanes' requests go first
+                    # Answered already; the requests collected so far are served first.
+                    log.warning("rejected a malformed message: %s", e)
+                    continue
                 if request is not None:
                     self._ready.append(request)
             else:
