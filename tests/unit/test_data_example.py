@@ -16,6 +16,8 @@ from psflow.data.features import FixedLenFeature, Ragged, VarLenFeature, parse_e
 from psflow.data.schema import format_schema, infer_schema
 from psflow.data.tfrecord import TFRecordReader, read_records
 from tests.paths import TFRECORD_FIXTURES
+from tests.unit.protobytes import ld as _ld
+from tests.unit.protobytes import varint as _varint
 
 pytestmark = pytest.mark.unit
 
@@ -96,21 +98,6 @@ def test_torch_backend_and_strings() -> None:
     assert isinstance(out["x"], torch.Tensor) and out["x"].dtype == torch.float32
     assert out["x"].tolist() == [[1.5, 2.5]] * 3
     assert out["s"].tolist() == ["héllo"] * 3
-
-
-def _varint(v: int) -> bytes:
-    v &= (1 << 64) - 1
-    out = bytearray()
-    while True:
-        b = v & 0x7F
-        v >>= 7
-        out.append(b | (0x80 if v else 0))
-        if not v:
-            return bytes(out)
-
-
-def _ld(field: int, payload: bytes) -> bytes:
-    return _varint(field << 3 | 2) + _varint(len(payload)) + payload
 
 
 def _entry(key: str, feature: bytes) -> bytes:

@@ -18,23 +18,10 @@ from psflow.data import fastparse, layout, pipeline, proto
 from psflow.data.dataset import TFRecordDataset
 from psflow.data.features import FixedLenFeature, Ragged, VarLenFeature, parse_examples
 from psflow.data.tfrecord import DataLossError, RecordBatch, TFRecordReader, encode_record
+from tests.unit.protobytes import ld as _ld
+from tests.unit.protobytes import varint as _varint
 
 pytestmark = pytest.mark.unit
-
-
-def _varint(v: int) -> bytes:
-    v &= (1 << 64) - 1
-    out = bytearray()
-    while True:
-        b = v & 0x7F
-        v >>= 7
-        out.append(b | (0x80 if v else 0))
-        if not v:
-            return bytes(out)
-
-
-def _ld(field: int, payload: bytes) -> bytes:
-    return _varint(field << 3 | 2) + _varint(len(payload)) + payload
 
 
 def _example(*entries: tuple[str, bytes]) -> bytes:
