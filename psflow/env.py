@@ -50,5 +50,5 @@ instead of returning it to the system (see :mod:`psflow.allocator`); ``system`` 
 allocator as it is."""
 
 PSFLOW_SHM = "PSFLOW_SHM"
-"""``1`` (default): large tensors between tasks on the same host go through shared memory
-(:mod:`psflow.transport.shm`); ``0`` sends everything through the socket."""
+"""``1`` (default): requests between a worker and a ps on the same host go through shared
+memory (:mod:`psflow.transport.shm`); ``0`` sends everything through the socket."""
