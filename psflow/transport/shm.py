@@ -105,6 +105,7 @@ class Lane:
         self.closed = False
         """Closed lanes carry nothing (their FIFO numbers may belong to new files by now)."""
         self._finalizer = weakref.finalize(self, _close, fds)
+        _live.add(self)
 
     @staticmethod
     def size(request_bytes: int, reply_bytes: int) -> int:
@@ -233,6 +234,19 @@ class Lane:
 
     def __repr__(self) -> str:
         return f"Lane({self.name}, request={self.request_bytes}, reply={self.reply_bytes})"
+
+
+_live: weakref.WeakSet[Lane] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    # A forked child (a DataLoader process) must not hold its parent's FIFOs open: a ps would
+    # not see the lane hang up when the parent dies.
+    for lane in list(_live):
+        lane.close()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 def _post(area: memoryview, header: bytes, fd: int) -> bool:

@@ -137,3 +137,27 @@ def test_a_gone_client_hangs_up_its_lane() -> None:
     assert poller.poll(0) == [(server.requests_fd, zmq.POLLERR)]
     assert not server.post_reply(b"nobody reads this")
     server.close()
+
+
+def test_a_forked_child_lets_go_of_the_lanes(lane: Lane) -> None:
+    import zmq
+
+    server = Lane.attach(lane.name, lane.token, 65536, 8192)
+    poller = zmq.Poller()
+    poller.register(server.requests_fd, zmq.POLLIN)
+    release_r, release_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: like a DataLoader process, alive and never using the lane
+        os.read(release_r, 1)
+        os._exit(0 if lane.closed else 1)
+    try:
+        assert not lane.closed  # the parent's lane works on
+        lane.close()  # the parent goes away while its child lives: the ps must see it
+        assert poller.poll(2000) == [(server.requests_fd, zmq.POLLERR)]
+    finally:
+        os.write(release_w, b"x")
+        _, status = os.waitpid(pid, 0)
+        os.close(release_r)
+        os.close(release_w)
+    assert os.waitstatus_to_exitcode(status) == 0
+    server.close()
