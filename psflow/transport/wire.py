@@ -352,7 +352,9 @@ def _decode_lane(
     if frames:
         raise WireError("a message with tensors in a lane carries no data frames")
     need = lane_bytes(m.nbytes for m in metas)
-    if need > len(area) or need > max_bytes:
+    if need > max_bytes:
+        raise WireError(f"message carries {need} tensor bytes, over the {max_bytes}-byte limit")
+    if need > len(area):
         raise WireError(f"tensors need {need} bytes of lane, it holds {len(area)}")
     out = []
     off = 0
