@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import psflow
 from psflow.transport import TransportConfig
@@ -36,11 +38,12 @@ def _result(out: str) -> dict:  # type: ignore[type-arg]
     return json.loads(lines[-1][len("RESULT ") :])  # type: ignore[no-any-return]
 
 
-def test_one_backup_worker_killing_a_worker_mid_run_does_not_stop_training() -> None:
+def test_one_backup_worker_killing_a_worker_mid_run_does_not_stop_training(tmp_path: Path) -> None:
     steps = 25
     cluster = local_cluster(1, 3)
     ps = start_ps(cluster)
-    env = {"PSFLOW_TEST_KILL_AT_STEP": "worker:1@7"}
+    # The barrier keeps worker:1 from starting so late that the other two have finished without it.
+    env = {"PSFLOW_TEST_KILL_AT_STEP": "worker:1@7", "SYNC_WORKER_BARRIER": f"{tmp_path}:3"}
     args = [str(steps), "mode=sync", "replicas_to_aggregate=2", "sync_timeout=20.0"]
     procs = [_worker(cluster, i, args, env) for i in range(3)]
     try:
@@ -48,7 +51,9 @@ def test_one_backup_worker_killing_a_worker_mid_run_does_not_stop_training() -> 
         for p in procs:
             out, err = p.communicate(timeout=90)
             outs.append((p.returncode, out, err))
-        assert outs[1][0] == -9, outs[1][2][-2000:]  # killed itself at step 7
+        assert outs[1][0] == -9, outs[1][2][-2000:]  # killed itself at step 7 or later
+        killed_at = int(re.findall(r"KILLED AT (\d+)", outs[1][2])[-1])
+        assert killed_at < steps - 1
         for code, out, err in (outs[0], outs[2]):
             assert code == 0, err[-3000:]
             r = _result(out)
@@ -60,7 +65,7 @@ def test_one_backup_worker_killing_a_worker_mid_run_does_not_stop_training() -> 
         finally:
             probe.close()
         assert status["step"] == steps
-        late = [ws for s, ws in status["decisions"] if s >= 8]
+        late = [ws for s, ws in status["decisions"] if s >= killed_at + 1]
         assert late and all(sorted(ws) == ["worker:0", "worker:2"] for ws in late)
         assert "worker:1" not in status["finished"]
         assert ps.poll() is None  # still serving: worker:1 never said it finished

@@ -2,7 +2,9 @@
 
     python sync_worker.py STEPS [KEY=VALUE ...]   (KEY: mode, replicas_to_aggregate, ...)
 
-Honours PSFLOW_TEST_KILL_AT_STEP (``worker:1@7``: that worker SIGKILLs itself there). Prints
+Honours PSFLOW_TEST_KILL_AT_STEP (``worker:1@7``: that worker SIGKILLs itself there, after
+printing ``KILLED AT <step>`` to stderr) and SYNC_WORKER_BARRIER=DIR:N (each worker waits, once its
+model is ready, until N workers have checked in under DIR, so that none starts late). Prints
 ``RESULT {json}`` last: final parameters, first and last loss, the mode's counters.
 """
 
@@ -12,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -20,6 +23,17 @@ from sync_support import batch, loss_fn, make_model
 
 import psflow
 from psflow import env
+
+
+def barrier(spec: str, me: str) -> None:
+    """Checks in under DIR and waits (60 s at most) until N workers have."""
+    where, _, count = spec.rpartition(":")
+    (Path(where) / me).touch()
+    deadline = time.monotonic() + 60
+    while len(list(Path(where).iterdir())) < int(count):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"barrier {spec}: only {sorted(os.listdir(where))} checked in")
+        time.sleep(0.01)
 
 
 def main() -> None:
@@ -42,8 +56,11 @@ def main() -> None:
     ex, ey = batch(10**6, 0, 512)  # held out: the same for every worker
     with psflow.DistributedOptimizer(model, ctx, lr=0.1, **kwargs) as opt:  # type: ignore[arg-type]
         eval_first = loss_fn(model, ex, ey).item()
+        if os.environ.get("SYNC_WORKER_BARRIER"):
+            barrier(os.environ["SYNC_WORKER_BARRIER"], str(ctx.task).replace(":", "-"))
         while opt.global_step < steps:
             if kill_at is not None and opt.global_step >= kill_at:
+                print(f"KILLED AT {opt.global_step}", file=sys.stderr, flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             x, y = batch(opt.global_step, ctx.index, 4)
             opt.zero_grad()
