@@ -14,8 +14,10 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends tini \
     && rm -rf /var/lib/apt/lists/*
 
+# OMP_WAIT_POLICY: as psflow.env.TASK_DEFAULTS (idle OpenMP threads leave the core to ZeroMQ).
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
+    OMP_WAIT_POLICY=PASSIVE \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 

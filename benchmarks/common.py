@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from psflow import env as envvars
 from psflow.cluster.launcher import local_cluster
 from psflow.cluster.spec import ClusterSpec, TaskSpec
 
@@ -35,7 +36,7 @@ def run_job(
     done (a ps still running then is an error); ``None`` kills them (TensorFlow's never exit).
     """
     procs: dict[TaskSpec, subprocess.Popen[str]] = {}
-    base_env = dict(os.environ, **(env or {}))
+    base_env = {**envvars.TASK_DEFAULTS, **os.environ, **(env or {})}  # as psflow launch does
     try:
         for task in sorted(cluster.tasks(), key=lambda t: t.job != "ps"):
             e = dict(base_env, TF_CONFIG=cluster.to_tf_config(task), PYTHONUNBUFFERED="1")

@@ -5,8 +5,12 @@ with ``munmap`` when freed. A training step frees and allocates the same large t
 step (gradients, activations, received messages), so each step pays for zero-filling those
 pages again: one page fault per 4 KB. On the 25M-parameter MLP of the benchmarks this made a
 batch-32 forward and backward pass take 166 ms instead of 97 ms (one core, torch 2.13).
-TensorFlow avoids it with its own caching allocator; here, two ``mallopt`` settings do: no
-``mmap`` for large blocks, and no trimming of the heap's free top.
+TensorFlow avoids it with its own caching allocator; here, three ``mallopt`` settings do: no
+``mmap`` for large blocks, no trimming of the heap's free top, and one arena for every thread
+that starts afterwards. The last matters for ZeroMQ's I/O thread, which allocates each received
+message: a thread's own arena grows in heaps of at most 64 MB, so glibc maps a larger message
+afresh whatever the other settings say (a 64 MB frame cost 16,384 page faults per message).
+``tune`` therefore runs before the transport creates its first socket.
 
 The cost is memory held after a peak: a process keeps its largest footprint until it exits,
 as a caching allocator does. ``PSFLOW_MALLOC=system`` keeps glibc's defaults; another
@@ -27,6 +31,7 @@ log = logging.getLogger(__name__)
 # <malloc.h>
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
+_M_ARENA_MAX = -8
 
 _tuned: bool | None = None
 
@@ -53,6 +58,7 @@ def tune() -> bool:
         libc = ctypes.CDLL("libc.so.6")
         ok = libc.mallopt(_M_MMAP_MAX, 0) == 1
         ok = libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(2**31 - 1)) == 1 and ok
+        ok = libc.mallopt(_M_ARENA_MAX, 1) == 1 and ok
     except (OSError, AttributeError) as e:
         log.debug("cannot tune malloc: %s", e)
         return False

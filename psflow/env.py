@@ -9,6 +9,14 @@ from __future__ import annotations
 TF_CONFIG = "TF_CONFIG"
 """The cluster and this task, as JSON: ``{"cluster": {...}, "task": {"type": ..., "index": ...}}``."""
 
+TASK_DEFAULTS: dict[str, str] = {"OMP_WAIT_POLICY": "PASSIVE"}
+"""Set in every task psflow starts (``psflow launch``, the rendered manifests, the Docker image)
+unless the user sets them, as torchrun sets ``OMP_NUM_THREADS``. OpenMP's threads otherwise spin
+for milliseconds after each parallel torch op, on the core that ZeroMQ's I/O thread needs to
+move the next message: a 64 MB push and pull through the socket ran at 2.2 GB/s spinning and
+2.7-3.0 GB/s passive (2 cores). It is read once, when torch loads OpenMP: too late to set it
+from inside a script that has imported torch."""
+
 PSFLOW_CLUSTER_FILE = "PSFLOW_CLUSTER_FILE"
 """Path of a YAML or JSON cluster file, used when no flags or TF_CONFIG give the cluster."""
 

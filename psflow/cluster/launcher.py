@@ -129,8 +129,7 @@ class Launcher:
         """Starts every task (ps first, so the workers find them listening sooner)."""
         order = sorted(self.cluster.tasks(), key=lambda t: t.job != "ps")
         for task in order:
-            env = dict(os.environ)
-            env.update(self.config.env)
+            env = {**envvars.TASK_DEFAULTS, **os.environ, **self.config.env}
             env[envvars.TF_CONFIG] = self.cluster.to_tf_config(task)
             if self.config.mode is not None:
                 env[envvars.PSFLOW_MODE] = self.config.mode

@@ -88,7 +88,7 @@ def environment(template_dir: str | Path | None = None) -> jinja2.Environment:
 def context(config: JobConfig, target: str) -> dict[str, Any]:
     """The variables every template sees."""
     laid_out = layout.plan(config, target)
-    env_vars = {envvars.PSFLOW_LOGDIR: config.logdir, **config.env}
+    env_vars = {**envvars.TASK_DEFAULTS, envvars.PSFLOW_LOGDIR: config.logdir, **config.env}
     if config.keys_secret is not None or config.keys_host_dir is not None:
         env_vars[envvars.PSFLOW_KEYS_DIR] = config.keys_mount
     return {

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +65,28 @@ def _plain(v: Any) -> Any:
     return list(v) if isinstance(v, tuple) else v
 
 
+class GradBuffers(Mapping[str, torch.Tensor]):
+    """Where gradients that arrive in several frames are assembled, one buffer per variable,
+    allocated the first time it is needed: a tensor that arrives in one frame or through a
+    shared-memory lane is used where it lies, so most variables never need one."""
+
+    def __init__(self, like: Mapping[str, torch.Tensor]) -> None:
+        self._like = like
+        self._made: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        buf = self._made.get(name)
+        if buf is None:
+            buf = self._made[name] = torch.empty_like(self._like[name])
+        return buf
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._like)
+
+    def __len__(self) -> int:
+        return len(self._like)
+
+
 class ShardStore:
     """The variables of one shard, their optimizer, and the count of updates applied."""
 
@@ -74,7 +96,7 @@ class ShardStore:
         self.optimizer_spec: OptimizerSpec | None = None
         self.step = 0
         """Updates applied (on shard 0: the job's global step)."""
-        self.grad_buffers: dict[str, torch.Tensor] = {}
+        self.grad_buffers = GradBuffers(self.variables)
         self._wire: TensorSet | None = None
         self._step: Callable[[], Any] = lambda: None
 
@@ -100,10 +122,8 @@ class ShardStore:
         # Own copies: the received tensors may be views of network buffers.
         self.variables = {name: t.detach().clone() for name, t in tensors}
         self._wire = None
-        # Gradients of large variables are received into these: no allocation per push.
-        self.grad_buffers = {
-            name: torch.empty_like(t) for name, t in self.variables.items() if t.nbytes > 1 << 16
-        }
+        # Gradients in several frames are assembled into these: no allocation per push.
+        self.grad_buffers = GradBuffers(self.variables)
         self.optimizer = spec.build(list(self.variables.values()))
         # torch.optim wraps step() in a profiler range and hook calls that cost more than the
         # update itself for small models; the ps registers no hooks, so it calls step directly.

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from psflow.ps.staleness import ClockTable
-from psflow.ps.store import ShardStore
+from psflow.ps.store import GradBuffers, ShardStore
 from psflow.transport.connection import Request
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ class SyncAggregator:
         self.dropped_stale = 0
         self.dropped_by_worker: dict[str, int] = {}
         self.accepted_by_worker: dict[str, int] = {}
-        self._buffers: dict[str, dict[str, torch.Tensor]] = {}
+        self._buffers: dict[str, GradBuffers] = {}
         self._sums: dict[str, torch.Tensor] = {}
 
     def configure(self, replicas_to_aggregate: Any, total_num_replicas: Any, sender: str) -> None:
@@ -98,12 +98,11 @@ class SyncAggregator:
                 "worker must use the same settings"
             )
 
-    def buffers(self, worker: str) -> dict[str, torch.Tensor]:
-        """Where ``worker``'s large gradients are received (allocated once per worker)."""
+    def buffers(self, worker: str) -> GradBuffers:
+        """Where ``worker``'s gradients that arrive in pieces are assembled (kept per worker)."""
         buf = self._buffers.get(worker)
         if buf is None:
-            buf = {n: torch.empty_like(t) for n, t in self.store.grad_buffers.items()}
-            self._buffers[worker] = buf
+            buf = self._buffers[worker] = GradBuffers(self.store.variables)
         return buf
 
     def stage(self, worker: str, step: int, grads: Tensors) -> bool:

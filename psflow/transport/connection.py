@@ -21,6 +21,7 @@ import torch
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from psflow import allocator
 from psflow import env as envvars
 from psflow.cluster.spec import parse_address
 from psflow.transport import wire
@@ -55,8 +56,12 @@ class TransportConfig:
     """Seconds a request may take before it fails with an error naming the peer."""
     max_message_bytes: int = 8 << 30
     """Largest message (sum of tensor bytes) a server accepts."""
-    chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES
-    """Bytes per frame for large tensors."""
+    chunk_bytes: int = field(
+        default_factory=lambda: (
+            wire.WHOLE_TENSOR_CHUNK_BYTES if allocator.tune() else wire.DEFAULT_CHUNK_BYTES
+        )
+    )
+    """Bytes per frame for large tensors: whole tensors with the tuned allocator."""
     keys: CurveKeys | None = None
     """CurveZMQ keys: when given, traffic is encrypted and clients must be authorised."""
     shared_memory: bool = field(
@@ -127,6 +132,7 @@ class Server:
         self, address: str, config: TransportConfig, *, context: zmq.Context[Any] | None = None
     ) -> None:
         self.config = config
+        allocator.tune()  # before ZeroMQ's I/O thread makes its first allocation
         self._context = context or zmq.Context.instance()
         self._auth: ThreadAuthenticator | None = None
         bind_to = _endpoint(address, bind=True, timeout=config.timeout)
@@ -385,6 +391,7 @@ class Client:
         context: zmq.Context[Any] | None = None,
     ) -> None:
         self.config = config
+        allocator.tune()  # before ZeroMQ's I/O thread makes its first allocation
         self._context = context or zmq.Context.instance()
         self._socks: dict[str, zmq.Socket[bytes]] = {}
         self._peer_of: dict[zmq.Socket[bytes], str] = {}

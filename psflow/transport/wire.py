@@ -28,7 +28,14 @@ import torch
 PROTOCOL_VERSION = 1
 
 DEFAULT_CHUNK_BYTES = 1 << 20
-"""Bytes per frame for large tensors (1 MiB measured fastest on loopback)."""
+"""Bytes per frame for large tensors when the receiver's allocator is not tuned: ZeroMQ then
+maps every frame above 32 MB afresh, and 1 MiB frames were measured fastest on loopback."""
+
+WHOLE_TENSOR_CHUNK_BYTES = 1 << 30
+"""Bytes per frame with the tuned allocator (:mod:`psflow.allocator`): a tensor up to 1 GiB
+travels as one frame, which the receiver uses in place (a gradient is applied from it) instead
+of assembling the tensor from pieces. Measured: 64 MB push and pull at 98-107% of the raw
+socket, against 68-70% with 1 MiB frames."""
 
 MAX_HEADER_BYTES = 1 << 20
 """A header larger than this is refused before msgpack looks at it."""

@@ -128,6 +128,7 @@ def test_kubernetes_pods_restart_on_failure_and_end_on_success() -> None:
         assert env["PSFLOW_KEYS_DIR"] == "/etc/psflow/keys"
         assert env["PSFLOW_LOGDIR"] == "/logs"
         assert env["PSFLOW_TIMEOUT"] == "30"
+        assert env["OMP_WAIT_POLICY"] == "PASSIVE"  # psflow.env.TASK_DEFAULTS
         mounts = {m["name"]: m for m in container["volumeMounts"]}
         assert mounts["curve-keys"]["readOnly"] is True
         assert mounts["curve-keys"]["mountPath"] == "/etc/psflow/keys"
