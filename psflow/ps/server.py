@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -199,7 +199,7 @@ class ParameterServer:
     def _tensors(
         self,
         request: Request,
-        into: dict[str, torch.Tensor] | None = None,
+        into: Mapping[str, torch.Tensor] | None = None,
         *,
         transient: bool = False,
     ) -> list[tuple[str, torch.Tensor]]:

@@ -13,7 +13,7 @@ import os
 import socket as pysocket
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -268,7 +268,7 @@ class Server:
         self,
         request: Request,
         *,
-        into: dict[str, torch.Tensor] | None = None,
+        into: Mapping[str, torch.Tensor] | None = None,
         transient: bool = False,
     ) -> list[tuple[str, torch.Tensor]]:
         """The tensors of ``request``, validated (see :func:`wire.decode_tensors`).
