@@ -57,6 +57,11 @@ PSFLOW_MALLOC = "PSFLOW_MALLOC"
 instead of returning it to the system (see :mod:`psflow.allocator`); ``system`` leaves the C
 allocator as it is."""
 
+PSFLOW_GC_FREEZE = "PSFLOW_GC_FREEZE"
+"""``1`` (default): once a worker is set up, the objects alive then are hidden from Python's cycle
+collector (``gc.freeze``, see :func:`psflow.allocator.freeze_gc`); ``0`` leaves the collector
+alone."""
+
 PSFLOW_SHM = "PSFLOW_SHM"
 """``1`` (default): requests between a worker and a ps on the same host go through shared
 memory (:mod:`psflow.transport.shm`); ``0`` sends everything through the socket."""

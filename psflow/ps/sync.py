@@ -265,7 +265,7 @@ class SyncService:
     def _reply_params(self, request: Request, header: dict[str, Any]) -> None:
         header.setdefault("step", self.agg.store.step)
         header["decisions"] = [[s, list(ws)] for s, ws in self.agg.decisions]
-        self.ps._reply(request, header, list(self.agg.store.variables.items()))
+        self.ps._reply(request, header, self.agg.store.wire_set)
 
     def _flush(self) -> None:
         # Parameters still being sent from their own memory must not change under the sender.

@@ -13,10 +13,11 @@ import os
 import socket as pysocket
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+import numpy as np
 import torch
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -294,7 +295,11 @@ class Server:
     ) -> None:
         """Answers ``request``; tensors are sent from their own memory, without a copy.
 
-        A request that came through a lane is answered through it, its tensors copied there.
+        A request that came through a lane is answered through it, its tensors copied there,
+        when they are a :class:`wire.TensorSet` (or small enough to travel inline): a lane's
+        reply area only ever holds that one set, each tensor always at the same place, so a
+        client may keep using them there (its model's parameters) until its next request.
+        Other tensors, and a set too large for the lane, go by socket, and the lane says so.
         """
         header["id"] = request.header["id"]
         lane = request.lane
@@ -303,11 +308,12 @@ class Server:
                 # Replaced or evicted since: its client gave up on this request.
                 log.debug("dropped the reply to %s: its lane is gone", request.header["op"])
                 return
-            frames = wire.encode(dict(header), tensors, area=lane.reply)
-            if len(frames) == 1 and lane.post_reply(frames[0]):
-                return
-            # Too large for the lane: the reply goes by socket, and the lane says so.
-            note = {"op": "_socket", "id": header["id"], "need": _payload(tensors)}
+            fixed = isinstance(tensors, wire.TensorSet) or _payload(tensors) <= wire.INLINE_BYTES
+            if fixed:
+                frames = wire.encode(dict(header), tensors, area=lane.reply)
+                if len(frames) == 1 and lane.post_reply(frames[0]):
+                    return
+            note = {"op": "_socket", "id": header["id"], "need": _payload(tensors) if fixed else 0}
             self._post(lane, request.identity, wire.encode(note))
         frames = wire.encode(header, tensors, chunk=self.config.chunk_bytes)
         size = sum(len(f) for f in frames[1:])
@@ -402,6 +408,9 @@ class Client:
         self._lane_inflight: dict[int, str] = {}  # through a lane
         self._lane_need: dict[str, int] = {}  # the largest reply seen from each peer
         self._no_lane: set[str] = set() if config.shared_memory else set(peers)
+        self.on_lane_retired: Callable[[np.ndarray[Any, Any]], None] | None = None
+        """Called with a lane's reply area when a timed-out request leaves it to a server that
+        may still write there: views of it taken with ``lane_views`` must move out."""
         self._answered: set[str] = set()
         for name, address in peers.items():
             sock = self._context.socket(zmq.DEALER)
@@ -522,10 +531,14 @@ class Client:
         timeout: float | None = None,
         *,
         into: dict[str, torch.Tensor] | None = None,
+        lane_views: bool = False,
     ) -> dict[int, tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]]:
         """The replies to ``rids`` (header and tensors), keyed by request id.
 
-        Large tensors named in ``into`` are received straight into those tensors.
+        Large tensors named in ``into`` are received straight into those tensors. With
+        ``lane_views``, tensors that came through a lane are views of it instead: the server's
+        next reply through that lane rewrites them in place (see :meth:`Server.reply`), and
+        :attr:`on_lane_retired` hears of a lane a late reply might still write into.
 
         Raises:
             PeerTimeoutError: naming each peer that has not answered by the deadline.
@@ -547,7 +560,7 @@ class Client:
                     peer = self._lane_inflight[rid]
                     lane = self._lanes[peer]
                     if lane.wait_reply(left):
-                        self._take_lane(peer, lane, want, out, into)
+                        self._take_lane(peer, lane, want, out, into, lane_views)
                     continue
                 sock = self._socks[self._inflight[rid]]
                 sock.rcvtimeo = max(1, int(left * 1000))
@@ -568,7 +581,7 @@ class Client:
                 poller.register(self._socks[peer], zmq.POLLIN)
             for what, _ in poller.poll(max(1, int(left * 1000))):
                 if isinstance(what, int):
-                    self._take_lane(*lane_of_fd[what], want, out, into)
+                    self._take_lane(*lane_of_fd[what], want, out, into, lane_views)
                     continue
                 while True:
                     try:
@@ -585,6 +598,9 @@ class Client:
             if peer is None:
                 peer = self._lane_inflight.pop(r)
                 # Its server may still read or write the lane later: never use it again.
+                lane = self._lanes.get(peer)
+                if lane is not None and self.on_lane_retired is not None:
+                    self.on_lane_retired(lane.reply)
                 self._drop_lane(peer)
             late.add(peer)
         names = ", ".join(f"{p} at {self._addresses[p]}" for p in sorted(late))
@@ -613,7 +629,7 @@ class Client:
         want.discard(rid)
         self._inflight.pop(rid, None)
         self._lane_inflight.pop(rid, None)  # moved to the socket; the lane's note comes later
-        self._finish(peer, rid, header, parts[1:], None, out, into)
+        self._finish(peer, rid, header, parts[1:], None, out, into, False)
 
     def _take_lane(
         self,
@@ -622,6 +638,7 @@ class Client:
         want: set[int],
         out: dict[int, tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]],
         into: dict[str, torch.Tensor] | None,
+        lane_views: bool,
     ) -> None:
         """Files the reply that ``lane`` rang for."""
         try:
@@ -643,7 +660,7 @@ class Client:
             self._inflight[rid] = peer  # too large for the lane: it comes by socket
             return
         want.discard(rid)
-        self._finish(peer, rid, header, [], lane.reply, out, into)
+        self._finish(peer, rid, header, [], lane.reply, out, into, lane_views)
 
     def _finish(
         self,
@@ -654,12 +671,18 @@ class Client:
         area: Any,
         out: dict[int, tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]],
         into: dict[str, torch.Tensor] | None,
+        lane_views: bool,
     ) -> None:
         if header["op"] == "error":
             raise PeerError(peer, str(header.get("error", "unknown error")))
         try:
             tensors = wire.decode_tensors(
-                header, frames, max_bytes=self.config.max_message_bytes, into=into, area=area
+                header,
+                frames,
+                max_bytes=self.config.max_message_bytes,
+                into=into,
+                area=area,
+                transient=lane_views,
             )
         except wire.WireError as e:
             raise PeerError(peer, f"malformed reply: {e}") from None

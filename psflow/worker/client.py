@@ -34,7 +34,7 @@ class ShardedClient:
         self.shards = [f"ps:{i}" for i in range(ctx.cluster.num_tasks("ps"))]
         if not self.shards:
             raise ValueError("the cluster has no ps task to hold the variables")
-        self._client = Client(
+        self._client = self.transport = Client(
             {
                 name: addr
                 for name, addr in zip(self.shards, ctx.cluster.addresses("ps"), strict=True)
@@ -53,15 +53,17 @@ class ShardedClient:
         *,
         timeout: float | None = None,
         into: dict[str, torch.Tensor] | None = None,
+        lane_views: bool = False,
     ) -> dict[int, tuple[dict[str, Any], Tensors]]:
-        """One request per listed shard (its header, its tensors), sent at once; the replies."""
+        """One request per listed shard (its header, its tensors), sent at once; the replies
+        (see :meth:`Client.wait` for ``into`` and ``lane_views``)."""
         rids = {}
         for shard, header in headers.items():
             header["task"] = self.me
             rids[shard] = self._client.send(
                 self.shards[shard], header, (tensors or {}).get(shard, [])
             )
-        replies = self._client.wait(rids.values(), timeout, into=into)
+        replies = self._client.wait(rids.values(), timeout, into=into, lane_views=lane_views)
         return {shard: replies[rid] for shard, rid in rids.items()}
 
     def status(self) -> dict[int, dict[str, Any]]:
@@ -152,10 +154,12 @@ class ShardedClient:
             delay = min(delay * 2, 0.5)
 
     def pull(
-        self, into: dict[str, torch.Tensor] | None = None
+        self, into: dict[str, torch.Tensor] | None = None, *, lane_views: bool = False
     ) -> dict[int, tuple[dict[str, Any], Tensors]]:
         """Every shard's variables (large ones received straight into ``into[name]``)."""
-        return self.call({s: {"op": "pull"} for s in range(self.num_shards)}, into=into)
+        return self.call(
+            {s: {"op": "pull"} for s in range(self.num_shards)}, into=into, lane_views=lane_views
+        )
 
     def push(
         self,
@@ -163,11 +167,14 @@ class ShardedClient:
         *,
         pull: bool,
         into: dict[str, torch.Tensor] | None = None,
+        lane_views: bool = False,
     ) -> dict[int, tuple[dict[str, Any], Tensors]]:
         """Pushes each shard's gradients (always including shard 0) in one round trip each."""
         op = "push_pull" if pull else "push"
         shards = set(grads) | {0}
-        return self.call({s: {"op": op} for s in sorted(shards)}, grads, into=into)
+        return self.call(
+            {s: {"op": op} for s in sorted(shards)}, grads, into=into, lane_views=lane_views
+        )
 
     def done(self, timeout: float = 5.0) -> None:
         """Tells every shard this task has finished (best effort: a dead shard is logged)."""

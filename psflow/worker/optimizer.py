@@ -6,6 +6,7 @@ import logging
 import os
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -104,6 +105,7 @@ class DistributedOptimizer:
             self.pieces: list[Piece] = []
             self._engine = AllReduceEngine(model, ctx, self.spec, self.mode_config)
             self.global_step = 0
+            allocator.freeze_gc()
             return
         infos = [
             ParamInfo(name=n, shape=tuple(p.shape), dtype=p.dtype) for n, p in self.params.items()
@@ -118,6 +120,16 @@ class DistributedOptimizer:
             (shard, [(p.var, self.params[p.param], p.rows) for p in pieces])
             for shard, pieces in self._by_shard.items()
         ]
+        # Parameters held whole by one shard, large and on the CPU: a pull may hand them memory
+        # of their own instead of copying into theirs (see _load).
+        self._whole = {
+            p.var: self.params[p.param]
+            for p in self.pieces
+            if p.rows is None
+            and self.params[p.param].device.type == "cpu"
+            and self.params[p.param].nbytes > wire.INLINE_BYTES
+        }
+        self._client.transport.on_lane_retired = self._move_out_of
         self._view_ptrs: tuple[int, ...] = ()
         self._view_of: dict[str, torch.Tensor] = {}
         self._into: dict[str, torch.Tensor] = {}
@@ -132,6 +144,7 @@ class DistributedOptimizer:
         except BaseException:
             self._client.close()
             raise
+        allocator.freeze_gc()  # what is alive now lives as long as the training
 
     @property
     def is_chief(self) -> bool:
@@ -184,9 +197,19 @@ class DistributedOptimizer:
         self._views()
         return self._into
 
+    def _move_out_of(self, area: np.ndarray[Any, Any]) -> None:
+        """Copies the parameters that live in ``area`` (a lane left to a ps that may still
+        write there) into memory of their own."""
+        lo = area.ctypes.data
+        hi = lo + area.nbytes
+        for param in self._whole.values():
+            if lo <= param.data_ptr() < hi:
+                param.data = param.data.clone()
+
     def _load(self, replies: dict[int, tuple[dict[str, Any], Tensors]]) -> None:
         views = self._views()
         shard_of = self._shard_of
+        whole = self._whole
         with torch.no_grad():
             for shard, (header, tensors) in replies.items():
                 for var, value in tensors:
@@ -200,7 +223,13 @@ class DistributedOptimizer:
                             f"ps:{shard} sent {var!r} with shape {list(value.shape)}, "
                             f"the model has {list(dst.shape)}: is every worker running the same model?"
                         )
-                    dst.copy_(value)
+                    param = whole.get(var)
+                    if param is not None and value.dtype == param.dtype and param.is_cpu:
+                        # Received into memory of its own (a frame, or the lane where the ps
+                        # writes this variable every time): the parameter moves there.
+                        param.data = value
+                    else:
+                        dst.copy_(value)
                 if shard == 0:
                     self.global_step = int(header["step"])
 
@@ -208,7 +237,7 @@ class DistributedOptimizer:
         """Overwrites the model's parameters with the ps values; returns the global step."""
         if self._engine is not None:
             return self._engine.pull()
-        self._load(self._client.pull(into=self._destinations()))
+        self._load(self._client.pull(into=self._destinations(), lane_views=True))
         return self.global_step
 
     def step(self) -> int:
@@ -230,7 +259,7 @@ class DistributedOptimizer:
                 grads[shard] = out
         if not grads:
             raise ValueError("no gradients to push: call loss.backward() before step()")
-        self._load(self._client.push(grads, pull=True, into=self._destinations()))
+        self._load(self._client.push(grads, pull=True, into=self._destinations(), lane_views=True))
         return self.global_step
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -191,6 +191,7 @@ class SyncEngine(Engine):
                 {0: grads.get(0, [])},
                 timeout=self.timeout,
                 into=dest,
+                lane_views=True,
             )
         except PeerTimeoutError as e:
             raise self._diagnose(t, e) from e
@@ -212,7 +213,9 @@ class SyncEngine(Engine):
         self, decisions: Any, dest: dict[str, Any]
     ) -> dict[int, tuple[dict[str, Any], Tensors]]:
         return self.client.call(
-            {s: {"op": "sync_pull", "decisions": decisions} for s in self.others}, into=dest
+            {s: {"op": "sync_pull", "decisions": decisions} for s in self.others},
+            into=dest,
+            lane_views=True,
         )
 
     def pull(self) -> int:
@@ -220,7 +223,7 @@ class SyncEngine(Engine):
         steps: dict[int, int] = {}
         for attempt in range(_CONSISTENT_PULL_TRIES):
             dest = self.opt._destinations()
-            replies = self.client.call({0: {"op": "sync_pull"}}, into=dest)
+            replies = self.client.call({0: {"op": "sync_pull"}}, into=dest, lane_views=True)
             if self.others:
                 replies.update(self._pull_others(replies[0][0].get("decisions", []), dest))
             steps = {s: int(h["step"]) for s, (h, _) in replies.items()}
@@ -299,14 +302,14 @@ class StalenessEngine(Engine):
         if header.get("held"):
             self.waited += 1
         pulled = opt.global_step
-        opt._load(self.client.push(grads, pull=True, into=opt._destinations()))
+        opt._load(self.client.push(grads, pull=True, into=opt._destinations(), lane_views=True))
         self.histogram[max(0, opt.global_step - 1 - pulled)] += 1
         self.clock += 1
         return opt.global_step
 
     def pull(self) -> int:
         opt = self.opt
-        opt._load(opt._client.pull(into=opt._destinations()))
+        opt._load(opt._client.pull(into=opt._destinations(), lane_views=True))
         return opt.global_step
 
     def _diagnose(self, error: PeerTimeoutError) -> PeerTimeoutError:

@@ -11,6 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
 from psflow.cluster.launcher import local_cluster
 from psflow.cluster.spec import ClusterSpec, TaskContext, TaskSpec
 
@@ -105,3 +108,8 @@ __all__ = [
     "stop",
     "worker_ctx",
 ]
+
+
+def in_area(t: torch.Tensor, area: np.ndarray) -> bool:  # type: ignore[type-arg]
+    """Whether ``t``'s memory starts inside ``area`` (a lane's area)."""
+    return bool(area.ctypes.data <= t.data_ptr() < area.ctypes.data + area.nbytes)

@@ -17,7 +17,7 @@ import zmq
 import psflow
 from psflow.transport import Client, CurveKeys, PeerTimeoutError, TransportConfig
 
-from .support import ROOT, freeze, launch_cmd, local_cluster, start_ps, stop, worker_ctx
+from .support import ROOT, freeze, in_area, launch_cmd, local_cluster, start_ps, stop, worker_ctx
 
 
 def ask(sock: zmq.Socket[bytes], frames: list[bytes]) -> dict[str, object]:
@@ -188,13 +188,22 @@ def test_a_lane_whose_request_timed_out_is_never_used_again() -> None:
             assert opt.step() == 1
             client = opt._client._client
             first = client._lanes["ps:0"]
+            assert in_area(model.weight, first.reply)  # pulls land in the model in place
             config.timeout = 1.0
             freeze(ps.pid)
             with pytest.raises(PeerTimeoutError, match="ps:0"):
                 opt.step()
-            # The ps may still read that request and write its reply there when it wakes.
+            # The ps may still read that request and write its reply there when it wakes:
+            # the weights moved out of the lane.
             assert "ps:0" not in client._lanes
+            assert not in_area(model.weight, first.reply)
+            before, area = model.weight.detach().clone(), first.reply.copy()
             os.kill(ps.pid, signal.SIGCONT)
+            deadline = time.monotonic() + 20
+            while opt._client.status()[0]["step"] < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)  # until the ps has applied the late push and answered it
+            assert torch.equal(model.weight, before)
+            assert (first.reply != area).any()  # the late reply was written: not into the model
             config.timeout = 20.0
             opt.zero_grad()
             model(x).square().mean().backward()

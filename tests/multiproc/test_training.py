@@ -15,7 +15,7 @@ from psflow.transport import TransportConfig
 from psflow.transport.shm import SHM_DIR
 from psflow.worker.client import ShardedClient
 
-from .support import ROOT, launch_cmd, local_cluster, start_ps, stop, worker_ctx
+from .support import ROOT, in_area, launch_cmd, local_cluster, start_ps, stop, worker_ctx
 
 
 def test_linear_regression_example_converges_and_every_task_exits() -> None:
@@ -155,6 +155,8 @@ def _train_wide_linear(env: dict[str, str]) -> tuple[torch.Tensor, dict[str, obj
                 model(x).square().mean().backward()
                 opt.step()
             lanes = dict(opt._client._client._lanes)
+            if lanes:  # the weight lives where the ps writes it: a pull copies nothing
+                assert in_area(model.weight, lanes["ps:0"].reply)
         code, err = stop(ps)
         assert code == 0, err
         return model.weight.detach().clone(), lanes

@@ -82,3 +82,20 @@ def test_bad_setting_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PSFLOW_MALLOC", "jemalloc")
     with pytest.raises(ValueError, match=r"PSFLOW_MALLOC.*'jemalloc'"):
         allocator.tune()
+
+
+@pytest.mark.parametrize(("setting", "frozen"), [(None, True), ("0", False)])
+def test_freeze_gc_hides_what_is_alive_from_the_collector(
+    setting: str | None, frozen: bool
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PSFLOW_GC_FREEZE"}
+    if setting is not None:
+        env["PSFLOW_GC_FREEZE"] = setting
+    probe = "import gc; from psflow import allocator; print(allocator.freeze_gc(), gc.get_freeze_count())"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    done, count = out.stdout.split()
+    assert done == str(frozen)
+    assert (int(count) > 1000) is frozen  # torch's objects, among others

@@ -36,7 +36,8 @@ def _received(chunk_bytes: int | None) -> tuple[torch.Tensor, bool, GradBuffers]
 
     def serve() -> None:
         request = server.recv(10)
-        assert request is not None
+        if request is None:
+            return
         ((_, t),) = server.tensors(request, into=buffers, transient=True)
         ptr = t.data_ptr()
         got["inside"] = any(lo <= ptr < hi for lo, hi in _frame_spans(request.frames))
@@ -48,10 +49,10 @@ def _received(chunk_bytes: int | None) -> tuple[torch.Tensor, bool, GradBuffers]
     try:
         sent = torch.arange(1 << 20, dtype=torch.float32)
         client.request("ps:0", {"op": "push"}, [("w", sent)], timeout=10)
-        thread.join(10)
         assert torch.equal(got["tensor"], sent)  # type: ignore[arg-type]
         return sent, bool(got["inside"]), buffers
     finally:
+        thread.join(15)  # before closing: the server's socket belongs to that thread now
         client.close()
         server.close()
 
@@ -79,3 +80,52 @@ def test_grad_buffers_are_made_once_on_first_use() -> None:
     assert buffers.get("a") is a
     assert buffers.get("c") is None
     assert list(buffers._made) == ["a"]
+
+
+def test_a_lane_reply_area_holds_only_the_servers_tensor_set() -> None:
+    """Through a lane, a ps answers with its variables (a TensorSet) at fixed places, so a worker
+    may keep its parameters there; any other tensors go by socket and leave the area alone."""
+    config = TransportConfig(timeout=10, shared_memory=True)
+    (port,) = free_ports(1)
+    server = Server(f"127.0.0.1:{port}", config)
+    client = Client({"ps:0": f"127.0.0.1:{port}"}, config)
+    variables = wire.TensorSet([("w", torch.full((1 << 16,), 7.0)), ("b", torch.ones(3))])
+    other = [("w", torch.full((1 << 16,), -1.0))]
+    answers = {"hello": (), "set": variables, "list": other}
+    lanes = []
+
+    stop = threading.Event()
+
+    def serve() -> None:
+        for _ in range(4):
+            request = None
+            while request is None:  # None too after a lane attached: answered inside recv
+                if stop.is_set():
+                    return
+                request = server.recv(0.2)
+            lanes.append(request.lane)
+            server.tensors(request)
+            server.reply(request, {"op": "ok"}, answers[request.header["op"]])
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        grad = [("g", torch.zeros((1 << 16) + 64))]  # its lane fits the set too
+        client.request("ps:0", {"op": "hello"}, grad, timeout=10)  # the socket: no lane yet
+        rid = client.send("ps:0", {"op": "list"}, grad)
+        area = client._lanes["ps:0"].reply
+        ((_, got),) = client.wait([rid], 10, lane_views=True)[rid][1]
+        assert torch.equal(got, other[0][1]) and not area.any()  # by socket, area untouched
+        rid = client.send("ps:0", {"op": "set"}, grad)
+        w, b = (t for _, t in client.wait([rid], 10, lane_views=True)[rid][1])
+        assert (w == 7).all() and (b == 1).all()
+        assert area.ctypes.data <= w.data_ptr() < area.ctypes.data + area.nbytes  # in the lane
+        rid = client.send("ps:0", {"op": "list"}, grad)
+        client.wait([rid], 10, lane_views=True)
+        assert (w == 7).all()  # still the set's values: the list did not come this way
+        assert lanes[0] is None and all(x is lanes[1] for x in lanes[1:])
+    finally:
+        stop.set()
+        thread.join(10)  # before closing: the server's socket belongs to that thread now
+        client.close()
+        server.close()
