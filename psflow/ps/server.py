@@ -3,7 +3,8 @@
 Requests (``op`` in the header):
 
 - ``hello``/``status``: shard index, whether initialised, the step, who has finished.
-- ``init``: the chief's initial values and optimizer for this shard (ignored when already set).
+- ``init``: the chief's initial values and optimizer for this shard (ignored when already set,
+  unless the chief asks to ``replace`` them: a restore after another ps crashed).
 - ``pull``: the current values (all, or the names listed in ``names``).
 - ``push``: gradients, applied with the shard's optimizer; replies with the new step.
 - ``push_pull``: ``push`` then ``pull`` in one round trip.
@@ -240,8 +241,15 @@ class ParameterServer:
     def _init(self, request: Request) -> None:
         tensors = self._tensors(request)
         if self.store.initialized:
-            self._reply(request, {"initialized": True, "already": True})
-            return
+            if request.header.get("replace") is not True:
+                self._reply(request, {"initialized": True, "already": True})
+                return
+            # The chief restores every shard after one came back empty (a crashed ps).
+            chief = str(self.ctx.cluster.chief)
+            if self._sender(request) != chief:
+                raise ValueError(f"only the chief ({chief}) may replace initialised variables")
+            self._server_flush()
+            self.store.reset()
         spec = OptimizerSpec.from_wire(request.header.get("optimizer"))
         step = request.header.get("step", 0)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -284,13 +292,17 @@ class ParameterServer:
         assert self._server is not None
         # Applied before the reply: gradients in a shared-memory lane need no copy.
         grads = self._tensors(request, into=self.store.grad_buffers, transient=True)
-        # Values still being sent from their own memory must not change under the sender.
-        self._server.flush(self.config.timeout)
+        self._server_flush()
         step = self.store.apply(grads)  # validates first: a bad push changes nothing
         if request.header["op"] == "push_pull":
             self._reply(request, {"step": step}, self.store.wire_set)
         else:
             self._reply(request, {"step": step})
+
+    def _server_flush(self) -> None:
+        # Values still being sent from their own memory must not change under the sender.
+        assert self._server is not None
+        self._server.flush(self.config.timeout)
 
     def _done(self, request: Request) -> None:
         task = request.header.get("task")

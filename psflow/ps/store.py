@@ -104,6 +104,16 @@ class ShardStore:
     def initialized(self) -> bool:
         return self.optimizer is not None
 
+    def reset(self) -> None:
+        """Forgets the variables and optimizer, so that :meth:`initialize` may run again."""
+        self.variables = {}
+        self.optimizer = None
+        self.optimizer_spec = None
+        self.grad_buffers = GradBuffers(self.variables)
+        self._wire = None
+        self._step = lambda: None
+        self.step = 0
+
     def initialize(
         self,
         tensors: Sequence[tuple[str, torch.Tensor]],

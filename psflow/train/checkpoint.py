@@ -241,11 +241,14 @@ class Checkpointer:
             raise RuntimeError(f"saving a checkpoint failed: {error}") from error
 
     def wait(self, timeout: float | None = None, *, raise_error: bool = True) -> None:
-        """Waits for the save in progress; raises its error."""
+        """Waits for the save in progress; raises its error (or, without ``raise_error``,
+        forgets it: it was logged when it happened)."""
         if self._thread is not None:
             self._thread.join(self.timeout if timeout is None else timeout)
         if raise_error:
             self._raise_pending()
+        else:
+            self._error = None
 
     def _finish(self, name: str, url: str, replies: dict[int, dict[str, Any]]) -> None:
         try:

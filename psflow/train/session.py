@@ -33,7 +33,7 @@ from psflow.train.hooks import (
 )
 from psflow.train.manifest import CheckpointDir
 from psflow.train.summary import SummaryHook
-from psflow.transport.connection import TransportConfig
+from psflow.transport.connection import PeerError, TransportConfig
 from psflow.worker.client import ShardedClient
 from psflow.worker.optimizer import DistributedOptimizer
 from psflow.worker.placement import ParamInfo, place
@@ -74,9 +74,14 @@ class SessionConfig:
     """Seconds one checkpoint may take to write before it fails."""
     end_timeout: float = 60.0
     """Seconds the chief waits for the other workers before the final checkpoint."""
+    recovery_timeout: float | None = 300.0
+    """Seconds a worker waits, after a ps failed to answer, for every ps to answer again (a
+    crashed one restarted by its cluster manager); the chief then restores the latest checkpoint
+    into every shard if one came back empty, and training goes on. Asynchronous mode only;
+    ``None``: the error stops the worker."""
 
     def __post_init__(self) -> None:
-        for name in ("save_checkpoint_secs", "ready_timeout"):
+        for name in ("save_checkpoint_secs", "ready_timeout", "recovery_timeout"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
@@ -175,6 +180,7 @@ class TrainingSession:
             infos, ctx.cluster.num_tasks("ps"), strategy=placement, partition_bytes=partition_bytes
         )
         self._client: ShardedClient | None = None
+        self._placement = (placement, partition_bytes)
         ready_timeout = self.config.ready_timeout
         if ready_timeout is None:
             ready_timeout = float(os.environ.get(envvars.PSFLOW_READY_TIMEOUT, 300))
@@ -183,16 +189,7 @@ class TrainingSession:
                 self._client = ShardedClient(ctx, self.transport)
                 self._client.wait_ready(ready_timeout, initialized=False)  # ps may be starting
                 self._restore_or_nothing()
-            self.opt = DistributedOptimizer(
-                model,
-                ctx,
-                optimizer=optimizer,
-                placement=placement,
-                partition_bytes=partition_bytes,
-                config=self.transport,
-                ready_timeout=ready_timeout,
-                **kwargs,
-            )
+            self.opt = self._optimizer(ready_timeout)
         except BaseException:
             if self._client is not None:
                 self._client.close()
@@ -246,6 +243,19 @@ class TrainingSession:
                 hooks.append(hook)
         return hooks
 
+    def _optimizer(self, ready_timeout: float) -> DistributedOptimizer:
+        placement, partition_bytes = self._placement
+        return DistributedOptimizer(
+            self.model,
+            self.ctx,
+            optimizer=self.optimizer_name,
+            placement=placement,
+            partition_bytes=partition_bytes,
+            config=self.transport,
+            ready_timeout=ready_timeout,
+            **self.optimizer_kwargs,
+        )
+
     def _restore_or_nothing(self) -> None:
         """The chief: restore the latest checkpoint into the ps (else the optimizer inits)."""
         cfg = self.config
@@ -255,12 +265,21 @@ class TrainingSession:
         removed = d.prune(None, incomplete_below=2**62)  # left by a task killed mid-save
         if removed:
             log.info("removed incomplete checkpoints %s", ", ".join(removed))
-        if not cfg.restore:
-            return
+        if cfg.restore:
+            self._restore(replace=False)
+
+    def _restore(self, *, replace: bool) -> bool:
+        """The chief: loads the latest checkpoint into the ps; False when there is none.
+
+        With ``replace``, shards that are already initialised take its values too.
+        """
+        cfg = self.config
+        assert cfg.checkpoint_dir is not None
+        d = CheckpointDir(cfg.checkpoint_dir)
         ckpt = load_checkpoint(cfg.checkpoint_dir)
         if ckpt is None:
             log.info("no checkpoint in %s: initialising", cfg.checkpoint_dir)
-            return
+            return False
         ckpt.check_model({n: p.detach() for n, p in self.model.named_parameters()})
         values, plain = ckpt.place(self.pieces)
         assert self._client is not None
@@ -274,7 +293,9 @@ class TrainingSession:
             )
             values = {s: [(n, t) for n, t in ts if "/opt/" not in n] for s, ts in values.items()}
             plain = {}
-        fresh = self._client.initialize_restored(values, plain, spec, ckpt.global_step)
+        fresh = self._client.initialize_restored(
+            values, plain, spec, ckpt.global_step, replace=replace
+        )
         if fresh:
             self.restored_from = ckpt.name
             log.info(
@@ -286,6 +307,7 @@ class TrainingSession:
             )
         else:
             log.info("the ps were already initialised: not restoring %s", ckpt.name)
+        return True
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -314,12 +336,58 @@ class TrainingSession:
         )
         for hook in self.hooks:
             hook.before_step(ctx)
-        self.global_step = ctx.global_step = self.opt.step()
+        try:
+            step = self.opt.step()
+        except PeerError as e:
+            step = self._recover(e)
+        self.global_step = ctx.global_step = step
         for hook in self.hooks:
             hook.after_step(ctx)
         if self.checkpointer is not None and self._save_due():
-            self._save(wait=False)
+            try:
+                self._save(wait=False)
+            except PeerError as e:
+                self.global_step = self._recover(e)
         return self.global_step
+
+    def _recover(self, error: PeerError) -> int:
+        """After a ps failed to answer: waits for every ps to answer again; the chief restores
+        the latest checkpoint into every shard when one came back empty (a crashed ps that its
+        cluster manager restarted); then a new optimizer pulls. Returns the global step.
+        """
+        timeout = self.config.recovery_timeout
+        if timeout is None or self.opt.mode != "async":
+            raise error
+        log.warning(
+            "%s: %s; waiting up to %g s for every ps to answer", self.ctx.task, error, timeout
+        )
+        self.opt.close(finished=False)
+        if self.checkpointer is not None:
+            self.checkpointer.wait(raise_error=False)  # a save the crash cut short
+        if self.is_chief:
+            if self._client is not None:
+                self._client.close()  # requests queued for the dead ps go with it
+            self._client = ShardedClient(self.ctx, self.transport)
+            if self.checkpointer is not None:
+                self.checkpointer.client = self._client
+            self._client.wait_ready(timeout, initialized=False)
+            empty = [
+                self._client.shards[s]
+                for s, h in self._client.status().items()
+                if not h.get("initialized")
+            ]
+            if empty:
+                names = ", ".join(empty)
+                if self.config.checkpoint_dir is None or not self._restore(replace=True):
+                    raise RuntimeError(
+                        f"{names} came back empty and there is no checkpoint to restore it from"
+                    ) from error
+                log.warning(
+                    "%s came back empty: every shard restored from %s", names, self.restored_from
+                )
+        self.opt = self._optimizer(timeout)
+        log.warning("%s: training goes on at global step %d", self.ctx.task, self.opt.global_step)
+        return self.opt.global_step
 
     def _save_due(self) -> bool:
         cfg = self.config

@@ -92,11 +92,14 @@ class ShardedClient:
         opt_state: dict[int, dict[str, dict[str, Any]]],
         spec: OptimizerSpec,
         step: int,
+        *,
+        replace: bool = False,
     ) -> bool:
         """Like :meth:`initialize`, with optimizer state from a checkpoint.
 
         ``values[s]`` holds shard ``s``'s variables followed by its optimizer-state tensors
-        (named ``<var>/opt/<key>``); ``opt_state[s]`` its non-tensor state per variable.
+        (named ``<var>/opt/<key>``); ``opt_state[s]`` its non-tensor state per variable. With
+        ``replace`` (the chief only), shards already initialised take these values too.
         """
         headers = {
             s: {
@@ -104,6 +107,7 @@ class ShardedClient:
                 "optimizer": spec.to_wire(),
                 "step": step,
                 "opt_state": opt_state.get(s, {}),
+                "replace": replace,
             }
             for s in range(self.num_shards)
         }

@@ -274,8 +274,12 @@ class DistributedOptimizer:
             else:
                 p.grad.detach_().zero_()
 
-    def close(self) -> None:
-        """Tells the ps this worker has finished (the ps exit after the last one) and disconnects."""
+    def close(self, *, finished: bool = True) -> None:
+        """Tells the ps this worker has finished (the ps exit after the last one) and disconnects.
+
+        With ``finished=False`` it only disconnects: the worker goes on with a new optimizer
+        (after a ps came back from a crash).
+        """
         if self._closed:
             return
         self._closed = True
@@ -284,7 +288,8 @@ class DistributedOptimizer:
         if self.mode_config.mode == "allreduce":
             return
         try:
-            self._client.done()
+            if finished:
+                self._client.done()
         finally:
             self._client.close()
 

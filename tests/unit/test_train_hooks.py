@@ -98,6 +98,7 @@ def test_fault_schedule_parsing() -> None:
         ({"save_checkpoint_secs": -1.0}, "save_checkpoint_secs"),
         ({"last_step": -2}, "last_step"),
         ({"checkpoint_dir": ""}, "checkpoint_dir"),
+        ({"recovery_timeout": 0.0}, "recovery_timeout"),
     ],
 )
 def test_session_config_rejects_bad_values(kwargs: dict[str, Any], match: str) -> None:

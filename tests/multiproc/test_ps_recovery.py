@@ -1,0 +1,109 @@
+"""A ps killed mid-run and restarted by its cluster manager: training goes on from the last
+checkpoint, restored by the chief into every shard."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import psflow
+from psflow.ps.store import OptimizerSpec
+from psflow.train import CheckpointDir
+from psflow.transport import PeerError, TransportConfig
+from psflow.worker.client import ShardedClient
+
+from .support import ROOT, local_cluster, start_ps, stop, worker_ctx
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
+
+EXAMPLE = str(ROOT / "examples" / "linear_regression.py")
+
+
+def _worker(cluster: psflow.ClusterSpec, index: int, logdir: Path) -> subprocess.Popen[str]:
+    task = psflow.TaskSpec(job="worker", index=index)
+    env = dict(
+        os.environ, TF_CONFIG=cluster.to_tf_config(task), PYTHONUNBUFFERED="1", PSFLOW_TIMEOUT="3"
+    )
+    return subprocess.Popen(
+        [sys.executable, EXAMPLE, "--train_steps", "12000", "--logdir", str(logdir)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_restarted_ps_is_restored_from_the_last_checkpoint(tmp_path: Path) -> None:
+    logdir = tmp_path / "run"
+    cluster = local_cluster(2, 2)  # W on one shard, b on the other
+    ps = [start_ps(cluster, i) for i in range(2)]
+    workers = [_worker(cluster, i, logdir) for i in range(2)]
+    restarted = None
+    try:
+        saved = CheckpointDir(str(logdir))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            latest = saved.latest()
+            if latest is not None and saved.manifest(latest).global_step >= 3000:
+                break
+            time.sleep(0.02)
+        else:
+            pytest.fail("no checkpoint at step 3000 within 60 s")
+        ps[1].send_signal(signal.SIGKILL)
+        ps[1].wait(10)
+        restarted = start_ps(cluster, 1)  # what Kubernetes does with a failed pod
+        outs = [w.communicate(timeout=90) for w in workers]
+        for w, (_, err) in zip(workers, outs, strict=True):
+            assert w.returncode == 0, err[-3000:]
+        chief_err = outs[0][1]
+        m = re.search(r"ps:1 came back empty: every shard restored from (ckpt-(\d+))", chief_err)
+        assert m, chief_err[-3000:]
+        assert int(m.group(2)) >= 3000
+        assert "training goes on at global step" in outs[1][1]  # the other worker, too
+        w_b = re.fullmatch(r"W=(\S+) b=(\S+)", outs[0][0].strip().splitlines()[-1])
+        assert (
+            w_b and abs(float(w_b.group(1)) - 2.0) < 0.05 and abs(float(w_b.group(2)) - 0.3) < 0.05
+        )
+        final = saved.latest()
+        assert final is not None and saved.manifest(final).global_step >= 12000
+        for p in (ps[0], restarted):
+            code, err = stop(p)
+            assert code == 0, err[-3000:]  # both ps exit by themselves once the workers are done
+    finally:
+        for p in [*workers, *ps, *([restarted] if restarted else [])]:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def test_only_the_chief_may_replace_initialised_variables() -> None:
+    cluster = local_cluster(1, 2)
+    ps = start_ps(cluster)
+    spec = OptimizerSpec(name="SGD", kwargs={"lr": 0.1})
+    clients = [ShardedClient(worker_ctx(cluster, i), TransportConfig(timeout=10)) for i in (0, 1)]
+    try:
+        chief, other = clients
+        chief.wait_ready(30, initialized=False)
+        assert chief.initialize({0: [("w", torch.zeros(4))]}, spec, step=7)
+        with pytest.raises(PeerError, match=r"only the chief \(worker:0\) may replace"):
+            other.initialize_restored({0: [("w", torch.ones(4))]}, {}, spec, 0, replace=True)
+        assert chief.pull()[0][0]["step"] == 7  # untouched
+        assert chief.initialize_restored({0: [("w", torch.ones(4))]}, {}, spec, 3, replace=True)
+        header, tensors = chief.pull()[0]
+        assert header["step"] == 3 and torch.equal(tensors[0][1], torch.ones(4))
+        for c in clients:
+            c.done()
+        code, err = stop(ps)
+        assert code == 0, err[-3000:]
+    finally:
+        for c in clients:
+            c.close()
+        stop(ps, timeout=5)
