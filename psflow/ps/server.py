@@ -37,12 +37,16 @@ from psflow.ps.checkpoint import ShardCheckpointer, load_optimizer_state, split_
 from psflow.ps.store import OptimizerSpec, ShardStore
 from psflow.ps.sync import SyncService
 from psflow.transport import wire
-from psflow.transport.connection import Request, Server, TransportConfig
+from psflow.transport.connection import UNINITIALIZED, Request, Server, TransportConfig
 
 log = logging.getLogger(__name__)
 
 
 _POLL_SECONDS = 0.1
+
+
+class NotInitializedError(ValueError):
+    """A request that needs the shard's variables before the chief has set them."""
 
 
 class ParameterServer:
@@ -191,7 +195,8 @@ class ParameterServer:
         except (ValueError, TypeError, wire.WireError) as e:
             log.warning("%s: bad %r request from %s: %s", self.name, op, self._sender(request), e)
             assert self._server is not None
-            self._server.send_error(request, str(e))
+            code = UNINITIALIZED if isinstance(e, NotInitializedError) else None
+            self._server.send_error(request, str(e), code)
 
     def _sender(self, request: Request) -> str:
         sender = request.header.get("task")
@@ -220,7 +225,9 @@ class ParameterServer:
 
     def _require_initialized(self) -> None:
         if not self.store.initialized:
-            raise ValueError(f"{self.name} is not initialised yet (the chief initialises it)")
+            raise NotInitializedError(
+                f"{self.name} is not initialised yet (the chief initialises it)"
+            )
 
     # -- handlers ---------------------------------------------------------------------------
 

@@ -33,7 +33,12 @@ from psflow.train.hooks import (
 )
 from psflow.train.manifest import CheckpointDir
 from psflow.train.summary import SummaryHook
-from psflow.transport.connection import PeerError, TransportConfig
+from psflow.transport.connection import (
+    PeerError,
+    PeerLostError,
+    PeerTimeoutError,
+    TransportConfig,
+)
 from psflow.worker.client import ShardedClient
 from psflow.worker.optimizer import DistributedOptimizer
 from psflow.worker.placement import ParamInfo, place
@@ -356,7 +361,8 @@ class TrainingSession:
         cluster manager restarted); then a new optimizer pulls. Returns the global step.
         """
         timeout = self.config.recovery_timeout
-        if timeout is None or self.opt.mode != "async":
+        lost = isinstance(error, PeerTimeoutError | PeerLostError)  # not a refused request
+        if timeout is None or not lost or self.opt.mode != "async":
             raise error
         log.warning(
             "%s: %s; waiting up to %g s for every ps to answer", self.ctx.task, error, timeout

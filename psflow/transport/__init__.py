@@ -2,7 +2,7 @@
 
 - ``wire.py``: the message format (msgpack header + raw tensor frames), :class:`WireError`.
 - ``connection.py``: :class:`Server` (ROUTER), :class:`Client` (requests to many peers in
-  flight), :class:`TransportConfig`, :class:`PeerError`, :class:`PeerTimeoutError`.
+  flight), :class:`TransportConfig`, :class:`PeerError`, :class:`PeerTimeoutError`, :class:`PeerLostError`.
 - ``shm.py``: :class:`~psflow.transport.shm.Lane`, shared memory for large tensors between
   a client and a server on the same host.
 - ``auth.py``: CurveZMQ keys, :func:`generate_keys`, :class:`CurveKeys`.
@@ -13,6 +13,7 @@ from psflow.transport.auth import CurveKeys, generate_keys
 from psflow.transport.connection import (
     Client,
     PeerError,
+    PeerLostError,
     PeerTimeoutError,
     Request,
     Server,
@@ -25,6 +26,7 @@ __all__ = [
     "Client",
     "CurveKeys",
     "PeerError",
+    "PeerLostError",
     "PeerTimeoutError",
     "Request",
     "Server",

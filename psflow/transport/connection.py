@@ -47,6 +47,15 @@ class PeerTimeoutError(PeerError, TimeoutError):
     """A peer did not answer before the deadline (dead, hung, unreachable or not authorised)."""
 
 
+class PeerLostError(PeerError):
+    """A peer is gone (it hung up its shared-memory lane) or came back without its state (a
+    restarted ps that is not initialised)."""
+
+
+UNINITIALIZED = "uninitialized"
+"""The ``code`` of an error reply from a ps that has no variables (yet, or again)."""
+
+
 @dataclass(kw_only=True)
 class TransportConfig:
     """Settings shared by servers and clients."""
@@ -323,9 +332,12 @@ class Server:
         else:
             self._pending.append(self._sock.send_multipart(msg, copy=False, track=True))
 
-    def send_error(self, request: Request, message: str) -> None:
-        """Answers ``request`` with an error."""
-        frames = wire.encode({"op": "error", "id": request.header["id"], "error": message})
+    def send_error(self, request: Request, message: str, code: str | None = None) -> None:
+        """Answers ``request`` with an error (``code``: what kind, for the client to act on)."""
+        header = {"op": "error", "id": request.header["id"], "error": message}
+        if code is not None:
+            header["code"] = code
+        frames = wire.encode(header)
         if request.lane is not None:
             self._post(request.lane, request.identity, frames)
         else:
@@ -559,7 +571,11 @@ class Client:
                 if on_lanes:
                     peer = self._lane_inflight[rid]
                     lane = self._lanes[peer]
-                    if lane.wait_reply(left):
+                    try:
+                        rang = lane.wait_reply(left)
+                    except LaneError as e:
+                        self._lost(peer, e)
+                    if rang:
                         self._take_lane(peer, lane, want, out, into, lane_views)
                     continue
                 sock = self._socks[self._inflight[rid]]
@@ -579,8 +595,10 @@ class Client:
                 poller.register(lane.replies_fd, zmq.POLLIN)
             for peer in {self._inflight[r] for r in want if r in self._inflight}:
                 poller.register(self._socks[peer], zmq.POLLIN)
-            for what, _ in poller.poll(max(1, int(left * 1000))):
+            for what, events in poller.poll(max(1, int(left * 1000))):
                 if isinstance(what, int):
+                    if not events & zmq.POLLIN:  # hung up
+                        self._lost(lane_of_fd[what][0], LaneError("the other side hung up"))
                     self._take_lane(*lane_of_fd[what], want, out, into, lane_views)
                     continue
                 while True:
@@ -590,6 +608,12 @@ class Client:
                         break
                     self._take(what, parts, want, out, into)
         return out
+
+    def _lost(self, peer: str, error: LaneError) -> NoReturn:
+        for rid in [r for r, p in self._lane_inflight.items() if p == peer]:
+            del self._lane_inflight[rid]
+        self._drop_lane(peer)
+        raise PeerLostError(f"{peer} at {self._addresses[peer]}", f"{error} (it exited?)")
 
     def _timeout(self, want: set[int], timeout: float) -> NoReturn:
         late = set()
@@ -674,7 +698,10 @@ class Client:
         lane_views: bool,
     ) -> None:
         if header["op"] == "error":
-            raise PeerError(peer, str(header.get("error", "unknown error")))
+            message = str(header.get("error", "unknown error"))
+            if header.get("code") == UNINITIALIZED:
+                raise PeerLostError(peer, message)
+            raise PeerError(peer, message)
         try:
             tensors = wire.decode_tensors(
                 header,

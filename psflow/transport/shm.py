@@ -139,9 +139,11 @@ class Lane:
                 buf = mmap.mmap(fd, size)
             finally:
                 os.close(fd)
-            for suffix in _SUFFIXES[1:]:
+            # Requests: read and write, as no reader is there yet. Replies: read only, so that
+            # the FIFO hangs up when the server's end closes (it exited).
+            for suffix, mode in zip(_SUFFIXES[1:], (os.O_RDWR, os.O_RDONLY), strict=True):
                 os.mkfifo(path + suffix, 0o600)
-                fds.append(os.open(path + suffix, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW))
+                fds.append(os.open(path + suffix, mode | os.O_NONBLOCK | os.O_NOFOLLOW))
         except OSError as e:
             _close(tuple(fds))
             for suffix in _SUFFIXES:
@@ -226,11 +228,18 @@ class Lane:
         return _take(self._reply_header, self.replies_fd)
 
     def wait_reply(self, timeout: float) -> bool:
-        """Waits up to ``timeout`` seconds for the replies FIFO to ring."""
+        """Waits up to ``timeout`` seconds for the replies FIFO to ring.
+
+        Raises:
+            LaneError: when the other side has closed its end (it exited) with nothing to read.
+        """
         if self._reply_poller is None:
             self._reply_poller = select.poll()
             self._reply_poller.register(self.replies_fd, select.POLLIN)
-        return bool(self._reply_poller.poll(max(0, int(timeout * 1000))))
+        events = self._reply_poller.poll(max(0, int(timeout * 1000)))
+        if events and not events[0][1] & select.POLLIN:
+            raise LaneError("the other side hung up")
+        return bool(events)
 
     def __repr__(self) -> str:
         return f"Lane({self.name}, request={self.request_bytes}, reply={self.reply_bytes})"

@@ -15,7 +15,13 @@ import torch
 import zmq
 
 import psflow
-from psflow.transport import Client, CurveKeys, PeerTimeoutError, TransportConfig
+from psflow.transport import (
+    Client,
+    CurveKeys,
+    PeerLostError,
+    PeerTimeoutError,
+    TransportConfig,
+)
 
 from .support import ROOT, freeze, in_area, launch_cmd, local_cluster, start_ps, stop, worker_ctx
 
@@ -172,6 +178,30 @@ def test_a_hung_ps_is_named_in_the_workers_error() -> None:
         opt.close()
     finally:
         os.kill(ps.pid, signal.SIGCONT)
+        stop(ps, timeout=5)
+
+
+def test_a_dead_ps_is_named_at_once_through_its_lane() -> None:
+    cluster = local_cluster(1, 1)
+    ps = start_ps(cluster)
+    try:
+        model = torch.nn.Linear(256, 512)  # 512 KB: through a shared-memory lane
+        config = TransportConfig(timeout=30.0)
+        opt = psflow.DistributedOptimizer(model, worker_ctx(cluster), lr=0.1, config=config)
+        for _ in range(2):
+            model(torch.ones(1, 256)).sum().backward()
+            opt.step()
+        assert "ps:0" in opt._client._client._lanes
+        ps.kill()
+        ps.wait(10)
+        start = time.monotonic()
+        with pytest.raises(
+            PeerLostError, match=r"ps:0 at 127\.0\.0\.1:\d+: the other side hung up"
+        ):
+            opt.step()
+        assert time.monotonic() - start < 5  # not the 30 s timeout
+        opt.close(finished=False)
+    finally:
         stop(ps, timeout=5)
 
 

@@ -139,6 +139,18 @@ def test_a_gone_client_hangs_up_its_lane() -> None:
     server.close()
 
 
+def test_a_gone_server_hangs_up_its_lane() -> None:
+    client = Lane.create(0, 0)
+    server = Lane.attach(client.name, client.token, 0, 0)
+    client.unlink()
+    assert server.post_reply(b"the last reply")
+    server.close()  # as when the ps exits or dies, after answering
+    assert client.wait_reply(0) and client.take_reply() == b"the last reply"
+    with pytest.raises(LaneError, match="hung up"):
+        client.wait_reply(5)  # at once, not after 5 s
+    client.close()
+
+
 def test_a_forked_child_lets_go_of_the_lanes(lane: Lane) -> None:
     import zmq
 
