@@ -21,6 +21,7 @@ is one JSON object.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -119,6 +120,8 @@ def ddp_task(dims: list[int], steps: int, warmup: int) -> None:
         opt.step()
     elapsed = time.perf_counter() - start
     dist.destroy_process_group()
+    del model, opt
+    gc.collect()  # torch 2.13 aborts now and then when Gloo's objects die at interpreter exit
     print("RESULT " + json.dumps({"steps": steps, "seconds": elapsed, "global_steps": steps}))
 
 

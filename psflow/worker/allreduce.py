@@ -16,6 +16,7 @@ gradient replaced behind our back (``model.zero_grad()`` sets them to ``None``) 
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 from typing import Any
 
@@ -194,3 +195,7 @@ class AllReduceEngine(Engine):
     def close(self) -> None:
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
+            # Gloo's objects still held by reference cycles would otherwise be destroyed during
+            # interpreter shutdown, where torch 2.13 aborts now and then ("terminate called
+            # without an active exception", about 1 exit in 15 on 2 cores).
+            gc.collect()

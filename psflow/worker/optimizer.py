@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from typing import Any
@@ -99,13 +100,14 @@ class DistributedOptimizer:
         )
         self._engine: Engine | None = None
         self._closed = False
+        self._frozen = False
         if self.mode_config.mode == "allreduce":
             from psflow.worker.allreduce import AllReduceEngine  # torch.distributed: lazily
 
             self.pieces: list[Piece] = []
             self._engine = AllReduceEngine(model, ctx, self.spec, self.mode_config)
             self.global_step = 0
-            allocator.freeze_gc()
+            self._frozen = allocator.freeze_gc()
             return
         infos = [
             ParamInfo(name=n, shape=tuple(p.shape), dtype=p.dtype) for n, p in self.params.items()
@@ -144,7 +146,7 @@ class DistributedOptimizer:
         except BaseException:
             self._client.close()
             raise
-        allocator.freeze_gc()  # what is alive now lives as long as the training
+        self._frozen = allocator.freeze_gc()  # what is alive now lives as long as the training
 
     @property
     def is_chief(self) -> bool:
@@ -283,6 +285,9 @@ class DistributedOptimizer:
         if self._closed:
             return
         self._closed = True
+        if self._frozen:
+            gc.unfreeze()  # training is over: what it kept may be collected again
+            self._frozen = False
         if self._engine is not None:
             self._engine.close()
         if self.mode_config.mode == "allreduce":
