@@ -22,6 +22,7 @@ from psflow.transport import (
     PeerTimeoutError,
     TransportConfig,
 )
+from psflow.worker.client import ShardedClient
 
 from .support import ROOT, freeze, in_area, launch_cmd, local_cluster, start_ps, stop, worker_ctx
 
@@ -229,9 +230,15 @@ def test_a_lane_whose_request_timed_out_is_never_used_again() -> None:
             assert not in_area(model.weight, first.reply)
             before, area = model.weight.detach().clone(), first.reply.copy()
             os.kill(ps.pid, signal.SIGCONT)
+            # A client of its own, through the socket: a new lane from the worker would replace
+            # the old one before the ps has read the late request from it.
+            probe = ShardedClient(
+                worker_ctx(cluster), TransportConfig(timeout=10.0, shared_memory=False)
+            )
             deadline = time.monotonic() + 20
-            while opt._client.status()[0]["step"] < 2 and time.monotonic() < deadline:
+            while probe.status()[0]["step"] < 2 and time.monotonic() < deadline:
                 time.sleep(0.05)  # until the ps has applied the late push and answered it
+            probe.close()
             assert torch.equal(model.weight, before)
             assert (first.reply != area).any()  # the late reply was written: not into the model
             config.timeout = 20.0
