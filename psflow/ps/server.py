@@ -255,8 +255,7 @@ class ParameterServer:
             chief = str(self.ctx.cluster.chief)
             if self._sender(request) != chief:
                 raise ValueError(f"only the chief ({chief}) may replace initialised variables")
-            self._server_flush()
-            self.store.reset()
+            self.store.reset()  # new tensors: values still being sent keep their own memory
         spec = OptimizerSpec.from_wire(request.header.get("optimizer"))
         step = request.header.get("step", 0)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -296,7 +295,6 @@ class ParameterServer:
 
     def _push(self, request: Request) -> None:
         self._require_initialized()
-        assert self._server is not None
         # Applied before the reply: gradients in a shared-memory lane need no copy.
         grads = self._tensors(request, into=self.store.grad_buffers, transient=True)
         self._server_flush()

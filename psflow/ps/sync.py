@@ -267,11 +267,6 @@ class SyncService:
         header["decisions"] = [[s, list(ws)] for s, ws in self.agg.decisions]
         self.ps._reply(request, header, self.agg.store.wire_set)
 
-    def _flush(self) -> None:
-        # Parameters still being sent from their own memory must not change under the sender.
-        assert self.ps._server is not None
-        self.ps._server.flush(self.ps.config.timeout)
-
     # -- handlers ---------------------------------------------------------------------------
 
     def _stage(self, request: Request) -> None:
@@ -300,7 +295,7 @@ class SyncService:
         chosen = self.agg.arrive(worker)
         if chosen is None:
             return
-        self._flush()
+        self.ps._server_flush()
         self.agg.apply(step, chosen)
         pending, self._pending = self._pending, []
         for p in pending:
@@ -310,7 +305,7 @@ class SyncService:
         self.ps._require_initialized()
         decisions = _decisions(request.header.get("decisions"))
         if decisions and any(s >= self.agg.store.step for s, _ in decisions):
-            self._flush()
+            self.ps._server_flush()
             self.agg.catch_up(decisions)
         self._reply_params(request, {})
 

@@ -34,13 +34,18 @@ class ShardedClient:
         self.shards = [f"ps:{i}" for i in range(ctx.cluster.num_tasks("ps"))]
         if not self.shards:
             raise ValueError("the cluster has no ps task to hold the variables")
-        self._client = self.transport = Client(
+        self._client = Client(
             {
                 name: addr
                 for name, addr in zip(self.shards, ctx.cluster.addresses("ps"), strict=True)
             },
             config,
         )
+
+    @property
+    def transport(self) -> Client:
+        """The connection underneath, one socket (and lane) per shard."""
+        return self._client
 
     @property
     def num_shards(self) -> int:
