@@ -174,6 +174,15 @@ class ShardStore:
         """Applies one gradient for (some of) the variables and returns the new step count."""
         assert self.optimizer is not None
         self.check(grads)
+        lr = self._plain_sgd_lr()
+        if lr is not None:
+            # What torch.optim.SGD does for these settings (p -= lr * g, the same kernel),
+            # without its per-step bookkeeping, which costs more than a small model's update.
+            variables = self.variables
+            for name, g in grads:
+                variables[name].add_(g, alpha=-lr)
+            self.step += 1
+            return self.step
         names = [n for n, _ in grads]
         for name, g in grads:
             self.variables[name].grad = g
@@ -185,6 +194,27 @@ class ShardStore:
                 self.variables[name].grad = None
         self.step += 1
         return self.step
+
+    def _plain_sgd_lr(self) -> float | None:
+        """The learning rate when the optimizer is plain SGD (no momentum, no weight decay,
+        one parameter group), read afresh each step (a restore may change it); else None."""
+        opt = self.optimizer
+        if type(opt) is not torch.optim.SGD:
+            return None
+        groups = opt.param_groups
+        if len(groups) != 1:
+            return None
+        g = groups[0]
+        lr = g["lr"]
+        if (
+            type(lr) not in (float, int)
+            or g["momentum"]
+            or g["weight_decay"]
+            or g["maximize"]
+            or g["differentiable"]
+        ):
+            return None
+        return float(lr)
 
     def nbytes(self) -> int:
         return sum(math.prod(t.shape) * t.element_size() for t in self.variables.values())

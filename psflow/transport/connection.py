@@ -127,6 +127,9 @@ class Request:
     """The shared-memory lane it came through (its reply goes back the same way)."""
 
 
+_MIN_LANE_BYTES = wire.INLINE_BYTES
+"""Each lane area holds at least this much: a small model's tensors never need a new lane."""
+
 _MAX_LANES = 64
 """Lanes a server keeps (one per client); the least recently used goes first."""
 
@@ -294,6 +297,7 @@ class Server:
             into=into,
             area=lane.request if lane is not None else None,
             transient=transient,
+            views=lane.request_views if lane is not None else None,
         )
 
     def reply(
@@ -317,9 +321,11 @@ class Server:
                 # Replaced or evicted since: its client gave up on this request.
                 log.debug("dropped the reply to %s: its lane is gone", request.header["op"])
                 return
-            fixed = isinstance(tensors, wire.TensorSet) or _payload(tensors) <= wire.INLINE_BYTES
+            whole_set = isinstance(tensors, wire.TensorSet)
+            fixed = whole_set or _payload(tensors) <= wire.INLINE_BYTES
             if fixed:
-                frames = wire.encode(dict(header), tensors, area=lane.reply)
+                # Other tensors never enter the reply area: small ones travel in the header.
+                frames = wire.encode(dict(header), tensors, area=lane.reply if whole_set else None)
                 if len(frames) == 1 and lane.post_reply(frames[0]):
                     return
             note = {"op": "_socket", "id": header["id"], "need": _payload(tensors) if fixed else 0}
@@ -485,9 +491,7 @@ class Client:
             return None
         if peer in self._inflight.values() or peer in self._lane_inflight.values():
             return None
-        need = _payload(tensors)
-        if need <= wire.INLINE_BYTES:
-            need = 0
+        need = max(_payload(tensors), _MIN_LANE_BYTES)
         lane = self._lanes.get(peer)
         reply_need = self._lane_need.get(peer, 0)
         if lane is None or lane.request_bytes < need or lane.reply_bytes < reply_need:
@@ -684,7 +688,7 @@ class Client:
             self._inflight[rid] = peer  # too large for the lane: it comes by socket
             return
         want.discard(rid)
-        self._finish(peer, rid, header, [], lane.reply, out, into, lane_views)
+        self._finish(peer, rid, header, [], lane, out, into, lane_views)
 
     def _finish(
         self,
@@ -692,7 +696,7 @@ class Client:
         rid: int,
         header: dict[str, Any],
         frames: list[Any],
-        area: Any,
+        lane: Lane | None,
         out: dict[int, tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]],
         into: dict[str, torch.Tensor] | None,
         lane_views: bool,
@@ -708,8 +712,9 @@ class Client:
                 frames,
                 max_bytes=self.config.max_message_bytes,
                 into=into,
-                area=area,
+                area=lane.reply if lane is not None else None,
                 transient=lane_views,
+                views=lane.reply_views if lane is not None else None,
             )
         except wire.WireError as e:
             raise PeerError(peer, f"malformed reply: {e}") from None

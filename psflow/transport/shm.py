@@ -102,6 +102,9 @@ class Lane:
         self.reply = whole[start : start + reply_bytes]
         self._linked = False
         self._reply_poller: select.poll | None = None
+        self.request_views: dict[int, Any] = {}
+        self.reply_views: dict[int, Any] = {}
+        """Tensor views of the areas, made once per description (``wire.decode_tensors``)."""
         self.closed = False
         """Closed lanes carry nothing (their FIFO numbers may belong to new files by now)."""
         self._finalizer = weakref.finalize(self, _close, fds)

@@ -124,6 +124,8 @@ class TensorSet:
                 raise ValueError(f"{name!r} must be a contiguous CPU tensor to join a TensorSet")
         self.metas = [[name, dtype_name(t.dtype), list(t.shape)] for name, t in tensors]
         self.raws = [_raw(t) for _, t in tensors]
+        self.offsets, self.lane_bytes = _lane_layout(self.raws)
+        self.nbytes = sum(len(r) for r in self.raws)
 
 
 def encode(
@@ -135,8 +137,8 @@ def encode(
 ) -> list[Any]:
     """The frames of one message: the packed header, then each tensor's bytes in chunks.
 
-    With ``area`` (a lane's uint8 area), tensors too large to go inline are copied into it
-    when they fit, and the message is the header alone (``header["s"]`` is then set).
+    With ``area`` (a lane's uint8 area), the tensors are copied into it when they fit, and the
+    message is the header alone (``header["s"]`` is then set).
 
     Small messages (at most :data:`INLINE_BYTES` of tensor data) travel as one frame, the
     bytes inside the header: each frame costs a wake-up of ZeroMQ's I/O thread, which is what
@@ -146,29 +148,37 @@ def encode(
     """
     if isinstance(tensors, TensorSet):
         metas, raws = tensors.metas, tensors.raws
+        layout: tuple[list[int], int] | None = (tensors.offsets, tensors.lane_bytes)
+        nbytes = tensors.nbytes
     else:
         metas, raws = [], []
+        nbytes = 0
         for name, t in tensors:
-            if t.device.type != "cpu":
+            if not t.is_cpu:
                 t = t.cpu()
             if not t.is_contiguous():
                 t = t.contiguous()
             metas.append([name, dtype_name(t.dtype), list(t.shape)])
-            raws.append(_raw(t))
+            raw = _raw(t)
+            raws.append(raw)
+            nbytes += len(raw)
+        layout = None
     header["v"] = PROTOCOL_VERSION
     frames: list[Any] = [b""]
     if metas:
         header["t"] = metas
-        if sum(len(r) for r in raws) <= INLINE_BYTES:
+        dst = None
+        if area is not None:
+            offsets, need = layout or _lane_layout(raws)
+            if need <= len(area):
+                dst = area.data  # a memoryview: its copies are plain memcpy, faster than numpy's
+        if dst is not None:
+            for off, raw in zip(offsets, raws, strict=True):
+                dst[off : off + len(raw)] = raw
+            header["s"] = 1
+        elif nbytes <= INLINE_BYTES:
             # Each tensor starts 8-byte aligned, so the receiver can view it in place.
             header["b"] = b"".join(bytes(r) + bytes(-len(r) % 8) if len(r) % 8 else r for r in raws)
-        elif area is not None and lane_bytes(len(r) for r in raws) <= len(area):
-            off = 0
-            for raw in raws:
-                n = len(raw)
-                area[off : off + n] = np.frombuffer(raw, dtype=np.uint8)
-                off = _lane_aligned(off + n)
-            header["s"] = 1
         else:
             header["c"] = chunk
             for raw in raws:
@@ -179,6 +189,16 @@ def encode(
                     frames.extend(raw[i : i + chunk] for i in range(0, n, chunk))
     frames[0] = msgpack.packb(header, use_bin_type=True)
     return frames
+
+
+def _lane_layout(raws: Sequence[memoryview]) -> tuple[list[int], int]:
+    """Where each of ``raws`` starts in a lane area, and the bytes the area needs."""
+    offsets = []
+    off = 0
+    for raw in raws:
+        offsets.append(off)
+        off = (off + len(raw) + LANE_ALIGN - 1) & ~(LANE_ALIGN - 1)
+    return offsets, off
 
 
 LANE_ALIGN = 64
@@ -216,20 +236,28 @@ def decode_header(frame: bytes | memoryview) -> dict[str, Any]:
     return header
 
 
-_last_metas: tuple[Any, list[TensorMeta]] = (None, [])
+_RECENT = 8
+_recent_metas: tuple[tuple[Any, list[TensorMeta]], ...] = ()
 
 
 def tensor_metas(header: Mapping[str, Any]) -> list[TensorMeta]:
-    """The validated tensor descriptions of a header (empty when it carries none)."""
-    global _last_metas
+    """The validated tensor descriptions of a header (empty when it carries none).
+
+    Training sends the same few descriptions every step (one per shard, one per direction):
+    the last :data:`_RECENT` distinct ones are validated once and handed out as the same list
+    object, which :func:`decode_tensors` also keys its lane views on.
+    """
+    global _recent_metas
     raw = header.get("t", [])
-    # Training sends the same descriptions every step: validate each distinct list once.
-    # (One tuple, read and replaced whole, so threads sharing it see a consistent pair.)
-    last = _last_metas
-    if raw == last[0]:
-        return last[1]
+    if not raw:
+        return []
+    # One tuple, read and replaced whole, so that threads sharing it see consistent pairs.
+    recent = _recent_metas
+    for seen, metas in recent:
+        if raw == seen:
+            return metas
     out = _validate_metas(raw)
-    _last_metas = (raw, out)
+    _recent_metas = ((raw, out), *recent[: _RECENT - 1])
     return out
 
 
@@ -297,6 +325,7 @@ def decode_tensors(
     into: Mapping[str, torch.Tensor] | None = None,
     area: np.ndarray[Any, Any] | None = None,
     transient: bool = False,
+    views: dict[int, Any] | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
     """The tensors of a message whose header was decoded by :func:`decode_header`.
 
@@ -305,7 +334,7 @@ def decode_tensors(
     and shape (the caller's own buffer: no allocation, no second copy), else into fresh memory.
     Tensors in a shared-memory lane (``area``, the lane's area the message used) are copied into
     ``into[name]`` or fresh memory, or, with ``transient`` (the caller is done with them before
-    it answers), are views of the lane.
+    it answers), are views of the lane, kept in ``views`` (a cache that the lane owns).
 
     Raises:
         WireError: when the frames do not match the header (count, sizes) or exceed ``max_bytes``.
@@ -318,7 +347,9 @@ def decode_tensors(
     if "b" in header:
         return _decode_inline(metas, header["b"], frames)
     if "s" in header:
-        return _decode_lane(metas, area, frames, max_bytes=max_bytes, into=into, view=transient)
+        return _decode_lane(
+            metas, area, frames, max_bytes=max_bytes, into=into, view=transient, views=views
+        )
     out = []
     for m, parts in frame_views(header, frames, max_bytes=max_bytes):
         if m.nbytes == 0:
@@ -353,6 +384,7 @@ def _decode_lane(
     max_bytes: int,
     into: Mapping[str, torch.Tensor] | None,
     view: bool,
+    views: dict[int, Any] | None,
 ) -> list[tuple[str, torch.Tensor]]:
     if area is None:
         raise WireError("tensors in a shared-memory lane, but no lane is attached")
@@ -363,6 +395,8 @@ def _decode_lane(
         raise WireError(f"message carries {need} tensor bytes, over the {max_bytes}-byte limit")
     if need > len(area):
         raise WireError(f"tensors need {need} bytes of lane, it holds {len(area)}")
+    if view:
+        return _lane_views(metas, area, views)
     out = []
     off = 0
     for m in metas:
@@ -370,13 +404,42 @@ def _decode_lane(
         off = _lane_aligned(off + m.nbytes)
         if m.nbytes == 0:
             t = torch.empty(m.shape, dtype=m.dtype)
-        elif view:
-            t = torch.from_numpy(src).view(m.dtype).view(m.shape)
         else:
             t = _destination(m, into)
             t.view(-1).view(torch.uint8).numpy()[:] = src
         out.append((m.name, t))
     return out
+
+
+_LANE_VIEWS = 16
+
+
+def _lane_views(
+    metas: list[TensorMeta], area: np.ndarray[Any, Any], cache: dict[int, Any] | None
+) -> list[tuple[str, torch.Tensor]]:
+    """Views of ``area`` laid out as ``metas`` says, kept in ``cache`` (the lane's own).
+
+    A lane carries the same tensors at the same places step after step, and
+    :func:`tensor_metas` hands out the same list for the same description: the views are made
+    once. An entry is used only for the very list it was made for.
+    """
+    hit = cache.get(id(metas)) if cache is not None else None
+    if hit is not None and hit[0] is metas:
+        return list(hit[1])
+    out = []
+    off = 0
+    for m in metas:
+        if m.nbytes == 0:
+            t = torch.empty(m.shape, dtype=m.dtype)
+        else:
+            t = torch.from_numpy(area[off : off + m.nbytes]).view(m.dtype).view(m.shape)
+        off = _lane_aligned(off + m.nbytes)
+        out.append((m.name, t))
+    if cache is not None:
+        if len(cache) >= _LANE_VIEWS:
+            cache.clear()
+        cache[id(metas)] = (metas, out)
+    return list(out)
 
 
 def _decode_inline(

@@ -122,14 +122,12 @@ class DistributedOptimizer:
             (shard, [(p.var, self.params[p.param], p.rows) for p in pieces])
             for shard, pieces in self._by_shard.items()
         ]
-        # Parameters held whole by one shard, large and on the CPU: a pull may hand them memory
-        # of their own instead of copying into theirs (see _load).
+        # Parameters held whole by one shard, on the CPU: a pull may hand them memory of their
+        # own instead of copying into theirs (see _load).
         self._whole = {
             p.var: self.params[p.param]
             for p in self.pieces
-            if p.rows is None
-            and self.params[p.param].device.type == "cpu"
-            and self.params[p.param].nbytes > wire.INLINE_BYTES
+            if p.rows is None and self.params[p.param].device.type == "cpu"
         }
         self._client.transport.on_lane_retired = self._move_out_of
         self._view_ptrs: tuple[int, ...] = ()
@@ -214,6 +212,9 @@ class DistributedOptimizer:
         whole = self._whole
         with torch.no_grad():
             for shard, (header, tensors) in replies.items():
+                # Tensors in a lane or in frames of their own may be adopted; inline ones are
+                # views of one blob per message, copied.
+                adopt = "b" not in header
                 for var, value in tensors:
                     dst = views.get(var)
                     if dst is None or shard_of[var] != shard:
@@ -225,7 +226,7 @@ class DistributedOptimizer:
                             f"ps:{shard} sent {var!r} with shape {list(value.shape)}, "
                             f"the model has {list(dst.shape)}: is every worker running the same model?"
                         )
-                    param = whole.get(var)
+                    param = whole.get(var) if adopt else None
                     if param is not None and value.dtype == param.dtype and param.is_cpu:
                         # Received into memory of its own (a frame, or the lane where the ps
                         # writes this variable every time): the parameter moves there.

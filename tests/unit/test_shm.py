@@ -102,6 +102,41 @@ def test_tensors_travel_in_the_lane(lane: Lane) -> None:
     assert views["big"].data_ptr() % 64 == 0
 
 
+def test_small_tensors_use_the_lane_and_their_views_are_made_once(lane: Lane) -> None:
+    w, b = torch.tensor([[2.0]]), torch.tensor([0.3])
+    header: dict[str, object] = {"op": "push", "id": 1}
+    frames = wire.encode(header, [("w", w), ("b", b)], area=lane.request)
+    assert len(frames) == 1 and header["s"] == 1 and "b" not in header  # not inline
+    got = wire.decode_header(frames[0])
+    cache: dict[int, object] = {}
+    first = wire.decode_tensors(
+        got, [], max_bytes=1 << 20, area=lane.request, transient=True, views=cache
+    )
+    again = wire.decode_tensors(
+        wire.decode_header(frames[0]),
+        [],
+        max_bytes=1 << 20,
+        area=lane.request,
+        transient=True,
+        views=cache,
+    )
+    # The same views, from the lane's cache.
+    assert all(x is y for (_, x), (_, y) in zip(first, again, strict=True))
+    assert torch.equal(again[0][1], w) and torch.equal(again[1][1], b)
+    wire.encode({"op": "push", "id": 2}, [("w", w * 3), ("b", b)], area=lane.request)
+    assert again[0][1].item() == 6.0  # they see the lane
+    other = wire.encode({"op": "push", "id": 3}, [("b", b)], area=lane.request)
+    (only_b,) = wire.decode_tensors(
+        wire.decode_header(other[0]),
+        [],
+        max_bytes=1 << 20,
+        area=lane.request,
+        transient=True,
+        views=cache,
+    )
+    assert only_b[1] is not first[1][1] and torch.equal(only_b[1], b)  # a new description
+
+
 def test_what_does_not_fit_the_lane_is_framed(lane: Lane) -> None:
     header: dict[str, object] = {"op": "push", "id": 1}
     frames = wire.encode(header, [("x", torch.zeros(25000))], area=lane.request)  # 100 KB > 64 KB

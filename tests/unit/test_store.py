@@ -25,6 +25,40 @@ def test_sgd_update_matches_torch() -> None:
     assert store.variables["w"].grad is None
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"lr": 0.01},  # plain SGD: the ps's own update
+        {"lr": 1},  # an integer learning rate, as a user may write it
+        {"lr": 0.01, "weight_decay": 0.1},  # torch.optim's step from here on
+        {"lr": 0.01, "maximize": True},
+        {"lr": 0.01, "momentum": 0.5, "nesterov": True},
+    ],
+)
+def test_every_sgd_setting_matches_torch_bit_for_bit(kwargs: dict[str, object]) -> None:
+    torch.manual_seed(0)
+    w0, b0 = torch.randn(4, 3), torch.randn(3)
+    store = ShardStore()
+    store.initialize([("w", w0), ("b", b0)], OptimizerSpec(name="SGD", kwargs=kwargs))
+    ref = [w0.clone().requires_grad_(True), b0.clone().requires_grad_(True)]
+    ref_opt = torch.optim.SGD(ref, **kwargs)  # type: ignore[arg-type]
+    for step in range(4):
+        gw, gb = torch.randn(4, 3), torch.randn(3)
+        if step == 2:
+            # A learning rate changed in place (a restore, a schedule) is the one used next.
+            assert store.optimizer is not None
+            store.optimizer.param_groups[0]["lr"] = ref_opt.param_groups[0]["lr"] = 0.003
+        # Only the weight this step: a variable without a gradient is left alone.
+        grads = [("w", gw)] if step == 1 else [("w", gw), ("b", gb)]
+        store.apply(grads)
+        ref[0].grad = gw.clone()
+        ref[1].grad = None if step == 1 else gb.clone()
+        ref_opt.step()
+    assert torch.equal(store.variables["w"], ref[0].detach())
+    assert torch.equal(store.variables["b"], ref[1].detach())
+    assert store.step == 4
+
+
 def test_adam_with_list_betas_from_the_wire() -> None:
     spec = OptimizerSpec.from_wire({"name": "Adam", "kwargs": {"lr": 0.1, "betas": [0.8, 0.9]}})
     store = ShardStore()
