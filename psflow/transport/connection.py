@@ -382,7 +382,7 @@ class Server:
 def _payload(tensors: Sequence[tuple[str, torch.Tensor]] | wire.TensorSet) -> int:
     """Lane bytes that ``tensors`` need."""
     if isinstance(tensors, wire.TensorSet):
-        return wire.lane_bytes(len(r) for r in tensors.raws)
+        return tensors.layout.lane_bytes
     return wire.lane_bytes(t.nbytes for _, t in tensors)
 
 
@@ -450,17 +450,23 @@ class Client:
         peer: str,
         header: dict[str, Any],
         tensors: Sequence[tuple[str, torch.Tensor]] | wire.TensorSet = (),
+        layout: wire.Layout | None = None,
     ) -> int:
         """Sends one request to ``peer`` and returns its id, without waiting for the reply.
 
-        The tensors must stay unchanged until the reply has arrived.
+        The tensors must stay unchanged until the reply has arrived. ``layout``: what they
+        usually look like (a step's gradients), to spare describing them again.
         """
-        lane = None if peer in self._no_lane else self._lane_for(peer, tensors)
+        if peer in self._no_lane:
+            lane = None
+        else:
+            need = layout.lane_bytes if layout is not None else _payload(tensors)
+            lane = self._lane_for(peer, need)
         rid = self._next_id
         self._next_id += 1
         header["id"] = rid
         if lane is not None:
-            frames = wire.encode(dict(header), tensors, area=lane.request)
+            frames = wire.encode(dict(header), tensors, area=lane.request, layout=layout)
             if len(frames) == 1 and lane.post_request(frames[0]):
                 self._lane_inflight[rid] = peer
                 return rid
@@ -479,10 +485,9 @@ class Client:
                 f"could not send within {self.config.timeout:g} s (down, or not authorised?)",
             ) from None
 
-    def _lane_for(
-        self, peer: str, tensors: Sequence[tuple[str, torch.Tensor]] | wire.TensorSet
-    ) -> Lane | None:
-        """The lane for a request to ``peer``, attached or grown when needed.
+    def _lane_for(self, peer: str, need: int) -> Lane | None:
+        """The lane for a request to ``peer`` with ``need`` bytes of tensors, attached or grown
+        when needed.
 
         None before ``peer`` has answered over the socket (it may not be up yet), and while
         another request to it is in flight (a lane carries one request at a time).
@@ -491,7 +496,7 @@ class Client:
             return None
         if peer in self._inflight.values() or peer in self._lane_inflight.values():
             return None
-        need = max(_payload(tensors), _MIN_LANE_BYTES)
+        need = max(need, _MIN_LANE_BYTES)
         lane = self._lanes.get(peer)
         reply_need = self._lane_need.get(peer, 0)
         if lane is None or lane.request_bytes < need or lane.reply_bytes < reply_need:

@@ -112,6 +112,54 @@ def _aligned(n: int) -> int:
     return (n + 7) & ~7
 
 
+class Layout:
+    """Names, dtypes and shapes of tensors that travel together again and again (a worker's
+    gradients for one shard, a shard's variables): described for the wire, and placed in a
+    lane area, once.
+
+    Example:
+        >>> layout = Layout([("w", torch.float32, (2, 3)), ("b", torch.float32, (3,))])
+        >>> layout.offsets, layout.lane_bytes
+        ([0, 64], 128)
+    """
+
+    def __init__(self, specs: Sequence[tuple[str, torch.dtype, Sequence[int]]]) -> None:
+        self.names = [name for name, _, _ in specs]
+        self.dtypes = [dtype for _, dtype, _ in specs]
+        self.shapes = [torch.Size(shape) for _, _, shape in specs]
+        self.metas = [
+            [name, dtype_name(dtype), list(shape)]
+            for name, dtype, shape in zip(self.names, self.dtypes, self.shapes, strict=True)
+        ]
+        sizes = [
+            math.prod(shape) * ITEMSIZE[dtype]
+            for dtype, shape in zip(self.dtypes, self.shapes, strict=True)
+        ]
+        self.nbytes = sum(sizes)
+        self.offsets, self.lane_bytes = _lane_layout(sizes)
+
+    @classmethod
+    def of(cls, tensors: Sequence[tuple[str, torch.Tensor]]) -> Layout:
+        return cls([(name, t.dtype, t.shape) for name, t in tensors])
+
+    def matches(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:
+        """Whether ``tensors`` are contiguous CPU tensors with these names, dtypes and shapes."""
+        if len(tensors) != len(self.names):
+            return False
+        for (name, t), want, dtype, shape in zip(
+            tensors, self.names, self.dtypes, self.shapes, strict=True
+        ):
+            if not (
+                t.dtype is dtype
+                and t.shape == shape
+                and name == want
+                and t.is_cpu
+                and t.is_contiguous()
+            ):
+                return False
+        return True
+
+
 class TensorSet:
     """Tensors that go out again and again (a ps shard's variables): described once.
 
@@ -122,10 +170,8 @@ class TensorSet:
         for name, t in tensors:
             if t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError(f"{name!r} must be a contiguous CPU tensor to join a TensorSet")
-        self.metas = [[name, dtype_name(t.dtype), list(t.shape)] for name, t in tensors]
+        self.layout = Layout.of(tensors)
         self.raws = [_raw(t) for _, t in tensors]
-        self.offsets, self.lane_bytes = _lane_layout(self.raws)
-        self.nbytes = sum(len(r) for r in self.raws)
 
 
 def encode(
@@ -134,11 +180,13 @@ def encode(
     *,
     chunk: int = DEFAULT_CHUNK_BYTES,
     area: np.ndarray[Any, Any] | None = None,
+    layout: Layout | None = None,
 ) -> list[Any]:
     """The frames of one message: the packed header, then each tensor's bytes in chunks.
 
     With ``area`` (a lane's uint8 area), the tensors are copied into it when they fit, and the
-    message is the header alone (``header["s"]`` is then set).
+    message is the header alone (``header["s"]`` is then set). ``layout``, when the tensors
+    follow it, spares describing them again.
 
     Small messages (at most :data:`INLINE_BYTES` of tensor data) travel as one frame, the
     bytes inside the header: each frame costs a wake-up of ZeroMQ's I/O thread, which is what
@@ -147,29 +195,36 @@ def encode(
     ``header`` is completed in place (version, tensor list): pass a fresh dict per message.
     """
     if isinstance(tensors, TensorSet):
-        metas, raws = tensors.metas, tensors.raws
-        layout: tuple[list[int], int] | None = (tensors.offsets, tensors.lane_bytes)
-        nbytes = tensors.nbytes
+        layout = tensors.layout
+        raws = tensors.raws
+    elif layout is not None and layout.matches(tensors):
+        raws = [_raw(t) for _, t in tensors]
     else:
-        metas, raws = [], []
-        nbytes = 0
+        layout = None
+        raws = []
+        metas = []
         for name, t in tensors:
             if not t.is_cpu:
                 t = t.cpu()
             if not t.is_contiguous():
                 t = t.contiguous()
             metas.append([name, dtype_name(t.dtype), list(t.shape)])
-            raw = _raw(t)
-            raws.append(raw)
-            nbytes += len(raw)
-        layout = None
+            raws.append(_raw(t))
+    if layout is not None:
+        metas = layout.metas
+        nbytes = layout.nbytes
+    else:
+        nbytes = sum(len(r) for r in raws)
     header["v"] = PROTOCOL_VERSION
     frames: list[Any] = [b""]
     if metas:
         header["t"] = metas
         dst = None
         if area is not None:
-            offsets, need = layout or _lane_layout(raws)
+            if layout is not None:
+                offsets, need = layout.offsets, layout.lane_bytes
+            else:
+                offsets, need = _lane_layout([len(r) for r in raws])
             if need <= len(area):
                 dst = area.data  # a memoryview: its copies are plain memcpy, faster than numpy's
         if dst is not None:
@@ -191,13 +246,13 @@ def encode(
     return frames
 
 
-def _lane_layout(raws: Sequence[memoryview]) -> tuple[list[int], int]:
-    """Where each of ``raws`` starts in a lane area, and the bytes the area needs."""
+def _lane_layout(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Where tensors of these sizes start in a lane area, and the bytes the area needs."""
     offsets = []
     off = 0
-    for raw in raws:
+    for n in sizes:
         offsets.append(off)
-        off = (off + len(raw) + LANE_ALIGN - 1) & ~(LANE_ALIGN - 1)
+        off = (off + n + LANE_ALIGN - 1) & ~(LANE_ALIGN - 1)
     return offsets, off
 
 

@@ -12,6 +12,7 @@ import torch
 
 from psflow.cluster.spec import TaskContext
 from psflow.ps.store import OptimizerSpec
+from psflow.transport import wire
 from psflow.transport.connection import Client, PeerError, TransportConfig
 from psflow.worker.placement import Piece
 
@@ -59,14 +60,18 @@ class ShardedClient:
         timeout: float | None = None,
         into: dict[str, torch.Tensor] | None = None,
         lane_views: bool = False,
+        layouts: dict[int, wire.Layout] | None = None,
     ) -> dict[int, tuple[dict[str, Any], Tensors]]:
         """One request per listed shard (its header, its tensors), sent at once; the replies
-        (see :meth:`Client.wait` for ``into`` and ``lane_views``)."""
+        (see :meth:`Client.send` for ``layouts``, :meth:`Client.wait` for ``into`` and
+        ``lane_views``)."""
         rids = {}
+        tensors = tensors or {}
+        layouts = layouts or {}
         for shard, header in headers.items():
             header["task"] = self.me
             rids[shard] = self._client.send(
-                self.shards[shard], header, (tensors or {}).get(shard, [])
+                self.shards[shard], header, tensors.get(shard, []), layouts.get(shard)
             )
         replies = self._client.wait(rids.values(), timeout, into=into, lane_views=lane_views)
         return {shard: replies[rid] for shard, rid in rids.items()}
@@ -177,13 +182,13 @@ class ShardedClient:
         pull: bool,
         into: dict[str, torch.Tensor] | None = None,
         lane_views: bool = False,
+        layouts: dict[int, wire.Layout] | None = None,
     ) -> dict[int, tuple[dict[str, Any], Tensors]]:
         """Pushes each shard's gradients (always including shard 0) in one round trip each."""
         op = "push_pull" if pull else "push"
-        shards = set(grads) | {0}
-        return self.call(
-            {s: {"op": op} for s in sorted(shards)}, grads, into=into, lane_views=lane_views
-        )
+        headers = {s: {"op": op} for s in grads}
+        headers.setdefault(0, {"op": op})
+        return self.call(headers, grads, into=into, lane_views=lane_views, layouts=layouts)
 
     def done(self, timeout: float = 5.0) -> None:
         """Tells every shard this task has finished (best effort: a dead shard is logged)."""

@@ -122,6 +122,13 @@ class DistributedOptimizer:
             (shard, [(p.var, self.params[p.param], p.rows) for p in pieces])
             for shard, pieces in self._by_shard.items()
         ]
+        # What a shard's gradients look like when every one of its variables has one.
+        self._grad_layouts = {
+            shard: wire.Layout(
+                [(p.var, self.params[p.param].dtype, self._slice_shape(p)) for p in pieces]
+            )
+            for shard, pieces in self._by_shard.items()
+        }
         # Parameters held whole by one shard, on the CPU: a pull may hand them memory of their
         # own instead of copying into theirs (see _load).
         self._whole = {
@@ -168,6 +175,12 @@ class DistributedOptimizer:
     def _values(self, pieces: list[Piece]) -> Tensors:
         return [(p.var, self._slice(self.params[p.param].detach(), p)) for p in pieces]
 
+    def _slice_shape(self, piece: Piece) -> tuple[int, ...]:
+        shape = tuple(self.params[piece.param].shape)
+        if piece.rows is None:
+            return shape
+        return (piece.rows[1] - piece.rows[0], *shape[1:])
+
     @staticmethod
     def _slice(t: torch.Tensor, piece: Piece) -> torch.Tensor:
         if piece.rows is None:
@@ -207,7 +220,9 @@ class DistributedOptimizer:
                 param.data = param.data.clone()
 
     def _load(self, replies: dict[int, tuple[dict[str, Any], Tensors]]) -> None:
-        views = self._views()
+        """Puts the pulled values in the model (after :meth:`_destinations`, which refreshed
+        the views of its parameters)."""
+        views = self._view_of
         shard_of = self._shard_of
         whole = self._whole
         with torch.no_grad():
@@ -252,6 +267,7 @@ class DistributedOptimizer:
             self.global_step = self._engine.step()
             return self.global_step
         grads: dict[int, Tensors] = {}
+        layouts = {}
         for shard, plan in self._grad_plan:
             out = []
             for var, param, rows in plan:
@@ -260,9 +276,14 @@ class DistributedOptimizer:
                     out.append((var, g if rows is None else g[rows[0] : rows[1]]))
             if out:
                 grads[shard] = out
+                if len(out) == len(plan):
+                    layouts[shard] = self._grad_layouts[shard]
         if not grads:
             raise ValueError("no gradients to push: call loss.backward() before step()")
-        self._load(self._client.push(grads, pull=True, into=self._destinations(), lane_views=True))
+        replies = self._client.push(
+            grads, pull=True, into=self._destinations(), lane_views=True, layouts=layouts
+        )
+        self._load(replies)
         return self.global_step
 
     def zero_grad(self, set_to_none: bool = True) -> None:
