@@ -445,6 +445,10 @@ def _decode_lane(
         raise WireError("tensors in a shared-memory lane, but no lane is attached")
     if frames:
         raise WireError("a message with tensors in a lane carries no data frames")
+    if view and views is not None:
+        hit = views.get(id(metas))
+        if hit is not None and hit[0] is metas:
+            return list(hit[1])  # made, and checked against this area, before
     need = lane_bytes(m.nbytes for m in metas)
     if need > max_bytes:
         raise WireError(f"message carries {need} tensor bytes, over the {max_bytes}-byte limit")
@@ -476,11 +480,9 @@ def _lane_views(
 
     A lane carries the same tensors at the same places step after step, and
     :func:`tensor_metas` hands out the same list for the same description: the views are made
-    once. An entry is used only for the very list it was made for.
+    once (see :func:`_decode_lane`), and an entry is used only for the very list it was made
+    for.
     """
-    hit = cache.get(id(metas)) if cache is not None else None
-    if hit is not None and hit[0] is metas:
-        return list(hit[1])
     out = []
     off = 0
     for m in metas:

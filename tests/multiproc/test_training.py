@@ -155,8 +155,9 @@ def _train_wide_linear(env: dict[str, str]) -> tuple[torch.Tensor, dict[str, obj
                 model(x).square().mean().backward()
                 opt.step()
             lanes = dict(opt._client._client._lanes)
-            if lanes:  # the weight lives where the ps writes it: a pull copies nothing
+            if lanes:  # the parameters live where the ps writes them: a pull copies nothing
                 assert in_area(model.weight, lanes["ps:0"].reply)
+                assert in_area(model.bias, lanes["ps:0"].reply)  # 2 KB: small ones too
         code, err = stop(ps)
         assert code == 0, err
         return model.weight.detach().clone(), lanes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 
@@ -48,6 +49,36 @@ def test_non_contiguous_tensors_travel() -> None:
     t = torch.arange(12.0).reshape(3, 4).t()
     ((_, back),) = roundtrip([("t", t)])
     assert torch.equal(back, t)
+
+
+@pytest.mark.parametrize(
+    "tensors",
+    [
+        [("w", torch.randn(2, 3)), ("b", torch.randn(3))],  # what the layout says
+        [("w", torch.randn(2, 3).double()), ("b", torch.randn(3))],  # another dtype
+        [("w", torch.randn(3, 2)), ("b", torch.randn(3))],  # another shape
+        [("w", torch.randn(3, 2).t()), ("b", torch.randn(3))],  # not contiguous
+        [("b", torch.randn(3)), ("w", torch.randn(2, 3))],  # another order
+        [("w", torch.randn(2, 3))],  # fewer
+    ],
+)
+def test_a_layout_describes_only_tensors_that_follow_it(
+    tensors: list[tuple[str, torch.Tensor]],
+) -> None:
+    layout = wire.Layout([("w", torch.float32, (2, 3)), ("b", torch.float32, (3,))])
+    with_layout = wire.encode({"op": "push", "id": 1}, tensors, layout=layout)
+    without = wire.encode({"op": "push", "id": 1}, tensors)
+    assert with_layout == without  # the same message either way
+    header = wire.decode_header(with_layout[0])
+    back = wire.decode_tensors(header, [], max_bytes=1 << 20)
+    assert [n for n, _ in back] == [n for n, _ in tensors]
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(back, tensors, strict=True))
+    area = np.zeros(1024, dtype=np.uint8)  # and through a lane's area
+    frames = wire.encode({"op": "push", "id": 2}, tensors, area=area, layout=layout)
+    header = wire.decode_header(frames[0])
+    assert header["s"] == 1
+    back = wire.decode_tensors(header, [], max_bytes=1 << 20, area=area)
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(back, tensors, strict=True))
 
 
 def test_unsupported_dtype_is_a_type_error() -> None:
