@@ -277,8 +277,11 @@ def _post(area: memoryview, header: bytes, fd: int) -> bool:
 
 
 def _take(area: memoryview, fd: int) -> bytes:
-    with contextlib.suppress(BlockingIOError):
+    # Not contextlib.suppress: three calls more per message, on the path of every small step.
+    try:  # noqa: SIM105
         os.read(fd, 4096)
+    except BlockingIOError:
+        pass  # the ring was drained already
     n = int.from_bytes(area[:4], "little")
     if n > len(area) - 4:
         raise LaneError(f"a lane message claims {n} bytes")

@@ -225,31 +225,31 @@ class DistributedOptimizer:
         views = self._view_of
         shard_of = self._shard_of
         whole = self._whole
-        with torch.no_grad():
-            for shard, (header, tensors) in replies.items():
-                # Tensors in a lane or in frames of their own may be adopted; inline ones are
-                # views of one blob per message, copied.
-                adopt = "b" not in header
-                for var, value in tensors:
-                    dst = views.get(var)
-                    if dst is None or shard_of[var] != shard:
-                        raise ValueError(f"ps:{shard} sent unknown variable {var!r}")
-                    if value.data_ptr() == dst.data_ptr():
-                        continue  # received in place
-                    if dst.shape != value.shape:
-                        raise ValueError(
-                            f"ps:{shard} sent {var!r} with shape {list(value.shape)}, "
-                            f"the model has {list(dst.shape)}: is every worker running the same model?"
-                        )
-                    param = whole.get(var) if adopt else None
-                    if param is not None and value.dtype == param.dtype and param.is_cpu:
-                        # Received into memory of its own (a frame, or the lane where the ps
-                        # writes this variable every time): the parameter moves there.
-                        param.data = value
-                    else:
+        for shard, (header, tensors) in replies.items():
+            # Tensors in a lane or in frames of their own may be adopted; inline ones are
+            # views of one blob per message, copied.
+            adopt = "b" not in header
+            for var, value in tensors:
+                dst = views.get(var)
+                if dst is None or shard_of[var] != shard:
+                    raise ValueError(f"ps:{shard} sent unknown variable {var!r}")
+                if value.data_ptr() == dst.data_ptr():
+                    continue  # received in place
+                if dst.shape != value.shape:
+                    raise ValueError(
+                        f"ps:{shard} sent {var!r} with shape {list(value.shape)}, "
+                        f"the model has {list(dst.shape)}: is every worker running the same model?"
+                    )
+                param = whole.get(var) if adopt else None
+                if param is not None and value.dtype == param.dtype and param.is_cpu:
+                    # Received into memory of its own (a frame, or the lane where the ps
+                    # writes this variable every time): the parameter moves there.
+                    param.data = value
+                else:
+                    with torch.no_grad():  # only here: a steady step copies nothing
                         dst.copy_(value)
-                if shard == 0:
-                    self.global_step = int(header["step"])
+            if shard == 0:
+                self.global_step = int(header["step"])
 
     def pull(self) -> int:
         """Overwrites the model's parameters with the ps values; returns the global step."""
