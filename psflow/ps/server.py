@@ -48,6 +48,8 @@ _POLL_SECONDS = 0.1
 class NotInitializedError(ValueError):
     """A request that needs the shard's variables before the chief has set them."""
 
+    code = UNINITIALIZED
+
 
 class ParameterServer:
     """Serves the shard of one ps task.
@@ -195,8 +197,9 @@ class ParameterServer:
         except (ValueError, TypeError, wire.WireError) as e:
             log.warning("%s: bad %r request from %s: %s", self.name, op, self._sender(request), e)
             assert self._server is not None
-            code = UNINITIALIZED if isinstance(e, NotInitializedError) else None
-            self._server.send_error(request, str(e), code)
+            # A ``code`` tells the client what kind of refusal it is (see NotInitializedError).
+            code = getattr(e, "code", None)
+            self._server.send_error(request, str(e), code if isinstance(code, str) else None)
 
     def _sender(self, request: Request) -> str:
         sender = request.header.get("task")
@@ -256,6 +259,8 @@ class ParameterServer:
             if self._sender(request) != chief:
                 raise ValueError(f"only the chief ({chief}) may replace initialised variables")
             self.store.reset()  # new tensors: values still being sent keep their own memory
+            # Synchronous steps in progress belong to the lost timeline: their workers recover.
+            self.sync.reset(f"{self.name} was restored from a checkpoint by {chief}")
         spec = OptimizerSpec.from_wire(request.header.get("optimizer"))
         step = request.header.get("step", 0)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:

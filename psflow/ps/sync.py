@@ -34,7 +34,7 @@ import torch
 
 from psflow.ps.staleness import ClockTable
 from psflow.ps.store import GradBuffers, ShardStore
-from psflow.transport.connection import Request
+from psflow.transport.connection import RESTORED, Request
 
 if TYPE_CHECKING:
     from psflow.ps.server import ParameterServer
@@ -51,6 +51,13 @@ def worker_order(name: str) -> tuple[int, int, str]:
     """Sort key of a task name: the chief first, then workers by index (``worker:10`` last)."""
     job, _, index = name.partition(":")
     return (0 if job == "chief" else 1, int(index) if index.isdigit() else 0, name)
+
+
+class StepOvertakenError(ValueError):
+    """A gradient computed against a step this shard has not reached: the ps went back to an
+    older step (a restore after a crash) while the worker was computing it."""
+
+    code = RESTORED
 
 
 @dataclass
@@ -108,9 +115,9 @@ class SyncAggregator:
     def stage(self, worker: str, step: int, grads: Tensors) -> bool:
         """Keeps ``worker``'s gradients for ``step``; False (and counted) when ``step`` is past."""
         if step > self.store.step:
-            raise ValueError(
+            raise StepOvertakenError(
                 f"{worker} pushed a gradient for step {step}, but this shard is at step "
-                f"{self.store.step}: it cannot come from the future"
+                f"{self.store.step}: was the ps restored from a checkpoint since?"
             )
         if step < self.store.step:
             self.dropped_stale += 1
@@ -183,6 +190,15 @@ class SyncAggregator:
             self.apply(step, workers)
             applied += 1
         return applied
+
+    def reset(self) -> None:
+        """Forgets the steps in progress (after the chief replaced the variables); the
+        aggregation settings and the counters stay."""
+        self.staged.clear()
+        self.arrived.clear()
+        self.decisions.clear()
+        self._buffers.clear()  # they were shaped after the variables just replaced
+        self._sums.clear()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -340,11 +356,17 @@ class SyncService:
                 f"{len(live)} worker(s) have not finished ({', '.join(sorted(live)) or 'none'})"
             )
 
-    def fail_pending(self, message: str) -> None:
+    def fail_pending(self, message: str, code: str | None = None) -> None:
         """Answers every waiting request with an error (the server is stopping, or stuck)."""
         assert self.ps._server is not None
         for p in self._pending:
-            self.ps._server.send_error(p.request, message)
+            self.ps._server.send_error(p.request, message, code)
         self._pending.clear()
         for request in self.clocks.drop_waiting():
-            self.ps._server.send_error(request, message)
+            self.ps._server.send_error(request, message, code)
+
+    def reset(self, reason: str) -> None:
+        """After a restore: the waiting requests fail as overtaken (their workers recover and
+        start again from the restored step), and the steps in progress are forgotten."""
+        self.fail_pending(reason, RESTORED)
+        self.agg.reset()

@@ -82,8 +82,8 @@ class SessionConfig:
     recovery_timeout: float | None = 300.0
     """Seconds a worker waits, after a ps failed to answer, for every ps to answer again (a
     crashed one restarted by its cluster manager); the chief then restores the latest checkpoint
-    into every shard if one came back empty, and training goes on. Asynchronous mode only;
-    ``None``: the error stops the worker."""
+    into every shard if one came back empty, and training goes on (asynchronous and
+    synchronous modes; all-reduce has no ps). ``None``: the error stops the worker."""
 
     def __post_init__(self) -> None:
         for name in ("save_checkpoint_secs", "ready_timeout", "recovery_timeout"):
@@ -362,7 +362,7 @@ class TrainingSession:
         """
         timeout = self.config.recovery_timeout
         lost = isinstance(error, PeerTimeoutError | PeerLostError)  # not a refused request
-        if timeout is None or not lost or self.opt.mode != "async":
+        if timeout is None or not lost or self.opt.mode == "allreduce":
             raise error
         log.warning(
             "%s: %s; waiting up to %g s for every ps to answer", self.ctx.task, error, timeout

@@ -48,12 +48,19 @@ class PeerTimeoutError(PeerError, TimeoutError):
 
 
 class PeerLostError(PeerError):
-    """A peer is gone (it hung up its shared-memory lane) or came back without its state (a
-    restarted ps that is not initialised)."""
+    """A peer is gone (it hung up its shared-memory lane), came back without its state (a
+    restarted ps that is not initialised), or had its state restored from a checkpoint since
+    the request was made."""
 
 
 UNINITIALIZED = "uninitialized"
 """The ``code`` of an error reply from a ps that has no variables (yet, or again)."""
+
+RESTORED = "restored"
+"""The ``code`` of an error reply to a request overtaken by a restore of the ps (its step, or
+the synchronous step it waited for, is gone)."""
+
+_LOST_CODES = (UNINITIALIZED, RESTORED)
 
 
 @dataclass(kw_only=True)
@@ -714,7 +721,7 @@ class Client:
     ) -> None:
         if header["op"] == "error":
             message = str(header.get("error", "unknown error"))
-            if header.get("code") == UNINITIALIZED:
+            if header.get("code") in _LOST_CODES:
                 raise PeerLostError(peer, message)
             raise PeerError(peer, message)
         try:

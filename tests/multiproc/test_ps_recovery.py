@@ -17,7 +17,7 @@ import torch
 import psflow
 from psflow.ps.store import OptimizerSpec
 from psflow.train import CheckpointDir
-from psflow.transport import PeerError, TransportConfig
+from psflow.transport import PeerError, PeerLostError, TransportConfig
 from psflow.worker.client import ShardedClient
 
 from .support import ROOT, local_cluster, start_ps, stop, worker_ctx
@@ -28,10 +28,19 @@ EXAMPLE = str(ROOT / "examples" / "linear_regression.py")
 STEPS = 6000
 
 
-def _worker(cluster: psflow.ClusterSpec, index: int, logdir: Path) -> subprocess.Popen[str]:
+def _worker(
+    cluster: psflow.ClusterSpec, index: int, logdir: Path, mode: str
+) -> subprocess.Popen[str]:
     task = psflow.TaskSpec(job="worker", index=index)
     env = dict(
-        os.environ, TF_CONFIG=cluster.to_tf_config(task), PYTHONUNBUFFERED="1", PSFLOW_TIMEOUT="3"
+        os.environ,
+        TF_CONFIG=cluster.to_tf_config(task),
+        PYTHONUNBUFFERED="1",
+        PSFLOW_TIMEOUT="3",
+        PSFLOW_MODE=mode,
+        # A synchronous step that lost a worker to the recovery cannot complete: its other
+        # workers notice after this long.
+        PSFLOW_SYNC_TIMEOUT="5",
     )
     return subprocess.Popen(
         [
@@ -47,11 +56,12 @@ def _worker(cluster: psflow.ClusterSpec, index: int, logdir: Path) -> subprocess
     )
 
 
-def test_a_restarted_ps_is_restored_from_the_last_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_restarted_ps_is_restored_from_the_last_checkpoint(tmp_path: Path, mode: str) -> None:
     logdir = tmp_path / "run"
     cluster = local_cluster(2, 2)  # W on one shard, b on the other
     ps = [start_ps(cluster, i) for i in range(2)]
-    workers = [_worker(cluster, i, logdir) for i in range(2)]
+    workers = [_worker(cluster, i, logdir, mode) for i in range(2)]
     restarted = None
     try:
         saved = CheckpointDir(str(logdir))
@@ -105,6 +115,55 @@ def test_only_the_chief_may_replace_initialised_variables() -> None:
         assert chief.initialize_restored({0: [("w", torch.ones(4))]}, {}, spec, 3, replace=True)
         header, tensors = chief.pull()[0]
         assert header["step"] == 3 and torch.equal(tensors[0][1], torch.ones(4))
+        for c in clients:
+            c.done()
+        code, err = stop(ps)
+        assert code == 0, err[-3000:]
+    finally:
+        for c in clients:
+            c.close()
+        stop(ps, timeout=5)
+
+
+def test_a_restore_ends_the_synchronous_steps_in_progress() -> None:
+    """A worker waiting for a synchronous step, or pushing one past the restored step, hears
+    that the ps was restored (a lost peer: it recovers) instead of waiting out its timeout."""
+    cluster = local_cluster(1, 2)
+    ps = start_ps(cluster)
+    spec = OptimizerSpec(name="SGD", kwargs={"lr": 0.1})
+    clients = [ShardedClient(worker_ctx(cluster, i), TransportConfig(timeout=10)) for i in (0, 1)]
+    try:
+        chief, other = clients
+        chief.wait_ready(30, initialized=False)
+        assert chief.initialize({0: [("w", torch.zeros(4))]}, spec, step=0)
+        grad = [("w", torch.ones(4))]
+        push = {"op": "sync_push", "task": "worker:1", "step": 0, "r": 2, "n": 2}
+        waiting = other.transport.send("ps:0", push, grad)  # held until the chief's gradient
+        deadline = time.monotonic() + 10
+        while chief.call({0: {"op": "sync_status"}})[0][0]["pending"] != ["worker:1"]:
+            assert time.monotonic() < deadline, "worker:1's push never arrived"
+            time.sleep(0.01)
+        assert chief.initialize_restored(
+            {0: [("w", torch.full((4,), 5.0))]}, {}, spec, 0, replace=True
+        )
+        with pytest.raises(PeerLostError, match="restored from a checkpoint by worker:0"):
+            other.transport.wait([waiting], 10)
+        past = {"op": "sync_push", "task": "worker:1", "step": 3, "r": 2, "n": 2}
+        with pytest.raises(PeerLostError, match="was the ps restored from a checkpoint since"):
+            other.call({0: past}, {0: grad})
+        status = chief.call({0: {"op": "sync_status"}})[0][0]
+        assert status["pending"] == [] and status["arrived"] == [] and status["step"] == 0
+        # The step goes on from the restored values once both workers push for step 0.
+        pushes = [
+            c.transport.send(
+                "ps:0", {"op": "sync_push", "task": f"worker:{i}", "step": 0, "r": 2, "n": 2}, grad
+            )
+            for i, c in enumerate(clients)
+        ]
+        for c, rid in zip(clients, pushes, strict=True):
+            header, tensors = c.transport.wait([rid], 10)[rid]
+            assert header["accepted"] and header["step"] == 1
+            assert torch.equal(tensors[0][1], torch.full((4,), 4.9))  # 5 - 0.1 * mean(1, 1)
         for c in clients:
             c.done()
         code, err = stop(ps)
