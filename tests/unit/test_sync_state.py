@@ -9,7 +9,7 @@ import torch
 
 from psflow.ps.staleness import ClockTable
 from psflow.ps.store import OptimizerSpec, ShardStore
-from psflow.ps.sync import SyncAggregator, worker_order
+from psflow.ps.sync import StepOvertakenError, SyncAggregator, worker_order
 from psflow.transport.connection import Request
 from psflow.worker import ModeConfig
 
@@ -51,8 +51,10 @@ def test_decisions_apply_in_order_and_a_gap_is_an_error() -> None:
         agg.catch_up([(5, ["worker:0"])])
     with pytest.raises(ValueError, match="no staged gradient from worker:2"):
         agg.catch_up([(1, ["worker:2"])])
-    with pytest.raises(ValueError, match="from the future"):
+    # A step this shard has not reached: the ps went back (a restore) under the worker.
+    with pytest.raises(StepOvertakenError, match="was the ps restored") as e:
         agg.stage("worker:0", 9, _g(1.0))
+    assert e.value.code == "restored"
 
 
 def test_settings_must_agree() -> None:
