@@ -3,12 +3,14 @@ checkpoint, restored by the chief into every shard."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -100,21 +102,21 @@ def test_a_restarted_ps_is_restored_from_the_last_checkpoint(tmp_path: Path, mod
             p.wait()
 
 
-def test_only_the_chief_may_replace_initialised_variables() -> None:
+SPEC = OptimizerSpec(name="SGD", kwargs={"lr": 0.1})
+
+
+@contextlib.contextmanager
+def _chief_and_other(step: int) -> Iterator[tuple[ShardedClient, ShardedClient]]:
+    """A ps holding ``w`` = zeros(4) at ``step``, set up by worker:0 (the chief), and a client
+    for worker:1; both finish at the end, and the ps must then exit 0 by itself."""
     cluster = local_cluster(1, 2)
     ps = start_ps(cluster)
-    spec = OptimizerSpec(name="SGD", kwargs={"lr": 0.1})
     clients = [ShardedClient(worker_ctx(cluster, i), TransportConfig(timeout=10)) for i in (0, 1)]
     try:
         chief, other = clients
         chief.wait_ready(30, initialized=False)
-        assert chief.initialize({0: [("w", torch.zeros(4))]}, spec, step=7)
-        with pytest.raises(PeerError, match=r"only the chief \(worker:0\) may replace"):
-            other.initialize_restored({0: [("w", torch.ones(4))]}, {}, spec, 0, replace=True)
-        assert chief.pull()[0][0]["step"] == 7  # untouched
-        assert chief.initialize_restored({0: [("w", torch.ones(4))]}, {}, spec, 3, replace=True)
-        header, tensors = chief.pull()[0]
-        assert header["step"] == 3 and torch.equal(tensors[0][1], torch.ones(4))
+        assert chief.initialize({0: [("w", torch.zeros(4))]}, SPEC, step=step)
+        yield chief, other
         for c in clients:
             c.done()
         code, err = stop(ps)
@@ -125,17 +127,20 @@ def test_only_the_chief_may_replace_initialised_variables() -> None:
         stop(ps, timeout=5)
 
 
+def test_only_the_chief_may_replace_initialised_variables() -> None:
+    with _chief_and_other(step=7) as (chief, other):
+        with pytest.raises(PeerError, match=r"only the chief \(worker:0\) may replace"):
+            other.initialize_restored({0: [("w", torch.ones(4))]}, {}, SPEC, 0, replace=True)
+        assert chief.pull()[0][0]["step"] == 7  # untouched
+        assert chief.initialize_restored({0: [("w", torch.ones(4))]}, {}, SPEC, 3, replace=True)
+        header, tensors = chief.pull()[0]
+        assert header["step"] == 3 and torch.equal(tensors[0][1], torch.ones(4))
+
+
 def test_a_restore_ends_the_synchronous_steps_in_progress() -> None:
     """A worker waiting for a synchronous step, or pushing one past the restored step, hears
     that the ps was restored (a lost peer: it recovers) instead of waiting out its timeout."""
-    cluster = local_cluster(1, 2)
-    ps = start_ps(cluster)
-    spec = OptimizerSpec(name="SGD", kwargs={"lr": 0.1})
-    clients = [ShardedClient(worker_ctx(cluster, i), TransportConfig(timeout=10)) for i in (0, 1)]
-    try:
-        chief, other = clients
-        chief.wait_ready(30, initialized=False)
-        assert chief.initialize({0: [("w", torch.zeros(4))]}, spec, step=0)
+    with _chief_and_other(step=0) as (chief, other):
         grad = [("w", torch.ones(4))]
         push = {"op": "sync_push", "task": "worker:1", "step": 0, "r": 2, "n": 2}
         waiting = other.transport.send("ps:0", push, grad)  # held until the chief's gradient
@@ -144,7 +149,7 @@ def test_a_restore_ends_the_synchronous_steps_in_progress() -> None:
             assert time.monotonic() < deadline, "worker:1's push never arrived"
             time.sleep(0.01)
         assert chief.initialize_restored(
-            {0: [("w", torch.full((4,), 5.0))]}, {}, spec, 0, replace=True
+            {0: [("w", torch.full((4,), 5.0))]}, {}, SPEC, 0, replace=True
         )
         with pytest.raises(PeerLostError, match="restored from a checkpoint by worker:0"):
             other.transport.wait([waiting], 10)
@@ -158,17 +163,9 @@ def test_a_restore_ends_the_synchronous_steps_in_progress() -> None:
             c.transport.send(
                 "ps:0", {"op": "sync_push", "task": f"worker:{i}", "step": 0, "r": 2, "n": 2}, grad
             )
-            for i, c in enumerate(clients)
+            for i, c in enumerate((chief, other))
         ]
-        for c, rid in zip(clients, pushes, strict=True):
+        for c, rid in zip((chief, other), pushes, strict=True):
             header, tensors = c.transport.wait([rid], 10)[rid]
             assert header["accepted"] and header["step"] == 1
             assert torch.equal(tensors[0][1], torch.full((4,), 4.9))  # 5 - 0.1 * mean(1, 1)
-        for c in clients:
-            c.done()
-        code, err = stop(ps)
-        assert code == 0, err[-3000:]
-    finally:
-        for c in clients:
-            c.close()
-        stop(ps, timeout=5)
