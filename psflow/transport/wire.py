@@ -246,16 +246,6 @@ def encode(
     return frames
 
 
-def _lane_layout(sizes: Sequence[int]) -> tuple[list[int], int]:
-    """Where tensors of these sizes start in a lane area, and the bytes the area needs."""
-    offsets = []
-    off = 0
-    for n in sizes:
-        offsets.append(off)
-        off = (off + n + LANE_ALIGN - 1) & ~(LANE_ALIGN - 1)
-    return offsets, off
-
-
 LANE_ALIGN = 64
 
 
@@ -263,12 +253,20 @@ def _lane_aligned(n: int) -> int:
     return (n + LANE_ALIGN - 1) & ~(LANE_ALIGN - 1)
 
 
-def lane_bytes(sizes: Iterable[int]) -> int:
-    """Bytes a lane area needs for tensors of these sizes (each starts 64-byte aligned)."""
+def _lane_layout(sizes: Iterable[int]) -> tuple[list[int], int]:
+    """Where tensors of these sizes start in a lane area (each 64-byte aligned), and the bytes
+    the area needs."""
+    offsets = []
     off = 0
     for n in sizes:
+        offsets.append(off)
         off = _lane_aligned(off + n)
-    return off
+    return offsets, off
+
+
+def lane_bytes(sizes: Iterable[int]) -> int:
+    """Bytes a lane area needs for tensors of these sizes (each starts 64-byte aligned)."""
+    return _lane_layout(sizes)[1]
 
 
 def decode_header(frame: bytes | memoryview) -> dict[str, Any]:
