@@ -124,10 +124,7 @@ class DistributedOptimizer:
         ]
         # What a shard's gradients look like when every one of its variables has one.
         self._grad_layouts = {
-            shard: wire.Layout(
-                [(p.var, self.params[p.param].dtype, self._slice_shape(p)) for p in pieces]
-            )
-            for shard, pieces in self._by_shard.items()
+            shard: wire.Layout.of(self._values(pieces)) for shard, pieces in self._by_shard.items()
         }
         # Parameters held whole by one shard, on the CPU: a pull may hand them memory of their
         # own instead of copying into theirs (see _load).
@@ -174,12 +171,6 @@ class DistributedOptimizer:
 
     def _values(self, pieces: list[Piece]) -> Tensors:
         return [(p.var, self._slice(self.params[p.param].detach(), p)) for p in pieces]
-
-    def _slice_shape(self, piece: Piece) -> tuple[int, ...]:
-        shape = tuple(self.params[piece.param].shape)
-        if piece.rows is None:
-            return shape
-        return (piece.rows[1] - piece.rows[0], *shape[1:])
 
     @staticmethod
     def _slice(t: torch.Tensor, piece: Piece) -> torch.Tensor:
