@@ -33,7 +33,8 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from psflow import env as envvars
-from psflow.ps.store import OptimizerSpec, ShardStore
+from psflow.protocol import OptimizerSpec
+from psflow.ps.store import ShardStore
 from psflow.transport import wire
 
 log = logging.getLogger(__name__)

@@ -33,8 +33,9 @@ import torch
 from psflow import allocator
 from psflow import env as envvars
 from psflow.cluster.spec import TaskContext, TaskSpec
+from psflow.protocol import OptimizerSpec
 from psflow.ps.checkpoint import ShardCheckpointer, load_optimizer_state, split_init_tensors
-from psflow.ps.store import OptimizerSpec, ShardStore
+from psflow.ps.store import ShardStore
 from psflow.ps.sync import SyncService
 from psflow.transport import wire
 from psflow.transport.connection import UNINITIALIZED, Request, Server, TransportConfig

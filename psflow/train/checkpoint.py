@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from safetensors.torch import save as st_save
 
+from psflow.protocol import OptimizerSpec
 from psflow.ps.checkpoint import OPT_SEP, ShardFile, atomic_write, read_shard, url_to_fs
-from psflow.ps.store import OptimizerSpec
 from psflow.train.manifest import CheckpointDir, Manifest, VariableEntry
 from psflow.transport.wire import dtype_name
 from psflow.worker.client import ShardedClient, Tensors

@@ -21,7 +21,7 @@ from torch import nn
 from psflow import env as envvars
 from psflow.cluster.resolve import resolve
 from psflow.cluster.spec import TaskContext
-from psflow.ps.store import OptimizerSpec
+from psflow.protocol import OptimizerSpec
 from psflow.train.checkpoint import Checkpointer, load_checkpoint
 from psflow.train.hooks import (
     FaultHook,

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from psflow.cluster.spec import TaskContext, parse_address
-from psflow.ps.store import OptimizerSpec
+from psflow.protocol import OptimizerSpec
 from psflow.transport.connection import TransportConfig
 from psflow.worker.sync import Engine, ModeConfig
 

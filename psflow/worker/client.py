@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from psflow.cluster.spec import TaskContext
-from psflow.ps.store import OptimizerSpec
+from psflow.protocol import OptimizerSpec
 from psflow.transport import wire
 from psflow.transport.connection import Client, PeerError, TransportConfig
 from psflow.worker.placement import Piece

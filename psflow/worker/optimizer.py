@@ -15,7 +15,7 @@ from psflow import allocator
 from psflow import env as envvars
 from psflow.cluster.resolve import resolve
 from psflow.cluster.spec import TaskContext
-from psflow.ps.store import OptimizerSpec
+from psflow.protocol import OptimizerSpec
 from psflow.transport import wire
 from psflow.transport.connection import TransportConfig
 from psflow.worker.client import ShardedClient, Tensors, group_by_shard

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import psflow
-from psflow.ps.store import OptimizerSpec
+from psflow.protocol import OptimizerSpec
 from psflow.train import CheckpointDir
 from psflow.transport import PeerError, PeerLostError, TransportConfig
 from psflow.worker.client import ShardedClient

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from psflow.ps.store import OptimizerSpec, ShardStore
+from psflow.protocol import OptimizerSpec
+from psflow.ps.store import ShardStore
 
 pytestmark = pytest.mark.unit
 

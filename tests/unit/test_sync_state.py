@@ -7,8 +7,9 @@ from typing import Any
 import pytest
 import torch
 
+from psflow.protocol import OptimizerSpec
 from psflow.ps.staleness import ClockTable
-from psflow.ps.store import OptimizerSpec, ShardStore
+from psflow.ps.store import ShardStore
 from psflow.ps.sync import StepOvertakenError, SyncAggregator, worker_order
 from psflow.transport.connection import Request
 from psflow.worker import ModeConfig

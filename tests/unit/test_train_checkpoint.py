@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from psflow.protocol import OptimizerSpec
 from psflow.ps.checkpoint import (
     ShardCheckpointer,
     atomic_write,
@@ -20,7 +21,7 @@ from psflow.ps.checkpoint import (
     split_init_tensors,
     url_to_fs,
 )
-from psflow.ps.store import OptimizerSpec, ShardStore
+from psflow.ps.store import ShardStore
 from psflow.train.checkpoint import export_state_dict, load_checkpoint
 from psflow.train.cli import add_parser
 from psflow.train.manifest import CheckpointDir, Manifest, VariableEntry

@@ -1,0 +1,14 @@
+"""The protocol between tasks: its vocabulary and the settings that travel as data.
+
+Both sides import it (the ps serves these requests, the worker makes them, the transport frames
+them), and it imports nothing of psflow: it sits under every other layer.
+
+- ``messages.py``: :class:`Op` (every request and reply), :class:`Code` (every kind of
+  refusal), :class:`Key` (every header key), :class:`SaveState`, :data:`PROTOCOL_VERSION`.
+- ``specs.py``: :class:`OptimizerSpec`, a ``torch.optim`` optimizer named with its arguments.
+"""
+
+from psflow.protocol.messages import PROTOCOL_VERSION, Code, Key, Op, SaveState
+from psflow.protocol.specs import OptimizerSpec
+
+__all__ = ["PROTOCOL_VERSION", "Code", "Key", "Op", "OptimizerSpec", "SaveState"]

@@ -1,0 +1,230 @@
+"""Every word of psflow's protocol: request ops, reply codes and header keys, each said once.
+
+A message is a msgpack header (a map keyed by :class:`Key`) plus raw tensor frames (see
+:mod:`psflow.transport.wire`). Its :attr:`Key.OP` names the request (:class:`Op`); a refusal is
+answered with :attr:`Op.ERROR`, whose :attr:`Key.CODE` (:class:`Code`) tells the client what
+kind of refusal it is, so that it can act on it. Nothing else in psflow spells these strings:
+a new request type is one line here, one handler on the ps (a
+:class:`~psflow.ps.service.Service`) and one call on the worker.
+
+The members are ``str`` enums: they pack as plain strings and compare and hash equal to them,
+so a received header (plain strings) is read with the members directly.
+"""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:  # pragma: no cover - Python 3.10
+
+    class StrEnum(str, Enum):
+        """``enum.StrEnum`` before Python 3.11."""
+
+        def __str__(self) -> str:
+            return str(self.value)
+
+        def __format__(self, spec: str) -> str:
+            return str(self.value).__format__(spec)
+
+
+PROTOCOL_VERSION = 2
+"""Carried in every header (:attr:`Key.VERSION`); a peer speaking another version is refused.
+2: sync requests name their settings in full (``replicas_to_aggregate``, not ``r``), and every
+error reply carries a :class:`Code`."""
+
+
+class Op(StrEnum):
+    """What a message asks for (requests) or is (replies and the transport's own notes)."""
+
+    # -- replies ---------------------------------------------------------------------------
+    OK = "ok"
+    """Reply: the request was carried out; its results are in the header and tensors."""
+    ERROR = "error"
+    """Reply: the request was refused; :attr:`Key.ERROR` says why, :attr:`Key.CODE` what kind."""
+
+    # -- the transport's own (answered by :class:`~psflow.transport.server.Server` itself) ----
+    ATTACH_LANE = "_lane"
+    """A client on the same host offers a shared-memory lane for its next requests."""
+    USE_SOCKET = "_socket"
+    """Note through a lane: the reply is too large for it and follows through the socket."""
+
+    # -- a ps shard: state and variables ---------------------------------------------------
+    HELLO = "hello"
+    """Alias of :attr:`STATUS` (kept for clients of protocol 1's vocabulary)."""
+    STATUS = "status"
+    """The shard's index, whether it is initialised, its step, who has finished."""
+    INIT = "init"
+    """The chief's initial (or restored) values, optimizer and step for the shard."""
+    PULL = "pull"
+    """The current values of the shard's variables (all, or :attr:`Key.NAMES`)."""
+    PUSH = "push"
+    """Gradients, applied at once with the shard's optimizer; replies with the new step."""
+    PUSH_PULL = "push_pull"
+    """:attr:`PUSH`, then :attr:`PULL` of every variable, in one round trip."""
+    DONE = "done"
+    """A worker has finished; the ps exits after the last one."""
+
+    # -- a ps shard: synchronous training and bounded staleness (psflow.ps.sync) -----------
+    SYNC_STAGE = "sync_stage"
+    """Shards 1..k: keep a worker's gradients for a step until ps:0 decides it."""
+    SYNC_PUSH = "sync_push"
+    """ps:0: a worker's gradients for a step; answered once the step has been decided."""
+    SYNC_PULL = "sync_pull"
+    """Apply ps:0's decisions not yet applied here, then the values of every variable."""
+    SYNC_STATUS = "sync_status"
+    """The synchronous state: step, arrivals, drops per worker, decisions, clocks."""
+    SSP_WAIT = "ssp_wait"
+    """ps:0: answered once this worker is within ``max_staleness`` of the slowest."""
+
+    # -- a ps shard: checkpoints (psflow.ps.checkpoint) ------------------------------------
+    SAVE = "save"
+    """Snapshot the shard and write it under :attr:`Key.DIR` in the background."""
+    SAVE_STATUS = "save_status"
+    """How the write into :attr:`Key.DIR` is going (:class:`SaveState`)."""
+
+
+class Code(StrEnum):
+    """What kind of refusal an :attr:`Op.ERROR` reply is: what the client can do about it."""
+
+    MALFORMED = "malformed"
+    """The message could not be read (not msgpack, wrong version, frames that do not match)."""
+    REFUSED = "refused"
+    """A well-formed request the server will not carry out (unknown op, bad values, wrong
+    shapes): the same request would be refused again."""
+    UNINITIALIZED = "uninitialized"
+    """The ps holds no variables (yet, or again: it restarted after a crash)."""
+    RESTORED = "restored"
+    """Overtaken by a restore of the ps from a checkpoint: the step it was made for is gone."""
+    STOPPING = "stopping"
+    """The server stopped (or the step can no longer complete) while the request waited."""
+
+
+class SaveState(StrEnum):
+    """Progress of one shard's checkpoint write (the :attr:`Key.STATE` of a save_status)."""
+
+    WRITING = "writing"
+    DONE = "done"
+    ERROR = "error"
+    UNKNOWN = "unknown"
+    """No save into that directory was asked of this shard (or it restarted since)."""
+
+
+class Key(StrEnum):
+    """The keys of a message header.
+
+    The framing keys, in every message, are one letter on the wire; the others say what they
+    hold.
+    """
+
+    # -- framing (psflow.transport.wire) ---------------------------------------------------
+    VERSION = "v"
+    """:data:`PROTOCOL_VERSION` of the sender."""
+    ID = "id"
+    """The request's id, chosen by the client; its reply carries the same."""
+    OP = "op"
+    """An :class:`Op`."""
+    TENSORS = "t"
+    """The tensors that follow, as ``[name, dtype, shape]`` triples."""
+    INLINE = "b"
+    """The tensors' bytes inside the header (small messages)."""
+    CHUNK = "c"
+    """The tensors' bytes follow in frames of at most this many bytes."""
+    IN_LANE = "s"
+    """The tensors' bytes lie in the shared-memory lane the message came through."""
+    ERROR = "error"
+    """Why a request was refused (:attr:`Op.ERROR`), for people."""
+    CODE = "code"
+    """What kind of refusal (:class:`Code`), for programs."""
+
+    # -- shared-memory lanes (psflow.transport.shm) -----------------------------------------
+    LANE_NAME = "name"
+    """The lane's shared-memory file name."""
+    LANE_TOKEN = "token"
+    """The secret the server checks in the lane's file, so it maps only the client's own."""
+    LANE_REQUEST_BYTES = "req"
+    """Bytes of the lane's request area."""
+    LANE_REPLY_BYTES = "rep"
+    """Bytes of the lane's reply area."""
+    NEED = "need"
+    """With :attr:`Op.USE_SOCKET`: lane bytes the reply would have needed."""
+
+    # -- requests to a ps -------------------------------------------------------------------
+    TASK = "task"
+    """The sending task (``worker:1``)."""
+    STEP = "step"
+    """A global step: of an init or restore, of a sync gradient; in replies, the shard's."""
+    NAMES = "names"
+    """Variables to pull (default: all)."""
+    OPTIMIZER = "optimizer"
+    """An :class:`~psflow.protocol.specs.OptimizerSpec` as data."""
+    OPT_STATE = "opt_state"
+    """Restored optimizer state that is not a tensor, per variable."""
+    REPLACE = "replace"
+    """The chief replaces initialised variables (a restore after a ps crashed)."""
+    DIR = "dir"
+    """A checkpoint directory ``.../ckpt-<step>``."""
+    REPLICAS_TO_AGGREGATE = "replicas_to_aggregate"
+    """Sync: gradients averaged per step."""
+    TOTAL_NUM_REPLICAS = "total_num_replicas"
+    """Sync: workers in the job (more than aggregated makes backup workers)."""
+    DECISIONS = "decisions"
+    """Sync: ``[[step, [worker, ...]], ...]``, the workers whose gradients made each step."""
+    CLOCK = "clock"
+    """Bounded staleness: steps this worker has completed."""
+    MAX_STALENESS = "max_staleness"
+    """Bounded staleness: how many steps ahead of the slowest a worker may be."""
+
+    # -- replies from a ps -------------------------------------------------------------------
+    SHARD = "shard"
+    """The shard's index."""
+    INITIALIZED = "initialized"
+    """Whether the shard holds variables."""
+    ALREADY = "already"
+    """An init found the shard initialised already (and left it as it was)."""
+    FINISHED = "finished"
+    """The workers that have finished."""
+    VARIABLES = "variables"
+    """Each variable's ``[dtype, shape]``."""
+    STAGED = "staged"
+    """Sync: the gradients were kept for their step (not stale)."""
+    ACCEPTED = "accepted"
+    """Sync: this worker's gradients were among those averaged for the step."""
+    ARRIVED = "arrived"
+    """Sync: the workers counted so far for the current step."""
+    PENDING = "pending"
+    """Sync: the workers whose pushes wait for the current step."""
+    DROPPED_STALE = "dropped_stale"
+    """Sync: gradients dropped because their step had passed."""
+    DROPPED_BY_WORKER = "dropped_by_worker"
+    """Sync: dropped gradients, per worker."""
+    ACCEPTED_BY_WORKER = "accepted_by_worker"
+    """Sync: averaged gradients, per worker."""
+    CLOCKS = "clocks"
+    """Bounded staleness: each worker's clock, the slowest, who lags, who waits."""
+    SLOWEST = "slowest"
+    """Bounded staleness: the lowest clock among unfinished workers."""
+    LAGGARDS = "laggards"
+    """Bounded staleness: the workers at the slowest clock."""
+    WAITING = "waiting"
+    """Bounded staleness: the workers held back."""
+    WAITS = "waits"
+    """Bounded staleness: requests that had to wait for a slower worker."""
+    AHEAD = "ahead"
+    """Bounded staleness: how far this worker is ahead of the slowest."""
+    HELD = "held"
+    """Bounded staleness: this request had to wait."""
+    SAVING = "saving"
+    """The shard file being written."""
+    SNAPSHOT_STEP = "snapshot_step"
+    """The shard's step in the snapshot being written."""
+    SNAPSHOT_SECONDS = "snapshot_seconds"
+    """How long taking the snapshot paused serving."""
+    STATE = "state"
+    """A :class:`SaveState`."""
+    FILE = "file"
+    """The shard file a save writes."""
+    SECONDS = "seconds"
+    """How long the write took."""
