@@ -439,9 +439,7 @@ class Client:
         self._lane_inflight: dict[int, str] = {}  # through a lane
         self._lane_need: dict[str, int] = {}  # the largest reply seen from each peer
         self._no_lane: set[str] = set() if config.shared_memory else set(peers)
-        self.on_lane_retired: Callable[[np.ndarray[Any, Any]], None] | None = None
-        """Called with a lane's reply area when a timed-out request leaves it to a server that
-        may still write there: views of it taken with ``lane_views`` must move out."""
+        self._lane_retired: list[Callable[[np.ndarray[Any, Any]], None]] = []
         self._answered: set[str] = set()
         for name, address in peers.items():
             sock = self._context.socket(zmq.DEALER)
@@ -457,6 +455,16 @@ class Client:
     @property
     def peers(self) -> list[str]:
         return list(self._socks)
+
+    def on_lane_retired(self, callback: Callable[[np.ndarray[Any, Any]], None]) -> None:
+        """Registers ``callback``, called with a lane's reply area when a timed-out request
+        leaves it to a server that may still write there: views of it taken with
+        ``lane_views`` must move out."""
+        self._lane_retired.append(callback)
+
+    def lane(self, peer: str) -> Lane | None:
+        """The shared-memory lane to ``peer``, if one is attached."""
+        return self._lanes.get(peer)
 
     def send(
         self,
@@ -645,8 +653,9 @@ class Client:
                 peer = self._lane_inflight.pop(r)
                 # Its server may still read or write the lane later: never use it again.
                 lane = self._lanes.get(peer)
-                if lane is not None and self.on_lane_retired is not None:
-                    self.on_lane_retired(lane.reply)
+                if lane is not None:
+                    for callback in self._lane_retired:
+                        callback(lane.reply)
                 self._drop_lane(peer)
             late.add(peer)
         names = ", ".join(f"{p} at {self._addresses[p]}" for p in sorted(late))

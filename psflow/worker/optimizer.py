@@ -133,7 +133,7 @@ class DistributedOptimizer:
             for p in self.pieces
             if p.rows is None and self.params[p.param].device.type == "cpu"
         }
-        self._client.transport.on_lane_retired = self._move_out_of
+        self._client.transport.on_lane_retired(self._move_out_of)
         self._view_ptrs: tuple[int, ...] = ()
         self._view_of: dict[str, torch.Tensor] = {}
         self._into: dict[str, torch.Tensor] = {}
