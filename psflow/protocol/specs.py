@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +30,7 @@ class OptimizerSpec:
     def __post_init__(self) -> None:
         cls = getattr(torch.optim, self.name, None) if isinstance(self.name, str) else None
         is_optimizer = isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
-        if not is_optimizer or cls is torch.optim.Optimizer:
+        if cls is None or not is_optimizer or cls is torch.optim.Optimizer:
             raise ValueError(f"unknown optimizer {self.name!r}: expected a torch.optim class name")
         if not isinstance(self.kwargs, Mapping):
             raise ValueError(f"optimizer arguments must be a mapping, got {self.kwargs!r}")
@@ -39,6 +40,28 @@ class OptimizerSpec:
             )
             if not isinstance(key, str) or not ok:
                 raise ValueError(f"optimizer argument {key!r}={value!r} is not a plain value")
+        try:
+            # Checked here, on the worker, so a misspelt argument is named at once rather
+            # than refused by every ps when the chief initialises them.
+            inspect.signature(cls).bind([], **self.kwargs)
+        except TypeError as e:
+            raise ValueError(
+                f"cannot build torch.optim.{self.name}({dict(self.kwargs)}): {e}"
+            ) from None
+
+    @classmethod
+    def of(cls, optimizer: str | OptimizerSpec, **kwargs: Any) -> OptimizerSpec:
+        """``optimizer`` itself, or the class it names with ``kwargs`` (default ``lr=0.01``).
+
+        Raises:
+            ValueError: for an unknown class, an argument it does not take, or arguments
+                given beside a spec.
+        """
+        if isinstance(optimizer, OptimizerSpec):
+            if kwargs:
+                raise ValueError(f"give {sorted(kwargs)} in the OptimizerSpec, not beside it")
+            return optimizer
+        return cls(name=optimizer, kwargs=kwargs or {"lr": 0.01})
 
     def build(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
         cls = getattr(torch.optim, self.name)

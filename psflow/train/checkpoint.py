@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import save as st_save
 
-from psflow.protocol import OptimizerSpec
+from psflow.protocol import Key, OptimizerSpec, SaveState
 from psflow.ps.checkpoint import OPT_SEP, ShardFile, atomic_write, read_shard, url_to_fs
 from psflow.train.manifest import CheckpointDir, Manifest, VariableEntry
 from psflow.transport.wire import dtype_name
@@ -225,7 +225,7 @@ class Checkpointer:
         replies = self.client.save({s: url for s in range(self.client.num_shards)})
         self.last_pause = time.perf_counter() - start
         self.last_snapshot_seconds = max(
-            float(h.get("snapshot_seconds", 0)) for h in replies.values()
+            float(h.get(Key.SNAPSHOT_SECONDS, 0)) for h in replies.values()
         )
         self._thread = threading.Thread(
             target=self._finish, args=(name, url, replies), name="psflow-ckpt", daemon=True
@@ -277,13 +277,14 @@ class Checkpointer:
         while pending:
             statuses = client.save_status({s: url for s in pending})
             for s, h in statuses.items():
-                if h.get("state") == "done":
+                state = h.get(Key.STATE)
+                if state == SaveState.DONE:
                     pending.discard(s)
-                elif h.get("state") == "error":
+                elif state == SaveState.ERROR:
                     raise RuntimeError(
-                        f"ps:{s} could not write its shard of {url}: {h.get('error')}"
+                        f"ps:{s} could not write its shard of {url}: {h.get(Key.ERROR)}"
                     )
-                elif h.get("state") != "writing":
+                elif state != SaveState.WRITING:
                     raise RuntimeError(f"ps:{s} knows of no save into {url} (restarted?)")
             if pending and time.monotonic() > deadline:
                 names = ", ".join(f"ps:{s}" for s in sorted(pending))
@@ -297,7 +298,7 @@ class Checkpointer:
         n = self.client.num_shards
         variables = []
         for p in self.pieces:
-            held = replies[p.shard].get("variables", {}).get(p.var)
+            held = replies[p.shard].get(Key.VARIABLES, {}).get(p.var)
             if held is None:
                 raise RuntimeError(f"ps:{p.shard} does not hold {p.var!r}: placement mismatch")
             variables.append(
@@ -312,11 +313,11 @@ class Checkpointer:
                 )
             )
         return Manifest(
-            global_step=int(replies[0]["snapshot_step"]),
+            global_step=int(replies[0][Key.SNAPSHOT_STEP]),
             num_shards=n,
-            optimizer=dict(replies[0].get("optimizer") or {}),
+            optimizer=dict(replies[0].get(Key.OPTIMIZER) or {}),
             variables=variables,
             params=self.param_meta,
-            shard_steps=[int(replies[s]["snapshot_step"]) for s in range(n)],
+            shard_steps=[int(replies[s][Key.SNAPSHOT_STEP]) for s in range(n)],
             created=time.time(),
         )

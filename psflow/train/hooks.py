@@ -12,8 +12,6 @@ TensorFlow's ``SessionRunHook`` vocabulary: ``begin``, ``before_run``/``after_ru
 from __future__ import annotations
 
 import math
-import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -189,27 +187,3 @@ class LoggingHook(Hook):
             self._emit(session.global_step, time.monotonic())
             self.stream.write("\n")
             self.stream.flush()
-
-
-class FaultHook(Hook):
-    """Tests only: SIGKILLs this task once the global step reaches ``step``.
-
-    Driven by ``PSFLOW_TEST_KILL_AT_STEP=<task>@<step>`` (``worker:0@3000``), the fault
-    schedule of the resume tests.
-    """
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    @classmethod
-    def from_spec(cls, spec: str, task: str) -> FaultHook | None:
-        who, sep, at = spec.partition("@")
-        if not sep or not at.isdigit():
-            raise ValueError(f"fault schedule {spec!r} must be <task>@<step>, e.g. worker:0@3000")
-        return cls(int(at)) if who == task else None
-
-    def after_step(self, ctx: StepContext) -> None:
-        if ctx.global_step >= self.step:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.kill(os.getpid(), signal.SIGKILL)

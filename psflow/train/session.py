@@ -21,10 +21,9 @@ from torch import nn
 from psflow import env as envvars
 from psflow.cluster.resolve import resolve
 from psflow.cluster.spec import TaskContext
-from psflow.protocol import OptimizerSpec
+from psflow.protocol import Key, OptimizerSpec
 from psflow.train.checkpoint import Checkpointer, load_checkpoint
 from psflow.train.hooks import (
-    FaultHook,
     Hook,
     LoggingHook,
     NanGuardHook,
@@ -33,15 +32,9 @@ from psflow.train.hooks import (
 )
 from psflow.train.manifest import CheckpointDir
 from psflow.train.summary import SummaryHook
-from psflow.transport.connection import (
-    PeerError,
-    PeerLostError,
-    PeerTimeoutError,
-    TransportConfig,
-)
-from psflow.worker.client import ShardedClient
-from psflow.worker.optimizer import DistributedOptimizer
-from psflow.worker.placement import ParamInfo, place
+from psflow.transport import PeerError, PeerLostError, PeerTimeoutError, TransportConfig
+from psflow.worker import DistributedOptimizer, ModeConfig, Placement, ShardedClient
+from psflow.worker.placement import Piece
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +45,8 @@ class SessionConfig:
 
     checkpoint_dir: str | None = None
     """Where checkpoints (and, by default, summaries) go: a path or fsspec URL. ``None``:
-    no checkpoints and no summaries."""
+    ``PSFLOW_LOGDIR`` when it is set (the rendered manifests and the image set it), else no
+    checkpoints and no summaries."""
     summary_dir: str | None = None
     """TensorBoard event files (a local path); default ``checkpoint_dir``."""
     save_checkpoint_secs: float | None = None
@@ -104,6 +98,8 @@ class SessionConfig:
             raise ValueError(f"last_step must be >= 0, got {self.last_step}")
         if self.save_timeout <= 0 or self.end_timeout <= 0:
             raise ValueError("save_timeout and end_timeout must be > 0 seconds")
+        if self.checkpoint_dir is None:
+            self.checkpoint_dir = os.environ.get(envvars.PSFLOW_LOGDIR) or None
         if self.checkpoint_dir is not None:
             CheckpointDir(self.checkpoint_dir)  # validates the URL
             if self.save_checkpoint_secs is None and self.save_checkpoint_steps is None:
@@ -119,15 +115,21 @@ class TrainingSession:
     """Trains ``model`` on the ps with supervision: restore or init, checkpoints, summaries, hooks.
 
     The PyTorch spelling of TensorFlow's ``tf.train.MonitoredTrainingSession`` (also exported
-    under that name). It wraps a :class:`~psflow.worker.DistributedOptimizer`; every argument
-    that is not a :class:`SessionConfig` field is an optimizer argument (``lr=...``).
+    under that name). It builds the optimizer spec, the mode settings and the placement once
+    and hands them to a :class:`~psflow.worker.DistributedOptimizer`; every keyword that is
+    neither named below nor a :class:`SessionConfig` field is an optimizer argument
+    (``lr=...``), checked against the optimizer at once.
 
     Args:
         model: the module to train (the same on every worker).
         ctx: this task (default: from flags or ``TF_CONFIG``).
-        optimizer: a ``torch.optim`` class name, applied on the ps.
+        optimizer: a ``torch.optim`` class name, applied on the ps (or an
+            :class:`~psflow.protocol.OptimizerSpec`).
         hooks: extra :class:`~psflow.train.hooks.Hook` objects, run on every worker.
         placement, partition_bytes, transport: as for ``DistributedOptimizer``.
+        mode, replicas_to_aggregate, total_num_replicas, max_staleness, sync_timeout: the
+            training mode, as for ``DistributedOptimizer`` (or ``mode`` a
+            :class:`~psflow.worker.ModeConfig`).
         config: a :class:`SessionConfig`; or give its fields as keyword arguments.
 
     Example:
@@ -148,11 +150,16 @@ class TrainingSession:
         model: nn.Module,
         ctx: TaskContext | None = None,
         *,
-        optimizer: str = "SGD",
+        optimizer: str | OptimizerSpec = "SGD",
         hooks: Sequence[Hook] = (),
-        placement: str = "greedy",
-        partition_bytes: int | None = 64 << 20,
+        placement: str | Placement = "greedy",
+        partition_bytes: int | None = Placement.partition_bytes,
         transport: TransportConfig | None = None,
+        mode: str | ModeConfig | None = None,
+        replicas_to_aggregate: int | None = None,
+        total_num_replicas: int | None = None,
+        max_staleness: int | None = None,
+        sync_timeout: float | None = None,
         config: SessionConfig | None = None,
         **kwargs: Any,
     ) -> None:
@@ -167,8 +174,20 @@ class TrainingSession:
         self.model = model
         self.ctx = ctx
         self.transport = transport or TransportConfig.from_env()
-        self.optimizer_name = optimizer
-        self.optimizer_kwargs = kwargs
+        self.spec = OptimizerSpec.of(optimizer, **kwargs)
+        self.mode_config = ModeConfig.of(
+            mode,
+            replicas_to_aggregate=replicas_to_aggregate,
+            total_num_replicas=total_num_replicas,
+            max_staleness=max_staleness,
+            sync_timeout=sync_timeout,
+        )
+        if self.mode_config.mode == "allreduce" and self.config.checkpoint_dir is not None:
+            raise ValueError(
+                "checkpoints in mode='allreduce' are not supported yet (there is no ps to "
+                f"save): give no checkpoint_dir (got {self.config.checkpoint_dir!r}, from the "
+                "argument or PSFLOW_LOGDIR)"
+            )
         self.global_step = 0
         self.checkpointer: Checkpointer | None = None
         self.restored_from: str | None = None
@@ -177,20 +196,18 @@ class TrainingSession:
         self._last_save_step = 0
         self._summary: SummaryHook | None = None
         self.hooks = self._builtin_hooks() + list(hooks)
-        infos = [
-            ParamInfo(name=n, shape=tuple(p.shape), dtype=p.dtype)
-            for n, p in model.named_parameters()
-        ]
-        self.pieces = place(
-            infos, ctx.cluster.num_tasks("ps"), strategy=placement, partition_bytes=partition_bytes
-        )
+        self.pieces: list[Piece] = []
+        """Where the parameters live on the ps (none in all-reduce mode)."""
+        if self.mode_config.mode != "allreduce":
+            self.pieces = Placement.of(placement, partition_bytes=partition_bytes).place(
+                model, ctx.cluster.num_tasks("ps")
+            )
         self._client: ShardedClient | None = None
-        self._placement = (placement, partition_bytes)
         ready_timeout = self.config.ready_timeout
         if ready_timeout is None:
             ready_timeout = float(os.environ.get(envvars.PSFLOW_READY_TIMEOUT, 300))
         try:
-            if self.is_chief:
+            if self.is_chief and self.mode_config.mode != "allreduce":
                 self._client = ShardedClient(ctx, self.transport)
                 self._client.wait_ready(ready_timeout, initialized=False)  # ps may be starting
                 self._restore_or_nothing()
@@ -199,7 +216,6 @@ class TrainingSession:
             if self._client is not None:
                 self._client.close()
             raise
-        assert self.opt.pieces == self.pieces, "placement differs from the optimizer's"
         self.global_step = self._last_save_step = self.opt.global_step
         if self.is_chief and self.config.checkpoint_dir is not None:
             assert self._client is not None
@@ -233,7 +249,7 @@ class TrainingSession:
                 LoggingHook(every_n_steps=cfg.log_step_count_steps, last_step=cfg.last_step)
             )
         if self.is_chief and cfg.summary_dir is not None and cfg.save_summaries_steps is not None:
-            lr = self.optimizer_kwargs.get("lr")
+            lr = self.spec.kwargs.get("lr")
             self._summary = SummaryHook(
                 cfg.summary_dir,
                 every_n_steps=cfg.save_summaries_steps,
@@ -241,24 +257,17 @@ class TrainingSession:
                 learning_rate=float(lr) if isinstance(lr, int | float) else None,
             )
             hooks.append(self._summary)
-        fault = os.environ.get(envvars.PSFLOW_TEST_KILL_AT_STEP)
-        if fault:
-            hook = FaultHook.from_spec(fault, str(self.ctx.task))
-            if hook is not None:
-                hooks.append(hook)
         return hooks
 
     def _optimizer(self, ready_timeout: float) -> DistributedOptimizer:
-        placement, partition_bytes = self._placement
         return DistributedOptimizer(
             self.model,
             self.ctx,
-            optimizer=self.optimizer_name,
-            placement=placement,
-            partition_bytes=partition_bytes,
+            optimizer=self.spec,
+            placement=self.pieces,
+            mode=self.mode_config,
             config=self.transport,
             ready_timeout=ready_timeout,
-            **self.optimizer_kwargs,
         )
 
     def _restore_or_nothing(self) -> None:
@@ -288,7 +297,7 @@ class TrainingSession:
         ckpt.check_model({n: p.detach() for n, p in self.model.named_parameters()})
         values, plain = ckpt.place(self.pieces)
         assert self._client is not None
-        spec = OptimizerSpec(name=self.optimizer_name, kwargs=self.optimizer_kwargs or {"lr": 0.01})
+        spec = self.spec
         if ckpt.optimizer.name != spec.name:
             log.warning(
                 "%s was saved with %s, the job uses %s: optimizer state not restored",
@@ -380,7 +389,7 @@ class TrainingSession:
             empty = [
                 self._client.shards[s]
                 for s, h in self._client.status().items()
-                if not h.get("initialized")
+                if not h.get(Key.INITIALIZED)
             ]
             if empty:
                 names = ", ".join(empty)
@@ -464,7 +473,7 @@ class TrainingSession:
         others = {str(t) for t in self.ctx.cluster.trainers} - {str(self.ctx.task)}
         deadline = time.monotonic() + self.config.end_timeout
         while others:
-            finished = set(self._client.status()[0].get("finished", []))
+            finished = set(self._client.status()[0].get(Key.FINISHED, []))
             if others <= finished:
                 return
             if time.monotonic() > deadline:

@@ -1,27 +1,45 @@
 """The worker side: placing parameters on shards, pulling and pushing them, training.
 
-- ``placement.py``: :func:`place` (``greedy`` by bytes, ``round_robin``; partitioning).
-- ``client.py``: :class:`ShardedClient`, requests to every shard at once.
-- ``optimizer.py``: :class:`DistributedOptimizer`, the training API.
-- ``sync.py``: training modes: :class:`ModeConfig`, synchronous steps with backup workers,
-  bounded staleness, :class:`SyncTimeoutError`.
-- ``allreduce.py``: ``mode="allreduce"`` over torch.distributed (imported when used).
+- ``placement.py``: :class:`Placement`, :func:`place` (``greedy`` by bytes, ``round_robin``;
+  partitioning), :class:`Piece`, :class:`ParamInfo`.
+- ``client.py``: :class:`ShardedClient`, every request a worker makes, to all shards at once.
+- ``exchange.py``: :class:`ParameterExchange`, a model's parameters on the ps: initial values,
+  gradients per shard, pulled values back into the model.
+- ``modes.py``: :class:`ModeConfig` (the mode and its settings), :class:`Engine` (what every
+  mode provides), :class:`SyncTimeoutError`.
+- ``engine.py``: :class:`AsyncEngine` (the default mode) and the base of every mode with a ps.
+- ``sync.py``: :class:`SyncEngine`, synchronous steps with backup workers.
+- ``staleness.py``: :class:`StalenessEngine`, bounded staleness.
+- ``allreduce.py``: :class:`~psflow.worker.allreduce.AllReduceEngine`, ``mode="allreduce"``
+  over torch.distributed (imported when used).
+- ``optimizer.py``: :class:`DistributedOptimizer`, the training API: a composition of the
+  above.
 - ``towers.py``: :class:`Towers`, one batch split across several local devices.
 """
 
 from psflow.worker.client import ShardedClient
+from psflow.worker.engine import AsyncEngine
+from psflow.worker.exchange import ParameterExchange
+from psflow.worker.modes import MODES, Engine, ModeConfig, SyncTimeoutError
 from psflow.worker.optimizer import DistributedOptimizer
-from psflow.worker.placement import ParamInfo, Piece, place, shard_bytes
-from psflow.worker.sync import MODES, ModeConfig, SyncTimeoutError
+from psflow.worker.placement import ParamInfo, Piece, Placement, place, shard_bytes
+from psflow.worker.staleness import StalenessEngine
+from psflow.worker.sync import SyncEngine
 from psflow.worker.towers import Towers
 
 __all__ = [
     "MODES",
+    "AsyncEngine",
     "DistributedOptimizer",
+    "Engine",
     "ModeConfig",
     "ParamInfo",
+    "ParameterExchange",
     "Piece",
+    "Placement",
     "ShardedClient",
+    "StalenessEngine",
+    "SyncEngine",
     "SyncTimeoutError",
     "Towers",
     "place",

@@ -27,7 +27,7 @@ from torch import nn
 from psflow.cluster.spec import TaskContext, parse_address
 from psflow.protocol import OptimizerSpec
 from psflow.transport.connection import TransportConfig
-from psflow.worker.sync import Engine, ModeConfig
+from psflow.worker.modes import Engine, ModeConfig
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +36,14 @@ DEFAULT_BUCKET_BYTES = 25 << 20
 
 
 class AllReduceEngine(Engine):
-    """One rank of an all-reduce job; :class:`DistributedOptimizer` dispatches to it.
+    """One rank of an all-reduce job; :class:`DistributedOptimizer` delegates to it.
 
     Example:
         >>> # with psflow.DistributedOptimizer(model, ctx, mode="allreduce", lr=0.1) as opt:
         >>> #     ...same loop as with a ps...   (`psflow launch --workers 2 --mode allreduce`)
     """
+
+    mode = "allreduce"
 
     def __init__(
         self,
@@ -99,7 +101,7 @@ class AllReduceEngine(Engine):
         except BaseException:
             self.close()
             raise
-        self.global_step = 0
+        self._global_step = 0
         log.info(
             "%s is rank %d of %d (%s), %d bucket(s)",
             ctx.task,
@@ -172,11 +174,15 @@ class AllReduceEngine(Engine):
             work.wait()
             bucket.div_(self.world_size)
         self.optimizer.step()
-        self.global_step += 1
-        return self.global_step
+        self._global_step += 1
+        return self._global_step
+
+    @property
+    def global_step(self) -> int:
+        return self._global_step
 
     def pull(self) -> int:
-        return self.global_step  # the parameters are already local and identical everywhere
+        return self._global_step  # the parameters are already local and identical everywhere
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # The gradients stay views of the buckets: zeroed, never set to None.
@@ -185,14 +191,14 @@ class AllReduceEngine(Engine):
 
     def stats(self) -> dict[str, Any]:
         return {
-            "mode": "allreduce",
+            "mode": self.mode,
             "backend": self.backend,
             "rank": self.rank,
             "world_size": self.world_size,
             "buckets": len(self.buckets),
         }
 
-    def close(self) -> None:
+    def close(self, *, finished: bool = True) -> None:
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             # Gloo's objects still held by reference cycles would otherwise be destroyed during

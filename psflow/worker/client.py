@@ -1,4 +1,8 @@
-"""The worker's view of the ps shards: init, wait, pull, push, done — all shards at once."""
+"""The worker's view of the ps shards: every request a worker makes, to all shards at once.
+
+This is the one place on the worker side that speaks the ps protocol (:mod:`psflow.protocol`):
+the engines and the session call these methods and never build a header themselves.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +15,20 @@ from typing import Any
 import torch
 
 from psflow.cluster.spec import TaskContext
-from psflow.protocol import OptimizerSpec
-from psflow.transport import wire
-from psflow.transport.connection import Client, PeerError, TransportConfig
+from psflow.protocol import Code, Key, Op, OptimizerSpec
+from psflow.transport import Client, PeerError, PeerLostError, TransportConfig, wire
 from psflow.worker.placement import Piece
 
 log = logging.getLogger(__name__)
 
 Tensors = list[tuple[str, torch.Tensor]]
+Replies = dict[int, tuple[dict[str, Any], Tensors]]
+"""Each shard's reply: its header and its tensors."""
+
+LOST_CODES = frozenset({Code.UNINITIALIZED, Code.RESTORED})
+"""Refusals that mean the ps lost the state the request was made against (it restarted empty,
+or was restored from a checkpoint since): raised as :class:`PeerLostError`, which a
+:class:`~psflow.train.TrainingSession` recovers from."""
 
 
 class ShardedClient:
@@ -61,37 +71,48 @@ class ShardedClient:
         into: dict[str, torch.Tensor] | None = None,
         lane_views: bool = False,
         layouts: dict[int, wire.Layout] | None = None,
-    ) -> dict[int, tuple[dict[str, Any], Tensors]]:
+    ) -> Replies:
         """One request per listed shard (its header, its tensors), sent at once; the replies
         (see :meth:`Client.send` for ``layouts``, :meth:`Client.wait` for ``into`` and
-        ``lane_views``)."""
+        ``lane_views``).
+
+        Raises:
+            PeerLostError: when a shard lost the state the request was made against
+                (:data:`LOST_CODES`), or is gone.
+            PeerError: when a shard refused the request or did not answer.
+        """
         rids = {}
         tensors = tensors or {}
         layouts = layouts or {}
         for shard, header in headers.items():
-            header["task"] = self.me
+            header[Key.TASK] = self.me
             rids[shard] = self._client.send(
                 self.shards[shard], header, tensors.get(shard, []), layouts.get(shard)
             )
-        replies = self._client.wait(rids.values(), timeout, into=into, lane_views=lane_views)
+        try:
+            replies = self._client.wait(rids.values(), timeout, into=into, lane_views=lane_views)
+        except PeerError as e:
+            if e.code in LOST_CODES:
+                raise PeerLostError(e.peer, e.detail, code=e.code) from None
+            raise
         return {shard: replies[rid] for shard, rid in rids.items()}
 
-    def status(self) -> dict[int, dict[str, Any]]:
-        return {
-            s: h
-            for s, (h, _) in self.call(
-                {s: {"op": "status"} for s in range(self.num_shards)}
-            ).items()
-        }
+    def _headers(self, op: Op, shards: Sequence[int] | None = None) -> dict[int, dict[str, Any]]:
+        return {s: {Key.OP: op} for s in (range(self.num_shards) if shards is None else shards)}
+
+    # -- state ------------------------------------------------------------------------------
+
+    def status(self, shards: Sequence[int] | None = None) -> dict[int, dict[str, Any]]:
+        """Each shard's state: whether initialised, its step, who has finished."""
+        return {s: h for s, (h, _) in self.call(self._headers(Op.STATUS, shards)).items()}
 
     def initialize(self, values: dict[int, Tensors], spec: OptimizerSpec, step: int = 0) -> bool:
         """Sends the initial values; returns False when the shards were already initialised."""
-        headers = {
-            s: {"op": "init", "optimizer": spec.to_wire(), "step": step}
-            for s in range(self.num_shards)
-        }
+        headers = self._headers(Op.INIT)
+        for h in headers.values():
+            h.update({Key.OPTIMIZER: spec.to_wire(), Key.STEP: step})
         replies = self.call(headers, values)
-        already = [s for s, (h, _) in replies.items() if h.get("already")]
+        already = [s for s, (h, _) in replies.items() if h.get(Key.ALREADY)]
         if already and len(already) != self.num_shards:
             log.warning("shards %s were already initialised, the others were not", already)
         return not already
@@ -111,28 +132,18 @@ class ShardedClient:
         (named ``<var>/opt/<key>``); ``opt_state[s]`` its non-tensor state per variable. With
         ``replace`` (the chief only), shards already initialised take these values too.
         """
-        headers = {
-            s: {
-                "op": "init",
-                "optimizer": spec.to_wire(),
-                "step": step,
-                "opt_state": opt_state.get(s, {}),
-                "replace": replace,
-            }
-            for s in range(self.num_shards)
-        }
+        headers = self._headers(Op.INIT)
+        for s, h in headers.items():
+            h.update(
+                {
+                    Key.OPTIMIZER: spec.to_wire(),
+                    Key.STEP: step,
+                    Key.OPT_STATE: opt_state.get(s, {}),
+                    Key.REPLACE: replace,
+                }
+            )
         replies = self.call(headers, values)
-        return not any(h.get("already") for h, _ in replies.values())
-
-    def save(self, url_of: dict[int, str]) -> dict[int, dict[str, Any]]:
-        """Asks each shard to snapshot itself and write the file under ``url_of[shard]``."""
-        replies = self.call({s: {"op": "save", "dir": url} for s, url in url_of.items()})
-        return {s: h for s, (h, _) in replies.items()}
-
-    def save_status(self, url_of: dict[int, str]) -> dict[int, dict[str, Any]]:
-        """Each shard's progress on the save into ``url_of[shard]``."""
-        replies = self.call({s: {"op": "save_status", "dir": url} for s, url in url_of.items()})
-        return {s: h for s, (h, _) in replies.items()}
+        return not any(h.get(Key.ALREADY) for h, _ in replies.values())
 
     def wait_ready(self, timeout: float, *, initialized: bool = True) -> None:
         """Waits until every shard answers and (with ``initialized``) the chief has set it up.
@@ -145,10 +156,10 @@ class ShardedClient:
         delay = 0.01
         while True:
             try:
-                headers = {s: {"op": "status"} for s in pending}
                 left = max(0.1, min(self.config.timeout, deadline - time.monotonic()))
-                for s, (h, _) in self.call(headers, timeout=left).items():
-                    if h.get("initialized") or not initialized:
+                replies = self.call(self._headers(Op.STATUS, sorted(pending)), timeout=left)
+                for s, (h, _) in replies.items():
+                    if h.get(Key.INITIALIZED) or not initialized:
                         pending.discard(s)
             except PeerError as e:
                 if time.monotonic() > deadline:
@@ -167,13 +178,20 @@ class ShardedClient:
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
 
+    def done(self, timeout: float = 5.0) -> None:
+        """Tells every shard this task has finished (best effort: a dead shard is logged)."""
+        try:
+            self.call(self._headers(Op.DONE), timeout=timeout)
+        except PeerError as e:
+            log.warning("%s could not tell the ps it finished: %s", self.me, e)
+
+    # -- variables --------------------------------------------------------------------------
+
     def pull(
         self, into: dict[str, torch.Tensor] | None = None, *, lane_views: bool = False
-    ) -> dict[int, tuple[dict[str, Any], Tensors]]:
+    ) -> Replies:
         """Every shard's variables (large ones received straight into ``into[name]``)."""
-        return self.call(
-            {s: {"op": "pull"} for s in range(self.num_shards)}, into=into, lane_views=lane_views
-        )
+        return self.call(self._headers(Op.PULL), into=into, lane_views=lane_views)
 
     def push(
         self,
@@ -183,22 +201,85 @@ class ShardedClient:
         into: dict[str, torch.Tensor] | None = None,
         lane_views: bool = False,
         layouts: dict[int, wire.Layout] | None = None,
-    ) -> dict[int, tuple[dict[str, Any], Tensors]]:
+    ) -> Replies:
         """Pushes each shard's gradients (always including shard 0) in one round trip each."""
-        op = "push_pull" if pull else "push"
-        headers = {s: {"op": op} for s in grads}
-        headers.setdefault(0, {"op": op})
+        op = Op.PUSH_PULL if pull else Op.PUSH
+        headers: dict[int, dict[str, Any]] = {s: {Key.OP: op} for s in grads}
+        headers.setdefault(0, {Key.OP: op})
         return self.call(headers, grads, into=into, lane_views=lane_views, layouts=layouts)
 
-    def done(self, timeout: float = 5.0) -> None:
-        """Tells every shard this task has finished (best effort: a dead shard is logged)."""
-        rids = {}
-        for shard, name in enumerate(self.shards):
-            rids[shard] = self._client.send(name, {"op": "done", "task": self.me})
-        try:
-            self._client.wait(rids.values(), timeout=timeout)
-        except PeerError as e:
-            log.warning("%s could not tell the ps it finished: %s", self.me, e)
+    # -- synchronous steps and bounded staleness --------------------------------------------
+
+    def sync_stage(self, grads: dict[int, Tensors], step: int, replicas: tuple[int, int]) -> None:
+        """Stages each listed shard's gradients for ``step`` (acknowledged at once)."""
+        headers = {s: self._sync_header(Op.SYNC_STAGE, step, replicas) for s in grads}
+        self.call(headers, grads)
+
+    def sync_push(
+        self,
+        grads: Tensors,
+        step: int,
+        replicas: tuple[int, int],
+        *,
+        timeout: float,
+        into: dict[str, torch.Tensor],
+    ) -> Replies:
+        """Pushes ps:0's gradients for ``step``; answered once the step is decided, with
+        ps:0's values and its decisions."""
+        return self.call(
+            {0: self._sync_header(Op.SYNC_PUSH, step, replicas)},
+            {0: grads},
+            timeout=timeout,
+            into=into,
+            lane_views=True,
+        )
+
+    def sync_pull(
+        self, shards: Sequence[int], decisions: Any, *, into: dict[str, torch.Tensor]
+    ) -> Replies:
+        """The listed shards' values, after they applied ``decisions`` (ps:0's) they lack."""
+        headers = self._headers(Op.SYNC_PULL, shards)
+        if decisions is not None:
+            for h in headers.values():
+                h[Key.DECISIONS] = decisions
+        return self.call(headers, into=into, lane_views=True)
+
+    def sync_status(self, timeout: float | None = None) -> dict[str, Any]:
+        """ps:0's synchronous state: step, arrivals, dropped gradients per worker, decisions,
+        clocks."""
+        return self.call(self._headers(Op.SYNC_STATUS, [0]), timeout=timeout)[0][0]
+
+    def ssp_wait(self, clock: int, max_staleness: int, *, timeout: float) -> dict[str, Any]:
+        """Returns once ps:0 lets this worker (at ``clock``) go on; the reply header."""
+        header: dict[str, Any] = {
+            Key.OP: Op.SSP_WAIT,
+            Key.CLOCK: clock,
+            Key.MAX_STALENESS: max_staleness,
+        }
+        return self.call({0: header}, timeout=timeout)[0][0]
+
+    @staticmethod
+    def _sync_header(op: Op, step: int, replicas: tuple[int, int]) -> dict[str, Any]:
+        return {
+            Key.OP: op,
+            Key.STEP: step,
+            Key.REPLICAS_TO_AGGREGATE: replicas[0],
+            Key.TOTAL_NUM_REPLICAS: replicas[1],
+        }
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def save(self, url_of: dict[int, str]) -> dict[int, dict[str, Any]]:
+        """Asks each shard to snapshot itself and write the file under ``url_of[shard]``."""
+        replies = self.call({s: {Key.OP: Op.SAVE, Key.DIR: url} for s, url in url_of.items()})
+        return {s: h for s, (h, _) in replies.items()}
+
+    def save_status(self, url_of: dict[int, str]) -> dict[int, dict[str, Any]]:
+        """Each shard's progress on the save into ``url_of[shard]``."""
+        replies = self.call(
+            {s: {Key.OP: Op.SAVE_STATUS, Key.DIR: url} for s, url in url_of.items()}
+        )
+        return {s: h for s, (h, _) in replies.items()}
 
     def close(self) -> None:
         self._client.close()

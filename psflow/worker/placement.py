@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 STRATEGIES = ("greedy", "round_robin")
 
@@ -127,3 +128,47 @@ def shard_bytes(pieces: Sequence[Piece], num_shards: int) -> list[int]:
     for p in pieces:
         load[p.shard] += p.nbytes
     return load
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """How a model's parameters are placed on the ps shards.
+
+    Example:
+        >>> pieces = Placement(strategy="round_robin").place(torch.nn.Linear(2, 1), 2)
+        >>> [(p.var, p.shard) for p in pieces]
+        [('weight', 0), ('bias', 1)]
+    """
+
+    strategy: str = "greedy"
+    """``"greedy"`` (largest first, to the shard holding the fewest bytes) or
+    ``"round_robin"`` (TensorFlow's ``replica_device_setter``)."""
+    partition_bytes: int | None = 64 << 20
+    """A parameter larger than this is split along dim 0 across the shards; ``None``: never."""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(
+                f"unknown placement strategy {self.strategy!r}: expected one of {STRATEGIES}"
+            )
+        if self.partition_bytes is not None and self.partition_bytes <= 0:
+            raise ValueError(f"partition_bytes must be > 0 or None, got {self.partition_bytes}")
+
+    @classmethod
+    def of(cls, placement: str | Placement, *, partition_bytes: int | None) -> Placement:
+        """``placement`` itself, or the strategy it names with ``partition_bytes``."""
+        if isinstance(placement, Placement):
+            if partition_bytes != cls.partition_bytes:
+                raise ValueError("give partition_bytes in the Placement, not beside it")
+            return placement
+        return cls(strategy=placement, partition_bytes=partition_bytes)
+
+    def place(self, model: nn.Module, num_shards: int) -> list[Piece]:
+        """The pieces of every parameter of ``model`` (see :func:`place`)."""
+        infos = [
+            ParamInfo(name=n, shape=tuple(p.shape), dtype=p.dtype)
+            for n, p in model.named_parameters()
+        ]
+        return place(
+            infos, num_shards, strategy=self.strategy, partition_bytes=self.partition_bytes
+        )

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 
 from psflow.cluster.launcher import local_cluster
 from psflow.cluster.spec import ClusterSpec, TaskContext, TaskSpec
+from tests.faults import FAULTS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,13 +25,18 @@ PS_MAIN = "import logging, psflow; logging.basicConfig(level=logging.INFO); ctx,
 
 
 def start_ps(
-    cluster: ClusterSpec, index: int = 0, env: dict[str, str] | None = None
+    cluster: ClusterSpec,
+    index: int = 0,
+    env: dict[str, str] | None = None,
+    faults: Sequence[str] = (),
 ) -> subprocess.Popen[str]:
-    """A ps task as its own process, serving until the workers are done."""
+    """A ps task as its own process, serving until the workers are done; ``faults``: the
+    options of :mod:`tests.faults` (``["--slow-save", "1.5"]``)."""
     task = TaskSpec(job="ps", index=index)
     e = dict(os.environ, TF_CONFIG=cluster.to_tf_config(task), PYTHONUNBUFFERED="1", **(env or {}))
+    wrapper = [str(FAULTS), *faults] if faults else []
     return subprocess.Popen(
-        [sys.executable, "-c", PS_MAIN],
+        [sys.executable, *wrapper, "-c", PS_MAIN],
         env=e,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

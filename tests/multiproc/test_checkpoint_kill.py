@@ -1,7 +1,7 @@
 """A task SIGKILLed in the middle of a save leaves the previous checkpoint restorable.
 
-The ps tasks run with ``PSFLOW_TEST_SLOW_SAVE``: each shard file waits, fully written under its
-temporary name, before its rename; the kills land in that window.
+The ps tasks run with the fault ``--slow-save`` (:mod:`tests.faults`): each shard file waits,
+fully written under its temporary name, before its rename; the kills land in that window.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from psflow import env as envvars
 from psflow.cluster.spec import TaskSpec
 from psflow.train import CheckpointDir, TrainingSession, load_checkpoint
 from psflow.transport import TransportConfig
@@ -25,7 +24,7 @@ from .support import local_cluster, start_ps, stop, worker_ctx
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(60)]
 
-SLOW = {envvars.PSFLOW_TEST_SLOW_SAVE: "1.5"}
+SLOW = ["--slow-save", "1.5"]
 
 
 def _train(sess: TrainingSession, model: torch.nn.Module, steps: int) -> None:
@@ -55,7 +54,7 @@ def _session(
 def test_ps_killed_mid_save_then_restore_into_two_ps(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     cluster = local_cluster(1, 1)
-    ps = start_ps(cluster, env=SLOW)
+    ps = start_ps(cluster, faults=SLOW)
     try:
         probe = ShardedClient(worker_ctx(cluster), TransportConfig(timeout=30))
         probe.status()  # the ps is up: the short timeout below is for its death only
@@ -130,7 +129,7 @@ time.sleep(60)
 def test_chief_killed_mid_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     cluster = local_cluster(1, 1)
-    ps = start_ps(cluster, env=SLOW)
+    ps = start_ps(cluster, faults=SLOW)
     chief = subprocess.Popen(
         [sys.executable, "-c", CHIEF, url],
         env=dict(os.environ, TF_CONFIG=cluster.to_tf_config(TaskSpec(job="worker", index=0))),

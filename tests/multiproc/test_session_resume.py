@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from psflow import env as envvars
 from psflow.train import CheckpointDir
+from tests.faults import FAULTS
 
 from .support import ROOT, launch_cmd
 
@@ -20,22 +20,22 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(90)]
 _PROGRESS = re.compile(r"\[worker:0\] step (\d+)/\d+ .*\| loss (\S+) \|")
 
 
-def _launch(logdir: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _launch(logdir: Path, faults: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
+    """The example through ``psflow launch`` (through :mod:`tests.faults` with ``faults``)."""
+    example = ROOT / "examples" / "linear_regression.py"
     cmd = launch_cmd(
-        ROOT / "examples" / "linear_regression.py",
+        *((FAULTS, *faults, str(example)) if faults else (example,)),
         "--train_steps",
         "10000",
         "--logdir",
         str(logdir),
     )
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=60, env=dict(os.environ, **(env or {}))
-    )
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
 
 
 def test_killed_job_resumes_step_and_loss_from_the_last_checkpoint(tmp_path: Path) -> None:
     logdir = tmp_path / "run"
-    first = _launch(logdir, {envvars.PSFLOW_TEST_KILL_AT_STEP: "worker:0@3500"})
+    first = _launch(logdir, ["--kill-at", "worker:0@3500"])
     assert first.returncode == 1, first.stderr[-3000:]
     assert "task worker:0 failed with signal 9" in first.stderr
     saved = CheckpointDir(str(logdir))

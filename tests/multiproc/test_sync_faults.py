@@ -43,8 +43,9 @@ def test_one_backup_worker_killing_a_worker_mid_run_does_not_stop_training(tmp_p
     cluster = local_cluster(1, 3)
     ps = start_ps(cluster)
     # The barrier keeps worker:1 from starting so late that the other two have finished without it.
-    env = {"PSFLOW_TEST_KILL_AT_STEP": "worker:1@7", "SYNC_WORKER_BARRIER": f"{tmp_path}:3"}
-    args = [str(steps), "mode=sync", "replicas_to_aggregate=2", "sync_timeout=20.0"]
+    env = {"SYNC_WORKER_BARRIER": f"{tmp_path}:3"}
+    args = [str(steps), "kill_at=worker:1@7", "mode=sync", "replicas_to_aggregate=2"]
+    args.append("sync_timeout=20.0")
     procs = [_worker(cluster, i, args, env) for i in range(3)]
     try:
         outs = []

@@ -20,7 +20,7 @@ from psflow.train import (
     StopAtStepHook,
     SummaryHook,
 )
-from psflow.train.hooks import FaultHook
+from tests.faults import FaultHook
 
 pytestmark = pytest.mark.unit
 

@@ -1,9 +1,9 @@
 """A worker of the training-mode tests: trains the MLP of sync_support until a global step.
 
-    python sync_worker.py STEPS [KEY=VALUE ...]   (KEY: mode, replicas_to_aggregate, ...)
+    python sync_worker.py STEPS [kill_at=TASK@STEP] [KEY=VALUE ...]   (KEY: mode, ...)
 
-Honours PSFLOW_TEST_KILL_AT_STEP (``worker:1@7``: that worker SIGKILLs itself there, after
-printing ``KILLED AT <step>`` to stderr) and SYNC_WORKER_BARRIER=DIR:N (each worker waits, once its
+``kill_at=worker:1@7``: that worker SIGKILLs itself there, after printing ``KILLED AT <step>``
+to stderr (the fault schedule). Honours SYNC_WORKER_BARRIER=DIR:N (each worker waits, once its
 model is ready, until N workers have checked in under DIR, so that none starts late). Prints
 ``RESULT {json}`` last: final parameters, first and last loss, the mode's counters.
 """
@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sync_support import batch, loss_fn, make_model
 
 import psflow
-from psflow import env
 
 
 def barrier(spec: str, me: str) -> None:
@@ -43,14 +42,14 @@ def main() -> None:
         return
     steps = int(sys.argv[1])
     kwargs: dict[str, object] = {}
+    kill_at = None
     for item in sys.argv[2:]:
         key, _, value = item.partition("=")
+        if key == "kill_at":
+            who, _, at = value.partition("@")
+            kill_at = int(at) if who == str(ctx.task) else None
+            continue
         kwargs[key] = value if key == "mode" else float(value) if "." in value else int(value)
-    kill_at = None
-    fault = os.environ.get(env.PSFLOW_TEST_KILL_AT_STEP, "")
-    who, _, at = fault.partition("@")
-    if who == str(ctx.task):
-        kill_at = int(at)
     model = make_model("mlp")
     losses = []
     ex, ey = batch(10**6, 0, 512)  # held out: the same for every worker

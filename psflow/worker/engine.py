@@ -1,0 +1,58 @@
+"""The modes that train against the ps share one :class:`ParameterExchange`:
+:class:`ExchangeEngine` is their common part, :class:`AsyncEngine` the default mode.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from psflow.protocol import OptimizerSpec
+from psflow.worker.exchange import ParameterExchange
+from psflow.worker.modes import Engine
+from psflow.worker.placement import Piece
+
+
+class ExchangeEngine(Engine):
+    """A mode whose parameters live on the ps: it owns the exchange, and pulls, clears
+    gradients and closes through it."""
+
+    def __init__(self, exchange: ParameterExchange) -> None:
+        self.exchange = exchange
+        self.client = exchange.client
+
+    @property
+    def global_step(self) -> int:
+        return self.exchange.global_step
+
+    @property
+    def pieces(self) -> list[Piece]:
+        return self.exchange.pieces
+
+    def start(self, spec: OptimizerSpec, *, ready_timeout: float) -> int:
+        """The chief initialises the ps (others wait for it), then this worker pulls the
+        mode's way. Returns the global step."""
+        self.exchange.start(spec, ready_timeout=ready_timeout)
+        return self.pull()
+
+    def pull(self) -> int:
+        return self.exchange.pull()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.exchange.zero_grad(set_to_none)
+
+    def sync_status(self, timeout: float | None = None) -> dict[str, Any]:
+        return self.client.sync_status(timeout)
+
+    def close(self, *, finished: bool) -> None:
+        self.exchange.close(finished=finished)
+
+
+class AsyncEngine(ExchangeEngine):
+    """Asynchronous training: each step pushes this worker's gradients, which every shard
+    applies on arrival, and pulls the values that result, in one round trip per shard."""
+
+    mode = "async"
+
+    def step(self) -> int:
+        grads, layouts = self.exchange.gradients()
+        return self.exchange.push_pull(grads, layouts)

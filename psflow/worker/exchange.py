@@ -1,0 +1,241 @@
+"""The parameter exchange: where a model's parameters live on the ps, and how they move.
+
+Every training mode that uses a ps goes through one :class:`ParameterExchange`: it places the
+parameters on the shards, sends the chief's initial values, gathers each shard's gradients,
+and puts pulled values back into the model, received straight into the model's memory where
+it can. The engines (:mod:`psflow.worker.engine`) decide only *when* to push and pull.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from psflow.cluster.spec import TaskContext
+from psflow.protocol import Key, OptimizerSpec
+from psflow.transport import TransportConfig, wire
+from psflow.worker.client import Replies, ShardedClient, Tensors, group_by_shard
+from psflow.worker.placement import Piece
+
+log = logging.getLogger(__name__)
+
+
+class ParameterExchange:
+    """A model's parameters placed on the ps shards, pulled and pushed.
+
+    Args:
+        model: the module whose parameters the ps hold; pulls overwrite them.
+        ctx: this task.
+        pieces: the placement (:func:`~psflow.worker.placement.place`), the same on every
+            worker.
+        transport: transport settings.
+
+    Example:
+        >>> # ex = ParameterExchange(model, ctx, pieces=place(...), transport=TransportConfig())
+        >>> # ex.start(spec, ready_timeout=300)   # chief: init; others: wait
+        >>> # ex.pull()
+        >>> # grads, layouts = ex.gradients(); ex.push_pull(grads, layouts)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        ctx: TaskContext,
+        *,
+        pieces: Sequence[Piece],
+        transport: TransportConfig,
+    ) -> None:
+        self.ctx = ctx
+        self.params: dict[str, nn.Parameter] = dict(model.named_parameters())
+        self.pieces = list(pieces)
+        unknown = sorted({p.param for p in self.pieces} - set(self.params))
+        if unknown:
+            raise ValueError(f"the placement names parameters the model lacks: {unknown}")
+        self.client = ShardedClient(ctx, transport)
+        self.global_step = 0
+        """Shard 0's step in its last reply."""
+        self._by_shard = group_by_shard(self.pieces)
+        too_high = sorted(s for s in self._by_shard if s >= self.client.num_shards)
+        if too_high:
+            self.client.close()
+            raise ValueError(
+                f"the placement uses shards {too_high}, the cluster has "
+                f"{self.client.num_shards} ps task(s)"
+            )
+        self._shard_of = {p.var: p.shard for p in self.pieces}
+        self._grad_plan = [
+            (shard, [(p.var, self.params[p.param], p.rows) for p in pieces])
+            for shard, pieces in self._by_shard.items()
+        ]
+        # What a shard's gradients look like when every one of its variables has one.
+        self._grad_layouts = {
+            shard: wire.Layout.of(self._values(pieces)) for shard, pieces in self._by_shard.items()
+        }
+        # Parameters held whole by one shard, on the CPU: a pull may hand them memory of their
+        # own instead of copying into theirs (see load).
+        self._whole = {
+            p.var: self.params[p.param]
+            for p in self.pieces
+            if p.rows is None and self.params[p.param].device.type == "cpu"
+        }
+        self.client.transport.on_lane_retired(self._move_out_of)
+        self._view_ptrs: tuple[int, ...] = ()
+        self._view_of: dict[str, torch.Tensor] = {}
+        self._into: dict[str, torch.Tensor] = {}
+
+    @property
+    def num_shards(self) -> int:
+        return self.client.num_shards
+
+    # -- start ------------------------------------------------------------------------------
+
+    def start(self, spec: OptimizerSpec, *, ready_timeout: float) -> None:
+        """The chief initialises the ps with the model's values (unless they already are:
+        restored, or restarted); other workers wait for it. The engine pulls next, its way.
+        """
+        if self.ctx.is_chief:
+            # The ps tasks may still be starting: wait for them, not just one request's timeout.
+            self.client.wait_ready(ready_timeout, initialized=False)
+            values = {s: self._values(pieces) for s, pieces in self._by_shard.items()}
+            if self.client.initialize(values, spec):
+                log.info("%s initialised the ps", self.ctx.task)
+            else:
+                log.info(
+                    "%s found the ps already initialised (restored or restarted)", self.ctx.task
+                )
+        else:
+            self.client.wait_ready(ready_timeout)
+
+    def _values(self, pieces: list[Piece]) -> Tensors:
+        return [(p.var, _rows(self.params[p.param].detach(), p.rows)) for p in pieces]
+
+    # -- gradients --------------------------------------------------------------------------
+
+    def gradients(self) -> tuple[dict[int, Tensors], dict[int, wire.Layout]]:
+        """Each shard's slice of the model's gradients (parameters without one are left
+        out), and the layout of each shard whose every variable has one.
+
+        Raises:
+            ValueError: when no parameter has a gradient.
+        """
+        grads: dict[int, Tensors] = {}
+        layouts = {}
+        for shard, plan in self._grad_plan:
+            out = []
+            for var, param, rows in plan:
+                g = param.grad
+                if g is not None:
+                    out.append((var, g if rows is None else g[rows[0] : rows[1]]))
+            if out:
+                grads[shard] = out
+                if len(out) == len(plan):
+                    layouts[shard] = self._grad_layouts[shard]
+        if not grads:
+            raise ValueError("no gradients to push: call loss.backward() before step()")
+        return grads, layouts
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the gradients of the placed parameters, like ``torch.optim.Optimizer``."""
+        for p in self.params.values():  # the parameters we train: no walk over submodules
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_().zero_()
+
+    # -- values -----------------------------------------------------------------------------
+
+    def destinations(self) -> dict[str, torch.Tensor]:
+        """The model's memory for its large variables, to receive pulls straight into.
+
+        Built once and rebuilt only when a parameter's storage changed (``model.to(...)``):
+        this runs every step, and for small models its cost is the step's cost.
+        """
+        ptrs = tuple(p.data_ptr() for p in self.params.values())
+        if ptrs != self._view_ptrs:
+            self._view_of = {p.var: _rows(self.params[p.param].data, p.rows) for p in self.pieces}
+            # Large tensors are received straight into the model (small ones arrive inline).
+            self._into = {
+                v: t
+                for v, t in self._view_of.items()
+                if t.is_contiguous() and t.nbytes > wire.INLINE_BYTES
+            }
+            self._view_ptrs = ptrs
+        return self._into
+
+    def load(self, replies: Replies) -> int:
+        """Puts pulled values in the model; returns the global step (shard 0's).
+
+        Call :meth:`destinations` first (for the request these replies answer): it refreshes
+        the views of the model's parameters that this fills.
+        """
+        views = self._view_of
+        shard_of = self._shard_of
+        whole = self._whole
+        for shard, (header, tensors) in replies.items():
+            # Tensors in a lane or in frames of their own may be adopted; inline ones are
+            # views of one blob per message, copied.
+            adopt = Key.INLINE not in header
+            for var, value in tensors:
+                dst = views.get(var)
+                if dst is None or shard_of[var] != shard:
+                    raise ValueError(f"ps:{shard} sent unknown variable {var!r}")
+                if value.data_ptr() == dst.data_ptr():
+                    continue  # received in place
+                if dst.shape != value.shape:
+                    raise ValueError(
+                        f"ps:{shard} sent {var!r} with shape {list(value.shape)}, "
+                        f"the model has {list(dst.shape)}: is every worker running the same model?"
+                    )
+                param = whole.get(var) if adopt else None
+                if param is not None and value.dtype == param.dtype and param.is_cpu:
+                    # Received into memory of its own (a frame, or the lane where the ps
+                    # writes this variable every time): the parameter moves there.
+                    param.data = value
+                else:
+                    with torch.no_grad():  # only here: a steady step copies nothing
+                        dst.copy_(value)
+            if shard == 0:
+                self.global_step = int(header[Key.STEP])
+        return self.global_step
+
+    def _move_out_of(self, area: np.ndarray[Any, Any]) -> None:
+        """Copies the parameters that live in ``area`` (a lane left to a ps that may still
+        write there) into memory of their own."""
+        lo = area.ctypes.data
+        hi = lo + area.nbytes
+        for param in self._whole.values():
+            if lo <= param.data_ptr() < hi:
+                param.data = param.data.clone()
+
+    # -- the round trips every asynchronous mode makes ----------------------------------------
+
+    def pull(self) -> int:
+        """Overwrites the model's parameters with the ps values; returns the global step."""
+        return self.load(self.client.pull(into=self.destinations(), lane_views=True))
+
+    def push_pull(self, grads: dict[int, Tensors], layouts: dict[int, wire.Layout]) -> int:
+        """Pushes ``grads`` (each shard applies them at once) and pulls the values that
+        result, one round trip per shard; returns the global step."""
+        replies = self.client.push(
+            grads, pull=True, into=self.destinations(), lane_views=True, layouts=layouts
+        )
+        return self.load(replies)
+
+    def close(self, *, finished: bool) -> None:
+        """Tells the ps this worker has finished (with ``finished``) and disconnects."""
+        try:
+            if finished:
+                self.client.done()
+        finally:
+            self.client.close()
+
+
+def _rows(t: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
+    return t if rows is None else t[rows[0] : rows[1]]

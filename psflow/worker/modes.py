@@ -1,0 +1,179 @@
+"""How the workers combine their gradients: the mode settings, and what every mode provides.
+
+- :class:`ModeConfig`: the mode and its settings, validated once.
+- :class:`Engine`: the small interface every mode implements; :class:`DistributedOptimizer`
+  composes one. The engines: :class:`~psflow.worker.engine.AsyncEngine` (async, the default),
+  :class:`~psflow.worker.staleness.StalenessEngine` (async with ``max_staleness``),
+  :class:`~psflow.worker.sync.SyncEngine` (sync, backup workers) and
+  :class:`~psflow.worker.allreduce.AllReduceEngine` (no ps).
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from psflow import env as envvars
+from psflow.transport import PeerTimeoutError
+from psflow.worker.placement import Piece
+
+MODES = ("async", "sync", "allreduce")
+
+
+def _default_mode() -> str:
+    return os.environ.get(envvars.PSFLOW_MODE) or "async"
+
+
+def _default_timeout() -> float | None:
+    raw = os.environ.get(envvars.PSFLOW_SYNC_TIMEOUT)
+    return float(raw) if raw else None
+
+
+@dataclass(kw_only=True)
+class ModeConfig:
+    """How the workers combine their gradients.
+
+    Example:
+        >>> ModeConfig(mode="sync", replicas_to_aggregate=2, total_num_replicas=3).mode
+        'sync'
+    """
+
+    mode: str = field(default_factory=_default_mode)
+    """``"async"``, ``"sync"`` or ``"allreduce"`` (default: ``PSFLOW_MODE``, else async)."""
+    replicas_to_aggregate: int | None = None
+    """Sync: gradients averaged per step (default: every worker)."""
+    total_num_replicas: int | None = None
+    """Sync: workers in the job (default and required: the cluster's workers, chief included);
+    more than ``replicas_to_aggregate`` makes backup workers."""
+    max_staleness: int | None = None
+    """Async: a worker may push its gradient number ``c + 1`` only once every unfinished
+    worker has pushed at least ``c - max_staleness`` (it waits otherwise; nothing is dropped)."""
+    timeout: float | None = field(default_factory=_default_timeout)
+    """Seconds a worker waits for its step (sync) or for the slowest worker (bounded
+    staleness), and for the all-reduce group; default: the transport timeout."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}: expected one of {MODES}")
+        for name in ("replicas_to_aggregate", "total_num_replicas"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+            if v is not None and self.mode != "sync":
+                raise ValueError(f"{name}={v} applies to mode='sync', not {self.mode!r}")
+        r, n = self.replicas_to_aggregate, self.total_num_replicas
+        if r is not None and n is not None and r > n:
+            raise ValueError(f"replicas_to_aggregate={r} exceeds total_num_replicas={n}")
+        s = self.max_staleness
+        if s is not None:
+            if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+                raise ValueError(f"max_staleness must be an integer >= 0, got {s!r}")
+            if self.mode != "async":
+                raise ValueError(f"max_staleness={s} applies to mode='async', not {self.mode!r}")
+        if self.timeout is not None and self.timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
+
+    @classmethod
+    def of(
+        cls,
+        mode: str | ModeConfig | None = None,
+        *,
+        replicas_to_aggregate: int | None = None,
+        total_num_replicas: int | None = None,
+        max_staleness: int | None = None,
+        sync_timeout: float | None = None,
+    ) -> ModeConfig:
+        """The settings given as keywords (a mode's name, or ``None`` for ``PSFLOW_MODE``), or
+        ``mode`` itself when it is a :class:`ModeConfig` (then no other keyword may be given).
+        """
+        given = {
+            "replicas_to_aggregate": replicas_to_aggregate,
+            "total_num_replicas": total_num_replicas,
+            "max_staleness": max_staleness,
+            "sync_timeout": sync_timeout,
+        }
+        if isinstance(mode, ModeConfig):
+            extra = sorted(k for k, v in given.items() if v is not None)
+            if extra:
+                raise ValueError(f"give {extra} in the ModeConfig, not beside it")
+            return mode
+        optional: dict[str, Any] = {"mode": mode, "timeout": sync_timeout}
+        return cls(
+            replicas_to_aggregate=replicas_to_aggregate,
+            total_num_replicas=total_num_replicas,
+            max_staleness=max_staleness,
+            **{k: v for k, v in optional.items() if v is not None},  # else from the environment
+        )
+
+    def replicas(self, num_trainers: int) -> tuple[int, int]:
+        """``(replicas_to_aggregate, total_num_replicas)`` for a job of ``num_trainers``."""
+        n = self.total_num_replicas or num_trainers
+        if n != num_trainers:
+            raise ValueError(
+                f"total_num_replicas={n} but the cluster has {num_trainers} worker task(s) "
+                "(chief included): give every replica a task"
+            )
+        r = self.replicas_to_aggregate or n
+        if r > n:
+            raise ValueError(f"replicas_to_aggregate={r} exceeds the {n} workers of the cluster")
+        return r, n
+
+
+class SyncTimeoutError(PeerTimeoutError):
+    """A synchronous step (or a bounded-staleness wait) did not complete in time.
+
+    ``arrived`` names the workers whose gradients reached ps:0 for ``step``, ``missing`` the
+    unfinished workers that sent none.
+    """
+
+    def __init__(
+        self, peer: str, message: str, *, step: int, arrived: list[str], missing: list[str]
+    ) -> None:
+        super().__init__(peer, message)
+        self.step = step
+        self.arrived = arrived
+        self.missing = missing
+
+
+class Engine(ABC):
+    """One training mode: what :class:`~psflow.worker.DistributedOptimizer` delegates to."""
+
+    mode: str
+    """The mode's name (one of :data:`MODES`)."""
+
+    @property
+    @abstractmethod
+    def global_step(self) -> int:
+        """The global step after the last step or pull."""
+
+    @property
+    def pieces(self) -> list[Piece]:
+        """Where the parameters live on the ps (none without ps)."""
+        return []
+
+    @abstractmethod
+    def step(self) -> int:
+        """Applies this worker's gradients the mode's way; the model then holds the new
+        parameters. Returns the global step."""
+
+    @abstractmethod
+    def pull(self) -> int:
+        """Brings the model's parameters up to date; returns the global step."""
+
+    @abstractmethod
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the gradients, like ``torch.optim.Optimizer.zero_grad``."""
+
+    def stats(self) -> dict[str, Any]:
+        """The mode's counters (accepted and dropped gradients, staleness, waits)."""
+        return {"mode": self.mode}
+
+    def sync_status(self, timeout: float | None = None) -> dict[str, Any]:
+        """ps:0's synchronous state (modes with a ps)."""
+        raise ValueError(f"mode={self.mode!r} has no ps to ask")
+
+    @abstractmethod
+    def close(self, *, finished: bool) -> None:
+        """Releases what the engine holds; with ``finished``, says so to the ps."""

@@ -1,0 +1,103 @@
+"""Faults for the tests, given to real processes as arguments: psflow carries no test branches.
+
+As Horovod's elastic tests pass their fault schedule to the training script, a test runs its
+program (a script, or ``-c CODE``) through this one, which injects the faults first::
+
+    python tests/faults.py [--kill-at TASK@STEP] [--slow-save SECONDS] SCRIPT [ARGS...]
+    python tests/faults.py [...] -c CODE [ARGS...]
+
+- ``--kill-at worker:0@3500``: task ``worker:0`` SIGKILLs itself once its
+  :class:`~psflow.train.TrainingSession` reaches global step 3500 (other tasks ignore it).
+- ``--slow-save 1.5``: every checkpoint shard this process (a ps) writes waits 1.5 s, fully
+  written under its temporary name, before its rename: a window to kill the task in.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from psflow.train import Hook, StepContext, TrainingSession
+
+FAULTS = Path(__file__).resolve()
+"""This file, to run as a program's wrapper: ``[sys.executable, FAULTS, ...]``."""
+
+
+class FaultHook(Hook):
+    """SIGKILLs this task once the global step reaches ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    @classmethod
+    def from_spec(cls, spec: str, task: str) -> FaultHook | None:
+        """The hook for ``task`` from a schedule ``<task>@<step>``; ``None`` for other tasks."""
+        who, sep, at = spec.partition("@")
+        if not sep or not at.isdigit():
+            raise ValueError(f"fault schedule {spec!r} must be <task>@<step>, e.g. worker:0@3000")
+        return cls(int(at)) if who == task else None
+
+    def after_step(self, ctx: StepContext) -> None:
+        if ctx.global_step >= self.step:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_at(spec: str) -> None:
+    """Every :class:`TrainingSession` of this process gets the :class:`FaultHook` of ``spec``."""
+    FaultHook.from_spec(spec, "worker:0")  # validates it now
+    original = TrainingSession.__init__
+
+    def init(self: TrainingSession, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        hook = FaultHook.from_spec(spec, str(self.ctx.task))
+        if hook is not None:
+            self.hooks.append(hook)
+
+    TrainingSession.__init__ = init  # type: ignore[method-assign]
+
+
+def slow_save(seconds: float) -> None:
+    """Checkpoint shards written by this process wait ``seconds`` before their rename."""
+    import psflow.ps.checkpoint as shard_files
+
+    write = shard_files.atomic_write
+
+    def slow(*args: Any, before_commit: Callable[[], None] | None = None, **kwargs: Any) -> None:
+        def pause() -> None:
+            if before_commit is not None:
+                before_commit()
+            time.sleep(seconds)
+
+        write(*args, before_commit=pause, **kwargs)
+
+    shard_files.atomic_write = slow  # type: ignore[assignment]
+
+
+def main(argv: list[str]) -> None:
+    while argv and argv[0] in ("--kill-at", "--slow-save"):
+        flag, value, argv = argv[0], argv[1], argv[2:]
+        if flag == "--kill-at":
+            kill_at(value)
+        else:
+            slow_save(float(value))
+    if not argv:
+        raise SystemExit(__doc__)
+    if argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+    else:
+        sys.argv = argv
+        sys.path.insert(0, str(Path(argv[0]).resolve().parent))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
