@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test suite: lint (ruff), types (mypy), then every pytest tier.
+# The whole test suite: lint (ruff), types (mypy), layers (import-linter), then every pytest tier.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -10,5 +10,9 @@ ruff check psflow tests examples benchmarks
 ruff format --check psflow tests examples benchmarks
 echo "== mypy =="
 mypy
+echo "== import-linter =="
+# The contracts in pyproject.toml ([tool.importlinter]). No cache: the graph builds in
+# milliseconds, and the cache would be one more untracked directory in the checkout.
+lint-imports --no-cache
 echo "== pytest =="
 pytest -q "$@"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -137,8 +136,3 @@ def convert_table(
         if bar is not None:
             bar.close()
         return w.records
-
-
-def default_output(src: str) -> str:
-    base = os.path.splitext(src)[0]
-    return base + ".tfrecord"

@@ -19,8 +19,6 @@ import numpy as np
 
 BYTES, FLOAT, INT64 = 1, 2, 3  # Feature's oneof field numbers, as in feature.proto
 
-_U64_7F = np.uint64(0x7F)
-
 
 @dataclass
 class Column:
