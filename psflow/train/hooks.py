@@ -15,12 +15,28 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any, Protocol
 
 import torch
+from torch import nn
 
-if TYPE_CHECKING:
-    from psflow.train.session import TrainingSession
+from psflow.cluster.spec import TaskContext
+from psflow.worker import DistributedOptimizer
+
+
+class Session(Protocol):
+    """What a hook sees of its session (:class:`~psflow.train.TrainingSession` is one): hooks
+    depend on this, not on the session's module."""
+
+    model: nn.Module
+    ctx: TaskContext
+    opt: DistributedOptimizer
+    global_step: int
+
+    @property
+    def latest_checkpoint(self) -> str | None: ...
+
+    def request_stop(self) -> None: ...
 
 
 class NanLossError(RuntimeError):
@@ -31,7 +47,7 @@ class NanLossError(RuntimeError):
 class StepContext:
     """What a hook sees of one step."""
 
-    session: TrainingSession
+    session: Session
     global_step: int
     """Before the step: the last global step seen; after it: the new one."""
     loss: float | None = None
@@ -52,7 +68,7 @@ class Hook:
         ...             print(ctx.global_step, ctx.loss)
     """
 
-    def begin(self, session: TrainingSession) -> None:
+    def begin(self, session: Session) -> None:
         """After the model is ready (restored or initialised), before the first step."""
 
     def before_step(self, ctx: StepContext) -> None:
@@ -61,7 +77,7 @@ class Hook:
     def after_step(self, ctx: StepContext) -> None:
         """After the push and pull; ``ctx.global_step`` is the new global step."""
 
-    def end(self, session: TrainingSession) -> None:
+    def end(self, session: Session) -> None:
         """When the session ends without an error (before the final checkpoint)."""
 
 
@@ -73,7 +89,7 @@ class StopAtStepHook(Hook):
             raise ValueError(f"last_step must be >= 0, got {last_step}")
         self.last_step = last_step
 
-    def begin(self, session: TrainingSession) -> None:
+    def begin(self, session: Session) -> None:
         if session.global_step >= self.last_step:
             session.request_stop()
 
@@ -141,7 +157,7 @@ class LoggingHook(Hook):
         self._loss_n = 0
         self._drawn = False
 
-    def begin(self, session: TrainingSession) -> None:
+    def begin(self, session: Session) -> None:
         self._t0 = self._last_t = time.monotonic()
         self._step0 = self._last_step = session.global_step
 
@@ -182,7 +198,7 @@ class LoggingHook(Hook):
         self._last_t, self._last_step = now, step
         self._loss_sum, self._loss_n = 0.0, 0
 
-    def end(self, session: TrainingSession) -> None:
+    def end(self, session: Session) -> None:
         if self.tty and self._drawn:
             self._emit(session.global_step, time.monotonic())
             self.stream.write("\n")

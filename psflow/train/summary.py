@@ -9,12 +9,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from psflow.train.hooks import Hook, StepContext
+from psflow.train.hooks import Hook, Session, StepContext
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
-
-    from psflow.train.session import TrainingSession
 
 
 class SummaryHook(Hook):
@@ -54,7 +52,7 @@ class SummaryHook(Hook):
             self._writer = SummaryWriter(log_dir=self.logdir)
         return self._writer
 
-    def begin(self, session: TrainingSession) -> None:
+    def begin(self, session: Session) -> None:
         self._last_t = time.monotonic()
         self._last_step = self._last_hist = session.global_step
 
@@ -79,7 +77,7 @@ class SummaryHook(Hook):
             self.histograms(ctx.session, step)
             self._last_hist = step
 
-    def histograms(self, session: TrainingSession, step: int) -> None:
+    def histograms(self, session: Session, step: int) -> None:
         for name, p in session.model.named_parameters():
             self.writer.add_histogram(name, p.detach(), step)
 
