@@ -30,13 +30,11 @@ PSFLOW_LOG_LEVEL = "PSFLOW_LOG_LEVEL"
 """Logging level for psflow's own loggers (DEBUG, INFO, WARNING, ERROR)."""
 
 PSFLOW_LOGDIR = "PSFLOW_LOGDIR"
-"""Default directory for checkpoints and TensorBoard summaries."""
+"""Default directory for checkpoints and TensorBoard summaries: a
+:class:`~psflow.train.TrainingSession` whose script gives no ``checkpoint_dir`` uses it."""
 
 PSFLOW_TEST_SLOW_SAVE = "PSFLOW_TEST_SLOW_SAVE"
 """Tests only: seconds each ps sleeps while writing a checkpoint shard (a window to kill it in)."""
-
-PSFLOW_TEST_KILL_AT_STEP = "PSFLOW_TEST_KILL_AT_STEP"
-"""Tests only: ``<task>@<step>`` (``worker:0@3000``): that task SIGKILLs itself at that step."""
 
 PSFLOW_MODE = "PSFLOW_MODE"
 """Training mode when the script does not pass one: ``async`` (default), ``sync`` or
