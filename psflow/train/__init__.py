@@ -5,8 +5,9 @@
 - ``checkpoint.py``: :class:`Checkpointer` (saving through the ps), :func:`load_checkpoint`,
   :func:`export_state_dict`, :class:`Checkpoint`.
 - ``manifest.py``: :class:`CheckpointDir` (``latest`` pointer, retention), :class:`Manifest`.
-- ``hooks.py``: :class:`Hook`, :class:`StepContext`, :class:`StopAtStepHook`,
-  :class:`NanGuardHook` (:class:`NanLossError`), :class:`LoggingHook`.
+- ``hooks.py``: :class:`Hook`, :class:`StepContext`, :class:`Session` (what a hook sees of
+  its session), :class:`StopAtStepHook`, :class:`NanGuardHook` (:class:`NanLossError`),
+  :class:`LoggingHook`.
 - ``summary.py``: :class:`SummaryHook` (TensorBoard event files).
 - ``mode_stats.py``: :class:`ModeStatsHook` (sync drops, staleness, waits as summaries).
 - ``cli.py``: ``psflow checkpoint inspect|export``.
@@ -20,6 +21,7 @@ from psflow.train.hooks import (
     LoggingHook,
     NanGuardHook,
     NanLossError,
+    Session,
     StepContext,
     StopAtStepHook,
 )
@@ -39,6 +41,7 @@ __all__ = [
     "MonitoredTrainingSession",
     "NanGuardHook",
     "NanLossError",
+    "Session",
     "SessionConfig",
     "StepContext",
     "StopAtStepHook",
