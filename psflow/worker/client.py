@@ -81,6 +81,17 @@ class ShardedClient:
                 (:data:`LOST_CODES`), or is gone.
             PeerError: when a shard refused the request or did not answer.
         """
+        rids = self.send(headers, tensors, layouts=layouts)
+        return self.wait(rids, timeout, into=into, lane_views=lane_views)
+
+    def send(
+        self,
+        headers: dict[int, dict[str, Any]],
+        tensors: dict[int, Tensors] | None = None,
+        *,
+        layouts: dict[int, wire.Layout] | None = None,
+    ) -> dict[int, int]:
+        """The first half of :meth:`call`: sends the requests; returns their ids by shard."""
         rids = {}
         tensors = tensors or {}
         layouts = layouts or {}
@@ -89,6 +100,17 @@ class ShardedClient:
             rids[shard] = self._client.send(
                 self.shards[shard], header, tensors.get(shard, []), layouts.get(shard)
             )
+        return rids
+
+    def wait(
+        self,
+        rids: dict[int, int],
+        timeout: float | None = None,
+        *,
+        into: dict[str, torch.Tensor] | None = None,
+        lane_views: bool = False,
+    ) -> Replies:
+        """The second half of :meth:`call`: the replies to the requests :meth:`send` made."""
         try:
             replies = self._client.wait(rids.values(), timeout, into=into, lane_views=lane_views)
         except PeerError as e:
@@ -244,10 +266,10 @@ class ShardedClient:
                 h[Key.DECISIONS] = decisions
         return self.call(headers, into=into, lane_views=True)
 
-    def sync_status(self, timeout: float | None = None) -> dict[str, Any]:
-        """ps:0's synchronous state: step, arrivals, dropped gradients per worker, decisions,
-        clocks."""
-        return self.call(self._headers(Op.SYNC_STATUS, [0]), timeout=timeout)[0][0]
+    def sync_status(self, timeout: float | None = None, *, shard: int = 0) -> dict[str, Any]:
+        """A shard's synchronous state (ps:0's by default, the step authority): step,
+        arrivals, dropped gradients per worker, decisions, clocks."""
+        return self.call(self._headers(Op.SYNC_STATUS, [shard]), timeout=timeout)[shard][0]
 
     def ssp_wait(self, clock: int, max_staleness: int, *, timeout: float) -> dict[str, Any]:
         """Returns once ps:0 lets this worker (at ``clock``) go on; the reply header."""

@@ -17,6 +17,9 @@ import torch
 
 from psflow.cluster.launcher import local_cluster
 from psflow.cluster.spec import ClusterSpec, TaskContext, TaskSpec
+from psflow.transport.shm import Lane
+from psflow.worker import DistributedOptimizer, ShardedClient
+from psflow.worker.engine import ExchangeEngine
 from tests.faults import FAULTS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,6 +74,20 @@ def run_benchmark_smoke(script: str, timeout: float = 110) -> dict[str, Any]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return result
+
+
+def sharded_client(opt: DistributedOptimizer) -> ShardedClient:
+    """The client of an optimizer that trains against the ps."""
+    engine = opt.engine
+    assert isinstance(engine, ExchangeEngine), engine
+    return engine.client
+
+
+def lanes(opt: DistributedOptimizer) -> dict[str, Lane]:
+    """The shared-memory lanes an optimizer's client holds, by peer."""
+    transport = sharded_client(opt).transport
+    out = {peer: transport.lane(peer) for peer in transport.peers}
+    return {peer: lane for peer, lane in out.items() if lane is not None}
 
 
 def worker_ctx(cluster: ClusterSpec, index: int = 0) -> TaskContext:

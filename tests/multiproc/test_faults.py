@@ -24,7 +24,17 @@ from psflow.transport import (
 )
 from psflow.worker.client import ShardedClient
 
-from .support import ROOT, freeze, in_area, launch_cmd, local_cluster, start_ps, stop, worker_ctx
+from .support import (
+    ROOT,
+    freeze,
+    in_area,
+    lanes,
+    launch_cmd,
+    local_cluster,
+    start_ps,
+    stop,
+    worker_ctx,
+)
 
 
 def ask(sock: zmq.Socket[bytes], frames: list[bytes]) -> dict[str, object]:
@@ -192,7 +202,7 @@ def test_a_dead_ps_is_named_at_once_through_its_lane() -> None:
         for _ in range(2):
             model(torch.ones(1, 256)).sum().backward()
             opt.step()
-        assert "ps:0" in opt._client._client._lanes
+        assert "ps:0" in lanes(opt)
         ps.kill()
         ps.wait(10)
         start = time.monotonic()
@@ -217,8 +227,7 @@ def test_a_lane_whose_request_timed_out_is_never_used_again() -> None:
         with psflow.DistributedOptimizer(model, worker_ctx(cluster), lr=0.1, config=config) as opt:
             model(x).square().mean().backward()
             assert opt.step() == 1
-            client = opt._client._client
-            first = client._lanes["ps:0"]
+            first = lanes(opt)["ps:0"]
             assert in_area(model.weight, first.reply)  # pulls land in the model in place
             config.timeout = 1.0
             freeze(ps.pid)
@@ -226,7 +235,7 @@ def test_a_lane_whose_request_timed_out_is_never_used_again() -> None:
                 opt.step()
             # The ps may still read that request and write its reply there when it wakes:
             # the weights moved out of the lane.
-            assert "ps:0" not in client._lanes
+            assert "ps:0" not in lanes(opt)
             assert not in_area(model.weight, first.reply)
             before, area = model.weight.detach().clone(), first.reply.copy()
             os.kill(ps.pid, signal.SIGCONT)
@@ -245,7 +254,7 @@ def test_a_lane_whose_request_timed_out_is_never_used_again() -> None:
             opt.zero_grad()
             model(x).square().mean().backward()
             assert opt.step() == 3  # the late push was applied when the ps woke, then this one
-            assert client._lanes["ps:0"] is not first
+            assert lanes(opt)["ps:0"] is not first
             values = model.weight.detach().clone()
             opt.pull()
             assert torch.equal(model.weight, values) and torch.isfinite(values).all()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import psflow
-from psflow.protocol import OptimizerSpec
+from psflow.protocol import Key, Op, OptimizerSpec
 from psflow.train import CheckpointDir
 from psflow.transport import PeerError, PeerLostError, TransportConfig
 from psflow.worker.client import ShardedClient
@@ -137,35 +137,40 @@ def test_only_the_chief_may_replace_initialised_variables() -> None:
         assert header["step"] == 3 and torch.equal(tensors[0][1], torch.ones(4))
 
 
+def _sync_push(step: int) -> dict[str, object]:
+    """A synchronous push for ``step`` of a job that aggregates 2 of 2 workers."""
+    return {
+        Key.OP: Op.SYNC_PUSH,
+        Key.STEP: step,
+        Key.REPLICAS_TO_AGGREGATE: 2,
+        Key.TOTAL_NUM_REPLICAS: 2,
+    }
+
+
 def test_a_restore_ends_the_synchronous_steps_in_progress() -> None:
     """A worker waiting for a synchronous step, or pushing one past the restored step, hears
     that the ps was restored (a lost peer: it recovers) instead of waiting out its timeout."""
     with _chief_and_other(step=0) as (chief, other):
         grad = [("w", torch.ones(4))]
-        push = {"op": "sync_push", "task": "worker:1", "step": 0, "r": 2, "n": 2}
-        waiting = other.transport.send("ps:0", push, grad)  # held until the chief's gradient
+        push = _sync_push(step=0)
+        waiting = other.send({0: push}, {0: grad})  # held until the chief's gradient
         deadline = time.monotonic() + 10
-        while chief.call({0: {"op": "sync_status"}})[0][0]["pending"] != ["worker:1"]:
+        while chief.sync_status()["pending"] != ["worker:1"]:
             assert time.monotonic() < deadline, "worker:1's push never arrived"
             time.sleep(0.01)
         assert chief.initialize_restored(
             {0: [("w", torch.full((4,), 5.0))]}, {}, SPEC, 0, replace=True
         )
         with pytest.raises(PeerLostError, match="restored from a checkpoint by worker:0"):
-            other.transport.wait([waiting], 10)
-        past = {"op": "sync_push", "task": "worker:1", "step": 3, "r": 2, "n": 2}
+            other.wait(waiting, 10)
+        past = _sync_push(step=3)
         with pytest.raises(PeerLostError, match="was the ps restored from a checkpoint since"):
             other.call({0: past}, {0: grad})
-        status = chief.call({0: {"op": "sync_status"}})[0][0]
+        status = chief.sync_status()
         assert status["pending"] == [] and status["arrived"] == [] and status["step"] == 0
         # The step goes on from the restored values once both workers push for step 0.
-        pushes = [
-            c.transport.send(
-                "ps:0", {"op": "sync_push", "task": f"worker:{i}", "step": 0, "r": 2, "n": 2}, grad
-            )
-            for i, c in enumerate((chief, other))
-        ]
-        for c, rid in zip((chief, other), pushes, strict=True):
-            header, tensors = c.transport.wait([rid], 10)[rid]
+        pushes = [c.send({0: _sync_push(step=0)}, {0: grad}) for c in (chief, other)]
+        for c, rids in zip((chief, other), pushes, strict=True):
+            header, tensors = c.wait(rids, 10)[0]
             assert header["accepted"] and header["step"] == 1
             assert torch.equal(tensors[0][1], torch.full((4,), 4.9))  # 5 - 0.1 * mean(1, 1)

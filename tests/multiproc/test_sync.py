@@ -11,7 +11,7 @@ import torch
 import psflow
 from psflow.worker import SyncTimeoutError
 
-from .support import local_cluster, start_ps, stop, worker_ctx
+from .support import local_cluster, sharded_client, start_ps, stop, worker_ctx
 from .sync_support import assert_close, batch, loss_fn, make_model, reference, run_threads
 
 LR = 0.1
@@ -90,7 +90,7 @@ def test_backup_worker_two_shards_apply_the_same_chosen_gradients() -> None:
         assert {p.shard for p in opts[0].pieces} == {0, 1}
         assert any(p.rows is not None for p in opts[0].pieces)  # a partitioned tensor too
         status0 = opts[0].sync_status()
-        status1 = opts[0]._client.call({1: {"op": "sync_status"}})[1][0]
+        status1 = sharded_client(opts[0]).sync_status(shard=1)
         assert status0["step"] == status1["step"] == steps
         assert status1["decisions"] == status0["decisions"]  # same workers, every step
         chosen = [[int(w.split(":")[1]) for w in ws] for s, ws in status0["decisions"]]

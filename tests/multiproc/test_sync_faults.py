@@ -62,7 +62,7 @@ def test_one_backup_worker_killing_a_worker_mid_run_does_not_stop_training(tmp_p
             assert r["eval_last"] < 0.8 * r["eval_first"]  # still learning
         probe = ShardedClient(worker_ctx(cluster, 0), TransportConfig(timeout=10))
         try:
-            status = probe.call({0: {"op": "sync_status"}})[0][0]
+            status = probe.sync_status()
         finally:
             probe.close()
         assert status["step"] == steps

@@ -15,7 +15,7 @@ from psflow.transport import TransportConfig
 from psflow.transport.shm import SHM_DIR
 from psflow.worker.client import ShardedClient
 
-from .support import ROOT, in_area, launch_cmd, local_cluster, start_ps, stop, worker_ctx
+from .support import ROOT, in_area, lanes, launch_cmd, local_cluster, start_ps, stop, worker_ctx
 
 
 def test_linear_regression_example_converges_and_every_task_exits() -> None:
@@ -154,13 +154,13 @@ def _train_wide_linear(env: dict[str, str]) -> tuple[torch.Tensor, dict[str, obj
                 opt.zero_grad()
                 model(x).square().mean().backward()
                 opt.step()
-            lanes = dict(opt._client._client._lanes)
-            if lanes:  # the parameters live where the ps writes them: a pull copies nothing
-                assert in_area(model.weight, lanes["ps:0"].reply)
-                assert in_area(model.bias, lanes["ps:0"].reply)  # 2 KB: small ones too
+            held = lanes(opt)
+            if held:  # the parameters live where the ps writes them: a pull copies nothing
+                assert in_area(model.weight, held["ps:0"].reply)
+                assert in_area(model.bias, held["ps:0"].reply)  # 2 KB: small ones too
         code, err = stop(ps)
         assert code == 0, err
-        return model.weight.detach().clone(), lanes
+        return model.weight.detach().clone(), held
     finally:
         stop(ps, timeout=1)
 
@@ -190,7 +190,7 @@ def test_the_ps_lets_go_of_a_finished_workers_lane() -> None:
         for model, opt in zip(models, opts, strict=True):
             model(torch.ones(1, 256)).sum().backward()
             opt.step()
-        names = [opt._client._client._lanes["ps:0"].name for opt in opts]
+        names = [lanes(opt)["ps:0"].name for opt in opts]
         assert all(name in maps.read_text() for name in names)
         opts[1].close()  # worker:1 finishes: the ps unmaps its lane
         deadline = time.monotonic() + 10
