@@ -15,6 +15,7 @@ import torch
 import zmq
 
 import psflow
+from psflow.protocol import PROTOCOL_VERSION, Key
 from psflow.transport import (
     Client,
     CurveKeys,
@@ -44,7 +45,8 @@ def ask(sock: zmq.Socket[bytes], frames: list[bytes]) -> dict[str, object]:
 
 
 def hdr(op: str, rid: int, **fields: object) -> bytes:
-    return msgpack.packb({"v": 1, "op": op, "id": rid, **fields})
+    """A header as it goes on the wire (``fields`` with their wire names: ``t``, ``b``...)."""
+    return msgpack.packb({Key.VERSION: PROTOCOL_VERSION, Key.OP: op, Key.ID: rid, **fields})
 
 
 def test_garbage_messages_get_errors_and_the_ps_keeps_serving() -> None:
