@@ -134,7 +134,12 @@ class ParameterServer:
         self._services.append(service)
 
     def _add_handlers(self, owner: str, handlers: Mapping[Op, Handler]) -> None:
-        ops = [Op(op) for op in handlers]  # a plain string that is no op fails here
+        ops: list[Op] = []
+        for op in handlers:
+            try:
+                ops.append(Op(op))
+            except ValueError:
+                raise ValueError(f"{owner} serves {op!r}, not a psflow.protocol.Op") from None
         taken = [f"{op} (by {self._owners[op]})" for op in ops if op in self._handlers]
         if taken:
             raise ValueError(f"{owner} cannot serve ops already served: {', '.join(taken)}")

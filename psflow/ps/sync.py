@@ -90,7 +90,7 @@ class SyncAggregator:
     def configure(self, replicas_to_aggregate: Any, total_num_replicas: Any, sender: str) -> None:
         """Fixes the aggregation on the first push; later pushes must agree."""
         r, n = replicas_to_aggregate, total_num_replicas
-        for what, v in (("replicas_to_aggregate", r), ("total_num_replicas", n)):
+        for what, v in ((Key.REPLICAS_TO_AGGREGATE, r), (Key.TOTAL_NUM_REPLICAS, n)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{what} must be a positive integer, got {v!r} from {sender}")
         if r > n:
