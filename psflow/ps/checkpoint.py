@@ -12,6 +12,8 @@ manifest):
 Saving happens in two parts, so that serving pauses only for an in-memory copy: the serving
 thread takes a :class:`ShardSnapshot` between two requests, and a background thread writes it
 (temporary name, fsync, rename). Nothing is pickled, ever: safetensors holds only raw tensors.
+:class:`ShardCheckpointer` does both; :class:`CheckpointService` serves it as the ``save`` and
+``save_status`` ops.
 """
 
 from __future__ import annotations
@@ -22,20 +24,20 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import fsspec
 import torch
-from fsspec.implementations.local import LocalFileSystem
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from psflow import env as envvars
-from psflow.protocol import OptimizerSpec
+from psflow.protocol import Key, Op, OptimizerSpec, SaveState
+from psflow.ps.files import atomic_write, join, url_to_fs  # psflow.train imports them from here
+from psflow.ps.service import Handler, Service, ServiceHost
 from psflow.ps.store import ShardStore
-from psflow.transport import wire
+from psflow.transport import Request, wire
 
 log = logging.getLogger(__name__)
 
@@ -48,56 +50,6 @@ CKPT_DIR_RE = re.compile(r"^ckpt-(\d+)$")
 
 def shard_file_name(shard: int, num_shards: int) -> str:
     return f"shard-{shard}-of-{num_shards}.safetensors"
-
-
-# -- files --------------------------------------------------------------------------------
-
-
-def url_to_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The fsspec filesystem and the path within it for a local path or an fsspec URL."""
-    fs, path = fsspec.core.url_to_fs(url)
-    return fs, path.rstrip("/") if len(path) > 1 else path
-
-
-def join(path: str, *names: str) -> str:
-    return "/".join([path.rstrip("/"), *names])
-
-
-def atomic_write(
-    fs: fsspec.AbstractFileSystem,
-    path: str,
-    data: bytes,
-    *,
-    before_commit: Callable[[], None] | None = None,
-) -> None:
-    """Writes ``data`` to ``path`` so that a reader sees either the old file or the whole new one.
-
-    Locally: a temporary name in the same directory, fsync, rename, fsync of the directory.
-    Elsewhere: the filesystem's own write then move (object stores replace whole objects).
-    """
-    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-    if isinstance(fs, LocalFileSystem):
-        parent = os.path.dirname(path) or "."
-        os.makedirs(parent, exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        if before_commit is not None:
-            before_commit()
-        os.replace(tmp, path)
-        fd = os.open(parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    else:
-        parent = path.rsplit("/", 1)[0]
-        fs.makedirs(parent, exist_ok=True)
-        fs.pipe_file(tmp, data)
-        if before_commit is not None:
-            before_commit()
-        fs.mv(tmp, path)
 
 
 # -- optimizer state ------------------------------------------------------------------------
@@ -188,7 +140,7 @@ def split_init_tensors(
 
     An ``init`` without ``opt_state`` (the original form) has only variables.
     """
-    opt_plain = header.get("opt_state")
+    opt_plain = header.get(Key.OPT_STATE)
     if opt_plain is None:
         return tensors, {}, {}
     if not isinstance(opt_plain, dict) or not all(
@@ -334,7 +286,7 @@ class ShardCheckpointer:
         """Handles a ``save`` request: ``{"dir": URL of ckpt-<n>}``; returns the reply header."""
         if not self.store.initialized:
             raise ValueError("cannot save a shard that is not initialised")
-        url = header.get("dir")
+        url = header.get(Key.DIR)
         if not isinstance(url, str) or not CKPT_DIR_RE.match(url.rstrip("/").rsplit("/", 1)[-1]):
             raise ValueError(f"'dir' must be a checkpoint directory .../ckpt-<step>, got {url!r}")
         with self._lock:
@@ -343,7 +295,7 @@ class ShardCheckpointer:
         snap = snapshot(self.store, shard=self.shard, num_shards=self.num_shards)
         file_url = join(url.rstrip("/"), shard_file_name(self.shard, self.num_shards))
         with self._lock:
-            self._status[url] = {"state": "writing", "file": file_url}
+            self._status[url] = {Key.STATE: SaveState.WRITING, Key.FILE: file_url}
             self._thread = threading.Thread(
                 target=self._write, args=(url, file_url, snap), name="psflow-ckpt", daemon=True
             )
@@ -355,12 +307,13 @@ class ShardCheckpointer:
             snap.seconds * 1e3,
             file_url,
         )
+        spec = self.store.optimizer_spec
         return {
-            "saving": file_url,
-            "snapshot_step": snap.step,
-            "snapshot_seconds": snap.seconds,
-            "optimizer": self.store.optimizer_spec.to_wire() if self.store.optimizer_spec else {},
-            "variables": {
+            Key.SAVING: file_url,
+            Key.SNAPSHOT_STEP: snap.step,
+            Key.SNAPSHOT_SECONDS: snap.seconds,
+            Key.OPTIMIZER: spec.to_wire() if spec else {},
+            Key.VARIABLES: {
                 n: [wire.dtype_name(t.dtype), list(t.shape)]
                 for n, t in self.store.variables.items()
             },
@@ -368,6 +321,7 @@ class ShardCheckpointer:
 
     def _write(self, url: str, file_url: str, snap: ShardSnapshot) -> None:
         start = time.perf_counter()
+        status: dict[str, Any]
         try:
             for name, t in snap.tensors.items():
                 if t.is_floating_point() and not torch.isfinite(t).all():
@@ -378,20 +332,25 @@ class ShardCheckpointer:
             # Tests: a window, with the temporary file written, in which to kill the task.
             pause = (lambda: time.sleep(self.slow_save)) if self.slow_save > 0 else None
             atomic_write(fs, path, data, before_commit=pause)
-            status = {"state": "done", "file": file_url, "seconds": time.perf_counter() - start}
+            status = {
+                Key.STATE: SaveState.DONE,
+                Key.FILE: file_url,
+                Key.SECONDS: time.perf_counter() - start,
+            }
         except Exception as e:
             log.error("shard %d: writing %s failed: %s", self.shard, file_url, e)
-            status = {"state": "error", "file": file_url, "error": f"{type(e).__name__}: {e}"}
+            error = f"{type(e).__name__}: {e}"
+            status = {Key.STATE: SaveState.ERROR, Key.FILE: file_url, Key.ERROR: error}
         with self._lock:
             self._status[url] = status
 
     def status(self, header: Mapping[str, Any]) -> dict[str, Any]:
         """Handles ``save_status``: the state (``writing``, ``done``, ``error``) of one save."""
-        url = header.get("dir")
+        url = header.get(Key.DIR)
         with self._lock:
             status = self._status.get(url) if isinstance(url, str) else None
         if status is None:
-            return {"state": "unknown"}
+            return {Key.STATE: SaveState.UNKNOWN}
         return dict(status)
 
     def wait(self, timeout: float) -> None:
@@ -399,3 +358,23 @@ class ShardCheckpointer:
         thread = self._thread
         if thread is not None:
             thread.join(timeout)
+
+
+class CheckpointService(Service):
+    """The ``save`` and ``save_status`` ops: a :class:`ShardCheckpointer` on a ps server."""
+
+    def __init__(self, host: ServiceHost, *, num_shards: int) -> None:
+        self.host = host
+        self.checkpointer = ShardCheckpointer(host.store, shard=host.shard, num_shards=num_shards)
+
+    def handlers(self) -> Mapping[Op, Handler]:
+        return {Op.SAVE: self._save, Op.SAVE_STATUS: self._save_status}
+
+    def _save(self, request: Request) -> None:
+        self.host.reply(request, self.checkpointer.save(request.header))
+
+    def _save_status(self, request: Request) -> None:
+        self.host.reply(request, self.checkpointer.status(request.header))
+
+    def wait(self, timeout: float) -> None:
+        self.checkpointer.wait(timeout)

@@ -1,6 +1,7 @@
 """The ps task: serves one shard until every worker has finished.
 
-Requests (``op`` in the header):
+Requests (:class:`~psflow.protocol.Op`, the ``op`` of the header), each served by the one
+:class:`~psflow.ps.service.Service` registered for it:
 
 - ``hello``/``status``: shard index, whether initialised, the step, who has finished.
 - ``init``: the chief's initial values and optimizer for this shard (ignored when already set,
@@ -10,12 +11,13 @@ Requests (``op`` in the header):
 - ``push_pull``: ``push`` then ``pull`` in one round trip.
 - ``done``: a worker (or the chief) has finished; after the last one the server exits.
 - ``sync_push``/``sync_stage``/``sync_pull``/``sync_status``/``ssp_wait``: synchronous
-  training and bounded staleness (:mod:`psflow.ps.sync`).
+  training and bounded staleness (:class:`~psflow.ps.sync.SyncService`).
 - ``save``/``save_status``: snapshot the shard and write it in the background; report progress
-  (:mod:`psflow.ps.checkpoint`). ``init`` may carry optimizer state and the step of a restore.
+  (:class:`~psflow.ps.checkpoint.CheckpointService`). ``init`` may carry optimizer state and
+  the step of a restore.
 
-Every request is validated; a bad one gets an error reply and a log line, and the server goes
-on serving.
+Every request is validated; a bad one gets an error reply with a :class:`~psflow.protocol.Code`
+and a log line, and the server goes on serving.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,23 +35,21 @@ import torch
 from psflow import allocator
 from psflow import env as envvars
 from psflow.cluster.spec import TaskContext, TaskSpec
-from psflow.protocol import OptimizerSpec
-from psflow.ps.checkpoint import ShardCheckpointer, load_optimizer_state, split_init_tensors
+from psflow.protocol import Code, Key, Op, OptimizerSpec
+from psflow.ps.checkpoint import CheckpointService, load_optimizer_state, split_init_tensors
+from psflow.ps.service import Handler, NotInitializedError, RequestError, Service
 from psflow.ps.store import ShardStore
 from psflow.ps.sync import SyncService
-from psflow.transport import wire
-from psflow.transport.connection import UNINITIALIZED, Request, Server, TransportConfig
+from psflow.transport import Request, Server, TransportConfig, wire
 
 log = logging.getLogger(__name__)
 
 
 _POLL_SECONDS = 0.1
 
-
-class NotInitializedError(ValueError):
-    """A request that needs the shard's variables before the chief has set them."""
-
-    code = UNINITIALIZED
+# Bound once: reading an enum member off its class costs more than the dict lookup it serves,
+# and push/push_pull run thousands of times a second.
+_OP, _STEP, _OK = Key.OP, Key.STEP, Op.OK
 
 
 class ParameterServer:
@@ -87,25 +87,65 @@ class ParameterServer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._server: Server | None = None
-        self._handlers: dict[str, Callable[[Request], None]] = {
-            "hello": self._status,
-            "status": self._status,
-            "init": self._init,
-            "pull": self._pull,
-            "push": self._push,
-            "push_pull": self._push,
-            "done": self._done,
-            "save": lambda r: self._reply(r, self.checkpointer.save(r.header)),
-            "save_status": lambda r: self._reply(r, self.checkpointer.status(r.header)),
-        }
-        self.checkpointer = ShardCheckpointer(
-            self.store, shard=ctx.task.index, num_shards=ctx.cluster.num_tasks("ps")
+        self._handlers: dict[str, Handler] = {}
+        self._owners: dict[str, str] = {}
+        self._services: list[Service] = []
+        self._add_handlers(
+            "the server",
+            {
+                Op.HELLO: self._status,
+                Op.STATUS: self._status,
+                Op.INIT: self._init,
+                Op.PULL: self._pull,
+                Op.PUSH: self._push,
+                Op.PUSH_PULL: self._push_pull,
+                Op.DONE: self._done,
+            },
         )
-        self.sync = SyncService(self)  # adds the sync_* and ssp_wait handlers
+        self.register(SyncService(self))
+        self.register(CheckpointService(self, num_shards=ctx.cluster.num_tasks("ps")))
 
     @property
     def name(self) -> str:
+        """The ps task, as ``ps:0``."""
         return str(self.ctx.task)
+
+    @property
+    def shard(self) -> int:
+        """The index of the shard this server holds."""
+        return self.ctx.task.index
+
+    @property
+    def services(self) -> tuple[Service, ...]:
+        """The registered services, in the order they were registered."""
+        return tuple(self._services)
+
+    def register(self, service: Service) -> None:
+        """Serves ``service``'s ops from now on, and tells it of the server's life.
+
+        Raises:
+            ValueError: when one of its ops is served already (by the server or a service
+                registered before), or is not an :class:`~psflow.protocol.Op`.
+            RuntimeError: when the server has started.
+        """
+        if self._thread is not None:
+            raise RuntimeError(f"register {type(service).__name__} before {self.name} starts")
+        self._add_handlers(type(service).__name__, service.handlers())
+        self._services.append(service)
+
+    def _add_handlers(self, owner: str, handlers: Mapping[Op, Handler]) -> None:
+        ops: list[Op] = []
+        for op in handlers:
+            try:
+                ops.append(Op(op))
+            except ValueError:
+                raise ValueError(f"{owner} serves {op!r}, not a psflow.protocol.Op") from None
+        taken = [f"{op} (by {self._owners[op]})" for op in ops if op in self._handlers]
+        if taken:
+            raise ValueError(f"{owner} cannot serve ops already served: {', '.join(taken)}")
+        for op in ops:
+            self._handlers[op] = handlers[op]
+            self._owners[op] = owner
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -135,7 +175,10 @@ class ParameterServer:
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError(f"{self.name} still serving after {timeout} s")
-        self.checkpointer.wait(self.config.timeout)  # a shard file still being written
+        # Background work (a shard file still being written), within one timeout for all.
+        deadline = time.monotonic() + self.config.timeout
+        for service in self._services:
+            service.wait(max(0.0, deadline - time.monotonic()))
         if self.error is not None:
             raise RuntimeError(f"{self.name} stopped: {self.error}") from self.error
 
@@ -181,68 +224,90 @@ class ParameterServer:
             self.error = e
             log.error("%s: %s", self.name, e)
         finally:
-            self.sync.fail_pending(
-                f"{self.name} stopped" + (f": {self.error}" if self.error else "")
-            )
+            reason = f"{self.name} stopped" + (f": {self.error}" if self.error else "")
+            for service in self._services:
+                service.on_stopping(reason)
             with contextlib.suppress(TimeoutError):
                 server.flush(self.config.timeout)
             server.close(linger=2.0)  # let the last replies ('done') reach the workers
 
     def _handle(self, request: Request) -> None:
-        op = request.header["op"]
+        op = request.header[_OP]
         handler = self._handlers.get(op)
         try:
             if handler is None:
-                raise ValueError(f"unknown op {op!r}")
+                raise RequestError(f"unknown op {op!r}")
             handler(request)
-        except (ValueError, TypeError, wire.WireError) as e:
-            log.warning("%s: bad %r request from %s: %s", self.name, op, self._sender(request), e)
-            assert self._server is not None
-            # A ``code`` tells the client what kind of refusal it is (see NotInitializedError).
-            code = getattr(e, "code", None)
-            self._server.send_error(request, str(e), code if isinstance(code, str) else None)
+        except RequestError as e:
+            self._refuse_bad(request, e, e.code)
+        except wire.WireError as e:  # a ValueError too: the tensors do not match the header
+            self._refuse_bad(request, e, Code.MALFORMED)
+        except (ValueError, TypeError) as e:
+            self._refuse_bad(request, e, Code.REFUSED)
 
-    def _sender(self, request: Request) -> str:
-        sender = request.header.get("task")
+    def _refuse_bad(self, request: Request, error: Exception, code: Code) -> None:
+        op = request.header[_OP]
+        log.warning("%s: bad %r request from %s: %s", self.name, op, self.sender(request), error)
+        self.refuse(request, str(error), code)
+
+    # -- what services use (psflow.ps.service.ServiceHost) ----------------------------------
+
+    def sender(self, request: Request) -> str:
+        """The task that sent ``request`` (as it says), for messages."""
+        sender = request.header.get(Key.TASK)
         return sender if isinstance(sender, str) else "an unnamed client"
 
-    def _tensors(
+    def tensors(
         self,
         request: Request,
-        into: Mapping[str, torch.Tensor] | None = None,
         *,
+        into: Mapping[str, torch.Tensor] | None = None,
         transient: bool = False,
     ) -> list[tuple[str, torch.Tensor]]:
+        """The tensors of ``request``, validated (see ``Server.tensors``)."""
         assert self._server is not None
         return self._server.tensors(request, into=into, transient=transient)
 
-    def _reply(
+    def reply(
         self,
         request: Request,
         header: dict[str, Any],
-        tensors: list[tuple[str, torch.Tensor]] | wire.TensorSet = (),  # type: ignore[assignment]
+        tensors: Sequence[tuple[str, torch.Tensor]] | wire.TensorSet = (),
     ) -> None:
+        """Answers ``request`` (op ``ok`` and the shard's step unless ``header`` says)."""
         assert self._server is not None
-        header.setdefault("op", "ok")
-        header.setdefault("step", self.store.step)
+        header.setdefault(_OP, _OK)
+        header.setdefault(_STEP, self.store.step)
         self._server.reply(request, header, tensors)
 
-    def _require_initialized(self) -> None:
+    def refuse(self, request: Request, message: str, code: Code) -> None:
+        """Answers ``request`` with an error of kind ``code``."""
+        assert self._server is not None
+        self._server.send_error(request, message, code)
+
+    def flush(self) -> None:
+        """Waits until every reply's tensors have left (call it before changing variables)."""
+        # Values still being sent from their own memory must not change under the sender.
+        assert self._server is not None
+        self._server.flush(self.config.timeout)
+
+    def require_initialized(self) -> None:
+        """Raises :class:`NotInitializedError` unless the chief has initialised the shard."""
         if not self.store.initialized:
             raise NotInitializedError(
                 f"{self.name} is not initialised yet (the chief initialises it)"
             )
 
-    # -- handlers ---------------------------------------------------------------------------
+    # -- the server's own ops ---------------------------------------------------------------
 
     def _status(self, request: Request) -> None:
-        self._reply(
+        self.reply(
             request,
             {
-                "shard": self.ctx.task.index,
-                "initialized": self.store.initialized,
-                "finished": sorted(self.finished),
-                "variables": {
+                Key.SHARD: self.shard,
+                Key.INITIALIZED: self.store.initialized,
+                Key.FINISHED: sorted(self.finished),
+                Key.VARIABLES: {
                     n: [wire.dtype_name(t.dtype), list(t.shape)]
                     for n, t in self.store.variables.items()
                 },
@@ -250,20 +315,21 @@ class ParameterServer:
         )
 
     def _init(self, request: Request) -> None:
-        tensors = self._tensors(request)
+        tensors = self.tensors(request)
         if self.store.initialized:
-            if request.header.get("replace") is not True:
-                self._reply(request, {"initialized": True, "already": True})
+            if request.header.get(Key.REPLACE) is not True:
+                self.reply(request, {Key.INITIALIZED: True, Key.ALREADY: True})
                 return
             # The chief restores every shard after one came back empty (a crashed ps).
             chief = str(self.ctx.cluster.chief)
-            if self._sender(request) != chief:
+            if self.sender(request) != chief:
                 raise ValueError(f"only the chief ({chief}) may replace initialised variables")
             self.store.reset()  # new tensors: values still being sent keep their own memory
             # Synchronous steps in progress belong to the lost timeline: their workers recover.
-            self.sync.reset(f"{self.name} was restored from a checkpoint by {chief}")
-        spec = OptimizerSpec.from_wire(request.header.get("optimizer"))
-        step = request.header.get("step", 0)
+            for service in self._services:
+                service.on_restored(f"{self.name} was restored from a checkpoint by {chief}")
+        spec = OptimizerSpec.from_wire(request.header.get(Key.OPTIMIZER))
+        step = request.header.get(Key.STEP, 0)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"bad initial step {step!r}")
         tensors, opt_tensors, opt_plain = split_init_tensors(request.header, tensors)
@@ -277,16 +343,16 @@ class ParameterServer:
         log.info(
             "%s initialised by %s: %d variables, %.1f MB, optimizer %s",
             self.name,
-            self._sender(request),
+            self.sender(request),
             len(tensors),
             self.store.nbytes() / 1e6,
             spec.name,
         )
-        self._reply(request, {"initialized": True, "already": False})
+        self.reply(request, {Key.INITIALIZED: True, Key.ALREADY: False})
 
     def _pull(self, request: Request) -> None:
-        self._require_initialized()
-        names = request.header.get("names")
+        self.require_initialized()
+        names = request.header.get(Key.NAMES)
         tensors: list[tuple[str, torch.Tensor]] | wire.TensorSet
         if names is None:
             tensors = self.store.wire_set
@@ -297,26 +363,23 @@ class ParameterServer:
             if missing:
                 raise ValueError(f"unknown variable(s) {missing}")
             tensors = [(n, self.store.variables[n]) for n in names]
-        self._reply(request, {}, tensors)
+        self.reply(request, {}, tensors)
 
     def _push(self, request: Request) -> None:
-        self._require_initialized()
-        # Applied before the reply: gradients in a shared-memory lane need no copy.
-        grads = self._tensors(request, into=self.store.grad_buffers, transient=True)
-        self._server_flush()
-        step = self.store.apply(grads)  # validates first: a bad push changes nothing
-        if request.header["op"] == "push_pull":
-            self._reply(request, {"step": step}, self.store.wire_set)
-        else:
-            self._reply(request, {"step": step})
+        self.reply(request, {_STEP: self._apply_push(request)})
 
-    def _server_flush(self) -> None:
-        # Values still being sent from their own memory must not change under the sender.
-        assert self._server is not None
-        self._server.flush(self.config.timeout)
+    def _push_pull(self, request: Request) -> None:
+        self.reply(request, {_STEP: self._apply_push(request)}, self.store.wire_set)
+
+    def _apply_push(self, request: Request) -> int:
+        self.require_initialized()
+        # Applied before the reply: gradients in a shared-memory lane need no copy.
+        grads = self.tensors(request, into=self.store.grad_buffers, transient=True)
+        self.flush()
+        return self.store.apply(grads)  # validates first: a bad push changes nothing
 
     def _done(self, request: Request) -> None:
-        task = request.header.get("task")
+        task = request.header.get(Key.TASK)
         job, _, index = task.partition(":") if isinstance(task, str) else ("", "", "")
         try:
             name = str(TaskSpec(job=job, index=int(index)))
@@ -328,4 +391,6 @@ class ParameterServer:
             raise ValueError(f"{name} is not a worker of this job")
         self.finished.add(name)
         log.info("%s: %s finished (%d/%d)", self.name, name, len(self.finished), len(self.trainers))
-        self._reply(request, {})
+        self.reply(request, {})
+        for service in self._services:
+            service.on_worker_finished(name)

@@ -10,10 +10,12 @@ ticks of any other worker old.
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
-from psflow.transport.connection import Request
+from psflow.protocol import Key
+from psflow.transport import Request
 
 
 @dataclass
@@ -28,7 +30,7 @@ class _Waiting:
 class ClockTable:
     """Each worker's clock, and the ``ssp_wait`` requests held until the slowest catches up."""
 
-    def __init__(self, trainers: set[str]) -> None:
+    def __init__(self, trainers: AbstractSet[str]) -> None:
         self.trainers = set(trainers)
         self.clocks: dict[str, int] = {}
         self.finished: set[str] = set()
@@ -52,11 +54,13 @@ class ClockTable:
     def release(self) -> list[tuple[Request, dict[str, Any]]]:
         """The waiting requests that may go on now, with their reply headers."""
         low, laggards = self.slowest()
-        out = []
+        out: list[tuple[Request, dict[str, Any]]] = []
         keep = []
         for w in self._waiting:
             if not laggards or w.clock - low <= w.bound:
-                out.append((w.request, {"slowest": low, "ahead": w.clock - low, "held": w.counted}))
+                out.append(
+                    (w.request, {Key.SLOWEST: low, Key.AHEAD: w.clock - low, Key.HELD: w.counted})
+                )
             else:
                 if not w.counted:
                     w.counted = True
@@ -73,9 +77,9 @@ class ClockTable:
     def stats(self) -> dict[str, Any]:
         low, laggards = self.slowest()
         return {
-            "clocks": dict(self.clocks),
-            "slowest": low,
-            "laggards": laggards,
-            "waiting": [w.worker for w in self._waiting],
-            "waits": self.waits,
+            Key.CLOCKS: dict(self.clocks),
+            Key.SLOWEST: low,
+            Key.LAGGARDS: laggards,
+            Key.WAITING: [w.worker for w in self._waiting],
+            Key.WAITS: self.waits,
         }

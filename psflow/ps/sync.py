@@ -17,27 +17,26 @@ Staged gradients are summed in worker order, not arrival order, so a step's resu
 depend on timing. A shard keeps one gradient buffer per worker (a worker has at most one push
 in flight): ``total_num_replicas`` copies of the shard's variables at most.
 
-Ops: ``sync_push`` (shard 0), ``sync_stage`` (other shards), ``sync_pull`` (any shard; with
-``decisions`` it applies them first), ``sync_status``; and ``ssp_wait`` for bounded staleness
-(:mod:`psflow.ps.staleness`).
+Ops (:class:`SyncService`): ``sync_push`` (shard 0), ``sync_stage`` (other shards),
+``sync_pull`` (any shard; with ``decisions`` it applies them first), ``sync_status``; and
+``ssp_wait`` for bounded staleness (:mod:`psflow.ps.staleness`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from psflow.protocol import Code, Key, Op
+from psflow.ps.service import Handler, RequestError, Service, ServiceHost
 from psflow.ps.staleness import ClockTable
 from psflow.ps.store import GradBuffers, ShardStore
-from psflow.transport.connection import RESTORED, Request
-
-if TYPE_CHECKING:
-    from psflow.ps.server import ParameterServer
+from psflow.transport import Request
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +52,11 @@ def worker_order(name: str) -> tuple[int, int, str]:
     return (0 if job == "chief" else 1, int(index) if index.isdigit() else 0, name)
 
 
-class StepOvertakenError(ValueError):
+class StepOvertakenError(RequestError):
     """A gradient computed against a step this shard has not reached: the ps went back to an
     older step (a restore after a crash) while the worker was computing it."""
 
-    code = RESTORED
+    code = Code.RESTORED
 
 
 @dataclass
@@ -91,7 +90,7 @@ class SyncAggregator:
     def configure(self, replicas_to_aggregate: Any, total_num_replicas: Any, sender: str) -> None:
         """Fixes the aggregation on the first push; later pushes must agree."""
         r, n = replicas_to_aggregate, total_num_replicas
-        for what, v in (("replicas_to_aggregate", r), ("total_num_replicas", n)):
+        for what, v in ((Key.REPLICAS_TO_AGGREGATE, r), (Key.TOTAL_NUM_REPLICAS, n)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{what} must be a positive integer, got {v!r} from {sender}")
         if r > n:
@@ -202,14 +201,14 @@ class SyncAggregator:
 
     def stats(self) -> dict[str, Any]:
         return {
-            "step": self.store.step,
-            "replicas_to_aggregate": self.replicas_to_aggregate,
-            "total_num_replicas": self.total_num_replicas,
-            "arrived": list(self.arrived),
-            "dropped_stale": self.dropped_stale,
-            "dropped_by_worker": dict(self.dropped_by_worker),
-            "accepted_by_worker": dict(self.accepted_by_worker),
-            "decisions": [[s, list(ws)] for s, ws in self.decisions],
+            Key.STEP: self.store.step,
+            Key.REPLICAS_TO_AGGREGATE: self.replicas_to_aggregate,
+            Key.TOTAL_NUM_REPLICAS: self.total_num_replicas,
+            Key.ARRIVED: list(self.arrived),
+            Key.DROPPED_STALE: self.dropped_stale,
+            Key.DROPPED_BY_WORKER: dict(self.dropped_by_worker),
+            Key.ACCEPTED_BY_WORKER: dict(self.accepted_by_worker),
+            Key.DECISIONS: [[s, list(ws)] for s, ws in self.decisions],
         }
 
 
@@ -234,139 +233,141 @@ def _decisions(raw: Any) -> list[tuple[int, list[str]]]:
     return out
 
 
-def _int(header: dict[str, Any], key: str) -> int:
+def _int(header: dict[str, Any], key: Key) -> int:
     v = header.get(key)
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ValueError(f"{key!r} must be a non-negative integer, got {v!r}")
+        raise ValueError(f"'{key}' must be a non-negative integer, got {v!r}")
     return v
 
 
-class SyncService:
-    """The sync and bounded-staleness ops of one :class:`ParameterServer`.
+class SyncService(Service):
+    """The sync and bounded-staleness ops of one ps server.
 
-    Registers its handlers on the server; the server's loop stays single-threaded and never
-    blocks: a push waiting for its step is a pending request, answered when the step advances.
+    The server's loop stays single-threaded and never blocks: a push waiting for its step is a
+    pending request, answered when the step advances.
     """
 
-    def __init__(self, ps: ParameterServer) -> None:
-        self.ps = ps
-        self.shard = ps.ctx.task.index
-        self.agg = SyncAggregator(ps.store)
-        self.clocks = ClockTable(ps.trainers)
+    def __init__(self, host: ServiceHost) -> None:
+        self.host = host
+        self.agg = SyncAggregator(host.store)
+        self.clocks = ClockTable(host.trainers)
         self._pending: list[_Pending] = []
-        handlers: dict[str, Callable[[Request], None]] = {
-            "sync_push": self._push,
-            "sync_stage": self._stage,
-            "sync_pull": self._pull,
-            "sync_status": self._status,
-            "ssp_wait": self._ssp_wait,
+
+    def handlers(self) -> Mapping[Op, Handler]:
+        return {
+            Op.SYNC_PUSH: self._push,
+            Op.SYNC_STAGE: self._stage,
+            Op.SYNC_PULL: self._pull,
+            Op.SYNC_STATUS: self._status,
+            Op.SSP_WAIT: self._ssp_wait,
         }
-        ps._handlers.update(handlers)
-        done = ps._handlers["done"]
-
-        def done_then_check(request: Request) -> None:
-            done(request)
-            self._after_done()
-
-        ps._handlers["done"] = done_then_check
 
     # -- helpers ----------------------------------------------------------------------------
 
     def _worker(self, request: Request) -> str:
-        name = request.header.get("task")
-        if not isinstance(name, str) or name not in self.ps.trainers:
+        name = request.header.get(Key.TASK)
+        if not isinstance(name, str) or name not in self.host.trainers:
             raise ValueError(f"sync requests must name a worker of this job, got {name!r}")
         return name
 
+    def _configure(self, request: Request, worker: str) -> None:
+        header = request.header
+        self.agg.configure(
+            header.get(Key.REPLICAS_TO_AGGREGATE), header.get(Key.TOTAL_NUM_REPLICAS), worker
+        )
+
     def _reply_params(self, request: Request, header: dict[str, Any]) -> None:
-        header.setdefault("step", self.agg.store.step)
-        header["decisions"] = [[s, list(ws)] for s, ws in self.agg.decisions]
-        self.ps._reply(request, header, self.agg.store.wire_set)
+        header.setdefault(Key.STEP, self.agg.store.step)
+        header[Key.DECISIONS] = [[s, list(ws)] for s, ws in self.agg.decisions]
+        self.host.reply(request, header, self.agg.store.wire_set)
 
     # -- handlers ---------------------------------------------------------------------------
 
     def _stage(self, request: Request) -> None:
-        self.ps._require_initialized()
+        self.host.require_initialized()
         worker = self._worker(request)
-        step = _int(request.header, "step")
-        self.agg.configure(request.header.get("r"), request.header.get("n"), worker)
-        grads = self.ps._tensors(request, into=self.agg.buffers(worker))
+        step = _int(request.header, Key.STEP)
+        self._configure(request, worker)
+        grads = self.host.tensors(request, into=self.agg.buffers(worker))
         staged = self.agg.stage(worker, step, grads)
-        self.ps._reply(request, {"staged": staged})
+        self.host.reply(request, {Key.STAGED: staged})
 
     def _push(self, request: Request) -> None:
-        self.ps._require_initialized()
-        if self.shard != 0:
-            raise ValueError(f"sync_push goes to ps:0 (the step authority), not {self.ps.name}")
+        self.host.require_initialized()
+        if self.host.shard != 0:
+            raise ValueError(f"sync_push goes to ps:0 (the step authority), not {self.host.name}")
         worker = self._worker(request)
-        step = _int(request.header, "step")
-        self.agg.configure(request.header.get("r"), request.header.get("n"), worker)
-        grads = self.ps._tensors(request, into=self.agg.buffers(worker))
+        step = _int(request.header, Key.STEP)
+        self._configure(request, worker)
+        grads = self.host.tensors(request, into=self.agg.buffers(worker))
         if not self.agg.stage(worker, step, grads):
             # Too late for its step: the worker moves on to the current one.
-            self._reply_params(request, {"accepted": False})
+            self._reply_params(request, {Key.ACCEPTED: False})
             return
         self._pending = [p for p in self._pending if p.worker != worker]  # a restarted worker
         self._pending.append(_Pending(request=request, worker=worker, step=step))
         chosen = self.agg.arrive(worker)
         if chosen is None:
             return
-        self.ps._server_flush()
+        self.host.flush()
         self.agg.apply(step, chosen)
         pending, self._pending = self._pending, []
         for p in pending:
-            self._reply_params(p.request, {"accepted": p.worker in chosen})
+            self._reply_params(p.request, {Key.ACCEPTED: p.worker in chosen})
 
     def _pull(self, request: Request) -> None:
-        self.ps._require_initialized()
-        decisions = _decisions(request.header.get("decisions"))
+        self.host.require_initialized()
+        decisions = _decisions(request.header.get(Key.DECISIONS))
         if decisions and any(s >= self.agg.store.step for s, _ in decisions):
-            self.ps._server_flush()
+            self.host.flush()
             self.agg.catch_up(decisions)
         self._reply_params(request, {})
 
     def _status(self, request: Request) -> None:
         out = self.agg.stats()
-        out["pending"] = [p.worker for p in self._pending]
-        out["finished"] = sorted(self.ps.finished)
-        out["clocks"] = self.clocks.stats()
-        self.ps._reply(request, out)
+        out[Key.PENDING] = [p.worker for p in self._pending]
+        out[Key.FINISHED] = sorted(self.host.finished)
+        out[Key.CLOCKS] = self.clocks.stats()
+        self.host.reply(request, out)
 
     def _ssp_wait(self, request: Request) -> None:
         worker = self._worker(request)
-        clock = _int(request.header, "clock")
-        bound = _int(request.header, "max_staleness")
+        clock = _int(request.header, Key.CLOCK)
+        bound = _int(request.header, Key.MAX_STALENESS)
         self.clocks.wait(worker, clock, bound, request)
         self._release()
 
     def _release(self) -> None:
         for request, header in self.clocks.release():
-            self.ps._reply(request, header)
+            self.host.reply(request, header)
 
-    # -- ends -------------------------------------------------------------------------------
+    # -- the server's life ------------------------------------------------------------------
 
-    def _after_done(self) -> None:
-        self.clocks.finished = set(self.ps.finished)
+    def on_worker_finished(self, worker: str) -> None:
+        finished = self.host.finished
+        self.clocks.finished = set(finished)
         self._release()
         r = self.agg.replicas_to_aggregate
-        live = self.ps.trainers - self.ps.finished
+        live = self.host.trainers - finished
         if r is not None and self._pending and len(live) < r:
             self.fail_pending(
                 f"step {self.agg.store.step} cannot complete: it needs {r} gradients but only "
                 f"{len(live)} worker(s) have not finished ({', '.join(sorted(live)) or 'none'})"
             )
 
-    def fail_pending(self, message: str, code: str | None = None) -> None:
+    def on_restored(self, reason: str) -> None:
+        """The waiting requests fail as overtaken (their workers recover and start again from
+        the restored step), and the steps in progress are forgotten."""
+        self.fail_pending(reason, Code.RESTORED)
+        self.agg.reset()
+
+    def on_stopping(self, reason: str) -> None:
+        self.fail_pending(reason)
+
+    def fail_pending(self, message: str, code: Code = Code.STOPPING) -> None:
         """Answers every waiting request with an error (the server is stopping, or stuck)."""
-        assert self.ps._server is not None
         for p in self._pending:
-            self.ps._server.send_error(p.request, message, code)
+            self.host.refuse(p.request, message, code)
         self._pending.clear()
         for request in self.clocks.drop_waiting():
-            self.ps._server.send_error(request, message, code)
-
-    def reset(self, reason: str) -> None:
-        """After a restore: the waiting requests fail as overtaken (their workers recover and
-        start again from the restored step), and the steps in progress are forgotten."""
-        self.fail_pending(reason, RESTORED)
-        self.agg.reset()
+            self.host.refuse(request, message, code)

@@ -1,0 +1,61 @@
+"""Where checkpoint files go: a local path or an fsspec URL, written atomically.
+
+Shared by the ps (its shard files, :mod:`psflow.ps.checkpoint`) and :mod:`psflow.train` (the
+manifest and the ``latest`` pointer).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+
+def url_to_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem and the path within it for a local path or an fsspec URL."""
+    fs, path = fsspec.core.url_to_fs(url)
+    return fs, path.rstrip("/") if len(path) > 1 else path
+
+
+def join(path: str, *names: str) -> str:
+    return "/".join([path.rstrip("/"), *names])
+
+
+def atomic_write(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    data: bytes,
+    *,
+    before_commit: Callable[[], None] | None = None,
+) -> None:
+    """Writes ``data`` to ``path`` so that a reader sees either the old file or the whole new one.
+
+    Locally: a temporary name in the same directory, fsync, rename, fsync of the directory.
+    Elsewhere: the filesystem's own write then move (object stores replace whole objects).
+    """
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    if isinstance(fs, LocalFileSystem):
+        parent = os.path.dirname(path) or "."
+        os.makedirs(parent, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if before_commit is not None:
+            before_commit()
+        os.replace(tmp, path)
+        fd = os.open(parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    else:
+        parent = path.rsplit("/", 1)[0]
+        fs.makedirs(parent, exist_ok=True)
+        fs.pipe_file(tmp, data)
+        if before_commit is not None:
+            before_commit()
+        fs.mv(tmp, path)

@@ -1,0 +1,157 @@
+"""What a ps service is: the ops it serves, what it hears of the server's life, what it may use.
+
+A :class:`~psflow.ps.server.ParameterServer` dispatches every request to the one handler
+registered for its op (:class:`~psflow.protocol.Op`). Handlers come in :class:`Service` objects:
+the server's own ops (status, init, pull, push, done), the synchronous ones
+(:class:`~psflow.ps.sync.SyncService`), the checkpoint ones
+(:class:`~psflow.ps.checkpoint.CheckpointService`). A service sees the server only as a
+:class:`ServiceHost`, so that the server may import its services and never the other way round.
+
+A new request type is one :class:`~psflow.protocol.Op` member, one handler in a service, and
+one :meth:`~psflow.ps.server.ParameterServer.register` of that service.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from psflow.protocol import Code, Op
+from psflow.ps.store import ShardStore
+from psflow.transport import Request, wire
+
+Handler = Callable[[Request], None]
+"""Answers one request (through :meth:`ServiceHost.reply`, now or later), or raises."""
+
+
+class RequestError(ValueError):
+    """A request the ps refuses; :attr:`code` says what kind of refusal, for the client.
+
+    A handler refuses a request by raising: a plain ``ValueError`` or ``TypeError`` is answered
+    with :attr:`Code.REFUSED <psflow.protocol.Code.REFUSED>`, a subclass of this one with its
+    own code.
+    """
+
+    code: ClassVar[Code] = Code.REFUSED
+
+
+class NotInitializedError(RequestError):
+    """A request that needs the shard's variables before the chief has set them."""
+
+    code = Code.UNINITIALIZED
+
+
+class ServiceHost(Protocol):
+    """What a :class:`Service` sees of the server it runs on.
+
+    Every method is for the serving thread only (where handlers and callbacks run).
+    """
+
+    @property
+    def name(self) -> str:
+        """The ps task, as ``ps:0``."""
+        ...
+
+    @property
+    def shard(self) -> int:
+        """The index of the shard this server holds."""
+        ...
+
+    @property
+    def store(self) -> ShardStore:
+        """The shard's variables, optimizer and step."""
+        ...
+
+    @property
+    def trainers(self) -> AbstractSet[str]:
+        """The workers of the job (the tasks that push gradients), as ``worker:1``."""
+        ...
+
+    @property
+    def finished(self) -> AbstractSet[str]:
+        """The workers that have sent ``done``."""
+        ...
+
+    def reply(
+        self,
+        request: Request,
+        header: dict[str, Any],
+        tensors: Sequence[tuple[str, torch.Tensor]] | wire.TensorSet = (),
+    ) -> None:
+        """Answers ``request`` (op ``ok`` and the shard's step unless ``header`` says)."""
+        ...
+
+    def refuse(self, request: Request, message: str, code: Code) -> None:
+        """Answers a request that waited with an error (a handler refuses the request it is
+        handling by raising instead)."""
+        ...
+
+    def tensors(
+        self,
+        request: Request,
+        *,
+        into: Mapping[str, torch.Tensor] | None = None,
+        transient: bool = False,
+    ) -> list[tuple[str, torch.Tensor]]:
+        """The tensors of ``request``, validated; assembled in ``into`` when they arrive in
+        pieces; with ``transient``, possibly views of a lane, valid until the reply is sent."""
+        ...
+
+    def flush(self) -> None:
+        """Waits until every reply's tensors have left: call it before changing variables."""
+        ...
+
+    def require_initialized(self) -> None:
+        """Raises :class:`NotInitializedError` unless the chief has initialised the shard."""
+        ...
+
+    def sender(self, request: Request) -> str:
+        """The task that sent ``request`` (as it says), for messages."""
+        ...
+
+
+class Service(ABC):
+    """A set of ops served by a :class:`~psflow.ps.server.ParameterServer`.
+
+    The server calls the handlers and the ``on_*`` callbacks in its serving thread, one at a
+    time, so a service needs no lock for its own state; only :meth:`wait` runs in the thread
+    that joins the server. A handler answers its request with :meth:`ServiceHost.reply` (at
+    once, or later: a request may wait for others), and refuses it by raising ``ValueError``
+    (see :class:`RequestError`).
+
+    Example:
+        >>> from psflow.protocol import Key, Op
+        >>> class StepService(Service):
+        ...     def __init__(self, host: ServiceHost) -> None:
+        ...         self.host = host
+        ...
+        ...     def handlers(self) -> Mapping[Op, Handler]:
+        ...         return {Op.STEP: self._step}  # Op.STEP: a member you add
+        ...
+        ...     def _step(self, request: Request) -> None:
+        ...         self.host.reply(request, {Key.STEP: self.host.store.step})
+        >>> # ps.register(StepService(ps))
+    """
+
+    @abstractmethod
+    def handlers(self) -> Mapping[Op, Handler]:
+        """The ops this service serves: read once, when it is registered."""
+
+    def on_worker_finished(self, worker: str) -> None:  # noqa: B027 - optional callback
+        """``worker`` has sent ``done`` (it is in :attr:`ServiceHost.finished` already)."""
+
+    def on_restored(self, reason: str) -> None:  # noqa: B027 - optional callback
+        """The chief is replacing the shard's variables (a restore from a checkpoint): work in
+        progress belongs to a timeline that is gone, and what waits for it should be refused
+        with :attr:`Code.RESTORED <psflow.protocol.Code.RESTORED>`."""
+
+    def on_stopping(self, reason: str) -> None:  # noqa: B027 - optional callback
+        """The server stops serving: answer every request still waiting (with
+        :attr:`Code.STOPPING <psflow.protocol.Code.STOPPING>`); the socket closes next."""
+
+    def wait(self, timeout: float) -> None:  # noqa: B027 - optional callback
+        """Waits up to ``timeout`` seconds for background work (before the ps task exits)."""
