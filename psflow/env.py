@@ -33,9 +33,6 @@ PSFLOW_LOGDIR = "PSFLOW_LOGDIR"
 """Default directory for checkpoints and TensorBoard summaries: a
 :class:`~psflow.train.TrainingSession` whose script gives no ``checkpoint_dir`` uses it."""
 
-PSFLOW_TEST_SLOW_SAVE = "PSFLOW_TEST_SLOW_SAVE"
-"""Tests only: seconds each ps sleeps while writing a checkpoint shard (a window to kill it in)."""
-
 PSFLOW_MODE = "PSFLOW_MODE"
 """Training mode when the script does not pass one: ``async`` (default), ``sync`` or
 ``allreduce`` (``psflow launch --mode`` sets it for every task)."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import threading
 import time
@@ -32,7 +31,6 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from psflow import env as envvars
 from psflow.protocol import Key, Op, OptimizerSpec, SaveState
 from psflow.ps.files import atomic_write, join, url_to_fs  # psflow.train imports them from here
 from psflow.ps.service import Handler, Service, ServiceHost
@@ -280,7 +278,6 @@ class ShardCheckpointer:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._status: dict[str, dict[str, Any]] = {}
-        self.slow_save = float(os.environ.get(envvars.PSFLOW_TEST_SLOW_SAVE, 0) or 0)
 
     def save(self, header: Mapping[str, Any]) -> dict[str, Any]:
         """Handles a ``save`` request: ``{"dir": URL of ckpt-<n>}``; returns the reply header."""
@@ -329,9 +326,7 @@ class ShardCheckpointer:
             data = encode_shard(snap)
             del snap
             fs, path = url_to_fs(file_url)
-            # Tests: a window, with the temporary file written, in which to kill the task.
-            pause = (lambda: time.sleep(self.slow_save)) if self.slow_save > 0 else None
-            atomic_write(fs, path, data, before_commit=pause)
+            atomic_write(fs, path, data)
             status = {
                 Key.STATE: SaveState.DONE,
                 Key.FILE: file_url,
