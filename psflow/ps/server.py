@@ -33,12 +33,11 @@ import torch
 from psflow import allocator
 from psflow import env as envvars
 from psflow.cluster.spec import TaskContext, TaskSpec
-from psflow.protocol import OptimizerSpec
+from psflow.protocol import Code, OptimizerSpec
 from psflow.ps.checkpoint import ShardCheckpointer, load_optimizer_state, split_init_tensors
 from psflow.ps.store import ShardStore
 from psflow.ps.sync import SyncService
-from psflow.transport import wire
-from psflow.transport.connection import UNINITIALIZED, Request, Server, TransportConfig
+from psflow.transport import Request, Server, TransportConfig, wire
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +48,7 @@ _POLL_SECONDS = 0.1
 class NotInitializedError(ValueError):
     """A request that needs the shard's variables before the chief has set them."""
 
-    code = UNINITIALIZED
+    code = Code.UNINITIALIZED
 
 
 class ParameterServer:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from psflow.transport.connection import Request
+from psflow.transport import Request
 
 
 @dataclass

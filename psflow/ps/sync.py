@@ -32,9 +32,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from psflow.protocol import Code
 from psflow.ps.staleness import ClockTable
 from psflow.ps.store import GradBuffers, ShardStore
-from psflow.transport.connection import RESTORED, Request
+from psflow.transport import Request
 
 if TYPE_CHECKING:
     from psflow.ps.server import ParameterServer
@@ -57,7 +58,7 @@ class StepOvertakenError(ValueError):
     """A gradient computed against a step this shard has not reached: the ps went back to an
     older step (a restore after a crash) while the worker was computing it."""
 
-    code = RESTORED
+    code = Code.RESTORED
 
 
 @dataclass
@@ -368,5 +369,5 @@ class SyncService:
     def reset(self, reason: str) -> None:
         """After a restore: the waiting requests fail as overtaken (their workers recover and
         start again from the restored step), and the steps in progress are forgotten."""
-        self.fail_pending(reason, RESTORED)
+        self.fail_pending(reason, Code.RESTORED)
         self.agg.reset()

@@ -33,7 +33,7 @@ from psflow.train.hooks import (
 )
 from psflow.train.manifest import CheckpointDir
 from psflow.train.summary import SummaryHook
-from psflow.transport.connection import (
+from psflow.transport import (
     PeerError,
     PeerLostError,
     PeerTimeoutError,

@@ -12,8 +12,7 @@ import torch
 
 from psflow.cluster.spec import TaskContext
 from psflow.protocol import OptimizerSpec
-from psflow.transport import wire
-from psflow.transport.connection import Client, PeerError, TransportConfig
+from psflow.transport import Client, PeerError, TransportConfig, wire
 from psflow.worker.placement import Piece
 
 log = logging.getLogger(__name__)

@@ -16,8 +16,7 @@ from psflow import env as envvars
 from psflow.cluster.resolve import resolve
 from psflow.cluster.spec import TaskContext
 from psflow.protocol import OptimizerSpec
-from psflow.transport import wire
-from psflow.transport.connection import TransportConfig
+from psflow.transport import TransportConfig, wire
 from psflow.worker.client import ShardedClient, Tensors, group_by_shard
 from psflow.worker.placement import ParamInfo, Piece, place
 from psflow.worker.sync import Engine, ModeConfig, StalenessEngine, SyncEngine

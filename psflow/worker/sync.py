@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from psflow import env as envvars
-from psflow.transport.connection import PeerError, PeerTimeoutError
+from psflow.transport import PeerError, PeerTimeoutError
 from psflow.worker.client import Tensors
 
 if TYPE_CHECKING:

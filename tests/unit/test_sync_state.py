@@ -11,7 +11,7 @@ from psflow.protocol import OptimizerSpec
 from psflow.ps.staleness import ClockTable
 from psflow.ps.store import ShardStore
 from psflow.ps.sync import StepOvertakenError, SyncAggregator, worker_order
-from psflow.transport.connection import Request
+from psflow.transport import Request
 from psflow.worker import ModeConfig
 
 
