@@ -1,30 +1,34 @@
 """The transport: how tasks talk. Nothing above this package knows ZeroMQ.
 
-- ``wire.py``: the message format (msgpack header + raw tensor frames), :class:`WireError`.
-- ``connection.py``: :class:`Server` (ROUTER), :class:`Client` (requests to many peers in
-  flight), :class:`TransportConfig`, :class:`PeerError`, :class:`PeerTimeoutError`, :class:`PeerLostError`.
-- ``shm.py``: :class:`~psflow.transport.shm.Lane`, shared memory for large tensors between
-  a client and a server on the same host.
+It knows frames, peers and errors, not what a ps is: the words of the protocol are
+:mod:`psflow.protocol`'s, and an error reply reaches the caller as a :class:`PeerError` carrying
+the reply's code, for the layer above to act on.
+
+- ``wire.py``: the message format (msgpack header + raw tensor frames), :class:`WireError`,
+  :class:`TensorMeta`, :data:`DTYPES`.
+- ``config.py``: :class:`TransportConfig`, and how an address becomes a ZeroMQ endpoint.
+- ``errors.py``: :class:`PeerError`, :class:`PeerTimeoutError`, :class:`PeerLostError`.
+- ``server.py``: :class:`Server` (a ROUTER socket answering :class:`Request` s one at a time).
+- ``client.py``: :class:`Client` (one DEALER socket per peer, many requests in flight).
+- ``shm.py``: :class:`Lane`, shared memory for large tensors between a client and a server on
+  the same host.
 - ``auth.py``: CurveZMQ keys, :func:`generate_keys`, :class:`CurveKeys`.
 - ``cli.py``: ``psflow keys generate DIR``.
 """
 
 from psflow.transport.auth import CurveKeys, generate_keys
-from psflow.transport.connection import (
-    Client,
-    PeerError,
-    PeerLostError,
-    PeerTimeoutError,
-    Request,
-    Server,
-    TransportConfig,
-)
+from psflow.transport.client import Client
+from psflow.transport.config import TransportConfig
+from psflow.transport.errors import PeerError, PeerLostError, PeerTimeoutError
+from psflow.transport.server import Request, Server
+from psflow.transport.shm import Lane
 from psflow.transport.wire import DTYPES, TensorMeta, WireError
 
 __all__ = [
     "DTYPES",
     "Client",
     "CurveKeys",
+    "Lane",
     "PeerError",
     "PeerLostError",
     "PeerTimeoutError",

@@ -7,7 +7,8 @@ class PeerError(RuntimeError):
     """A peer failed: it answered with an error, or it did not answer in time.
 
     Attributes:
-        peer: the peer, named as the client knows it (``ps:1 at 10.0.0.2:2222``).
+        peer: the peer, named as the client knows it (``ps:1``), with its address when it
+            did not answer or is gone (``ps:1 at 10.0.0.2:2222``).
         detail: what happened, without the peer's name.
         code: for an error reply, the kind of refusal the peer gave (a
             :class:`~psflow.protocol.Code` value, or ``None`` when it gave none); ``None``
@@ -26,6 +27,6 @@ class PeerTimeoutError(PeerError, TimeoutError):
 
 
 class PeerLostError(PeerError):
-    """A peer is gone (it hung up its shared-memory lane), came back without its state (a
-    restarted ps that is not initialised), or had its state restored from a checkpoint since
-    the request was made."""
+    """A peer is gone, or its state is: the transport raises it when a peer hangs up its
+    shared-memory lane (it exited); the layers above raise it for error replies whose code says
+    the peer lost the state the request was made against (a restarted ps, a restore)."""

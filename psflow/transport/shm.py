@@ -10,12 +10,13 @@ round trip then costs a few microseconds, and a tensor one ``memcpy`` per side.
 A lane is made by the client, for one server: a segment in ``/dev/shm`` and two FIFOs beside
 it (``<name>.q`` rings for requests, ``<name>.r`` for replies), all mode 0600, created
 exclusively under a random name. The client writes a random token at the segment's start and
-asks the server, over the socket, to attach (``_lane``, handled by the transport, never seen
-by the ps). The server opens the three only if the name has the lane form, each is a private
-file of this user of the right kind, the segment has the announced size and holds the token:
-this proves that both sides see the same memory. Then the client unlinks the names, so
-nothing is left in ``/dev/shm`` when either process dies; the mappings and open FIFOs live
-until both sides have dropped them. Any failure leaves the socket path, which always works.
+asks the server, over the socket, to attach (:attr:`~psflow.protocol.Op.ATTACH_LANE`, handled
+by the transport, never seen by the ps). The server opens the three only if the name has the
+lane form, each is a private file of this user of the right kind, the segment has the
+announced size and holds the token: this proves that both sides see the same memory. Then the
+client unlinks the names, so nothing is left in ``/dev/shm`` when either process dies; the
+mappings and open FIFOs live until both sides have dropped them. Any failure leaves the socket
+path, which always works.
 
 Segment layout: the token (64 bytes), the request header area and the reply header area
 (:data:`HEADER_BYTES` each: a 4-byte length, then the packed header), then the request data

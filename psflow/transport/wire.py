@@ -1,15 +1,16 @@
 """The wire format: one msgpack header frame, then raw tensor bytes.
 
-A message is ``[header, *frames]``. The header is a msgpack map with at least ``op`` (str) and
-``id`` (int); its ``t`` entry describes the tensors that follow as ``[name, dtype, shape]``
-triples. Their bytes travel in one of three ways:
+A message is ``[header, *frames]``. The header is a msgpack map keyed by
+:class:`~psflow.protocol.Key`, with at least :attr:`~Key.VERSION` (:data:`PROTOCOL_VERSION`),
+:attr:`~Key.OP` (str) and :attr:`~Key.ID` (int); its :attr:`~Key.TENSORS` entry describes the
+tensors that follow as ``[name, dtype, shape]`` triples. Their bytes travel in one of three ways:
 
-- inline (``b``): up to :data:`INLINE_BYTES` in all, inside the header frame;
-- framed (``c``): each tensor in ``ceil(nbytes / chunk)`` frames (at least one), where ``chunk``
-  is the ``c`` entry: moderate frames (1 MiB by default) move faster through ZeroMQ than a few
-  huge ones. Frames are sent straight from the tensor's memory, without a copy;
-- in a shared-memory lane (``s``): one after another from the start of the lane's area, each
-  at a multiple of 64 bytes (see :mod:`psflow.transport.shm`); no data frames.
+- inline (:attr:`~Key.INLINE`): up to :data:`INLINE_BYTES` in all, inside the header frame;
+- framed (:attr:`~Key.CHUNK`): each tensor in ``ceil(nbytes / chunk)`` frames (at least one),
+  where ``chunk`` is that entry: moderate frames (1 MiB by default) move faster through ZeroMQ
+  than a few huge ones. Frames are sent straight from the tensor's memory, without a copy;
+- in a shared-memory lane (:attr:`~Key.IN_LANE`): one after another from the start of the
+  lane's area, each at a multiple of 64 bytes (see :mod:`psflow.transport.shm`); no data frames.
 
 Nothing here is pickled: the header is plain msgpack data, validated field by field, and tensor
 bytes are only ever reinterpreted as one of the dtypes in :data:`DTYPES`.
@@ -19,13 +20,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
 import torch
 
-PROTOCOL_VERSION = 1
+from psflow.protocol.messages import PROTOCOL_VERSION, Key
+
+# The framing keys as plain strings, bound once: ``header[Key.OP]`` costs five times
+# ``header["op"]`` (a class attribute, then a key that is not a plain str), and each message
+# makes a dozen such lookups.
+_VERSION = Key.VERSION.value
+_OP = Key.OP.value
+_ID = Key.ID.value
+_TENSORS = Key.TENSORS.value
+_INLINE = Key.INLINE.value
+_CHUNK = Key.CHUNK.value
+_IN_LANE = Key.IN_LANE.value
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 """Bytes per frame for large tensors when the receiver's allocator is not tuned: ZeroMQ then
@@ -36,6 +48,10 @@ WHOLE_TENSOR_CHUNK_BYTES = 1 << 30
 travels as one frame, which the receiver uses in place (a gradient is applied from it) instead
 of assembling the tensor from pieces. Measured: 64 MB push and pull at 98-107% of the raw
 socket, against 68-70% with 1 MiB frames."""
+
+ZERO_COPY_ABOVE = 1 << 16
+"""Messages with fewer tensor bytes than this are copied into ZeroMQ: cheaper than tracking
+their frames until they have left."""
 
 MAX_HEADER_BYTES = 1 << 20
 """A header larger than this is refused before msgpack looks at it."""
@@ -70,13 +86,6 @@ class WireError(ValueError):
     """A message that does not follow the wire format (malformed, truncated, oversized)."""
 
 
-class Buffer(Protocol):
-    """What a received frame offers: pyzmq's ``Frame`` or plain ``bytes``."""
-
-    @property
-    def buffer(self) -> memoryview: ...
-
-
 class TensorMeta(NamedTuple):
     """Name, dtype, shape and size of one tensor on the wire (a tuple: made per message)."""
 
@@ -84,10 +93,6 @@ class TensorMeta(NamedTuple):
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -185,7 +190,7 @@ def encode(
     """The frames of one message: the packed header, then each tensor's bytes in chunks.
 
     With ``area`` (a lane's uint8 area), the tensors are copied into it when they fit, and the
-    message is the header alone (``header["s"]`` is then set). ``layout``, when the tensors
+    message is the header alone (its :attr:`~Key.IN_LANE` is then set). ``layout``, when the tensors
     follow it, spares describing them again.
 
     Small messages (at most :data:`INLINE_BYTES` of tensor data) travel as one frame, the
@@ -215,10 +220,10 @@ def encode(
         nbytes = layout.nbytes
     else:
         nbytes = sum(len(r) for r in raws)
-    header["v"] = PROTOCOL_VERSION
+    header[_VERSION] = PROTOCOL_VERSION
     frames: list[Any] = [b""]
     if metas:
-        header["t"] = metas
+        header[_TENSORS] = metas
         dst = None
         if area is not None:
             if layout is not None:
@@ -230,12 +235,14 @@ def encode(
         if dst is not None:
             for off, raw in zip(offsets, raws, strict=True):
                 dst[off : off + len(raw)] = raw
-            header["s"] = 1
+            header[_IN_LANE] = 1
         elif nbytes <= INLINE_BYTES:
             # Each tensor starts 8-byte aligned, so the receiver can view it in place.
-            header["b"] = b"".join(bytes(r) + bytes(-len(r) % 8) if len(r) % 8 else r for r in raws)
+            header[_INLINE] = b"".join(
+                bytes(r) + bytes(-len(r) % 8) if len(r) % 8 else r for r in raws
+            )
         else:
-            header["c"] = chunk
+            header[_CHUNK] = chunk
             for raw in raws:
                 n = len(raw)
                 if n <= chunk:
@@ -269,6 +276,13 @@ def lane_bytes(sizes: Iterable[int]) -> int:
     return _lane_layout(sizes)[1]
 
 
+def lane_bytes_of(tensors: Sequence[tuple[str, torch.Tensor]] | TensorSet) -> int:
+    """Bytes a lane area needs for ``tensors``."""
+    if isinstance(tensors, TensorSet):
+        return tensors.layout.lane_bytes
+    return lane_bytes(t.nbytes for _, t in tensors)
+
+
 def decode_header(frame: bytes | memoryview) -> dict[str, Any]:
     """The header of a received message, checked for shape but not yet for meaning."""
     if len(frame) > MAX_HEADER_BYTES:
@@ -279,13 +293,14 @@ def decode_header(frame: bytes | memoryview) -> dict[str, Any]:
         raise WireError(f"header is not valid msgpack: {e}") from None
     if not isinstance(header, dict):
         raise WireError(f"header must be a map, got {type(header).__name__}")
-    if header.get("v") != PROTOCOL_VERSION:
-        raise WireError(f"protocol version {header.get('v')!r}, expected {PROTOCOL_VERSION}")
-    if not isinstance(header.get("op"), str):
-        raise WireError("header has no string 'op'")
-    rid = header.get("id")
+    version = header.get(_VERSION)
+    if version != PROTOCOL_VERSION:
+        raise WireError(f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
+    if not isinstance(header.get(_OP), str):
+        raise WireError(f"header has no string {_OP!r}")
+    rid = header.get(_ID)
     if isinstance(rid, bool) or not isinstance(rid, int):
-        raise WireError("header has no integer 'id'")
+        raise WireError(f"header has no integer {_ID!r}")
     return header
 
 
@@ -301,7 +316,7 @@ def tensor_metas(header: Mapping[str, Any]) -> list[TensorMeta]:
     object, which :func:`decode_tensors` also keys its lane views on.
     """
     global _recent_metas
-    raw = header.get("t", [])
+    raw = header.get(_TENSORS, [])
     if not raw:
         return []
     # One tuple, read and replaced whole, so that threads sharing it see consistent pairs.
@@ -316,7 +331,9 @@ def tensor_metas(header: Mapping[str, Any]) -> list[TensorMeta]:
 
 def _validate_metas(raw: Any) -> list[TensorMeta]:
     if not isinstance(raw, list) or len(raw) > MAX_TENSORS:
-        raise WireError("'t' must be a list of at most 65536 [name, dtype, shape] entries")
+        raise WireError(
+            f"{_TENSORS!r} must be a list of at most {MAX_TENSORS} [name, dtype, shape] entries"
+        )
     out = []
     for entry in raw:
         if not (isinstance(entry, list) and len(entry) == 3):
@@ -346,7 +363,7 @@ def frame_views(
         WireError: when the frames do not match the header (count, sizes) or exceed ``max_bytes``.
     """
     metas = tensor_metas(header)
-    chunk = header.get("c")
+    chunk = header.get(_CHUNK)
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
         raise WireError(f"bad chunk size {chunk!r}")
     total = sum(m.nbytes for m in metas)
@@ -397,9 +414,9 @@ def decode_tensors(
         if frames:
             raise WireError(f"{len(frames)} data frame(s) but the header lists no tensors")
         return []
-    if "b" in header:
-        return _decode_inline(metas, header["b"], frames)
-    if "s" in header:
+    if _INLINE in header:
+        return _decode_inline(metas, header[_INLINE], frames)
+    if _IN_LANE in header:
         return _decode_lane(
             metas, area, frames, max_bytes=max_bytes, into=into, view=transient, views=views
         )
@@ -501,7 +518,7 @@ def _decode_inline(
     metas: list[TensorMeta], blob: Any, frames: Sequence[Any]
 ) -> list[tuple[str, torch.Tensor]]:
     if not isinstance(blob, bytes):
-        raise WireError("inline tensor data 'b' must be bytes")
+        raise WireError(f"inline tensor data {_INLINE!r} must be bytes")
     if frames:
         raise WireError("a message with inline tensor data carries no data frames")
     total = sum(_aligned(m.nbytes) for m in metas)

@@ -26,7 +26,7 @@ from torch import nn
 
 from psflow.cluster.spec import TaskContext, parse_address
 from psflow.protocol import OptimizerSpec
-from psflow.transport.connection import TransportConfig
+from psflow.transport import TransportConfig
 from psflow.worker.modes import Engine, ModeConfig
 
 log = logging.getLogger(__name__)

@@ -1,17 +1,27 @@
-"""A server and a client in one process, over a real socket: how large tensors arrive."""
+"""A server and a client in one process, over real sockets: how tensors and refusals arrive."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
 
 from psflow.cluster.launcher import free_ports
+from psflow.protocol import Code, Key, Op
 from psflow.ps.store import GradBuffers
-from psflow.transport import wire
-from psflow.transport.connection import Client, Server, TransportConfig
+from psflow.transport import (
+    Client,
+    PeerError,
+    PeerLostError,
+    Request,
+    Server,
+    TransportConfig,
+    wire,
+)
 
 
 def _frame_spans(frames: list[object]) -> list[tuple[int, int]]:
@@ -113,7 +123,9 @@ def test_a_lane_reply_area_holds_only_the_servers_tensor_set() -> None:
         grad = [("g", torch.zeros((1 << 16) + 64))]  # its lane fits the set too
         client.request("ps:0", {"op": "hello"}, grad, timeout=10)  # the socket: no lane yet
         rid = client.send("ps:0", {"op": "list"}, grad)
-        area = client._lanes["ps:0"].reply
+        lane = client.lane("ps:0")
+        assert lane is not None
+        area = lane.reply
         ((_, got),) = client.wait([rid], 10, lane_views=True)[rid][1]
         assert torch.equal(got, other[0][1]) and not area.any()  # by socket, area untouched
         rid = client.send("ps:0", {"op": "set"}, grad)
@@ -129,3 +141,118 @@ def test_a_lane_reply_area_holds_only_the_servers_tensor_set() -> None:
         thread.join(10)  # before closing: the server's socket belongs to that thread now
         client.close()
         server.close()
+
+
+def _serve(server: Server, answer: Callable[[Request], None], stop: threading.Event) -> None:
+    """Answers requests with ``answer`` until ``stop`` is set."""
+    while not stop.is_set():
+        request = server.recv(0.05)  # None too after a lane attached: answered inside recv
+        if request is not None:
+            answer(request)
+
+
+@pytest.mark.parametrize("shared_memory", [False, True])
+def test_an_error_reply_raises_a_peer_error_with_the_peers_code(shared_memory: bool) -> None:
+    """The transport hands a refusal up as it came: which codes mean a lost peer is for the
+    layer above to say."""
+    config = TransportConfig(timeout=10, shared_memory=shared_memory)
+    (port,) = free_ports(1)
+    server = Server(f"127.0.0.1:{port}", config)
+    client = Client({"ps:0": f"127.0.0.1:{port}"}, config)
+    codes = {"plain": None, "lost": Code.UNINITIALIZED, "odd": "not-a-known-code"}
+
+    def answer(request: Request) -> None:
+        op = request.header[Key.OP]
+        if op == Op.PULL:
+            server.reply(request, {Key.OP: Op.OK}, [("w", torch.ones(1 << 14))])
+        else:
+            server.send_error(request, f"refused {op}", codes[op])
+
+    stop = threading.Event()
+    thread = threading.Thread(target=_serve, args=(server, answer, stop))
+    thread.start()
+    try:
+        client.request("ps:0", {Key.OP: Op.PULL}, timeout=10)  # answered once: a lane may follow
+        for op, code in codes.items():
+            client.request("ps:0", {Key.OP: Op.PULL}, [("g", torch.ones(1 << 14))], timeout=10)
+            assert (client.lane("ps:0") is not None) == shared_memory
+            with pytest.raises(PeerError) as e:
+                client.request("ps:0", {Key.OP: op}, [("g", torch.ones(1 << 14))], timeout=10)
+            assert type(e.value) is PeerError and not isinstance(e.value, PeerLostError)
+            assert (e.value.peer, e.value.detail, e.value.code) == ("ps:0", f"refused {op}", code)
+    finally:
+        stop.set()
+        thread.join(10)
+        client.close()
+        server.close()
+
+
+def test_the_servers_own_error_replies_carry_a_code() -> None:
+    """What the server answers itself (a malformed message, a lane it will not map) says what
+    kind of refusal it is."""
+    import msgpack
+    import zmq
+
+    config = TransportConfig(timeout=10, shared_memory=False)
+    (port,) = free_ports(1)
+    server = Server(f"127.0.0.1:{port}", config)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(f"tcp://127.0.0.1:{port}")
+
+    def ask(frames: list[bytes]) -> dict[str, object]:
+        sock.send_multipart(frames)
+        with contextlib.suppress(wire.WireError):
+            assert server.recv(5) is None  # answered inside recv
+        assert sock.poll(5000)
+        return msgpack.unpackb(sock.recv_multipart()[0])  # type: ignore[no-any-return]
+
+    try:
+        reply = ask([b"\xc1\xc1"])
+        assert (reply[Key.OP], reply[Key.ID], reply[Key.CODE]) == (Op.ERROR, -1, Code.MALFORMED)
+        attach = {Key.OP: Op.ATTACH_LANE, Key.ID: 7, Key.LANE_NAME: "psflow-" + "0" * 32}
+        reply = ask(wire.encode(attach))
+        assert (reply[Key.OP], reply[Key.ID], reply[Key.CODE]) == (Op.ERROR, 7, Code.REFUSED)
+        assert "shared memory is off on this server" in str(reply[Key.ERROR])
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        server.close()
+
+
+def test_replies_from_several_peers_are_collected_in_one_wait() -> None:
+    """Requests to two servers at once, some through lanes and some through sockets."""
+    config = TransportConfig(timeout=10, shared_memory=True)
+    ports = free_ports(2)
+    servers = [Server(f"127.0.0.1:{port}", config) for port in ports]
+    client = Client({f"ps:{i}": f"127.0.0.1:{port}" for i, port in enumerate(ports)}, config)
+    stop = threading.Event()
+    threads = []
+    for i, server in enumerate(servers):
+
+        def answer(request: Request, server: Server = server, i: int = i) -> None:
+            ((_, t),) = server.tensors(request)
+            server.reply(request, {Key.OP: Op.OK}, [("y", t + i)])
+
+        threads.append(threading.Thread(target=_serve, args=(server, answer, stop)))
+        threads[-1].start()
+    try:
+        for step in range(4):  # the first: all by socket; then one lane each, and sockets
+            rids = {}
+            for i in range(2):
+                for k in range(2):
+                    x = torch.full((1 << 12,), float(10 * step + k))
+                    rids[i, k] = client.send(f"ps:{i}", {Key.OP: Op.PUSH}, [("x", x)])
+            replies = client.wait(rids.values(), 10)
+            for (i, k), rid in rids.items():
+                ((_, y),) = replies[rid][1]
+                assert (y == 10 * step + k + i).all()
+        assert all(client.lane(f"ps:{i}") is not None for i in range(2))
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+        client.close()
+        for server in servers:
+            server.close()

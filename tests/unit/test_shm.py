@@ -154,7 +154,7 @@ def test_what_does_not_fit_the_lane_is_framed(lane: Lane) -> None:
 def test_bad_lane_messages(
     lane: Lane, t: list[object], area: str | None, frames: list[bytes], message: str
 ) -> None:
-    header = {"v": 1, "op": "push", "id": 1, "t": t, "s": 1}
+    header = {"v": wire.PROTOCOL_VERSION, "op": "push", "id": 1, "t": t, "s": 1}
     with pytest.raises(wire.WireError, match=message):
         wire.decode_tensors(header, frames, max_bytes=1 << 20, area=lane.request if area else None)
 

@@ -96,9 +96,9 @@ def pack(header: object) -> bytes:
         (b"\xc1garbage", "not valid msgpack"),
         (pack([1, 2]), "must be a map"),
         (pack({"op": "pull", "id": 1}), "protocol version"),
-        (pack({"v": 1, "id": 1}), "no string 'op'"),
-        (pack({"v": 1, "op": "pull"}), "no integer 'id'"),
-        (pack({"v": 1, "op": "pull", "id": True}), "no integer 'id'"),
+        (pack({"v": wire.PROTOCOL_VERSION, "id": 1}), "no string 'op'"),
+        (pack({"v": wire.PROTOCOL_VERSION, "op": "pull"}), "no integer 'id'"),
+        (pack({"v": wire.PROTOCOL_VERSION, "op": "pull", "id": True}), "no integer 'id'"),
         (b"\x00" * (wire.MAX_HEADER_BYTES + 1), "exceeds"),
     ],
 )
@@ -108,7 +108,7 @@ def test_bad_headers(raw: bytes, message: str) -> None:
 
 
 def header(**fields: object) -> dict[str, object]:
-    return {"v": 1, "op": "push", "id": 1, **fields}
+    return {"v": wire.PROTOCOL_VERSION, "op": "push", "id": 1, **fields}
 
 
 @pytest.mark.parametrize(

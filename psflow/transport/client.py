@@ -1,0 +1,422 @@
+"""The client side: requests to many peers, many in flight at once.
+
+A client holds one DEALER socket per peer. Every request carries an id, so a client can send to
+all ps shards at once and then collect the replies in any order. Every wait has a deadline, and
+a peer that misses it is named in the error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import numpy as np
+import torch
+import zmq
+
+from psflow import allocator
+from psflow.protocol.messages import Key, Op
+from psflow.transport import wire
+from psflow.transport.auth import configure_client
+from psflow.transport.config import TransportConfig, endpoint
+from psflow.transport.errors import PeerError, PeerLostError, PeerTimeoutError
+from psflow.transport.shm import Lane, LaneError
+from psflow.transport.wire import ZERO_COPY_ABOVE
+
+log = logging.getLogger(__name__)
+
+# Bound once, as plain strings, for the per-request path (see the same in wire.py).
+_OP = Key.OP.value
+_ID = Key.ID.value
+_CHUNK = Key.CHUNK.value
+_ERROR = Op.ERROR.value
+_USE_SOCKET = Op.USE_SOCKET.value
+
+_POLLIN = int(zmq.POLLIN)
+"""A poll event as a plain int: a test against pyzmq's enum costs a microsecond per request."""
+
+_MIN_LANE_BYTES = wire.INLINE_BYTES
+"""Each lane area holds at least this much: a small model's tensors never need a new lane."""
+
+Reply = tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]
+"""A reply: its header and its tensors."""
+
+
+@dataclass(eq=False, slots=True)
+class _Peer:
+    """One peer, as this client knows it."""
+
+    name: str
+    address: str
+    sock: zmq.Socket[bytes]
+    lanes_allowed: bool
+    """Whether its requests may go through a lane (shared memory is on, and no attempt failed)."""
+    lane: Lane | None = None
+    reply_need: int = 0
+    """Lane bytes its largest reply needed: a new lane's reply area holds at least that."""
+    answered: bool = False
+    """Whether it has answered once (it is up: a lane may be offered to it)."""
+    inflight: set[int] = field(default_factory=set)
+    """Its requests in flight (a lane carries one request at a time)."""
+
+    def __str__(self) -> str:
+        return f"{self.name} at {self.address}"
+
+
+class _Wait:
+    """What one :meth:`Client.wait` collects: the requests still awaited, and the replies."""
+
+    __slots__ = ("into", "lane_views", "replies", "want")
+
+    def __init__(
+        self, rids: Iterable[int], into: dict[str, torch.Tensor] | None, lane_views: bool
+    ) -> None:
+        self.want = set(rids)
+        self.replies: dict[int, Reply] = {}
+        self.into = into
+        self.lane_views = lane_views
+
+
+class Client:
+    """Requests to a fixed list of peers, many in flight at once.
+
+    A peer on the same host is reached through a shared-memory lane
+    (:mod:`psflow.transport.shm`) once it has answered once over the socket, when no other
+    request to it is in flight; everything else goes through the socket.
+
+    Example:
+        >>> client = Client({"ps:0": "127.0.0.1:2222"}, TransportConfig(timeout=5))
+        >>> # rid = client.send("ps:0", {Key.OP: Op.PULL}); client.wait([rid])
+        >>> client.close()
+    """
+
+    def __init__(
+        self,
+        peers: dict[str, str],
+        config: TransportConfig,
+        *,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.config = config
+        allocator.tune()  # before ZeroMQ's I/O thread makes its first allocation
+        self._context = context or zmq.Context.instance()
+        self._peers: dict[str, _Peer] = {}
+        # Each request in flight: its peer, and whether it went through the peer's lane.
+        self._inflight: dict[int, tuple[_Peer, bool]] = {}
+        self._next_id = 1
+        self._lane_retired: list[Callable[[np.ndarray[Any, Any]], None]] = []
+        for name, address in peers.items():
+            sock = self._context.socket(zmq.DEALER)
+            sock.linger = 0
+            # A DEALER with no live peer (down, or refused by CurveZMQ) blocks its sends.
+            sock.sndtimeo = int(config.timeout * 1000)
+            if config.keys is not None:
+                configure_client(sock, config.keys)
+            sock.connect(endpoint(address, bind=False))
+            self._peers[name] = _Peer(name, address, sock, lanes_allowed=config.shared_memory)
+
+    @property
+    def peers(self) -> list[str]:
+        return list(self._peers)
+
+    def on_lane_retired(self, callback: Callable[[np.ndarray[Any, Any]], None]) -> None:
+        """Registers ``callback``, called with a lane's reply area when a timed-out request
+        leaves it to a server that may still write there: views of it taken with
+        ``lane_views`` must move out."""
+        self._lane_retired.append(callback)
+
+    def lane(self, peer: str) -> Lane | None:
+        """The shared-memory lane to ``peer``, if one is attached."""
+        p = self._peers.get(peer)
+        return p.lane if p is not None else None
+
+    # -- sending ----------------------------------------------------------------------------
+
+    def send(
+        self,
+        peer: str,
+        header: dict[str, Any],
+        tensors: Sequence[tuple[str, torch.Tensor]] | wire.TensorSet = (),
+        layout: wire.Layout | None = None,
+    ) -> int:
+        """Sends one request to ``peer`` and returns its id, without waiting for the reply.
+
+        The tensors must stay unchanged until the reply has arrived. ``layout``: what they
+        usually look like (a step's gradients), to spare describing them again.
+        """
+        p = self._peers[peer]
+        lane = None
+        if p.lanes_allowed:
+            need = layout.lane_bytes if layout is not None else wire.lane_bytes_of(tensors)
+            lane = self._lane_for(p, need)
+        rid = self._next_id
+        self._next_id += 1
+        header[_ID] = rid
+        if lane is not None:
+            frames = wire.encode(dict(header), tensors, area=lane.request, layout=layout)
+            if len(frames) == 1 and lane.post_request(frames[0]):
+                self._inflight[rid] = (p, True)
+                p.inflight.add(rid)
+                return rid
+        frames = wire.encode(header, tensors, chunk=self.config.chunk_bytes)
+        self._send(p, frames)
+        self._inflight[rid] = (p, False)
+        p.inflight.add(rid)
+        return rid
+
+    def _send(self, peer: _Peer, frames: list[Any]) -> None:
+        size = sum(len(f) for f in frames[1:])
+        try:
+            peer.sock.send_multipart(frames, copy=size < ZERO_COPY_ABOVE)
+        except zmq.Again:
+            raise PeerTimeoutError(
+                str(peer),
+                f"could not send within {self.config.timeout:g} s (down, or not authorised?)",
+            ) from None
+
+    def _lane_for(self, peer: _Peer, need: int) -> Lane | None:
+        """The lane for a request to ``peer`` with ``need`` bytes of tensors, attached or grown
+        when needed.
+
+        None before ``peer`` has answered over the socket (it may not be up yet), and while
+        another request to it is in flight (a lane carries one request at a time).
+        """
+        if not peer.answered or peer.inflight:
+            return None
+        need = max(need, _MIN_LANE_BYTES)
+        lane = peer.lane
+        if lane is None or lane.request_bytes < need or lane.reply_bytes < peer.reply_need:
+            old = (lane.request_bytes, lane.reply_bytes) if lane is not None else (0, 0)
+            # A push is usually answered with parameters of its own size.
+            lane = self._attach(peer, max(need, old[0]), max(peer.reply_need, need, old[1]))
+        return lane
+
+    def _attach(self, peer: _Peer, request_bytes: int, reply_bytes: int) -> Lane | None:
+        self._drop_lane(peer)
+        try:
+            lane = Lane.create(request_bytes, reply_bytes)
+        except LaneError as e:
+            log.info("%s: %s; requests go through the socket", peer.name, e)
+            peer.lanes_allowed = False
+            return None
+        try:
+            rid = self._next_id
+            self._next_id += 1
+            header: dict[str, Any] = {
+                Key.OP: Op.ATTACH_LANE,
+                Key.ID: rid,
+                Key.LANE_NAME: lane.name,
+                Key.LANE_TOKEN: lane.token,
+                Key.LANE_REQUEST_BYTES: request_bytes,
+                Key.LANE_REPLY_BYTES: reply_bytes,
+            }
+            self._send(peer, wire.encode(header))
+            self._inflight[rid] = (peer, False)
+            peer.inflight.add(rid)
+            self.wait([rid])
+        except PeerTimeoutError:
+            lane.close()
+            raise
+        except PeerError as e:
+            log.info("%s; requests go through the socket", e)
+            peer.lanes_allowed = False
+            lane.close()
+            return None
+        finally:
+            lane.unlink()
+        log.debug("%s: attached %s", peer.name, lane)
+        peer.lane = lane
+        return lane
+
+    def _drop_lane(self, peer: _Peer) -> None:
+        if peer.lane is not None:
+            peer.lane.close()
+            peer.lane = None
+
+    # -- receiving --------------------------------------------------------------------------
+
+    def wait(
+        self,
+        rids: Iterable[int],
+        timeout: float | None = None,
+        *,
+        into: dict[str, torch.Tensor] | None = None,
+        lane_views: bool = False,
+    ) -> dict[int, Reply]:
+        """The replies to ``rids`` (header and tensors), keyed by request id.
+
+        Large tensors named in ``into`` are received straight into those tensors. With
+        ``lane_views``, tensors that came through a lane are views of it instead: the server's
+        next reply through that lane rewrites them in place (see :meth:`Server.reply`), and
+        the callbacks given to :meth:`on_lane_retired` hear of a lane a late reply might still
+        write into.
+
+        Raises:
+            PeerTimeoutError: naming each peer that has not answered by the deadline.
+            PeerLostError: when a peer hung up the lane a request went through (it exited).
+            PeerError: when a peer answered with an error (its :attr:`~PeerError.code` is the
+                reply's) or with a malformed message.
+        """
+        w = _Wait(rids, into, lane_views)
+        timeout = self.config.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while w.want:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._timeout(w.want, timeout)
+            for peer, parts in self._arrivals(w.want, left):
+                self._take(peer, parts, w)
+        return w.replies
+
+    def _arrivals(self, want: set[int], left: float) -> Sequence[tuple[_Peer, list[Any] | None]]:
+        """Waits up to ``left`` seconds for messages that may answer ``want``: each is its
+        peer, with the message's frames when it came by socket (``None``: by lane).
+
+        Raises:
+            PeerLostError: when a lane a request went through has been hung up.
+        """
+        if len(want) == 1:
+            # One request (one ps shard): a blocking wait on its lane or its socket.
+            (rid,) = want
+            peer, by_lane = self._inflight[rid]
+            if by_lane:
+                assert peer.lane is not None
+                try:
+                    rang = peer.lane.wait_reply(left)
+                except LaneError as e:
+                    self._lost(peer, e)
+                return ((peer, None),) if rang else ()
+            sock = peer.sock
+            sock.rcvtimeo = max(1, int(left * 1000))
+            try:
+                return ((peer, sock.recv_multipart(copy=False)),)
+            except zmq.Again:
+                return ()
+        poller = zmq.Poller()
+        by_fd: dict[int, _Peer] = {}
+        socks: dict[zmq.Socket[bytes], _Peer] = {}
+        for rid in want:
+            peer, by_lane = self._inflight[rid]
+            if by_lane:
+                assert peer.lane is not None
+                by_fd[peer.lane.replies_fd] = peer
+                poller.register(peer.lane.replies_fd, zmq.POLLIN)
+            elif peer.sock not in socks:
+                socks[peer.sock] = peer
+                poller.register(peer.sock, zmq.POLLIN)
+        arrivals: list[tuple[_Peer, list[Any] | None]] = []
+        for what, events in poller.poll(max(1, int(left * 1000))):
+            if isinstance(what, int):
+                if not events & _POLLIN:  # hung up
+                    self._lost(by_fd[what], LaneError("the other side hung up"))
+                arrivals.append((by_fd[what], None))
+                continue
+            while True:
+                try:
+                    arrivals.append((socks[what], what.recv_multipart(zmq.NOBLOCK, copy=False)))
+                except zmq.Again:
+                    break
+        return arrivals
+
+    def _take(self, peer: _Peer, parts: list[Any] | None, w: _Wait) -> None:
+        """Files one message from ``peer`` (``parts`` from its socket, or ``None``: the reply
+        its lane rang for) as the reply to its request, dropping stale ones."""
+        peer.answered = True
+        lane = None if parts is not None else peer.lane
+        try:
+            if lane is not None:
+                raw, frames = lane.take_reply(), []
+            else:
+                assert parts is not None
+                raw, frames = parts[0].buffer, parts[1:]
+            header = wire.decode_header(raw)
+        except (wire.WireError, LaneError) as e:
+            raise PeerError(peer.name, f"malformed reply: {e}") from None
+        rid = header[_ID]
+        op = header[_OP]
+        if lane is not None:
+            if rid == -1 and op == _ERROR:
+                # The server could not read the request at all: it answers whatever was in flight.
+                rid = next((r for r in peer.inflight if self._inflight[r][1]), -1)
+            if self._inflight.get(rid) != (peer, True):
+                return  # a ring for a reply already taken from the socket
+        if rid not in w.want:
+            return  # the reply to a request that already timed out
+        self._inflight.pop(rid)[0].inflight.discard(rid)  # _landed(rid), spared a call
+        if lane is not None and op == _USE_SOCKET:
+            need = header.get(Key.NEED)
+            if isinstance(need, int) and not isinstance(need, bool):
+                peer.reply_need = max(peer.reply_need, need)
+            # Too large for the lane: it comes by socket.
+            self._inflight[rid] = (peer, False)
+            peer.inflight.add(rid)
+            return
+        w.want.discard(rid)
+        if op == _ERROR:
+            code = header.get(Key.CODE)
+            detail = str(header.get(Key.ERROR, "unknown error"))
+            raise PeerError(peer.name, detail, code=code if isinstance(code, str) else None)
+        try:
+            tensors = wire.decode_tensors(
+                header,
+                frames,
+                max_bytes=self.config.max_message_bytes,
+                into=w.into,
+                area=lane.reply if lane is not None else None,
+                transient=w.lane_views,
+                views=lane.reply_views if lane is not None else None,
+            )
+        except wire.WireError as e:
+            raise PeerError(peer.name, f"malformed reply: {e}") from None
+        if _CHUNK in header and peer.lanes_allowed:
+            need = wire.lane_bytes(t.nbytes for _, t in tensors)
+            peer.reply_need = max(peer.reply_need, need)
+        w.replies[rid] = (header, tensors)
+
+    def _landed(self, rid: int) -> tuple[_Peer, bool]:
+        """Forgets request ``rid`` as in flight; its peer, and whether it went by lane."""
+        flight = self._inflight.pop(rid)
+        flight[0].inflight.discard(rid)
+        return flight
+
+    def _lost(self, peer: _Peer, error: LaneError) -> NoReturn:
+        for rid in [r for r in peer.inflight if self._inflight[r][1]]:
+            self._landed(rid)
+        self._drop_lane(peer)
+        raise PeerLostError(str(peer), f"{error} (it exited?)")
+
+    def _timeout(self, want: set[int], timeout: float) -> NoReturn:
+        late = set()
+        for rid in want:
+            peer, by_lane = self._landed(rid)
+            if by_lane:
+                # Its server may still read or write the lane later: never use it again.
+                if peer.lane is not None:
+                    for callback in self._lane_retired:
+                        callback(peer.lane.reply)
+                self._drop_lane(peer)
+            late.add(peer)
+        names = ", ".join(str(p) for p in sorted(late, key=lambda p: p.name))
+        raise PeerTimeoutError(
+            names, f"no answer within {timeout:g} s (dead, hung, unreachable or not authorised?)"
+        )
+
+    def request(
+        self,
+        peer: str,
+        header: dict[str, Any],
+        tensors: Sequence[tuple[str, torch.Tensor]] = (),
+        timeout: float | None = None,
+    ) -> Reply:
+        """One request and its reply."""
+        rid = self.send(peer, header, tensors)
+        return self.wait([rid], timeout)[rid]
+
+    def close(self) -> None:
+        for peer in self._peers.values():
+            peer.sock.close(linger=0)
+            self._drop_lane(peer)
+        self._peers.clear()

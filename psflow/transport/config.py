@@ -1,0 +1,87 @@
+"""The transport's settings, and how an address becomes a ZeroMQ endpoint."""
+
+from __future__ import annotations
+
+import os
+import socket as pysocket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from psflow import allocator
+from psflow import env as envvars
+from psflow.cluster.spec import parse_address
+from psflow.transport import wire
+from psflow.transport.auth import CurveKeys
+
+
+@dataclass(kw_only=True)
+class TransportConfig:
+    """Settings shared by servers and clients.
+
+    Example:
+        >>> TransportConfig(timeout=5, shared_memory=False).timeout
+        5
+    """
+
+    timeout: float = field(
+        default_factory=lambda: float(os.environ.get(envvars.PSFLOW_TIMEOUT, 60))
+    )
+    """Seconds a request may take before it fails with an error naming the peer."""
+    max_message_bytes: int = 8 << 30
+    """Largest message (sum of tensor bytes) a server accepts."""
+    chunk_bytes: int = field(
+        default_factory=lambda: (
+            wire.WHOLE_TENSOR_CHUNK_BYTES if allocator.tune() else wire.DEFAULT_CHUNK_BYTES
+        )
+    )
+    """Bytes per frame for large tensors: whole tensors with the tuned allocator."""
+    keys: CurveKeys | None = None
+    """CurveZMQ keys: when given, traffic is encrypted and clients must be authorised."""
+    shared_memory: bool = field(
+        default_factory=lambda: (
+            os.environ.get(envvars.PSFLOW_SHM, "1").lower() not in ("0", "off", "false", "no")
+        )
+    )
+    """Move large tensors through a shared-memory lane when client and server share a host
+    (:mod:`psflow.transport.shm`); the socket otherwise."""
+
+    def __post_init__(self) -> None:
+        if self.timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
+        if self.max_message_bytes <= 0:
+            raise ValueError(f"max_message_bytes must be > 0, got {self.max_message_bytes}")
+        if self.chunk_bytes < 4096:
+            raise ValueError(f"chunk_bytes must be >= 4096, got {self.chunk_bytes}")
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> TransportConfig:
+        """Defaults, with keys from ``PSFLOW_KEYS_DIR`` when it is set."""
+        keys_dir = os.environ.get(envvars.PSFLOW_KEYS_DIR)
+        if keys_dir and "keys" not in overrides:
+            overrides["keys"] = CurveKeys.load(keys_dir)
+        return cls(**overrides)
+
+
+def endpoint(address: str, *, bind: bool, timeout: float = 0.0) -> str:
+    """The ZeroMQ endpoint (``tcp://host:port``) for ``host:port``.
+
+    To ``bind``, a host name is resolved first, retried for up to ``timeout`` seconds.
+
+    Raises:
+        ValueError: when ``address`` is not ``host:port``, or its host cannot be resolved.
+    """
+    host, port = parse_address(address)
+    if bind and host not in ("*", "0.0.0.0", "::"):
+        # A task's own DNS name (a Kubernetes headless Service) can appear a little after the
+        # task starts: keep trying for up to ``timeout`` seconds.
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                host = pysocket.gethostbyname(host)
+                break
+            except OSError as e:
+                if time.monotonic() >= deadline:
+                    raise ValueError(f"cannot resolve {host!r} to bind {address!r}: {e}") from None
+                time.sleep(0.5)
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"

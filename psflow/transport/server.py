@@ -1,0 +1,325 @@
+"""The server side: a ROUTER socket that receives requests and answers them one at a time.
+
+Clients on the same host may attach shared-memory lanes (:mod:`psflow.transport.shm`); the
+server answers those requests itself (:attr:`~psflow.protocol.Op.ATTACH_LANE`), so what it hands
+up is only ever a request for the service above it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from psflow import allocator
+from psflow.protocol.messages import Code, Key, Op
+from psflow.transport import wire
+from psflow.transport.auth import configure_server
+from psflow.transport.config import TransportConfig, endpoint
+from psflow.transport.shm import Lane, LaneError
+from psflow.transport.wire import ZERO_COPY_ABOVE
+
+log = logging.getLogger(__name__)
+
+# Bound once, as plain strings, for the per-request path (see the same in wire.py).
+_OP = Key.OP.value
+_ID = Key.ID.value
+_ATTACH_LANE = Op.ATTACH_LANE.value
+
+_POLLIN = int(zmq.POLLIN)
+_POLLERR = int(zmq.POLLERR)
+"""Poll events as plain ints: a test against pyzmq's enum costs a microsecond per request."""
+
+_MAX_LANES = 64
+"""Lanes a server keeps (one per client); the least recently used goes first."""
+
+
+@dataclass
+class Request:
+    """One request received by a :class:`Server`."""
+
+    identity: bytes
+    header: dict[str, Any]
+    frames: list[Any]
+    lane: Lane | None = None
+    """The shared-memory lane it came through (its reply goes back the same way)."""
+
+
+class Server:
+    """A ROUTER socket bound to one address, answering requests one at a time.
+
+    Clients on the same host may also attach shared-memory lanes (:mod:`psflow.transport.shm`):
+    :meth:`recv` then waits on the socket and on every lane at once.
+
+    Example:
+        >>> server = Server("127.0.0.1:2222", TransportConfig(timeout=5))  # doctest: +SKIP
+        >>> request = server.recv(timeout=1.0)  # doctest: +SKIP
+        >>> if request is not None:  # doctest: +SKIP
+        ...     server.reply(request, {Key.OP: Op.OK}, server.tensors(request))
+        >>> server.close()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self, address: str, config: TransportConfig, *, context: zmq.Context[Any] | None = None
+    ) -> None:
+        self.config = config
+        allocator.tune()  # before ZeroMQ's I/O thread makes its first allocation
+        self._context = context or zmq.Context.instance()
+        self._auth: ThreadAuthenticator | None = None
+        bind_to = endpoint(address, bind=True, timeout=config.timeout)
+        sock = self._context.socket(zmq.ROUTER)
+        sock.linger = 0
+        sock.router_mandatory = False
+        sock.maxmsgsize = config.max_message_bytes + wire.MAX_HEADER_BYTES
+        if config.keys is not None:
+            self._auth = ThreadAuthenticator(self._context, log=log.getChild("auth"))
+            self._auth.start()
+            location = str(config.keys.authorized_dir) if config.keys.authorized_dir else None
+            if location is None:
+                raise ValueError("keys without authorized_clients/: no client could connect")
+            self._auth.configure_curve(domain="*", location=location)
+            configure_server(sock, config.keys)
+        try:
+            sock.bind(bind_to)
+        except zmq.ZMQError as e:
+            sock.close()
+            if self._auth is not None:
+                self._auth.stop()
+            raise OSError(f"cannot listen on {address} ({bind_to}): {e}") from None
+        self._sock = sock
+        self._pending: list[zmq.MessageTracker] = []
+        self._lanes: OrderedDict[bytes, Lane] = OrderedDict()
+        self._lane_of_fd: dict[int, tuple[bytes, Lane]] = {}
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+        self._ready: deque[Request] = deque()
+
+    def recv(self, timeout: float) -> Request | None:
+        """The next request, or ``None`` after ``timeout`` seconds without one.
+
+        Raises:
+            wire.WireError: for a message whose header is malformed; the server sends the
+                error reply (:attr:`~psflow.protocol.Code.MALFORMED`) itself when it knows
+                whom to answer.
+        """
+        if self._ready:
+            return self._ready.popleft()
+        ms = max(1, int(timeout * 1000))
+        if not self._lanes:
+            # The socket alone: a blocking receive, cheaper than a poll.
+            if self._sock.rcvtimeo != ms:
+                self._sock.rcvtimeo = ms
+            try:
+                parts = self._sock.recv_multipart(copy=False)
+            except zmq.Again:
+                return None
+            return self._from_socket(parts)
+        # Events name file descriptors as they were when polled: handling one event may
+        # close a lane and open another under the same numbers.
+        lane_of_fd = dict(self._lane_of_fd)
+        for what, events in self._poller.poll(ms):
+            if what is self._sock:
+                try:
+                    parts = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    continue
+                try:
+                    request = self._from_socket(parts)
+                except wire.WireError as e:
+                    if not self._ready:
+                        raise
+                    # Answered already; the requests collected so far are served first.
+                    log.warning("rejected a malformed message: %s", e)
+                    continue
+                if request is not None:
+                    self._ready.append(request)
+            else:
+                identity, lane = lane_of_fd[what]
+                if lane.closed:
+                    continue
+                if events & _POLLIN:
+                    request = self._from_lane(identity, lane)
+                    if request is not None:
+                        self._ready.append(request)
+                elif events & _POLLERR:
+                    log.debug("client %r has gone: dropping %s", identity, lane)
+                    self._drop_lane(identity)
+        return self._ready.popleft() if self._ready else None
+
+    def _from_socket(self, parts: list[Any]) -> Request | None:
+        identity = parts[0].bytes
+        if len(parts) < 2:
+            raise wire.WireError("message has no header frame")
+        try:
+            header = wire.decode_header(parts[1].buffer)
+        except wire.WireError as e:
+            self._sock.send_multipart([identity, *_error(-1, str(e), Code.MALFORMED)])
+            raise
+        if header[_OP] == _ATTACH_LANE:
+            self._attach(identity, header)
+            return None
+        return Request(identity=identity, header=header, frames=parts[2:])
+
+    def _from_lane(self, identity: bytes, lane: Lane) -> Request | None:
+        self._lanes.move_to_end(identity)
+        try:
+            header = wire.decode_header(lane.take_request())
+        except (wire.WireError, LaneError) as e:
+            log.warning("rejected a malformed message on %s: %s", lane, e)
+            self._post(lane, identity, _error(-1, str(e), Code.MALFORMED))
+            return None
+        return Request(identity=identity, header=header, frames=[], lane=lane)
+
+    def _attach(self, identity: bytes, header: dict[str, Any]) -> None:
+        """Maps a client's lane (its request to attach one is answered here, not above)."""
+        rid = header[Key.ID]
+        try:
+            if not self.config.shared_memory:
+                raise LaneError("shared memory is off on this server")
+            lane = Lane.attach(
+                header.get(Key.LANE_NAME),
+                header.get(Key.LANE_TOKEN),
+                header.get(Key.LANE_REQUEST_BYTES),
+                header.get(Key.LANE_REPLY_BYTES),
+            )
+        except LaneError as e:
+            message = f"no shared-memory lane: {e}"
+            self._sock.send_multipart([identity, *_error(rid, message, Code.REFUSED)])
+            return
+        self._drop_lane(identity)
+        self._lanes[identity] = lane
+        self._lane_of_fd[lane.requests_fd] = (identity, lane)
+        self._poller.register(lane.requests_fd, zmq.POLLIN)
+        while len(self._lanes) > _MAX_LANES:
+            self._drop_lane(next(iter(self._lanes)))
+        self._sock.send_multipart([identity, *wire.encode({Key.OP: Op.OK, Key.ID: rid})])
+
+    def _drop_lane(self, identity: bytes) -> None:
+        lane = self._lanes.pop(identity, None)
+        if lane is not None:
+            self._poller.unregister(lane.requests_fd)
+            del self._lane_of_fd[lane.requests_fd]
+            lane.close()
+
+    def tensors(
+        self,
+        request: Request,
+        *,
+        into: Mapping[str, torch.Tensor] | None = None,
+        transient: bool = False,
+    ) -> list[tuple[str, torch.Tensor]]:
+        """The tensors of ``request``, validated (see :func:`wire.decode_tensors`).
+
+        With ``transient``, tensors that came through a lane may be views of it: valid until
+        the reply to ``request`` is sent.
+        """
+        lane = request.lane
+        return wire.decode_tensors(
+            request.header,
+            request.frames,
+            max_bytes=self.config.max_message_bytes,
+            into=into,
+            area=lane.request if lane is not None else None,
+            transient=transient,
+            views=lane.request_views if lane is not None else None,
+        )
+
+    def reply(
+        self,
+        request: Request,
+        header: dict[str, Any],
+        tensors: Sequence[tuple[str, torch.Tensor]] | wire.TensorSet = (),
+    ) -> None:
+        """Answers ``request``; tensors are sent from their own memory, without a copy.
+
+        A request that came through a lane is answered through it, its tensors copied there,
+        when they are a :class:`wire.TensorSet` (or small enough to travel inline): a lane's
+        reply area only ever holds that one set, each tensor always at the same place, so a
+        client may keep using them there (its model's parameters) until its next request.
+        Other tensors, and a set too large for the lane, go by socket, and the lane says so
+        (:attr:`~psflow.protocol.Op.USE_SOCKET`).
+        """
+        rid = header[_ID] = request.header[_ID]
+        lane = request.lane
+        if lane is not None:
+            if lane.closed:
+                # Replaced or evicted since: its client gave up on this request.
+                log.debug("dropped the reply to %s: its lane is gone", request.header[_OP])
+                return
+            whole_set = isinstance(tensors, wire.TensorSet)
+            fixed = whole_set or wire.lane_bytes_of(tensors) <= wire.INLINE_BYTES
+            if fixed:
+                # Other tensors never enter the reply area: small ones travel in the header.
+                frames = wire.encode(dict(header), tensors, area=lane.reply if whole_set else None)
+                if len(frames) == 1 and lane.post_reply(frames[0]):
+                    return
+            need = wire.lane_bytes_of(tensors) if fixed else 0
+            note: dict[str, Any] = {Key.OP: Op.USE_SOCKET, Key.ID: rid, Key.NEED: need}
+            self._post(lane, request.identity, wire.encode(note))
+        frames = wire.encode(header, tensors, chunk=self.config.chunk_bytes)
+        size = sum(len(f) for f in frames[1:])
+        msg = [request.identity, *frames]
+        if size < ZERO_COPY_ABOVE:
+            self._sock.send_multipart(msg, copy=True)
+        else:
+            self._pending.append(self._sock.send_multipart(msg, copy=False, track=True))
+
+    def send_error(self, request: Request, message: str, code: str | None = Code.REFUSED) -> None:
+        """Answers ``request`` with an error: ``message`` for people, ``code`` (a
+        :class:`~psflow.protocol.Code`) for the client to act on; ``None`` sends no code."""
+        frames = _error(request.header[Key.ID], message, code)
+        if request.lane is not None:
+            self._post(request.lane, request.identity, frames)
+        else:
+            self._sock.send_multipart([request.identity, *frames])
+
+    def _post(self, lane: Lane, identity: bytes, frames: list[Any]) -> None:
+        if not lane.post_reply(frames[0]):  # closed since: its client gave up
+            log.debug("cannot answer %r on %s", identity, lane)
+
+    def flush(self, timeout: float) -> None:
+        """Waits until ZeroMQ has sent every tensor handed to :meth:`reply`.
+
+        Call it before changing tensors that were sent without a copy.
+        """
+        if not self._pending:
+            return
+        deadline = time.monotonic() + timeout
+        for tracker in self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not _sent(tracker, left):
+                raise TimeoutError(f"a reply was not sent within {timeout} s")
+        self._pending.clear()
+
+    def close(self, linger: float = 0.0) -> None:
+        """Closes the socket, giving queued replies up to ``linger`` seconds to leave."""
+        self._sock.close(linger=int(linger * 1000))
+        for identity in list(self._lanes):
+            self._drop_lane(identity)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+
+def _error(rid: int, message: str, code: str | None) -> list[Any]:
+    """The frames of an error reply to request ``rid``."""
+    header: dict[str, Any] = {Key.OP: Op.ERROR, Key.ID: rid, Key.ERROR: message}
+    if code is not None:
+        header[Key.CODE] = code
+    return wire.encode(header)
+
+
+def _sent(tracker: zmq.MessageTracker, timeout: float) -> bool:
+    """Whether ZeroMQ has let go of a message's frames within ``timeout`` seconds."""
+    try:
+        tracker.wait(timeout)
+    except zmq.NotDone:
+        return False
+    return True
