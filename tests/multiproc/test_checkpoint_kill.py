@@ -22,7 +22,7 @@ from psflow.worker.client import ShardedClient
 
 from .support import local_cluster, start_ps, stop, worker_ctx
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 
 SLOW = ["--slow-save", "1.5"]
 

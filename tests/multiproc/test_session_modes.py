@@ -28,7 +28,12 @@ def _train(sess: TrainingSession, model: torch.nn.Module, steps: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "mode", [{"mode": "sync", "replicas_to_aggregate": 1}, {"max_staleness": 2}]
+    "mode",
+    [
+        {"mode": "sync", "replicas_to_aggregate": 1, "total_num_replicas": 1, "sync_timeout": 30.0},
+        {"max_staleness": 2, "sync_timeout": 30.0},
+    ],
+    ids=["sync", "staleness"],
 )
 def test_mode_keywords_survive_a_restore(tmp_path: Path, mode: dict[str, object]) -> None:
     """The chief's restore sends the optimizer to the ps: the mode's keywords must not be in

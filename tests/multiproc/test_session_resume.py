@@ -15,7 +15,7 @@ from tests.faults import FAULTS
 
 from .support import ROOT, launch_cmd
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(150)]  # two launches of up to 60 s
 
 _PROGRESS = re.compile(r"\[worker:0\] step (\d+)/\d+ .*\| loss (\S+) \|")
 
