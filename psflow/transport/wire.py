@@ -441,7 +441,15 @@ def decode_tensors(
 
 def _destination(m: TensorMeta, into: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
     t = into.get(m.name) if into is not None else None
-    if t is not None and t.dtype == m.dtype and t.shape == m.shape and t.is_contiguous():
+    # Bytes are written through numpy: only a CPU tensor can take them (a GPU model's
+    # parameters are filled from the received copy by the caller).
+    if (
+        t is not None
+        and t.dtype == m.dtype
+        and t.shape == m.shape
+        and t.is_contiguous()
+        and t.device.type == "cpu"
+    ):
         return t
     return torch.empty(m.shape, dtype=m.dtype)
 

@@ -164,7 +164,7 @@ class ParameterExchange:
             self._into = {
                 v: t
                 for v, t in self._view_of.items()
-                if t.is_contiguous() and t.nbytes > wire.INLINE_BYTES
+                if t.is_cpu and t.is_contiguous() and t.nbytes > wire.INLINE_BYTES
             }
             self._view_ptrs = ptrs
         return self._into

@@ -132,3 +132,19 @@ def header(**fields: object) -> dict[str, object]:
 def test_bad_tensor_frames(h: dict[str, object], frames: list[bytes], message: str) -> None:
     with pytest.raises(wire.WireError, match=message):
         wire.decode_tensors(h, frames, max_bytes=1 << 30)
+
+
+def test_pieces_are_assembled_only_into_cpu_destinations() -> None:
+    """A tensor in several frames is assembled into the caller's buffer only when that is a CPU
+    tensor (the bytes go through numpy): a GPU model's parameter (here on the meta device, which
+    numpy cannot reach either) gets fresh memory, copied in by the caller."""
+    value = torch.arange(8192, dtype=torch.float32)  # 32 KiB: over the inline limit
+    frames = wire.encode({"op": "push", "id": 1}, [("w", value)], chunk=8192)
+    assert len(frames) == 5  # header and 4 chunks: assembled, not viewed
+    header = wire.decode_header(frames[0])
+    cpu = torch.empty(8192)
+    ((_, got),) = wire.decode_tensors(header, frames[1:], max_bytes=1 << 20, into={"w": cpu})
+    assert got.data_ptr() == cpu.data_ptr() and torch.equal(cpu, value)
+    elsewhere = torch.empty(8192, device="meta")
+    ((_, got),) = wire.decode_tensors(header, frames[1:], max_bytes=1 << 20, into={"w": elsewhere})
+    assert got.is_cpu and torch.equal(got, value)
