@@ -23,6 +23,8 @@ from psflow import env as envvars
 from psflow.cluster.launcher import LAUNCH_MODES
 from psflow.deploy.layout import TARGETS
 
+_DEBUG_HELP = "on an error, show the Python traceback (so does PSFLOW_LOG_LEVEL=DEBUG)"
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole ``psflow`` parser; each command sets ``func`` (args in, exit status out)."""
@@ -71,9 +73,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-_DEBUG_HELP = "on an error, show the Python traceback (so does PSFLOW_LOG_LEVEL=DEBUG)"
-
-
 def _one_line(e: Exception) -> str:
     """What went wrong, on one line; the type is named unless it is a plain user mistake."""
     if isinstance(e, OSError) and e.filename is not None and e.strerror:
@@ -86,10 +85,14 @@ def _one_line(e: Exception) -> str:
 
 
 def _command(
-    subparsers: argparse._SubParsersAction[argparse.ArgumentParser], name: str, **kwargs: str
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    *,
+    help: str,
+    description: str | None = None,
 ) -> argparse.ArgumentParser:
     """A subcommand that takes ``--debug`` after its name too."""
-    parser = subparsers.add_parser(name, **kwargs)  # type: ignore[arg-type]
+    parser = subparsers.add_parser(name, help=help, description=description)
     # SUPPRESS: absent here, the top-level --debug's value stands.
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
     parser.set_defaults(prog=parser.prog)
@@ -196,7 +199,9 @@ def _add_data(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="record count, inferred schema and the first records of TFRecord files",
         description="FILE is a file, a directory or a glob pattern (quote it: 'data/*.tfrecord').",
     )
-    inspect.add_argument("file", help="TFRecord file, directory or glob (local path or fsspec URL)")
+    inspect.add_argument(
+        "file", metavar="FILE", help="TFRecord file, directory or glob (local path or fsspec URL)"
+    )
     inspect.add_argument("-n", "--head", type=int, default=3, help="records to print (default 3)")
     inspect.add_argument("--compression", default="auto", help="'', GZIP, ZLIB or auto (suffix)")
     inspect.add_argument(
