@@ -25,14 +25,11 @@ ENV PYTHONUNBUFFERED=1 \
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 
 WORKDIR /opt/psflow
-# The runtime pins come from the same file the tests install, so the image runs what was tested;
-# the test-only tools in it (pytest, ruff, pyspark, ...) stay out. Own layer: code changes
-# do not reinstall torch.
-COPY requirements/test.txt requirements/test.txt
-RUN grep -E '^(torch|numpy|pyzmq|msgpack|safetensors|pyyaml|jinja2|google-crc32c|protobuf|fsspec|tensorboard)==' \
-        requirements/test.txt > /tmp/runtime.txt \
-    && pip install --extra-index-url "$TORCH_INDEX" -r /tmp/runtime.txt \
-    && rm /tmp/runtime.txt
+# The runtime pins of `bash scripts/run.sh`, which the test command installs too (its file
+# includes them), so the image runs what was tested, without the test tools. Own layer: code
+# changes do not reinstall torch.
+COPY requirements/run.txt requirements/run.txt
+RUN pip install --extra-index-url "$TORCH_INDEX" -r requirements/run.txt
 COPY pyproject.toml README.md ./
 COPY psflow ./psflow
 RUN pip install --no-deps . && python -c "import psflow, torch, zmq"

@@ -20,28 +20,62 @@ The public API, by layer: cluster (:class:`ClusterSpec`, :class:`TaskSpec`,
 worker (:class:`DistributedOptimizer` in async, sync or all-reduce mode, :class:`Towers`), train (:class:`TrainingSession` and its hooks,
 checkpoints), transport (:class:`TransportConfig`, errors). Data (TFRecord, Example, Spark) is
 in :mod:`psflow.data`, deployment templates in :mod:`psflow.deploy`.
+
+``import psflow`` imports nothing heavy: each name above is imported on first use, so that
+``psflow --help``, ``psflow launch`` and a task's ``psflow.resolve()`` do not wait for torch and
+ZeroMQ to load (about 2 s on a small machine) before they need them.
 """
 
-from psflow.cluster import ClusterSpec, TaskContext, TaskSpec, resolve
-from psflow.protocol import OptimizerSpec
-from psflow.ps import ParameterServer
-from psflow.train import (
-    Hook,
-    LoggingHook,
-    ModeStatsHook,
-    MonitoredTrainingSession,
-    NanGuardHook,
-    NanLossError,
-    SessionConfig,
-    StopAtStepHook,
-    TrainingSession,
-    export_state_dict,
-    load_checkpoint,
-)
-from psflow.transport import PeerError, PeerTimeoutError, TransportConfig
-from psflow.worker import DistributedOptimizer, ModeConfig, SyncTimeoutError, Towers
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# Public name -> the module that defines it, imported when the name is first used (PEP 562).
+_EXPORTS = {
+    "ClusterSpec": "psflow.cluster",
+    "TaskContext": "psflow.cluster",
+    "TaskSpec": "psflow.cluster",
+    "resolve": "psflow.cluster",
+    "OptimizerSpec": "psflow.protocol",
+    "ParameterServer": "psflow.ps",
+    "Hook": "psflow.train",
+    "LoggingHook": "psflow.train",
+    "ModeStatsHook": "psflow.train",
+    "MonitoredTrainingSession": "psflow.train",
+    "NanGuardHook": "psflow.train",
+    "NanLossError": "psflow.train",
+    "SessionConfig": "psflow.train",
+    "StopAtStepHook": "psflow.train",
+    "TrainingSession": "psflow.train",
+    "export_state_dict": "psflow.train",
+    "load_checkpoint": "psflow.train",
+    "PeerError": "psflow.transport",
+    "PeerTimeoutError": "psflow.transport",
+    "TransportConfig": "psflow.transport",
+    "DistributedOptimizer": "psflow.worker",
+    "ModeConfig": "psflow.worker",
+    "SyncTimeoutError": "psflow.worker",
+    "Towers": "psflow.worker",
+}
+
+# Subpackages reachable as attributes (``psflow.data.TFRecordReader``) after ``import psflow``.
+_SUBPACKAGES = frozenset(
+    (
+        "allocator",
+        "cluster",
+        "data",
+        "deploy",
+        "env",
+        "protocol",
+        "ps",
+        "train",
+        "transport",
+        "worker",
+    )
+)
 
 __all__ = [
     "ClusterSpec",
@@ -70,3 +104,39 @@ __all__ = [
     "load_checkpoint",
     "resolve",
 ]
+
+if TYPE_CHECKING:
+    from psflow.cluster import ClusterSpec, TaskContext, TaskSpec
+    from psflow.cluster.resolve import resolve
+    from psflow.protocol import OptimizerSpec
+    from psflow.ps import ParameterServer
+    from psflow.train import (
+        Hook,
+        LoggingHook,
+        ModeStatsHook,
+        MonitoredTrainingSession,
+        NanGuardHook,
+        NanLossError,
+        SessionConfig,
+        StopAtStepHook,
+        TrainingSession,
+        export_state_dict,
+        load_checkpoint,
+    )
+    from psflow.transport import PeerError, PeerTimeoutError, TransportConfig
+    from psflow.worker import DistributedOptimizer, ModeConfig, SyncTimeoutError, Towers
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBPACKAGES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # the next use is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS, *_SUBPACKAGES})

@@ -1,54 +1,317 @@
 """``psflow``: the command line, thin over the library.
 
-Each subcommand lives beside the code it drives, in a module with ``add_parser(subparsers)``
-that registers the subcommand and sets ``func`` (taking the parsed args, returning an exit code).
+The parser, every subcommand and flag, is built here without importing what the commands drive:
+``psflow --help``, ``psflow COMMAND --help``, ``psflow --version`` and a mistyped flag answer at
+once, and torch, ZeroMQ or pyspark load only in a command that uses them. What a command does
+lives beside the code it drives, in ``psflow/<package>/cli.py``, imported when that command runs.
+
+A mistake (a missing file, a bad value, an invalid job file) is one line on stderr,
+``psflow COMMAND: error: ...``, and exit status 2, as argparse does for a bad flag;
+``--debug`` or ``PSFLOW_LOG_LEVEL=DEBUG`` shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import sys
 from collections.abc import Sequence
 
+from psflow import __version__
 from psflow import env as envvars
+from psflow.cluster.launcher import LAUNCH_MODES
+from psflow.deploy.layout import TARGETS
 
-_SUBCOMMAND_MODULES = (
-    "psflow.cluster.cli",  # launch
-    "psflow.transport.cli",  # keys
-    "psflow.train.cli",  # checkpoint
-    "psflow.data.cli",  # data
-    "psflow.deploy.cli",  # render
-)
+_DEBUG_HELP = "on an error, show the Python traceback (so does PSFLOW_LOG_LEVEL=DEBUG)"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole ``psflow`` parser; each command sets ``func`` (args in, exit status out)."""
     parser = argparse.ArgumentParser(
-        prog="psflow", description="Parameter-server training for PyTorch."
+        prog="psflow", description="Parameter-server training for PyTorch.", allow_abbrev=False
     )
+    parser.add_argument("--version", action="version", version=f"psflow {__version__}")
+    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _SUBCOMMAND_MODULES:
-        importlib.import_module(name).add_parser(subparsers)
+    _add_launch(subparsers)
+    _add_keys(subparsers)
+    _add_checkpoint(subparsers)
+    _add_data(subparsers)
+    _add_render(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(
-        level=os.environ.get(envvars.PSFLOW_LOG_LEVEL, "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     parser = build_parser()
     args = parser.parse_args(argv)
+    level = os.environ.get(envvars.PSFLOW_LOG_LEVEL, "INFO").upper()
+    debug = args.debug or level == "DEBUG"
+    try:
+        logging.basicConfig(
+            level="DEBUG" if debug else level,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+    except ValueError:
+        print(
+            f"psflow: error: {envvars.PSFLOW_LOG_LEVEL}={level!r} is not DEBUG, INFO, WARNING "
+            "or ERROR",
+            file=sys.stderr,
+        )
+        return 2
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
     try:
         return int(args.func(args) or 0)
-    except ValueError as e:
-        print(f"psflow {args.command}: error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        if debug:
+            raise
+        print(f"{args.prog}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+
+
+def _one_line(e: Exception) -> str:
+    """What went wrong, on one line; the type is named unless it is a plain user mistake."""
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        text = f"{e.filename}: {e.strerror}"
+    else:
+        text = str(e) or type(e).__name__
+    if not isinstance(e, ValueError | OSError):
+        text = f"{type(e).__name__}: {text} (--debug shows the traceback)"
+    return " ".join(text.split())
+
+
+def _command(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    *,
+    help: str,
+    description: str | None = None,
+) -> argparse.ArgumentParser:
+    """A subcommand that takes ``--debug`` after its name too."""
+    parser = subparsers.add_parser(name, help=help, description=description)
+    # SUPPRESS: absent here, the top-level --debug's value stands.
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
+    parser.set_defaults(prog=parser.prog)
+    return parser
+
+
+# -- psflow launch ---------------------------------------------------------------------------
+
+
+def _add_launch(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = _command(
+        subparsers,
+        "launch",
+        help="start every task of a job as a local process",
+        description="Start a ps job on this machine: every task runs SCRIPT with its own TF_CONFIG.",
+    )
+    p.add_argument(
+        "--ps", type=int, default=None, help="number of ps tasks (default 1; 0 with allreduce)"
+    )
+    p.add_argument("--workers", type=int, default=2, help="number of worker tasks (default 2)")
+    p.add_argument("--chief", action="store_true", help="add a separate chief task")
+    p.add_argument("--host", default="127.0.0.1", help="address the tasks listen on")
+    p.add_argument(
+        "--mode",
+        choices=LAUNCH_MODES,
+        default=None,
+        help="training mode for every task (PSFLOW_MODE); allreduce starts no ps",
+    )
+    p.add_argument(
+        "--ps-exit-timeout",
+        type=float,
+        default=30.0,
+        help="seconds the ps tasks may take to exit after the workers finish",
+    )
+    p.add_argument("script", help="the training script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(func=_launch)
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from psflow.cluster import cli
+
+    return cli.launch(args)
+
+
+# -- psflow keys -----------------------------------------------------------------------------
+
+
+def _add_keys(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    keys = subparsers.add_parser("keys", help="CurveZMQ keys that encrypt and authenticate a job")
+    sub = keys.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
+    gen = _command(sub, "generate", help="write a server and a client key pair into DIR")
+    gen.add_argument("dir", help="directory to create (give it to tasks as PSFLOW_KEYS_DIR)")
+    gen.add_argument("--force", action="store_true", help="replace keys already in DIR")
+    gen.set_defaults(func=_keys_generate)
+
+
+def _keys_generate(args: argparse.Namespace) -> int:
+    from psflow.transport import cli
+
+    return cli.generate(args)
+
+
+# -- psflow checkpoint -----------------------------------------------------------------------
+
+
+def _add_checkpoint(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser("checkpoint", help="inspect or export a checkpoint")
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    inspect = _command(sub, "inspect", help="step, variables, shapes and shards")
+    inspect.add_argument("dir", help="checkpoint directory (path or fsspec URL)")
+    inspect.add_argument("--name", help="a ckpt-<step> (default: the latest)")
+    inspect.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    inspect.set_defaults(func=_checkpoint_inspect)
+    export = _command(sub, "export", help="a plain state dict for model.load_state_dict")
+    export.add_argument("dir", help="checkpoint directory (path or fsspec URL)")
+    export.add_argument("out", help="output .safetensors file")
+    export.add_argument("--name", help="a ckpt-<step> (default: the latest)")
+    export.set_defaults(func=_checkpoint_export)
+
+
+def _checkpoint_inspect(args: argparse.Namespace) -> int:
+    from psflow.train import cli
+
+    return cli.inspect(args)
+
+
+def _checkpoint_export(args: argparse.Namespace) -> int:
+    from psflow.train import cli
+
+    return cli.export(args)
+
+
+# -- psflow data -----------------------------------------------------------------------------
+
+
+def _add_data(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    data = subparsers.add_parser("data", help="TFRecord files: inspect, convert")
+    sub = data.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+
+    inspect = _command(
+        sub,
+        "inspect",
+        help="record count, inferred schema and the first records of TFRecord files",
+        description="FILE is a file, a directory or a glob pattern (quote it: 'data/*.tfrecord').",
+    )
+    inspect.add_argument(
+        "file", metavar="FILE", help="TFRecord file, directory or glob (local path or fsspec URL)"
+    )
+    inspect.add_argument("-n", "--head", type=int, default=3, help="records to print (default 3)")
+    inspect.add_argument("--compression", default="auto", help="'', GZIP, ZLIB or auto (suffix)")
+    inspect.add_argument(
+        "--schema-records", type=int, default=1000, help="records sampled for the schema"
+    )
+    inspect.add_argument("--raw", action="store_true", help="records are not tf.train.Example")
+    inspect.set_defaults(func=_data_inspect)
+
+    convert = _command(
+        sub, "convert", help="write TFRecord (one Example per row) from CSV or Parquet"
+    )
+    convert.add_argument("input", help="CSV or Parquet file")
+    convert.add_argument("output", help="TFRecord file to write (.gz/.zlib suffix compresses)")
+    convert.add_argument("--format", choices=["csv", "parquet"], help="default: by input suffix")
+    convert.add_argument("--compression", default="auto", help="'', GZIP, ZLIB or auto (suffix)")
+    convert.add_argument("--quiet", action="store_true", help="no progress bar")
+    convert.set_defaults(func=_data_convert)
+
+
+def _data_inspect(args: argparse.Namespace) -> int:
+    from psflow.data import cli
+
+    return cli.inspect(args)
+
+
+def _data_convert(args: argparse.Namespace) -> int:
+    from psflow.data import cli
+
+    return cli.convert(args)
+
+
+# -- psflow render ---------------------------------------------------------------------------
+
+
+def _add_render(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = _command(
+        subparsers,
+        "render",
+        help="render manifests for Kubernetes, Kubeflow TFJob, docker compose or Marathon",
+        description=(
+            "Render a training job for a cluster manager. Options come from the field defaults, "
+            "then the YAML --job-file, then these flags (each overriding the one before)."
+        ),
+    )
+    p.add_argument("target", choices=TARGETS, help="what to render")
+    p.add_argument("--job-file", help="YAML file of job options (the JobConfig field names)")
+    p.add_argument("--template-dir", help="directory of templates that override the packaged ones")
+    p.add_argument(
+        "-o", "--output-dir", help="write the manifest into this directory instead of stdout"
+    )
+
+    g = p.add_argument_group("the job")
+    g.add_argument("--name", help="job name, a DNS-1035 label; tasks are <name>-<job>-<index>")
+    g.add_argument("--image", help="container image (built from the repository's Dockerfile)")
+    g.add_argument("--ps", type=int, help="parameter-server tasks (default 1)")
+    g.add_argument("--workers", type=int, help="worker tasks (default 2)")
+    g.add_argument(
+        "--chief", action=argparse.BooleanOptionalAction, help="run a separate chief task"
+    )
+    g.add_argument(
+        "--evaluator", dest="evaluators", type=int, metavar="N", help="evaluator tasks (default 0)"
+    )
+    g.add_argument("--port", type=int, help="port every task listens on (default 2222)")
+    g.add_argument(
+        "--command",
+        dest="run_command",
+        help="whole command line to run instead of `python SCRIPT ARGS` (one shell-quoted string)",
+    )
+    g.add_argument(
+        "--env",
+        action="append",
+        metavar="KEY=VALUE",
+        help="extra environment variable for every task (repeatable)",
+    )
+
+    r = p.add_argument_group("resources")
+    r.add_argument("--gpus", type=int, help="GPUs per training task (workers and chief)")
+    r.add_argument("--cpu", help="CPU request per task, a Kubernetes quantity (500m, 2)")
+    r.add_argument("--memory", help="memory request per task, a Kubernetes quantity (4Gi)")
+
+    s = p.add_argument_group("storage, keys and placement")
+    s.add_argument("--logdir", help="logdir inside the container (default /logs)")
+    s.add_argument("--logdir-claim", help="Kubernetes PersistentVolumeClaim for the logdir")
+    s.add_argument("--logdir-host-dir", help="compose/Marathon host directory for the logdir")
+    s.add_argument("--keys-secret", help="Kubernetes Secret holding the CurveZMQ keys")
+    s.add_argument("--keys-host-dir", help="compose/Marathon host directory of CurveZMQ keys")
+    s.add_argument("--namespace", help="Kubernetes namespace")
+    s.add_argument(
+        "--tensorboard",
+        action=argparse.BooleanOptionalAction,
+        help="also run TensorBoard on the logdir",
+    )
+    s.add_argument("--backoff-limit", type=int, help="retries of a failing task (default 6)")
+
+    # PARSER (not REMAINDER) so that options before the script are still read as psflow's own:
+    # everything from the script on belongs to the script.
+    script = p.add_argument(
+        "script_argv",
+        nargs=argparse.PARSER,
+        metavar="SCRIPT [ARGS ...]",
+        help="training script and its arguments, run as `python SCRIPT ARGS`",
+    )
+    script.required = False  # the job file may name the script instead
+    p.set_defaults(func=_render)
+
+
+def _render(args: argparse.Namespace) -> int:
+    from psflow.deploy import cli
+
+    return cli.render(args)
 
 
 if __name__ == "__main__":

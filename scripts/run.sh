@@ -3,5 +3,5 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-bash scripts/setup-venv.sh
+bash scripts/setup-venv.sh run
 exec .venv/bin/psflow launch --ps 1 --workers 2 examples/linear_regression.py "$@"

@@ -3,7 +3,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-bash scripts/setup-venv.sh
+bash scripts/setup-venv.sh test
 export PATH="$root/.venv/bin:$PATH"
 echo "== ruff =="
 ruff check psflow tests examples benchmarks

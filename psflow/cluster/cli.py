@@ -1,43 +1,19 @@
-"""``psflow launch``: a whole job on this machine."""
+"""``psflow launch``: a whole job on this machine (its flags are in :mod:`psflow.cli`)."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import errno
+import os
 
-from psflow.cluster.launcher import LAUNCH_MODES, LaunchConfig, Launcher
-
-
-def add_parser(subparsers: argparse._SubParsersAction[Any]) -> None:
-    p = subparsers.add_parser(
-        "launch",
-        help="start every task of a job as a local process",
-        description="Start a ps job on this machine: every task runs SCRIPT with its own TF_CONFIG.",
-    )
-    p.add_argument(
-        "--ps", type=int, default=None, help="number of ps tasks (default 1; 0 with allreduce)"
-    )
-    p.add_argument("--workers", type=int, default=2, help="number of worker tasks (default 2)")
-    p.add_argument("--chief", action="store_true", help="add a separate chief task")
-    p.add_argument("--host", default="127.0.0.1", help="address the tasks listen on")
-    p.add_argument(
-        "--mode",
-        choices=LAUNCH_MODES,
-        default=None,
-        help="training mode for every task (PSFLOW_MODE); allreduce starts no ps",
-    )
-    p.add_argument(
-        "--ps-exit-timeout",
-        type=float,
-        default=30.0,
-        help="seconds the ps tasks may take to exit after the workers finish",
-    )
-    p.add_argument("script", help="the training script")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    p.set_defaults(func=_launch)
+from psflow.cluster.launcher import LaunchConfig, Launcher
 
 
-def _launch(args: argparse.Namespace) -> int:
+def launch(args: argparse.Namespace) -> int:
+    """Runs every task of the job; the exit status is the first failed task's, else 0."""
+    # Checked here, once: otherwise every task would fail alike with Python's own message.
+    if not os.path.exists(args.script):
+        raise FileNotFoundError(errno.ENOENT, "no such training script", args.script)
     config = LaunchConfig(
         script=args.script,
         args=args.args,

@@ -3,13 +3,18 @@
 Precedence, lowest first: a cluster file (``--cluster_file`` or ``PSFLOW_CLUSTER_FILE``) <
 ``TF_CONFIG`` < the classic flags. A later source replaces the cluster of an earlier one whole;
 ``--job_name``/``--task_index`` alone override only the task.
+
+A mistake in any of them is a ``ValueError`` naming where it was found; a script's own
+``psflow.resolve()`` turns it into one line, ``train.py: error: ...``, and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 
 from psflow import env as envvars
 from psflow.cluster.spec import ClusterSpec, TaskContext, TaskSpec
@@ -29,39 +34,76 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
 def resolve(
     argv: Sequence[str] | None = None,
     environ: Mapping[str, str] | None = None,
+    *,
+    exit_on_error: bool | None = None,
 ) -> tuple[TaskContext, list[str]]:
     """This process's :class:`TaskContext`, and the arguments left for the script.
 
-    Unknown arguments are returned untouched so that the user's script can parse its own.
+    Only the flags above are taken, by their exact names (``--flag value`` or ``--flag=value``);
+    every other argument is returned untouched and in order, so that the script can parse its
+    own, ``--job`` or ``--cluster`` included.
+
+    Args:
+        argv: the arguments to read (default ``sys.argv[1:]``).
+        environ: where ``TF_CONFIG`` and ``PSFLOW_CLUSTER_FILE`` are read (default ``os.environ``).
+        exit_on_error: on a mistake (an unknown job, an index out of range, a bad ``TF_CONFIG``),
+            print ``PROG: error: MESSAGE`` on stderr and exit with status 2, as argparse does for
+            a bad flag, instead of raising. Default: when ``argv`` is ``None``, that is when this
+            reads the script's own command line, whose user needs the message, not a traceback.
+            ``PSFLOW_LOG_LEVEL=DEBUG`` raises all the same, traceback and all.
 
     Raises:
-        ValueError: when no source gives a cluster, or what is given is inconsistent.
+        ValueError: when no source gives a cluster, or what is given is inconsistent; the message
+            names the source (flags, ``TF_CONFIG`` or the cluster file).
     """
     environ = os.environ if environ is None else environ
-    parser = argparse.ArgumentParser(add_help=False)
+    if exit_on_error is None:
+        exit_on_error = argv is None
+    try:
+        return _resolve(sys.argv[1:] if argv is None else argv, environ)
+    except ValueError as e:
+        if not exit_on_error or environ.get(envvars.PSFLOW_LOG_LEVEL, "").upper() == "DEBUG":
+            raise
+        prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "psflow"
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _resolve(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[TaskContext, list[str]]:
+    # allow_abbrev=False: argparse would otherwise take the script's --cluster for --cluster_file
+    # and its --job for --job_name (prefix matching), and leave the script without them.
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     add_cluster_flags(parser)
-    args, rest = parser.parse_known_args(argv)
+    try:
+        args, rest = parser.parse_known_args(argv)
+    except argparse.ArgumentError as e:
+        raise ValueError(str(e)) from None
 
     cluster: ClusterSpec | None = None
     task: TaskSpec | None = None
     source = ""
+    task_source = ""
 
     cluster_file = args.cluster_file or environ.get(envvars.PSFLOW_CLUSTER_FILE)
     if cluster_file:
-        cluster, task = ClusterSpec.from_file(cluster_file)
         source = f"cluster file {cluster_file!r}"
+        with _naming(source):
+            cluster, task = ClusterSpec.from_file(cluster_file)
+        task_source = source
     tf_config = environ.get(envvars.TF_CONFIG)
     if tf_config:
-        cluster, task = ClusterSpec.from_tf_config(tf_config)
-        source = "TF_CONFIG"
+        source = task_source = envvars.TF_CONFIG
+        with _naming(source):
+            cluster, task = ClusterSpec.from_tf_config(tf_config)
     if args.ps_hosts is not None or args.worker_hosts is not None or args.chief_host:
+        source = "the flags"
         cluster = ClusterSpec.from_flags(
             ps_hosts=args.ps_hosts, worker_hosts=args.worker_hosts, chief_host=args.chief_host
         )
-        source = "flags"
     if args.job_name is not None or args.task_index is not None:
         if args.job_name is None and task is None:
             raise ValueError("--task_index given without --job_name")
+        task_source = "the flags"
         task = TaskSpec(
             job=args.job_name or (task.job if task else ""),
             index=args.task_index if args.task_index is not None else 0,
@@ -75,4 +117,23 @@ def resolve(
         raise ValueError(f"the cluster comes from {source} but no task does: pass --job_name")
     if task.job == "evaluator" and "evaluator" not in cluster.jobs:
         cluster = ClusterSpec(jobs=cluster.jobs, evaluators=max(cluster.evaluators, task.index + 1))
-    return TaskContext(cluster=cluster, task=task), rest
+    try:
+        return TaskContext(cluster=cluster, task=task), rest
+    except ValueError as e:
+        if source == task_source:
+            raise
+        # Two sources disagree, e.g. a TF_CONFIG left in the shell and the flags of this run.
+        raise ValueError(
+            f"{e} (the cluster comes from {source}, the task from {task_source})"
+        ) from None
+
+
+@contextlib.contextmanager
+def _naming(source: str) -> Iterator[None]:
+    """Puts ``source`` in front of a ``ValueError`` raised while reading it, unless it is named."""
+    try:
+        yield
+    except ValueError as e:
+        if source in str(e):
+            raise
+        raise ValueError(f"{source}: {e}") from None

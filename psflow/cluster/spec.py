@@ -8,6 +8,7 @@ back to ``TF_CONFIG``.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -45,7 +46,11 @@ def parse_address(address: str) -> tuple[str, int]:
 def _canonical_job(job: str) -> str:
     job = _JOB_ALIASES.get(job, job)
     if job not in JOBS:
-        raise ValueError(f"unknown job {job!r}: expected one of {', '.join(JOBS)} (or 'master')")
+        close = difflib.get_close_matches(job, (*JOBS, *_JOB_ALIASES), n=1)
+        guess = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(
+            f"unknown job {job!r}{guess}: expected one of {', '.join(JOBS)} (or 'master')"
+        )
     return job
 
 

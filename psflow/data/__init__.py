@@ -18,9 +18,16 @@ No TensorFlow at run time. Where things live:
 - ``spark.py``: :func:`write_dataframe`, :func:`read_dataframe` (pyspark imported lazily)
 - ``convert.py``: :func:`convert_table` (CSV/Parquet to TFRecord, pyarrow imported lazily)
 - ``cli.py``: ``psflow data inspect`` and ``psflow data convert``
+
+``dataset.py`` is the one module here that needs torch: it is imported when
+:class:`TFRecordDataset` or :class:`DatasetConfig` is first used, so that reading and writing files
+(``psflow data inspect`` among them) does not load torch.
 """
 
-from psflow.data.dataset import DatasetConfig, TFRecordDataset
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from psflow.data.features import FixedLenFeature, Ragged, VarLenFeature, parse_examples
 from psflow.data.fs import expand_paths
 from psflow.data.proto import (
@@ -46,6 +53,9 @@ from psflow.data.tfrecord import (
     read_records,
     write_records,
 )
+
+if TYPE_CHECKING:
+    from psflow.data.dataset import DatasetConfig, TFRecordDataset
 
 __all__ = [
     "DataLossError",
@@ -77,3 +87,13 @@ __all__ = [
     "write_dataframe",
     "write_records",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("DatasetConfig", "TFRecordDataset"):
+        from psflow.data import dataset
+
+        value = getattr(dataset, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

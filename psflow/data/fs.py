@@ -41,6 +41,11 @@ def expand_paths(patterns: str | os.PathLike[str] | Iterable[str | os.PathLike[s
     for pattern in (os.fspath(p) for p in patterns):
         found = _expand_one(pattern)
         if not found:
+            if not is_url(pattern) and os.path.isdir(pattern):
+                raise FileNotFoundError(
+                    f"no data file in directory {pattern!r} (names starting with _ or . are "
+                    "skipped)"
+                )
             raise FileNotFoundError(f"no file matches {pattern!r}")
         out.extend(found)
     return sorted(dict.fromkeys(out))

@@ -1,29 +1,15 @@
-"""``psflow checkpoint inspect DIR`` and ``psflow checkpoint export DIR OUT.safetensors``."""
+"""``psflow checkpoint inspect DIR`` and ``psflow checkpoint export DIR OUT.safetensors``.
+
+Their flags are in :mod:`psflow.cli`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
 
 
-def add_parser(subparsers: argparse._SubParsersAction[Any]) -> None:
-    """Registers ``psflow checkpoint``."""
-    parser = subparsers.add_parser("checkpoint", help="inspect or export a checkpoint")
-    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    inspect = sub.add_parser("inspect", help="step, variables, shapes and shards")
-    inspect.add_argument("dir", help="checkpoint directory (path or fsspec URL)")
-    inspect.add_argument("--name", help="a ckpt-<step> (default: the latest)")
-    inspect.add_argument("--json", action="store_true", help="print the manifest as JSON")
-    inspect.set_defaults(func=_inspect)
-    export = sub.add_parser("export", help="a plain state dict for model.load_state_dict")
-    export.add_argument("dir", help="checkpoint directory (path or fsspec URL)")
-    export.add_argument("out", help="output .safetensors file")
-    export.add_argument("--name", help="a ckpt-<step> (default: the latest)")
-    export.set_defaults(func=_export)
-
-
-def _inspect(args: argparse.Namespace) -> int:
+def inspect(args: argparse.Namespace) -> int:
     from psflow.train.manifest import CheckpointDir
 
     d = CheckpointDir(args.dir)
@@ -50,7 +36,7 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _export(args: argparse.Namespace) -> int:
+def export(args: argparse.Namespace) -> int:
     from psflow.train.checkpoint import export_state_dict
 
     ckpt = export_state_dict(args.dir, args.out, args.name)

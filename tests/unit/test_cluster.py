@@ -207,3 +207,96 @@ def test_bad_cluster_file(tmp_path: Path) -> None:
     scalar.write_text("42\n")
     with pytest.raises(ValueError, match="must hold a mapping"):
         ClusterSpec.from_file(scalar)
+
+
+SCRIPT_FLAGS = ["--cluster", '{"a": 1}', "--job", "ps", "--ps", "1", "--worker", "2", "--task", "3"]
+
+
+@pytest.mark.parametrize(
+    "script_flags",
+    [
+        SCRIPT_FLAGS,
+        ['--cluster={"a": 1}', "--job=ps", "--ps=1", "--worker=2", "--task=3"],
+        ["--job_name_suffix", "x", "--task_index_base=4", "--cluster_files", "f"],
+    ],
+)
+def test_the_scripts_own_flags_come_back_untouched(script_flags: list[str]) -> None:
+    # argparse's prefix matching once took --cluster for --cluster_file and --job for --job_name.
+    argv = ["--ps_hosts", PS, "--worker_hosts", W0, "--job_name", "worker", *script_flags]
+    ctx, rest = resolve(argv, environ={})
+    assert rest == script_flags
+    assert ctx.task == TaskSpec(job="worker", index=0)
+    assert ctx.cluster.addresses("ps") == (PS,)
+
+
+def test_the_cluster_flags_in_both_forms(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(f"ps: [{PS}]\nworker: [{W0}, {W1}]\n")
+    spaced, rest = resolve(
+        ["--cluster_file", str(path), "--job_name", "worker", "--task_index", "1", "--lr", "3"],
+        environ={},
+    )
+    joined, rest2 = resolve(
+        [f"--cluster_file={path}", "--job_name=worker", "--task_index=1", "--lr=3"], environ={}
+    )
+    assert spaced == joined
+    assert spaced.task == TaskSpec(job="worker", index=1)
+    assert (rest, rest2) == (["--lr", "3"], ["--lr=3"])
+    chief = "localhost:2225"
+    hosts, _ = resolve(
+        [
+            f"--ps_hosts={PS}",
+            f"--worker_hosts={W0},{W1}",
+            f"--chief_host={chief}",
+            "--job_name=chief",
+        ],
+        environ={},
+    )
+    assert hosts.is_chief and hosts.cluster.addresses("worker") == (W0, W1)
+
+
+@pytest.mark.parametrize(
+    ("argv", "tf_config", "message"),
+    [
+        (["--job_name", "wroker"], None, "unknown job 'wroker' (did you mean 'worker'?)"),
+        (["--task_index", "7"], None, "task index 7 out of range: job 'worker' has 2 task(s)"),
+        (["--task_index", "x"], None, "argument --task_index: invalid int value: 'x'"),
+        (
+            [],
+            '{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 3}}',
+            "TF_CONFIG: task index 3 out of range: job 'worker' has 1 task(s)",
+        ),
+        (
+            [],
+            '{"cluster": {"worker": ["a:1"]}, "task": {"type": "wroker"}}',
+            "TF_CONFIG: unknown job 'wroker' (did you mean 'worker'?)",
+        ),
+    ],
+)
+def test_a_mistake_names_its_source(argv: list[str], tf_config: str | None, message: str) -> None:
+    if tf_config is None:
+        argv = ["--ps_hosts", PS, "--worker_hosts", f"{W0},{W1}", "--job_name", "worker", *argv]
+    environ = {} if tf_config is None else {"TF_CONFIG": tf_config}
+    with pytest.raises(ValueError) as e:
+        resolve(argv, environ=environ)
+    assert message in str(e.value)
+
+
+def test_two_sources_that_disagree_are_both_named() -> None:
+    # A TF_CONFIG left in the shell, and this run's --job_name.
+    tf_config = '{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 0}}'
+    with pytest.raises(
+        ValueError, match="the cluster comes from TF_CONFIG, the task from the flags"
+    ):
+        resolve(["--job_name", "ps"], environ={"TF_CONFIG": tf_config})
+
+
+def test_exit_on_error_prints_one_line_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--ps_hosts", PS, "--worker_hosts", W0, "--job_name", "wroker"]
+    with pytest.raises(SystemExit) as e:
+        resolve(argv, environ={}, exit_on_error=True)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ": error: unknown job 'wroker'" in err
+    with pytest.raises(ValueError, match="unknown job"):
+        resolve(argv, environ={"PSFLOW_LOG_LEVEL": "debug"}, exit_on_error=True)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,40 +19,9 @@ pytestmark = pytest.mark.unit
 
 PSFLOW = Path(sys.executable).with_name("psflow")
 
-# `psflow.cli` imports every layer's subcommand module; while a sibling layer has not landed on
-# this branch, a stand-in that registers nothing lets `psflow render` run without it.
-_STUB = """
-import importlib.util, sys, types
-for _name in {modules!r}:
-    try:
-        _found = importlib.util.find_spec(_name) is not None
-    except ModuleNotFoundError:
-        _found = False
-    if not _found:
-        _stub = types.ModuleType(_name)
-        _stub.add_parser = lambda subparsers: None
-        sys.modules[_name] = _stub
-"""
-
-
-def _missing_subcommand_modules() -> list[str]:
-    missing = []
-    for name in psflow.cli._SUBCOMMAND_MODULES:
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except ModuleNotFoundError:
-            found = False
-        if not found:
-            missing.append(name)
-    return missing
-
 
 @pytest.fixture
-def main(monkeypatch: pytest.MonkeyPatch) -> Callable[[list[str]], int]:
-    for name in _missing_subcommand_modules():
-        stub = types.ModuleType(name)
-        stub.add_parser = lambda subparsers: None  # type: ignore[attr-defined]
-        monkeypatch.setitem(sys.modules, name, stub)
+def main() -> Callable[[list[str]], int]:
     return psflow.cli.main
 
 
@@ -155,10 +122,7 @@ def test_unknown_target_is_an_argparse_error(main: Callable[[list[str]], int]) -
 
 @pytest.mark.skipif(not PSFLOW.exists(), reason="the psflow console script is not installed")
 def test_psflow_render_as_a_process(tmp_path: Path) -> None:
-    (tmp_path / "sitecustomize.py").write_text(
-        _STUB.format(modules=tuple(psflow.cli._SUBCOMMAND_MODULES))
-    )
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    env = dict(os.environ)
     out = subprocess.run(
         [str(PSFLOW), "render", "tfjob", *BASE, "--chief", "--namespace", "ml", "train.py"],
         capture_output=True,

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from psflow.cli import build_parser
 from psflow.protocol import OptimizerSpec
 from psflow.ps.checkpoint import (
     ShardCheckpointer,
@@ -23,7 +24,6 @@ from psflow.ps.checkpoint import (
 )
 from psflow.ps.store import ShardStore
 from psflow.train.checkpoint import export_state_dict, load_checkpoint
-from psflow.train.cli import add_parser
 from psflow.train.manifest import CheckpointDir, Manifest, VariableEntry
 from psflow.worker.placement import ParamInfo, Piece, place
 
@@ -213,15 +213,12 @@ def test_read_shard_rejects_a_non_psflow_file(tmp_path: Path) -> None:
 def test_cli_inspect_and_export_load_into_a_plain_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import argparse
-
     url = str(tmp_path / "run")
     pieces = _pieces(2)
     stores = _stores(_params(), pieces, 2)
     _train(stores, pieces, 2)
     _save(url, stores, pieces, "ckpt-2")
-    parser = argparse.ArgumentParser()
-    add_parser(parser.add_subparsers())
+    parser = build_parser()
     args = parser.parse_args(["checkpoint", "inspect", url])
     assert args.func(args) == 0
     out = capsys.readouterr().out
