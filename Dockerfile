@@ -14,10 +14,12 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends tini \
     && rm -rf /var/lib/apt/lists/*
 
-# OMP_WAIT_POLICY: as psflow.env.TASK_DEFAULTS (idle OpenMP threads leave the core to ZeroMQ).
+# OMP_WAIT_POLICY, PSFLOW_LOG_LEVEL: as psflow.env.TASK_DEFAULTS (idle OpenMP threads leave the
+# core to ZeroMQ; psflow's INFO lines show without the script configuring logging).
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     OMP_WAIT_POLICY=PASSIVE \
+    PSFLOW_LOG_LEVEL=INFO \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 

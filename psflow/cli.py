@@ -127,6 +127,13 @@ def _add_launch(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         default=30.0,
         help="seconds the ps tasks may take to exit after the workers finish",
     )
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        help="seconds the tasks get between SIGTERM and SIGKILL when the job is stopped "
+        "(Ctrl-C, SIGTERM, a failed task; a second Ctrl-C kills at once); default 30",
+    )
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=_launch)

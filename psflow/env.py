@@ -9,13 +9,17 @@ from __future__ import annotations
 TF_CONFIG = "TF_CONFIG"
 """The cluster and this task, as JSON: ``{"cluster": {...}, "task": {"type": ..., "index": ...}}``."""
 
-TASK_DEFAULTS: dict[str, str] = {"OMP_WAIT_POLICY": "PASSIVE"}
+TASK_DEFAULTS: dict[str, str] = {"OMP_WAIT_POLICY": "PASSIVE", "PSFLOW_LOG_LEVEL": "INFO"}
 """Set in every task psflow starts (``psflow launch``, the rendered manifests, the Docker image)
-unless the user sets them, as torchrun sets ``OMP_NUM_THREADS``. OpenMP's threads otherwise spin
-for milliseconds after each parallel torch op, on the core that ZeroMQ's I/O thread needs to
-move the next message: a 64 MB push and pull through the socket ran at 2.2 GB/s spinning and
-2.7-3.0 GB/s passive (2 cores). It is read once, when torch loads OpenMP: too late to set it
-from inside a script that has imported torch."""
+unless the user sets them, as torchrun sets ``OMP_NUM_THREADS``.
+
+``OMP_WAIT_POLICY``: OpenMP's threads otherwise spin for milliseconds after each parallel torch
+op, on the core that ZeroMQ's I/O thread needs to move the next message: a 64 MB push and pull
+through the socket ran at 2.2 GB/s spinning and 2.7-3.0 GB/s passive (2 cores). It is read once,
+when torch loads OpenMP: too late to set it from inside a script that has imported torch.
+
+``PSFLOW_LOG_LEVEL``: psflow's own INFO lines (initialised, restored, saved, waiting for ...)
+show in every task without the script configuring logging."""
 
 PSFLOW_CLUSTER_FILE = "PSFLOW_CLUSTER_FILE"
 """Path of a YAML or JSON cluster file, used when no flags or TF_CONFIG give the cluster."""
@@ -24,10 +28,16 @@ PSFLOW_KEYS_DIR = "PSFLOW_KEYS_DIR"
 """Directory made by ``psflow keys generate``: when set, all traffic uses CurveZMQ."""
 
 PSFLOW_TIMEOUT = "PSFLOW_TIMEOUT"
-"""Seconds any request to a peer may take before it fails with an error naming the peer."""
+"""Seconds one request to a peer that is up may take before it fails with an error naming the
+peer (default 60). Waiting for a peer to come up at all is bounded by ``PSFLOW_READY_TIMEOUT``
+instead."""
 
 PSFLOW_LOG_LEVEL = "PSFLOW_LOG_LEVEL"
-"""Logging level for psflow's own loggers (DEBUG, INFO, WARNING, ERROR)."""
+"""Level of psflow's own log lines (the ``psflow`` logger): DEBUG, INFO (the default), WARNING
+or ERROR. :func:`psflow.resolve` sets it and gives the ``psflow`` logger a handler on stderr
+that prints only while nothing else would (no handler on the root logger, as before the
+script's ``logging.basicConfig``), so a script that configures logging sees each line once and
+one that does not still sees psflow's. The root logger is never touched."""
 
 PSFLOW_LOGDIR = "PSFLOW_LOGDIR"
 """Default directory for checkpoints and TensorBoard summaries: a
@@ -41,7 +51,15 @@ PSFLOW_SYNC_TIMEOUT = "PSFLOW_SYNC_TIMEOUT"
 """Seconds a synchronous worker waits for its step to complete (default: ``PSFLOW_TIMEOUT``)."""
 
 PSFLOW_READY_TIMEOUT = "PSFLOW_READY_TIMEOUT"
-"""Seconds a worker waits for the chief to initialise the ps (default 300)."""
+"""Seconds a task waits, at its start, for every ps to answer and (workers other than the chief)
+for the chief to initialise them (default 300). Each status request within that wait is bounded
+by ``PSFLOW_TIMEOUT``; the wait as a whole by this. The chief waits this long for the ps to come
+up, then initialises them itself."""
+
+PSFLOW_WAIT_LOG_SECONDS = "PSFLOW_WAIT_LOG_SECONDS"
+"""Seconds between the lines a waiting task logs (default 10): which ps tasks have not
+answered (and what the connection says: nothing listening, key refused) or are not yet
+initialised by the chief, how long it has waited and how long it will still wait."""
 
 PSFLOW_PS_IDLE_TIMEOUT = "PSFLOW_PS_IDLE_TIMEOUT"
 """Seconds a ps serves without any request before it gives up, naming the workers it still

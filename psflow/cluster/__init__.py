@@ -2,6 +2,8 @@
 
 - ``spec.py``: :class:`ClusterSpec`, :class:`TaskSpec`, :class:`TaskContext`; ``TF_CONFIG`` in and out.
 - ``resolve.py``: :func:`resolve`: this process's task from flags, ``TF_CONFIG`` or a file.
+- ``logs.py``: psflow's own log lines in a task, shown without the script configuring logging.
+- ``shmfiles.py``: the names of a task's shared-memory files, and removing a dead task's.
 - ``launcher.py``: :class:`Launcher`: ``psflow launch``, every task as a local process.
 """
 

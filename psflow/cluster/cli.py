@@ -22,6 +22,7 @@ def launch(args: argparse.Namespace) -> int:
         chief=args.chief,
         host=args.host,
         ps_exit_timeout=args.ps_exit_timeout,
+        grace=args.grace,
         mode=args.mode,
     )
     return Launcher(config).run()

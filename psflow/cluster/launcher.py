@@ -1,9 +1,14 @@
 """``psflow launch``: every task of a job as a local process, on ports the OS picks.
 
-Each task gets its own ``TF_CONFIG``; its output lines are prefixed with the task
-(``[worker:1] ...``). The job succeeds when every worker exits 0 and the ps tasks then exit by
-themselves. When a task fails, the launcher names it and its exit code, stops the others and
-fails. Ctrl-C (or SIGTERM) stops every task; none is left behind.
+Each task gets its own ``TF_CONFIG`` (and :data:`~psflow.env.TASK_DEFAULTS`: psflow's INFO
+lines show); its output lines are prefixed with the task (``[worker:1] ...``). The job succeeds
+when every worker exits 0 and the ps tasks then exit by themselves. When a task fails, the
+launcher names it and its exit code, stops the others and fails.
+
+Ctrl-C (or SIGTERM) stops the job: every task gets SIGTERM (a session saves what it can and
+exits), and whatever still runs after the grace period (``--grace``, 30 s) gets SIGKILL; a
+second Ctrl-C kills at once. No task is left behind, nor any shared-memory file a task left
+when it died (:mod:`psflow.cluster.shmfiles`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from psflow import env as envvars
+from psflow.cluster import shmfiles
 from psflow.cluster.spec import ClusterSpec, TaskSpec
 
 log = logging.getLogger(__name__)
@@ -50,8 +56,9 @@ class LaunchConfig:
     """Address every task listens on."""
     ps_exit_timeout: float = 30.0
     """Seconds the ps tasks may take to exit once every worker has finished."""
-    grace: float = 5.0
-    """Seconds a task gets between SIGTERM and SIGKILL when the job is stopped."""
+    grace: float = 30.0
+    """Seconds the tasks get between SIGTERM and SIGKILL when the job is stopped (Ctrl-C,
+    SIGTERM, or a failed task): time for a chief to finish a checkpoint."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for every task."""
     mode: str | None = None
@@ -122,8 +129,11 @@ class Launcher:
         )
         self.procs: dict[TaskSpec, subprocess.Popen[bytes]] = {}
         self._threads: list[threading.Thread] = []
-        self._out_lock = threading.Lock()
+        self._out_lock = threading.RLock()  # the signal handler may print too
         self._stopping = threading.Event()
+        self._kill_now = threading.Event()
+        self._signal: signal.Signals | None = None
+        self._swept: set[int] = set()
 
     def start(self) -> None:
         """Starts every task (ps first, so the workers find them listening sooner)."""
@@ -171,7 +181,8 @@ class Launcher:
         trainers_done_at: float | None = None
         while True:
             if self._stopping.is_set():
-                return 130
+                return 128 + (self._signal or signal.SIGINT)
+            self._sweep()
             for task, proc in self.procs.items():
                 code = proc.poll()
                 if code is not None and code != 0:
@@ -199,21 +210,38 @@ class Launcher:
             time.sleep(0.05)
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stops every task still running: SIGTERM, then SIGKILL after the grace period."""
+        """Stops every task still running: SIGTERM, then SIGKILL after the grace period (at
+        once after a second Ctrl-C); then removes the shared-memory files they left."""
         grace = self.config.grace if timeout is None else timeout
         for proc in self.procs.values():
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        for proc in self.procs.values():
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        while any(p.poll() is None for p in self.procs.values()):
+            if self._kill_now.is_set() or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        left = [t for t, p in self.procs.items() if p.poll() is None]
+        if left:
+            why = "killing" if self._kill_now.is_set() else f"not gone {grace:g} s after SIGTERM:"
+            self._say(f"{why} {', '.join(map(str, left))} (SIGKILL)")
+        for task in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.procs[task].pid, signal.SIGKILL)
+            self.procs[task].wait()
+        self._sweep()
         self._join_relays()
+
+    def _sweep(self) -> None:
+        """Removes the shared-memory files of each task that has exited (once per task)."""
+        for task, proc in self.procs.items():
+            if proc.pid in self._swept or proc.poll() is None:
+                continue
+            self._swept.add(proc.pid)
+            removed = shmfiles.remove_files_of(proc.pid)
+            if removed:
+                self._say(f"removed {len(removed)} shared-memory files {task} left behind")
 
     def _join_relays(self) -> None:
         for t in self._threads:
@@ -223,10 +251,18 @@ class Launcher:
         """Starts the job, supervises it, and stops it on SIGINT/SIGTERM."""
 
         def on_signal(signum: int, _frame: object) -> None:
+            name = signal.Signals(signum).name
             if self._stopping.is_set():
+                if not self._kill_now.is_set():
+                    self._kill_now.set()
+                    self._say(f"received {name} again; killing every task now")
                 return
+            self._signal = signal.Signals(signum)
             self._stopping.set()
-            self._say(f"received {signal.Signals(signum).name}; stopping every task")
+            self._say(
+                f"received {name}; stopping every task (SIGTERM, then SIGKILL after "
+                f"{self.config.grace:g} s; {name} again kills at once)"
+            )
 
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 
 from psflow import env as envvars
+from psflow.cluster import logs
 from psflow.cluster.spec import ClusterSpec, TaskContext, TaskSpec
 
 
@@ -52,6 +53,9 @@ def resolve(
             reads the script's own command line, whose user needs the message, not a traceback.
             ``PSFLOW_LOG_LEVEL=DEBUG`` raises all the same, traceback and all.
 
+    psflow's own log lines show from here on, at ``PSFLOW_LOG_LEVEL`` (INFO by default),
+    whether or not the script configures logging (:mod:`psflow.cluster.logs`).
+
     Raises:
         ValueError: when no source gives a cluster, or what is given is inconsistent; the message
             names the source (flags, ``TF_CONFIG`` or the cluster file).
@@ -60,6 +64,7 @@ def resolve(
     if exit_on_error is None:
         exit_on_error = argv is None
     try:
+        logs.configure(environ)
         return _resolve(sys.argv[1:] if argv is None else argv, environ)
     except ValueError as e:
         if not exit_on_error or environ.get(envvars.PSFLOW_LOG_LEVEL, "").upper() == "DEBUG":

@@ -14,12 +14,16 @@ Layout::
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,3 +108,56 @@ def configure_client(sock: zmq.Socket[bytes], keys: CurveKeys) -> None:
     sock.curve_serverkey = keys.server_public
     sock.curve_publickey = keys.client_public
     sock.curve_secretkey = keys.client_secret
+
+
+class Gatekeeper(ThreadAuthenticator):
+    """pyzmq's ZAP authenticator for a server's CurveZMQ clients, in its own thread, that logs
+    each client it refuses (WARNING, with the client's address and key) on ``refusals``.
+
+    pyzmq's own authenticator decides as ``configure_curve`` would (the public keys in
+    ``authorized_dir``, read once); it only logs refusals at DEBUG, without the address.
+
+    Example:
+        >>> # gate = Gatekeeper(zmq.Context.instance(), Path("keys"), refusals=log.warning)
+        >>> # gate.start(); ...; gate.stop()
+    """
+
+    def __init__(
+        self,
+        context: zmq.Context[Any],
+        authorized_dir: Path,
+        *,
+        refusals: Callable[..., None],
+        log: logging.Logger | None = None,
+    ) -> None:
+        super().__init__(context, log=log)
+        self.authorized_dir = authorized_dir
+        self.authorized = set(zmq.auth.load_certificates(str(authorized_dir)))
+        """The z85 public keys this server accepts."""
+        self._refusals = refusals
+        self._address = "an unknown address"
+
+    def start(self) -> None:
+        super().start()
+        self.configure_curve_callback(domain="*", credentials_provider=self)
+
+    def handle_zap_message(self, msg: list[bytes]) -> Any:
+        # One request at a time, on the authenticator's thread: the callback below follows.
+        if len(msg) >= 4:
+            self._address = msg[3].decode("utf-8", "replace") or "an unknown address"
+        return super().handle_zap_message(msg)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """Whether the client with this z85 public key may connect (pyzmq's provider hook)."""
+        if key in self.authorized:
+            return True
+        text = key.decode("ascii", "replace")
+        self._refusals(
+            (self._address, text),
+            "refused a client at %s: its CurveZMQ key %s... is not among the authorised keys in "
+            "%s (a task started with another job's keys?)",
+            self._address,
+            text[:10],
+            self.authorized_dir,
+        )
+        return False

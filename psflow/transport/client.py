@@ -2,7 +2,9 @@
 
 A client holds one DEALER socket per peer. Every request carries an id, so a client can send to
 all ps shards at once and then collect the replies in any order. Every wait has a deadline, and
-a peer that misses it is named in the error.
+a peer that misses it is named in the error. Until a peer first answers, a monitor
+(:mod:`psflow.transport.monitor`) follows its connection, so that a wait can say why it is
+silent (:meth:`Client.link`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from psflow.transport import wire
 from psflow.transport.auth import configure_client
 from psflow.transport.config import TransportConfig, endpoint
 from psflow.transport.errors import PeerError, PeerLostError, PeerTimeoutError
+from psflow.transport.monitor import Event, Link, Monitor
 from psflow.transport.shm import Lane, LaneError
 from psflow.transport.wire import ZERO_COPY_ABOVE
 
@@ -61,6 +64,8 @@ class _Peer:
     """Whether it has answered once (it is up: a lane may be offered to it)."""
     inflight: set[int] = field(default_factory=set)
     """Its requests in flight (a lane carries one request at a time)."""
+    link: Link = field(default_factory=Link)
+    """What its connection's monitor said, until it first answered."""
 
     def __str__(self) -> str:
         return f"{self.name} at {self.address}"
@@ -108,6 +113,8 @@ class Client:
         self._inflight: dict[int, tuple[_Peer, bool]] = {}
         self._next_id = 1
         self._lane_retired: list[Callable[[np.ndarray[Any, Any]], None]] = []
+        self._monitor = Monitor("psflow-client-monitor", self._on_event)
+        endpoints = {name: endpoint(address, bind=False) for name, address in peers.items()}
         for name, address in peers.items():
             sock = self._context.socket(zmq.DEALER)
             sock.linger = 0
@@ -115,8 +122,10 @@ class Client:
             sock.sndtimeo = int(config.timeout * 1000)
             if config.keys is not None:
                 configure_client(sock, config.keys)
-            sock.connect(endpoint(address, bind=False))
             self._peers[name] = _Peer(name, address, sock, lanes_allowed=config.shared_memory)
+            self._monitor.watch(name, sock)
+            sock.connect(endpoints[name])
+        self._monitor.start()
 
     @property
     def peers(self) -> list[str]:
@@ -127,6 +136,17 @@ class Client:
         leaves it to a server that may still write there: views of it taken with
         ``lane_views`` must move out."""
         self._lane_retired.append(callback)
+
+    def link(self, peer: str) -> Link:
+        """What is known of the connection to ``peer`` before it first answered: why it is
+        silent (nothing listening, its key refused), if anything is known."""
+        return self._peers[peer].link
+
+    def _on_event(self, name: str, event: Event) -> None:
+        # The monitor's thread: only the link (a few attributes) changes here.
+        peer = self._peers.get(name)
+        if peer is not None and not peer.answered:
+            peer.link.update(event, peer.address)
 
     def lane(self, peer: str) -> Lane | None:
         """The shared-memory lane to ``peer``, if one is attached."""
@@ -324,7 +344,10 @@ class Client:
     def _take(self, peer: _Peer, parts: list[Any] | None, w: _Wait) -> None:
         """Files one message from ``peer`` (``parts`` from its socket, or ``None``: the reply
         its lane rang for) as the reply to its request, dropping stale ones."""
-        peer.answered = True
+        if not peer.answered:
+            peer.answered = True
+            peer.link = Link()
+            peer.sock.disable_monitor()  # it is up: nothing more to learn from its connection
         lane = None if parts is not None else peer.lane
         try:
             if lane is not None:

@@ -45,6 +45,11 @@ class TransportConfig:
     )
     """Move large tensors through a shared-memory lane when client and server share a host
     (:mod:`psflow.transport.shm`); the socket otherwise."""
+    wait_log_seconds: float = field(
+        default_factory=lambda: float(os.environ.get(envvars.PSFLOW_WAIT_LOG_SECONDS, 10))
+    )
+    """Seconds between the lines of a long wait (for peers to come up) or of a recurring
+    event (a client failing its handshake again and again)."""
 
     def __post_init__(self) -> None:
         if self.timeout <= 0:
@@ -53,6 +58,11 @@ class TransportConfig:
             raise ValueError(f"max_message_bytes must be > 0, got {self.max_message_bytes}")
         if self.chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes must be >= 4096, got {self.chunk_bytes}")
+        if self.wait_log_seconds <= 0:
+            raise ValueError(
+                f"wait_log_seconds ({envvars.PSFLOW_WAIT_LOG_SECONDS}) must be > 0 seconds, "
+                f"got {self.wait_log_seconds}"
+            )
 
     @classmethod
     def from_env(cls, **overrides: Any) -> TransportConfig:

@@ -3,6 +3,11 @@
 Clients on the same host may attach shared-memory lanes (:mod:`psflow.transport.shm`); the
 server answers those requests itself (:attr:`~psflow.protocol.Op.ATTACH_LANE`), so what it hands
 up is only ever a request for the service above it.
+
+A client that cannot connect is never seen by a request, so the server logs it (WARNING, once,
+then at most once per ``wait_log_seconds`` for the same client): one whose CurveZMQ key is not
+authorised (with its address and key, from the ZAP authenticator), and one whose handshake
+fails (another job's keys, or keys on one side only; from the socket's monitor).
 """
 
 from __future__ import annotations
@@ -16,13 +21,14 @@ from typing import Any
 
 import torch
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
 
 from psflow import allocator
+from psflow import env as envvars
 from psflow.protocol.messages import Code, Key, Op
 from psflow.transport import wire
-from psflow.transport.auth import configure_server
+from psflow.transport.auth import Gatekeeper, configure_server
 from psflow.transport.config import TransportConfig, endpoint
+from psflow.transport.monitor import Event, Monitor, RateLimitedLog
 from psflow.transport.shm import Lane, LaneError
 from psflow.transport.wire import ZERO_COPY_ABOVE
 
@@ -72,19 +78,25 @@ class Server:
         self.config = config
         allocator.tune()  # before ZeroMQ's I/O thread makes its first allocation
         self._context = context or zmq.Context.instance()
-        self._auth: ThreadAuthenticator | None = None
+        self._auth: Gatekeeper | None = None
+        self.address = address
+        self._refusals = RateLimitedLog(log, config.wait_log_seconds)
         bind_to = endpoint(address, bind=True, timeout=config.timeout)
         sock = self._context.socket(zmq.ROUTER)
         sock.linger = 0
         sock.router_mandatory = False
         sock.maxmsgsize = config.max_message_bytes + wire.MAX_HEADER_BYTES
         if config.keys is not None:
-            self._auth = ThreadAuthenticator(self._context, log=log.getChild("auth"))
-            self._auth.start()
-            location = str(config.keys.authorized_dir) if config.keys.authorized_dir else None
-            if location is None:
+            if config.keys.authorized_dir is None:
+                sock.close()
                 raise ValueError("keys without authorized_clients/: no client could connect")
-            self._auth.configure_curve(domain="*", location=location)
+            self._auth = Gatekeeper(
+                self._context,
+                config.keys.authorized_dir,
+                refusals=self._refusals.warning,
+                log=log.getChild("auth"),
+            )
+            self._auth.start()
             configure_server(sock, config.keys)
         try:
             sock.bind(bind_to)
@@ -93,6 +105,13 @@ class Server:
             if self._auth is not None:
                 self._auth.stop()
             raise OSError(f"cannot listen on {address} ({bind_to}): {e}") from None
+        # Handshakes that fail before the authenticator is asked (no address is known there).
+        # Not the connections that close before a word (a TCP health check): no news there.
+        self._monitor = Monitor("psflow-server-monitor", self._on_event)
+        self._monitor.watch(
+            address, sock, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_MONITOR_STOPPED
+        )
+        self._monitor.start()
         self._sock = sock
         self._pending: list[zmq.MessageTracker] = []
         self._lanes: OrderedDict[bytes, Lane] = OrderedDict()
@@ -100,6 +119,28 @@ class Server:
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
         self._ready: deque[Request] = deque()
+
+    def _on_event(self, address: str, event: Event) -> None:
+        # The monitor's thread.
+        value = event["value"]
+        if value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+            why = "it does not hold this server's public key (another job's keys?)"
+        elif value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            why = (
+                f"it connects without CurveZMQ keys ({envvars.PSFLOW_KEYS_DIR} unset on it?)"
+                if self._auth is not None
+                else f"it has CurveZMQ keys and this server none ({envvars.PSFLOW_KEYS_DIR} "
+                "unset here?)"
+            )
+        else:
+            try:
+                name = zmq.Event(value).name
+            except ValueError:
+                name = str(value)
+            why = f"ZeroMQ protocol error {name} (not a psflow task?)"
+        self._refusals.warning(
+            ("handshake", value), "a client failed its handshake on %s: %s", address, why
+        )
 
     def recv(self, timeout: float) -> Request | None:
         """The next request, or ``None`` after ``timeout`` seconds without one.

@@ -9,14 +9,19 @@ round trip then costs a few microseconds, and a tensor one ``memcpy`` per side.
 
 A lane is made by the client, for one server: a segment in ``/dev/shm`` and two FIFOs beside
 it (``<name>.q`` rings for requests, ``<name>.r`` for replies), all mode 0600, created
-exclusively under a random name. The client writes a random token at the segment's start and
-asks the server, over the socket, to attach (:attr:`~psflow.protocol.Op.ATTACH_LANE`, handled
-by the transport, never seen by the ps). The server opens the three only if the name has the
-lane form, each is a private file of this user of the right kind, the segment has the
-announced size and holds the token: this proves that both sides see the same memory. Then the
-client unlinks the names, so nothing is left in ``/dev/shm`` when either process dies; the
-mappings and open FIFOs live until both sides have dropped them. Any failure leaves the socket
-path, which always works.
+exclusively under a name that says whose they are and cannot be guessed
+(``psflow-<pid>-<pidns>-<random>``, :mod:`psflow.cluster.shmfiles`). The client writes a random
+token at the segment's start and asks the server, over the socket, to attach
+(:attr:`~psflow.protocol.Op.ATTACH_LANE`, handled by the transport, never seen by the ps). The
+server opens the three only if the name has the lane form, each is a private file of this user
+of the right kind, the segment has the announced size and holds the token: this proves that
+both sides see the same memory. Then the names go: the server removes them as soon as it has
+mapped them, and the client on every way out of the attach (answered, refused, timed out,
+interrupted); the mappings and open FIFOs live until both sides have dropped them. A client
+killed before either could (SIGKILL while the server is busy or down) leaves names that say
+whose they were: the launcher removes a task's once it has exited, and the next process to
+make a lane removes those of dead processes. Any failure leaves the socket path, which always
+works.
 
 Segment layout: the token (64 bytes), the request header area and the reply header area
 (:data:`HEADER_BYTES` each: a 4-byte length, then the packed header), then the request data
@@ -34,7 +39,6 @@ import errno
 import logging
 import mmap
 import os
-import re
 import secrets
 import select
 import stat
@@ -43,17 +47,19 @@ from typing import Any
 
 import numpy as np
 
+from psflow.cluster import shmfiles
+from psflow.cluster.shmfiles import SHM_DIR
 from psflow.transport.wire import lane_bytes
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
 TOKEN_BYTES = 16
 HEADER_BYTES = 1 << 16
 """Room for one packed header (with up to 16 KB of inline tensor data) in each direction."""
 _START = 64
-_NAME = re.compile(r"psflow-[0-9a-f]{32}\Z")
 _SUFFIXES = ("", ".q", ".r")
+_swept = False
+"""Whether this process has removed the lane files of dead processes (once, at its first lane)."""
 
 
 def _aligned(n: int) -> int:
@@ -126,7 +132,11 @@ class Lane:
         """
         if request_bytes < 0 or reply_bytes < 0:
             raise LaneError(f"bad lane sizes {request_bytes}, {reply_bytes}")
-        name = f"psflow-{secrets.token_hex(16)}"
+        global _swept
+        if not _swept:
+            _swept = True
+            shmfiles.remove_stale(SHM_DIR)
+        name = shmfiles.new_name()
         path = os.path.join(SHM_DIR, name)
         size = cls.size(request_bytes, reply_bytes)
         fds: list[int] = []
@@ -161,14 +171,15 @@ class Lane:
 
     @classmethod
     def attach(cls, name: Any, token: Any, request_bytes: Any, reply_bytes: Any) -> Lane:
-        """Maps a client's lane after checking that it is what the client says it is.
+        """Maps a client's lane after checking that it is what the client says it is, then
+        removes its names (the client may die before it could).
 
         The arguments come from the network: each is checked before use.
 
         Raises:
             LaneError: naming what did not match.
         """
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not shmfiles.NAME.match(name):
             raise LaneError(f"{name!r} is not a lane name")
         if not isinstance(token, bytes) or len(token) != TOKEN_BYTES:
             raise LaneError("bad lane token")
@@ -200,10 +211,15 @@ class Lane:
         if not secrets.compare_digest(buf[:TOKEN_BYTES], token):
             _close(tuple(fds))
             raise LaneError(f"{path} does not hold the announced token (another host?)")
+        # Mapped and open: the names have served. Its client may be killed before its answer
+        # comes (it unlinks them too), and a name of a dead process stays until someone sweeps.
+        for suffix in _SUFFIXES:
+            _unlink(path + suffix)
         return cls(name, token, buf, (fds[0], fds[1]), request_bytes, reply_bytes)
 
     def unlink(self) -> None:
-        """Removes the names (the mappings stay valid); the creator calls it once attached."""
+        """Removes the names (the mappings stay valid); the creator calls it on every way out of
+        an attach (the server removes them too, once it has mapped them)."""
         if self._linked:
             self._linked = False
             for suffix in _SUFFIXES:

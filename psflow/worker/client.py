@@ -14,9 +14,17 @@ from typing import Any
 
 import torch
 
+from psflow import env as envvars
 from psflow.cluster.spec import TaskContext
 from psflow.protocol import Code, Key, Op, OptimizerSpec
-from psflow.transport import Client, PeerError, PeerLostError, TransportConfig, wire
+from psflow.transport import (
+    Client,
+    PeerError,
+    PeerLostError,
+    PeerTimeoutError,
+    TransportConfig,
+    wire,
+)
 from psflow.worker.placement import Piece
 
 log = logging.getLogger(__name__)
@@ -170,35 +178,89 @@ class ShardedClient:
     def wait_ready(self, timeout: float, *, initialized: bool = True) -> None:
         """Waits until every shard answers and (with ``initialized``) the chief has set it up.
 
+        ``timeout`` bounds the whole wait (``PSFLOW_READY_TIMEOUT`` where psflow calls it);
+        each status request within it, the transport's timeout (``PSFLOW_TIMEOUT``). Every
+        ``wait_log_seconds`` of the transport (``PSFLOW_WAIT_LOG_SECONDS``, 10 s) it logs who
+        is still awaited and why (nothing listening, no answer, not initialised by the chief),
+        how long it has waited and how long it still will, as TensorFlow's "waiting for"
+        lines did.
+
         Raises:
             TimeoutError: naming the shards still unreachable or uninitialised (and the chief).
+            PeerError: at once, when a shard refused this task's CurveZMQ key (ZeroMQ does not
+                connect again: waiting longer would be in vain).
         """
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
+        interval = self.config.wait_log_seconds
+        next_log = start + interval
         pending = set(range(self.num_shards))
+        why: dict[int, str] = {}
         delay = 0.01
         while True:
-            try:
-                left = max(0.1, min(self.config.timeout, deadline - time.monotonic()))
-                replies = self.call(self._headers(Op.STATUS, sorted(pending)), timeout=left)
-                for s, (h, _) in replies.items():
-                    if h.get(Key.INITIALIZED) or not initialized:
-                        pending.discard(s)
-            except PeerError as e:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"waited {timeout:g} s for the ps tasks: {e}") from e
-                log.debug("waiting for the ps: %s", e)
+            # One round: every pending shard asked at once; the round ends by the next log line.
+            round_end = min(deadline, next_log, time.monotonic() + self.config.timeout)
+            for s, rid in self.send(self._headers(Op.STATUS, sorted(pending))).items():
+                # A reply already here is taken even when the round is over.
+                left = max(0.05, round_end - time.monotonic())
+                try:
+                    header = self.wait({s: rid}, left)[s][0]
+                except PeerTimeoutError:
+                    why[s] = self._silence(s)
+                    continue
+                except PeerError as e:  # refused, or gone while answering: asked again
+                    why[s] = f"{e.detail} (asking again)"
+                    continue
+                if header.get(Key.INITIALIZED) or not initialized:
+                    pending.discard(s)
+                    why.pop(s, None)
+                else:
+                    why[s] = f"not initialised yet by {self.ctx.cluster.chief} (the chief)"
             if not pending:
                 return
-            if time.monotonic() > deadline:
-                names = ", ".join(self.shards[s] for s in sorted(pending))
-                if not initialized:
-                    raise TimeoutError(f"{names} did not answer within {timeout:g} s")
-                raise TimeoutError(
-                    f"{self.ctx.cluster.chief} (the chief) did not initialise {names} "
-                    f"within {timeout:g} s"
+            now = time.monotonic()
+            if now >= deadline:
+                raise self._not_ready(pending, why, timeout, initialized)
+            if now >= next_log:
+                log.info(
+                    "%s is waiting for %s; waited %.0f s, gives up in %.0f s",
+                    self.me,
+                    "; ".join(f"{self.shards[s]}: {why[s]}" for s in sorted(pending)),
+                    now - start,
+                    deadline - now,
                 )
-            time.sleep(delay)
+                next_log = now + interval
+            time.sleep(max(0.0, min(delay, next_log - now, deadline - now)))
             delay = min(delay * 2, 0.5)
+
+    def _silence(self, shard: int) -> str:
+        """Why ``shard`` did not answer, as far as its connection tells.
+
+        Raises:
+            PeerError: when it refused this task's CurveZMQ key.
+        """
+        name = self.shards[shard]
+        link = self._client.link(name)
+        if link.refused:
+            address = self.ctx.cluster.addresses("ps")[shard]
+            raise PeerError(f"{name} at {address}", str(link.problem))
+        return link.problem or "no answer yet"
+
+    def _not_ready(
+        self, pending: set[int], why: dict[int, str], timeout: float, initialized: bool
+    ) -> TimeoutError:
+        names = ", ".join(self.shards[s] for s in sorted(pending))
+        chief = f"{self.ctx.cluster.chief} (the chief)"
+        if initialized and all(why.get(s, "").startswith("not initialised") for s in pending):
+            return TimeoutError(
+                f"{chief} did not initialise {names} within {timeout:g} s (the ready timeout, "
+                f"{envvars.PSFLOW_READY_TIMEOUT})"
+            )
+        reasons = "; ".join(f"{self.shards[s]}: {why.get(s, 'no answer')}" for s in sorted(pending))
+        return TimeoutError(
+            f"{names} not ready within {timeout:g} s (the ready timeout, "
+            f"{envvars.PSFLOW_READY_TIMEOUT}): {reasons}"
+        )
 
     def done(self, timeout: float = 5.0) -> None:
         """Tells every shard this task has finished (best effort: a dead shard is logged)."""

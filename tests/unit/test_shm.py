@@ -21,16 +21,18 @@ def lane() -> Lane:
 
 
 def test_both_sides_see_one_memory_and_the_name_goes_away(lane: Lane) -> None:
+    path = os.path.join(SHM_DIR, lane.name)
+    assert lane.name.startswith(f"psflow-{os.getpid()}-")  # whose they are, for a sweep
+    for suffix in ("", ".q", ".r"):
+        assert oct(os.stat(path + suffix).st_mode & 0o777) == "0o600"
     peer = Lane.attach(lane.name, lane.token, 65536, 8192)
+    # The server removes the names once mapped: its client may die before it could.
+    assert not any(os.path.exists(path + suffix) for suffix in ("", ".q", ".r"))
+    lane.unlink()  # the client's own removal finds nothing left to do
     lane.request[:5] = [1, 2, 3, 4, 5]
     peer.reply[-1] = 7
     assert list(peer.request[:5]) == [1, 2, 3, 4, 5] and lane.reply[-1] == 7
     assert (len(peer.request), len(peer.reply)) == (65536, 8192)
-    path = os.path.join(SHM_DIR, lane.name)
-    for suffix in ("", ".q", ".r"):
-        assert oct(os.stat(path + suffix).st_mode & 0o777) == "0o600"
-    lane.unlink()
-    assert not any(os.path.exists(path + suffix) for suffix in ("", ".q", ".r"))
     lane.request[0] = 9  # both mappings outlive the name
     assert peer.request[0] == 9
 
@@ -39,7 +41,8 @@ def test_both_sides_see_one_memory_and_the_name_goes_away(lane: Lane) -> None:
     ("name", "token", "sizes", "message"),
     [
         ("../../etc/passwd", None, (65536, 8192), "not a lane name"),
-        ("psflow-" + "0" * 32, None, (65536, 8192), "cannot open"),
+        ("psflow-" + "0" * 32, None, (65536, 8192), "not a lane name"),  # whose, unsaid
+        (f"psflow-{os.getpid()}-1-" + "0" * 32, None, (65536, 8192), "cannot open"),
         (None, b"x" * 16, (65536, 8192), "announced token"),
         (None, b"short", (65536, 8192), "bad lane token"),
         (None, None, (65536, 4096), "holds"),

@@ -1,0 +1,144 @@
+"""What a user sees of a launched job: psflow's INFO lines without any logging setup, each
+once; and a job stopped with SIGTERM or Ctrl-C, every task gone within the grace period
+(issue 16, item 11)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from .lines import Lines
+from .support import ROOT, launch_cmd
+
+pytestmark = pytest.mark.timeout(240)
+
+SCRIPTS = ROOT / "tests" / "multiproc" / "scripts"
+
+
+def _pids(d: Path) -> dict[str, int]:
+    return {p.stem: int(p.read_text()) for p in d.glob("*.pid") if p.read_text()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.split(") ")[1][0] != "Z"  # a zombie is dead
+
+
+def _train(logdir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "PSFLOW_LOG_LEVEL"}  # the launcher's default
+    return subprocess.run(
+        launch_cmd(SCRIPTS / "plain_train.py", "--logdir", str(logdir), "--steps", "40", *args),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def test_psflow_info_lines_show_in_a_launched_job_without_logging_setup(tmp_path: Path) -> None:
+    proc = _train(tmp_path / "logs")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    err = proc.stderr
+    assert re.search(r"^\[ps:0\] .* INFO psflow.ps.server: ps:0 serving on ", err, re.M), err
+    assert re.search(
+        r"^\[worker:0\] .* INFO psflow.worker.exchange: worker:0 initialised the ps$", err, re.M
+    )
+    assert re.search(
+        r"^\[worker:0\] .* INFO psflow.train.checkpoint: saved checkpoint .* \(global step \d+\)",
+        err,
+        re.M,
+    )
+    assert "[ps:0]" in err and "every worker has finished" in err
+    # Run again: the chief says what it restored.
+    proc = _train(tmp_path / "logs")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(
+        r"^\[worker:0\] .* INFO psflow.train.session: restored Linear from ", proc.stderr, re.M
+    )
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_script_that_configures_logging_sees_each_line_once(tmp_path: Path, when: str) -> None:
+    proc = _train(tmp_path / "logs", f"--basic-config={when}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert lines.count("[worker:0] INFO psflow.worker.exchange: worker:0 initialised the ps") == 1
+    saved = [line for line in lines if "saved checkpoint" in line]
+    assert saved and len(saved) == len(set(saved))
+    assert all(line.startswith("[worker:0] INFO psflow.train.checkpoint:") for line in saved)
+
+
+def _launch_stubborn(
+    tmp_path: Path, grace: float
+) -> tuple[subprocess.Popen[str], Lines, dict[str, int]]:
+    cmd = launch_cmd(SCRIPTS / "stubborn.py", str(tmp_path))
+    cmd[cmd.index("launch") + 1 : cmd.index("launch") + 1] = ["--grace", f"{grace:g}"]
+    proc = subprocess.Popen(
+        cmd,
+        env={**os.environ, "IGNORE_SIGTERM": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    out, err = Lines(proc.stdout), Lines(proc.stderr)
+    try:
+        for _ in range(3):
+            out.wait_for(r"started (ps|worker):\d", 60)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, err, _pids(tmp_path)
+
+
+def test_sigterm_stops_a_job_whose_tasks_ignore_it_within_the_grace_period(tmp_path: Path) -> None:
+    proc, err, pids = _launch_stubborn(tmp_path, grace=3)
+    try:
+        assert sorted(pids) == ["ps:0", "worker:0", "worker:1"]
+        proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        err.wait_for(r"received SIGTERM; stopping every task \(SIGTERM, then SIGKILL after 3 s", 30)
+        code = proc.wait(timeout=60)
+        elapsed = time.monotonic() - start
+        assert code == 128 + signal.SIGTERM
+        assert elapsed >= 3  # each task had its grace period
+        text = err.rest()
+        assert re.search(
+            r"not gone 3 s after SIGTERM: ps:0, worker:0, worker:1 \(SIGKILL\)", text
+        ), text
+        assert not any(_alive(p) for p in pids.values())
+    finally:
+        proc.kill()
+        proc.wait()
+        for pid in pids.values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_second_ctrl_c_kills_at_once(tmp_path: Path) -> None:
+    proc, err, pids = _launch_stubborn(tmp_path, grace=600)
+    try:
+        proc.send_signal(signal.SIGINT)
+        err.wait_for(r"received SIGINT; stopping every task", 30)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)  # far within the 600 s grace
+        assert code == 128 + signal.SIGINT
+        assert "received SIGINT again; killing every task now" in err.rest()
+        assert not any(_alive(p) for p in pids.values())
+    finally:
+        proc.kill()
+        proc.wait()
+        for pid in pids.values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
