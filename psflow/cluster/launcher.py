@@ -5,9 +5,9 @@ lines show); its output lines are prefixed with the task (``[worker:1] ...``). T
 when every worker exits 0 and the ps tasks then exit by themselves. When a task fails, the
 launcher names it and its exit code, stops the others and fails.
 
-Ctrl-C (or SIGTERM) stops the job: every task gets SIGTERM (a session saves what it can and
-exits), and whatever still runs after the grace period (``--grace``, 30 s) gets SIGKILL; a
-second Ctrl-C kills at once. No task is left behind, nor any shared-memory file a task left
+Ctrl-C (or SIGTERM) stops the job: the workers get SIGTERM (a chief may save a last
+checkpoint), then, once they are gone, the ps tasks; whatever still runs after the grace period
+(``--grace``, 30 s; at least 5 s for the ps) gets SIGKILL. A second Ctrl-C kills at once. No task is left behind, nor any shared-memory file a task left
 when it died (:mod:`psflow.cluster.shmfiles`).
 """
 
@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 LAUNCH_MODES = ("async", "sync", "allreduce")
+
+PS_GRACE = 5.0
+"""Seconds the ps tasks get at least after SIGTERM, which they get once the workers are gone."""
 
 
 @dataclass(kw_only=True)
@@ -211,27 +214,43 @@ class Launcher:
 
     def stop(self, timeout: float | None = None) -> None:
         """Stops every task still running: SIGTERM, then SIGKILL after the grace period (at
-        once after a second Ctrl-C); then removes the shared-memory files they left."""
+        once after a second Ctrl-C); then removes the shared-memory files they left.
+
+        The workers (and chief, evaluator) go first: a chief stopped by SIGTERM may save a
+        last checkpoint, and needs its ps for that. The ps tasks get SIGTERM once the workers
+        are gone, and :data:`PS_GRACE` seconds at least.
+        """
         grace = self.config.grace if timeout is None else timeout
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        while any(p.poll() is None for p in self.procs.values()):
+        trainers = [t for t in self.procs if t.job != "ps"]
+        self._terminate(trainers, deadline)
+        ps = [t for t in self.procs if t.job == "ps"]
+        self._terminate(ps, max(deadline, time.monotonic() + min(grace, PS_GRACE)))
+        self._sweep()
+        self._join_relays()
+
+    def _terminate(self, tasks: list[TaskSpec], deadline: float) -> None:
+        """SIGTERM to ``tasks``; SIGKILL to those still running at ``deadline``."""
+        started = time.monotonic()
+        for task in tasks:
+            if self.procs[task].poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.procs[task].pid, signal.SIGTERM)
+        while any(self.procs[t].poll() is None for t in tasks):
             if self._kill_now.is_set() or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
-        left = [t for t, p in self.procs.items() if p.poll() is None]
+        left = [t for t in tasks if self.procs[t].poll() is None]
         if left:
-            why = "killing" if self._kill_now.is_set() else f"not gone {grace:g} s after SIGTERM:"
-            self._say(f"{why} {', '.join(map(str, left))} (SIGKILL)")
+            names = ", ".join(map(str, left))
+            if self._kill_now.is_set():
+                self._say(f"killing {names} (SIGKILL)")
+            else:
+                self._say(f"{names} not gone {deadline - started:.0f} s after SIGTERM (SIGKILL)")
         for task in left:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.procs[task].pid, signal.SIGKILL)
             self.procs[task].wait()
-        self._sweep()
-        self._join_relays()
 
     def _sweep(self) -> None:
         """Removes the shared-memory files of each task that has exited (once per task)."""

@@ -25,9 +25,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +47,11 @@ log = logging.getLogger(__name__)
 
 
 _POLL_SECONDS = 0.1
+
+TERM_SECONDS = 30.0
+"""At most this long a ps serves on after SIGTERM (Kubernetes' and ``psflow launch``'s grace)."""
+TERM_IDLE_SECONDS = 1.0
+"""After SIGTERM, a ps stops once no request has come for this long."""
 
 # Bound once: reading an enum member off its class costs more than the dict lookup it serves,
 # and push/push_pull run thousands of times a second.
@@ -85,6 +91,9 @@ class ParameterServer:
         self.ready = threading.Event()
         self.error: BaseException | None = None
         self._stop = threading.Event()
+        self._term_at: float | None = None
+        """When SIGTERM came (to :meth:`join`), if it did."""
+        self._term_logged = False
         self._thread: threading.Thread | None = None
         self._server: Server | None = None
         self._handlers: dict[str, Handler] = {}
@@ -165,6 +174,11 @@ class ParameterServer:
     def join(self, timeout: float | None = None) -> None:
         """Serves until every worker has finished (starting first if needed).
 
+        Called from the main thread, it takes SIGTERM (unless the script handles it): the ps
+        serves on while its workers still ask (a chief stopped by the same SIGTERM saves a
+        last checkpoint), and stops once none has asked for :data:`TERM_IDLE_SECONDS`, after
+        :data:`TERM_SECONDS` at most, or at a second SIGTERM; ``join`` then returns.
+
         Raises:
             TimeoutError: when ``timeout`` passes first.
             RuntimeError: when the server stopped on an error (such as no worker for
@@ -172,7 +186,8 @@ class ParameterServer:
         """
         self.start()
         assert self._thread is not None
-        self._thread.join(timeout)
+        with self._sigterm():
+            self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError(f"{self.name} still serving after {timeout} s")
         # Background work (a shard file still being written), within one timeout for all.
@@ -181,6 +196,28 @@ class ParameterServer:
             service.wait(max(0.0, deadline - time.monotonic()))
         if self.error is not None:
             raise RuntimeError(f"{self.name} stopped: {self.error}") from self.error
+
+    @contextlib.contextmanager
+    def _sigterm(self) -> Iterator[None]:
+        if (
+            threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        ):
+            yield  # the script's own handler stands
+            return
+
+        def on_term(_signum: int, _frame: object) -> None:
+            # Nothing that takes a lock here: the serving thread logs what happens.
+            if self._term_at is None:
+                self._term_at = time.monotonic()
+            else:
+                self._stop.set()
+
+        signal.signal(signal.SIGTERM, on_term)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stops serving and closes the socket."""
@@ -207,19 +244,22 @@ class ParameterServer:
                 except wire.WireError as e:
                     log.warning("%s: rejected a malformed message: %s", self.name, e)
                     continue
-                if request is None:
-                    if time.monotonic() - last_seen > self.idle_timeout:
-                        missing = sorted(self.trainers - self.finished)
-                        raise TimeoutError(
-                            f"no request for {self.idle_timeout:g} s; still waiting for "
-                            f"{', '.join(missing)} to finish"
-                        )
-                    continue
-                last_seen = time.monotonic()
-                self._handle(request)
-                if self.finished >= self.trainers:
-                    log.info("%s: every worker has finished; exiting", self.name)
+                if request is not None:
+                    last_seen = time.monotonic()
+                    self._handle(request)
+                    if self.finished >= self.trainers:
+                        log.info("%s: every worker has finished; exiting", self.name)
+                        break
+                elif time.monotonic() - last_seen > self.idle_timeout:
+                    missing = sorted(self.trainers - self.finished)
+                    raise TimeoutError(
+                        f"no request for {self.idle_timeout:g} s; still waiting for "
+                        f"{', '.join(missing)} to finish"
+                    )
+                if self._term_at is not None and self._terminated(last_seen):
                     break
+            if self._stop.is_set() and self._term_at is not None:
+                log.info("%s: a second SIGTERM: stopping now", self.name)
         except BaseException as e:
             self.error = e
             log.error("%s: %s", self.name, e)
@@ -230,6 +270,24 @@ class ParameterServer:
             with contextlib.suppress(TimeoutError):
                 server.flush(self.config.timeout)
             server.close(linger=2.0)  # let the last replies ('done') reach the workers
+
+    def _terminated(self, last_seen: float) -> bool:
+        """After SIGTERM: whether to stop now (nobody asks any more, or time is up)."""
+        assert self._term_at is not None
+        now = time.monotonic()
+        if not self._term_logged:
+            self._term_logged = True
+            waiting = ", ".join(sorted(self.trainers - self.finished)) or "nobody"
+            log.info(
+                "%s received SIGTERM: serving on while its workers ask (for %s), at most %g s",
+                self.name,
+                waiting,
+                TERM_SECONDS,
+            )
+        if now - last_seen >= TERM_IDLE_SECONDS or now - self._term_at >= TERM_SECONDS:
+            log.info("%s: stopping on SIGTERM", self.name)
+            return True
+        return False
 
     def _handle(self, request: Request) -> None:
         op = request.header[_OP]

@@ -8,13 +8,17 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import torch
+
+import psflow
 
 from .lines import Lines
-from .support import ROOT, launch_cmd
+from .support import ROOT, launch_cmd, local_cluster, start_ps, stop, worker_ctx
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -112,11 +116,11 @@ def test_sigterm_stops_a_job_whose_tasks_ignore_it_within_the_grace_period(tmp_p
         code = proc.wait(timeout=60)
         elapsed = time.monotonic() - start
         assert code == 128 + signal.SIGTERM
-        assert elapsed >= 3  # each task had its grace period
+        assert elapsed >= 6  # the workers had their grace period, then the ps theirs
         text = err.rest()
-        assert re.search(
-            r"not gone 3 s after SIGTERM: ps:0, worker:0, worker:1 \(SIGKILL\)", text
-        ), text
+        # The workers first (a chief saving on SIGTERM needs its ps), then the ps.
+        workers = text.index("worker:0, worker:1 not gone 3 s after SIGTERM (SIGKILL)")
+        assert text.index("ps:0 not gone 3 s after SIGTERM (SIGKILL)") > workers, text
         assert not any(_alive(p) for p in pids.values())
     finally:
         proc.kill()
@@ -142,3 +146,45 @@ def test_a_second_ctrl_c_kills_at_once(tmp_path: Path) -> None:
         for pid in pids.values():
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_ps_given_sigterm_serves_its_workers_on_then_stops() -> None:
+    """As Kubernetes stops every pod of a job at once: a chief saving on SIGTERM needs its ps."""
+    cluster = local_cluster(1, 1)
+    ps = start_ps(cluster)
+    assert ps.stderr is not None
+    err = Lines(ps.stderr)
+    model = torch.nn.Linear(2, 1)
+    opt = psflow.DistributedOptimizer(model, worker_ctx(cluster), lr=0.1)
+    steps: list[int] = []
+    keep_going = threading.Event()
+    keep_going.set()
+
+    def train() -> None:
+        while keep_going.is_set():
+            opt.zero_grad()
+            model(torch.ones(1, 2)).sum().backward()
+            steps.append(opt.step())
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    try:
+        ps.send_signal(signal.SIGTERM)
+        err.wait_for(
+            r"ps:0 received SIGTERM: serving on while its workers ask \(for worker:0\)", 60
+        )
+        served = len(steps)
+        deadline = time.monotonic() + 60
+        while len(steps) < served + 20:  # served on after SIGTERM
+            assert trainer.is_alive() and time.monotonic() < deadline
+            time.sleep(0.01)
+        keep_going.clear()
+        trainer.join(60)
+        # Once nobody asks any more (no 'done' came: the worker was stopped), it stops.
+        assert ps.wait(timeout=60) == 0, err.rest()
+        assert "ps:0: stopping on SIGTERM" in err.rest()
+    finally:
+        keep_going.clear()
+        trainer.join(60)
+        opt.close(finished=False)
+        stop(ps, timeout=1)
