@@ -422,10 +422,12 @@ class Client:
                         callback(peer.lane.reply)
                 self._drop_lane(peer)
             late.add(peer)
-        names = ", ".join(str(p) for p in sorted(late, key=lambda p: p.name))
-        raise PeerTimeoutError(
-            names, f"no answer within {timeout:g} s (dead, hung, unreachable or not authorised?)"
-        )
+        ordered = sorted(late, key=lambda p: p.name)
+        names = ", ".join(str(p) for p in ordered)
+        # What the connection said of a peer that never answered: more than a guess.
+        known = [f"{p.name}: {p.link.problem}" for p in ordered if p.link.problem]
+        why = "; ".join(known) if known else "dead, hung, unreachable or not authorised?"
+        raise PeerTimeoutError(names, f"no answer within {timeout:g} s ({why})")
 
     def request(
         self,

@@ -142,3 +142,10 @@ def test_every_task_psflow_starts_gets_the_task_defaults() -> None:
     assert env_block is not None
     for key, value in envvars.TASK_DEFAULTS.items():
         assert f"{key}={value}" in env_block.group(1), key
+    # So do the rendered manifests, for every target.
+    from psflow.deploy import JobConfig, render
+
+    job = JobConfig(name="demo", image="psflow:0.1.0", workers=2, script="train.py")
+    for target in ("kubernetes", "tfjob", "compose", "marathon"):
+        text = render(job, target).text
+        assert re.search(r"PSFLOW_LOG_LEVEL\W+(value: )?\W*INFO", text), target
