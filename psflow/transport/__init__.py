@@ -12,7 +12,10 @@ the reply's code, for the layer above to act on.
 - ``client.py``: :class:`Client` (one DEALER socket per peer, many requests in flight).
 - ``shm.py``: :class:`Lane`, shared memory for large tensors between a client and a server on
   the same host.
-- ``auth.py``: CurveZMQ keys, :func:`generate_keys`, :class:`CurveKeys`.
+- ``auth.py``: CurveZMQ keys, :func:`generate_keys`, :class:`CurveKeys`; the server's ZAP
+  authenticator that logs the clients it refuses.
+- ``monitor.py``: connection reports of sockets read in the background: why a peer is silent
+  (nothing listening, a refused key), which clients failed their handshake.
 - ``cli.py``: ``psflow keys generate DIR``.
 """
 

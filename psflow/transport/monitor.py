@@ -116,14 +116,12 @@ class Link:
     refused: bool = False
     """The peer refused this task's CurveZMQ key: ZeroMQ does not try again, so waiting longer
     is in vain."""
-    since: float | None = None
-    """When the problem was first seen (``time.monotonic()``)."""
 
     def update(self, event: Event, address: str) -> None:
         """Takes one report of the connection to the peer at ``address``."""
         kind = event["event"]
         if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            self.problem, self.refused, self.since = None, False, None
+            self.problem, self.refused = None, False
         elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             self._set(
                 "refused this task's CurveZMQ key: its authorised keys do not include this "
@@ -141,8 +139,6 @@ class Link:
             self._set(f"connected to {address}, no answer yet")
 
     def _set(self, problem: str, *, refused: bool = False) -> None:
-        if self.problem != problem:
-            self.since = time.monotonic()
         self.problem, self.refused = problem, refused
 
     def _handshake_failed(self) -> bool:
