@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,9 +107,10 @@ _REFUSED_SCHEDULES = {
     "MultiplicativeLR": "takes a Python function (lr_lambda), which cannot travel to the ps "
     "as data",
     "ReduceLROnPlateau": "steps on a metric, and the ps sees only gradients and the global step",
-    "SequentialLR": "combines scheduler objects, which cannot travel to the ps as data",
-    "ChainedScheduler": "combines scheduler objects, which cannot travel to the ps as data",
 }
+
+_COMPOSITES = ("SequentialLR", "ChainedScheduler")
+"""Schedulers made of schedulers: given as specs (``"schedulers": [(name, {args}), ...]``)."""
 
 _NEVER = 1 << 62
 """A step no training reaches: "the learning rate does not change again"."""
@@ -173,9 +173,12 @@ class ScheduleSpec:
     a function of the global step (TensorFlow's ``exponential_decay(global_step)``).
 
     Any scheduler that steps on the step count alone: ``StepLR``, ``MultiStepLR``,
-    ``ExponentialLR``, ``CosineAnnealingLR``, ``LinearLR``, ``OneCycleLR``, ... Those that
-    need a Python function (``LambdaLR``), a metric (``ReduceLROnPlateau``) or other
-    scheduler objects (``SequentialLR``) are refused: nothing but data travels to the ps.
+    ``ExponentialLR``, ``CosineAnnealingLR``, ``LinearLR``, ``OneCycleLR``, ...; and
+    ``SequentialLR`` (a warmup, then a decay) and ``ChainedScheduler`` (TensorFlow's
+    ``piecewise_constant``, as ``MultiStepLR`` pieces) over such schedules, given as specs or
+    ``(name, {arguments})`` pairs under ``"schedulers"``. Those that need a Python function
+    (``LambdaLR``) or a metric (``ReduceLROnPlateau``) are refused: nothing but data travels
+    to the ps.
 
     Example:
         >>> spec = ScheduleSpec(name="StepLR", kwargs={"step_size": 1000, "gamma": 0.5})
@@ -189,8 +192,9 @@ class ScheduleSpec:
     name: str
     """The class name in ``torch.optim.lr_scheduler``."""
     kwargs: Mapping[str, Any] = field(default_factory=dict)
-    """Its keyword arguments but the optimizer: numbers, strings, booleans, or lists of them.
-    No ``last_epoch``: the global step drives the schedule."""
+    """Its keyword arguments but the optimizer: numbers, strings, booleans, or lists of them
+    (and the ``schedulers`` of a composite, as specs). No ``last_epoch``: the global step
+    drives the schedule."""
 
     def __post_init__(self) -> None:
         name = self.name
@@ -207,22 +211,32 @@ class ScheduleSpec:
             )
         if not isinstance(self.kwargs, Mapping):
             raise ValueError(f"lr_schedule arguments must be a mapping, got {self.kwargs!r}")
-        for key, value in self.kwargs.items():
+        kwargs = dict(self.kwargs)
+        for key, value in kwargs.items():
             if key in ("optimizer", "last_epoch"):
                 why = "psflow passes" if key == "optimizer" else "the global step sets"
                 raise ValueError(f"lr_schedule {name}: do not give {key!r}, {why} it")
-            if not isinstance(key, str) or not _plain_arg(value):
+            if key == "schedulers" and name in _COMPOSITES:
+                kwargs[key] = _sub_schedules(name, value)
+            elif not isinstance(key, str) or not _plain_arg(value):
                 raise ValueError(
                     f"lr_schedule argument {key!r}={value!r} is not a plain value (a "
                     "function or an object cannot travel to the ps)"
                 )
+            else:
+                kwargs[key] = _plain(value)  # (3, 9) and [3, 9] make one spec
+        # Normalised, so that a spec compares equal to itself come back from the wire.
+        object.__setattr__(self, "kwargs", kwargs)
         try:
-            inspect.signature(cls).bind(None, **self.kwargs)
+            if name == "ChainedScheduler":
+                inspect.signature(cls).bind(**kwargs)
+            else:
+                inspect.signature(cls).bind(None, **kwargs)
         except TypeError as e:
             raise ValueError(
-                f"cannot build torch.optim.lr_scheduler.{name}({dict(self.kwargs)}): {e}"
+                f"cannot build torch.optim.lr_scheduler.{name}({kwargs}): {e}"
             ) from None
-        _next_change(name, self.kwargs)  # its own checks of the step arguments
+        _next_change(name, kwargs)  # its own checks of the step arguments
 
     @classmethod
     def of(
@@ -258,11 +272,37 @@ class ScheduleSpec:
 
     def describe(self) -> str:
         """``StepLR(step_size=1000, gamma=0.5)``."""
-        args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
+
+        def arg(v: Any) -> str:
+            if isinstance(v, tuple) and all(isinstance(s, ScheduleSpec) for s in v):
+                return "[" + ", ".join(s.describe() for s in v) + "]"
+            return repr(v)
+
+        args = ", ".join(f"{k}={arg(v)}" for k, v in self.kwargs.items())
         return f"{self.name}({args})"
 
     def to_wire(self) -> dict[str, Any]:
-        return {"name": self.name, "kwargs": {k: _plain(v) for k, v in self.kwargs.items()}}
+        return {"name": self.name, "kwargs": {k: _wire(v) for k, v in self.kwargs.items()}}
+
+    def scheduler(self, optimizer: torch.optim.Optimizer) -> lr_scheduler.LRScheduler:
+        """Torch's scheduler (at step 0) on ``optimizer``: what :class:`StepSchedule` drives.
+
+        Raises:
+            ValueError: when torch refuses the arguments for this optimizer.
+        """
+        cls = getattr(lr_scheduler, self.name)
+        kwargs = dict(self.kwargs)
+        try:
+            if self.name in _COMPOSITES:
+                kwargs["schedulers"] = [s.scheduler(optimizer) for s in kwargs["schedulers"]]
+            if self.name == "ChainedScheduler":
+                return cls(optimizer=optimizer, **kwargs)  # type: ignore[no-any-return]
+            return cls(optimizer, **kwargs)  # type: ignore[no-any-return]
+        except (TypeError, ValueError, KeyError, ZeroDivisionError) as e:
+            raise ValueError(
+                f"cannot build torch.optim.lr_scheduler.{self.describe()} for "
+                f"{type(optimizer).__name__}: {e}"
+            ) from None
 
     @classmethod
     def from_wire(cls, data: Any) -> ScheduleSpec:
@@ -285,14 +325,10 @@ class StepSchedule:
     """
 
     def __init__(self, spec: ScheduleSpec, optimizer: torch.optim.Optimizer) -> None:
-        cls = getattr(lr_scheduler, spec.name)
-        try:
-            self._scheduler = cls(optimizer, **spec.kwargs)
-        except (TypeError, ValueError, KeyError, ZeroDivisionError) as e:
-            raise ValueError(
-                f"cannot build torch.optim.lr_scheduler.{spec.describe()} for "
-                f"{type(optimizer).__name__}: {e}"
-            ) from None
+        self._scheduler = spec.scheduler(optimizer)
+        # Torch's schedulers warn ("lr_scheduler.step() before optimizer.step()") unless the
+        # optimizer was stepped through the wrapper they install; the ps steps it its own way.
+        optimizer._opt_called = True  # type: ignore[attr-defined]
         self.spec = spec
         self.optimizer = optimizer
         self.step = 0
@@ -302,7 +338,6 @@ class StepSchedule:
         the learning rate stays the last one it gave."""
         self._next_change = _next_change(spec.name, spec.kwargs)
         self._next = self._next_change(0)
-        self._stepped = False
 
     @property
     def lr(self) -> float:
@@ -321,7 +356,7 @@ class StepSchedule:
             # Skipped steps would leave the learning rate as it is (see _next_change).
             scheduler.last_epoch = target - 1
             try:
-                self._step_scheduler()
+                scheduler.step()
             except ValueError as e:  # OneCycleLR past total_steps
                 self.ended_at = target - 1
                 self._next = _NEVER
@@ -337,16 +372,27 @@ class StepSchedule:
             self._next = self._next_change(target)
         self.step = step
 
-    def _step_scheduler(self) -> None:
-        if self._stepped:
-            self._scheduler.step()
-            return
-        with warnings.catch_warnings():
-            # "lr_scheduler.step() before optimizer.step()": the ps steps its optimizer its
-            # own way (not through the wrapper torch's scheduler watches).
-            warnings.simplefilter("ignore", UserWarning)
-            self._scheduler.step()
-        self._stepped = True
+
+def _sub_schedules(name: str, value: Any) -> tuple[ScheduleSpec, ...]:
+    """The ``schedulers`` of a composite as specs (from specs, pairs, or their wire form)."""
+    if not isinstance(value, list | tuple) or not value:
+        raise ValueError(
+            f"lr_schedule {name}: schedulers must be a non-empty list of schedules, each a "
+            f"(name, {{arguments}}) pair, got {value!r}"
+        )
+    out = []
+    for item in value:
+        spec = ScheduleSpec.from_wire(item) if isinstance(item, dict) else ScheduleSpec.of(item)
+        if spec is None:
+            raise ValueError(f"lr_schedule {name}: a schedule in schedulers is None")
+        out.append(spec)
+    return tuple(out)
+
+
+def _wire(v: Any) -> Any:
+    if isinstance(v, tuple) and v and all(isinstance(s, ScheduleSpec) for s in v):
+        return [s.to_wire() for s in v]
+    return _plain(v)
 
 
 def _plain_arg(value: Any) -> bool:

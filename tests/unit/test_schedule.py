@@ -42,6 +42,27 @@ CASES: list[tuple[str, dict[str, Any], OptimizerSpec]] = [
         {"max_lr": 0.5, "total_steps": 150},
         OptimizerSpec(name="Adam", kwargs={"lr": 0.01}),
     ),
+    (  # a warmup, then a cosine decay
+        "SequentialLR",
+        {
+            "schedulers": [
+                ("LinearLR", {"start_factor": 0.01, "total_iters": 20}),
+                ("CosineAnnealingLR", {"T_max": 100}),
+            ],
+            "milestones": [20],
+        },
+        OptimizerSpec(),
+    ),
+    (  # TensorFlow's piecewise_constant(step, [40, 90], [0.1, 0.05, 0.01])
+        "ChainedScheduler",
+        {
+            "schedulers": [
+                ("MultiStepLR", {"milestones": [41], "gamma": 0.5}),
+                ("MultiStepLR", {"milestones": [91], "gamma": 0.2}),
+            ]
+        },
+        OptimizerSpec(kwargs={"lr": 0.1}),
+    ),
 ]
 STEPS = 150
 
@@ -50,10 +71,23 @@ def test_every_schedule_the_spec_accepts_is_tested() -> None:
     assert sorted(name for name, _, _ in CASES) == sorted(SCHEDULES)
 
 
+def _torch_scheduler(
+    opt: torch.optim.Optimizer, name: str, kwargs: dict[str, Any]
+) -> torch.optim.lr_scheduler.LRScheduler:
+    cls = getattr(torch.optim.lr_scheduler, name)
+    if name == "SequentialLR":
+        subs = [_torch_scheduler(opt, n, k) for n, k in kwargs["schedulers"]]
+        return cls(opt, schedulers=subs, milestones=kwargs["milestones"])  # type: ignore[no-any-return]
+    if name == "ChainedScheduler":
+        subs = [_torch_scheduler(opt, n, k) for n, k in kwargs["schedulers"]]
+        return cls(subs, optimizer=opt)  # type: ignore[no-any-return]
+    return cls(opt, **kwargs)  # type: ignore[no-any-return]
+
+
 def _torch_lrs(name: str, kwargs: dict[str, Any], opt_spec: OptimizerSpec) -> list[tuple]:
     """Torch's own scheduler, stepped once a step: (lr, momentum or betas) at steps 0..STEPS."""
     opt = opt_spec.build([torch.zeros(1, requires_grad=True)])
-    sched = getattr(torch.optim.lr_scheduler, name)(opt, **kwargs)
+    sched = _torch_scheduler(opt, name, kwargs)
     out = [_group(opt)]
     for _ in range(STEPS):
         opt.step()  # no gradient: changes nothing, but the order torch expects
@@ -111,13 +145,14 @@ def test_one_cycle_keeps_its_last_learning_rate_past_its_end(
     assert "ended at step 20" in caplog.text
 
 
-def test_no_warning_from_torch_about_the_order_of_steps() -> None:
-    opt = torch.optim.SGD([torch.zeros(1)], lr=0.1)
-    schedule = ScheduleSpec(name="ExponentialLR", kwargs={"gamma": 0.5}).build(opt)
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("ExponentialLR", "SequentialLR")])
+def test_no_warning_from_torch_about_the_order_of_steps(case: tuple) -> None:
+    """The ps steps its optimizer its own way (not through torch's wrapper): no warning."""
+    name, kwargs, opt_spec = case
+    opt = opt_spec.build([torch.zeros(1)])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        schedule.advance(3)
-    assert schedule.lr == 0.1 * 0.5 * 0.5 * 0.5
+        ScheduleSpec(name=name, kwargs=kwargs).build(opt).advance(STEPS)
 
 
 @pytest.mark.parametrize(
@@ -126,8 +161,10 @@ def test_no_warning_from_torch_about_the_order_of_steps() -> None:
         ("LambdaLR", {}, "LambdaLR' takes a Python function"),
         ("MultiplicativeLR", {}, "takes a Python function"),
         ("ReduceLROnPlateau", {}, "steps on a metric"),
-        ("SequentialLR", {}, "combines scheduler objects"),
-        ("ChainedScheduler", {}, "combines scheduler objects"),
+        ("SequentialLR", {"schedulers": "StepLR", "milestones": []}, "non-empty list"),
+        ("SequentialLR", {"schedulers": [("LambdaLR", {})], "milestones": []}, "function"),
+        ("SequentialLR", {"schedulers": [("ExponentialLR", {"gamma": 0.5})]}, "'milestones'"),
+        ("ChainedScheduler", {"schedulers": [("StepLR", {"step_sise": 3})]}, "'step_sise'"),
         ("LRScheduler", {}, "unknown lr_schedule 'LRScheduler'"),
         ("StepLr", {}, r"unknown lr_schedule 'StepLr'.*StepLR"),
         ("ExponentialLR", {}, "missing a required argument: 'gamma'"),
@@ -286,3 +323,30 @@ def test_a_shard_file_and_the_manifest_name_the_schedule(tmp_path: Path) -> None
     old = json.loads(manifest.to_json())
     del old["lr_schedule"]
     assert Manifest.from_json(json.dumps(old)).lr_schedule is None
+
+
+def test_a_composite_travels_as_data_and_reads_back_equal() -> None:
+    spec = ScheduleSpec.of(CASES[-2][:2])  # type: ignore[arg-type]
+    assert spec is not None
+    wired = json.loads(json.dumps(spec.to_wire()))  # as in a manifest
+    assert wired["kwargs"]["schedulers"][0] == {
+        "name": "LinearLR",
+        "kwargs": {"start_factor": 0.01, "total_iters": 20},
+    }
+    assert ScheduleSpec.from_wire(wired) == spec
+    assert spec.describe() == (
+        "SequentialLR(schedulers=[LinearLR(start_factor=0.01, total_iters=20), "
+        "CosineAnnealingLR(T_max=100)], milestones=[20])"
+    )
+
+
+def test_piecewise_constant_as_tensorflow_defines_it() -> None:
+    """TensorFlow's piecewise_constant(step, [40, 90], [0.1, 0.05, 0.01]): 0.1 up to step 40
+    included, 0.05 up to 90, then 0.01 (docs/training.md spells it with MultiStepLR pieces)."""
+    name, kwargs, opt_spec = CASES[-1]
+    opt = opt_spec.build([torch.zeros(1)])
+    schedule = ScheduleSpec(name=name, kwargs=kwargs).build(opt)
+    for step in range(STEPS):
+        schedule.advance(step)
+        want = 0.1 if step <= 40 else 0.05 if step <= 90 else 0.01
+        assert schedule.lr == pytest.approx(want, rel=1e-12), step
