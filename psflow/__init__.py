@@ -16,14 +16,14 @@ A training script, in full (``psflow launch --ps 1 --workers 2 train.py`` runs i
                 opt.step()
 
 The public API, by layer: cluster (:class:`ClusterSpec`, :class:`TaskSpec`,
-:class:`TaskContext`, :func:`resolve`), ps (:class:`ParameterServer`), protocol (:class:`OptimizerSpec`),
+:class:`TaskContext`, :func:`resolve`), ps (:class:`ParameterServer`), protocol (:class:`OptimizerSpec`, :class:`ScheduleSpec`),
 worker (:class:`DistributedOptimizer` in async, sync or all-reduce mode, :class:`Towers`), train (:class:`TrainingSession` and its hooks,
 checkpoints), transport (:class:`TransportConfig`, errors). Data (TFRecord, Example, Spark) is
 in :mod:`psflow.data`, deployment templates in :mod:`psflow.deploy`.
 """
 
 from psflow.cluster import ClusterSpec, TaskContext, TaskSpec, resolve
-from psflow.protocol import OptimizerSpec
+from psflow.protocol import OptimizerSpec, ScheduleSpec
 from psflow.ps import ParameterServer
 from psflow.train import (
     Hook,
@@ -57,6 +57,7 @@ __all__ = [
     "ParameterServer",
     "PeerError",
     "PeerTimeoutError",
+    "ScheduleSpec",
     "SessionConfig",
     "StopAtStepHook",
     "SyncTimeoutError",

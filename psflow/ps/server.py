@@ -384,9 +384,9 @@ class ParameterServer:
         # Applied before the reply: gradients in a shared-memory lane need no copy.
         grads = self.tensors(request, into=self.store.grad_buffers, transient=True)
         self.flush()
-        if self.store.schedule is None:
+        if self.store.schedule is None or self.shard == 0:
             return self.store.apply(grads)  # validates first: a bad push changes nothing
-        # A shard other than 0 learns the global step (its schedule's) from the pushes.
+        # Shard 0 keeps the global step; the others learn it (their schedule's) from pushes.
         return self.store.apply(grads, global_step=request.header.get(_STEP))
 
     def _done(self, request: Request) -> None:
