@@ -130,7 +130,7 @@ SCHEDULES: tuple[str, ...] = tuple(
 """The ``torch.optim.lr_scheduler`` classes a :class:`ScheduleSpec` may name."""
 
 
-def _positive_int(kwargs: Mapping[str, Any], key: str, default: int | None = None) -> int:
+def _count_arg(kwargs: Mapping[str, Any], key: str, default: int | None = None) -> int:
     value = kwargs.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{key} must be an integer >= 0, got {value!r}")
@@ -146,7 +146,7 @@ def _next_change(name: str, kwargs: Mapping[str, Any]) -> Callable[[int], int]:
     stepped once a step).
     """
     if name == "StepLR":
-        size = _positive_int(kwargs, "step_size")
+        size = _count_arg(kwargs, "step_size")
         if size < 1:
             raise ValueError(f"step_size must be >= 1, got {size}")
         return lambda t: (t // size + 1) * size
@@ -159,10 +159,10 @@ def _next_change(name: str, kwargs: Mapping[str, Any]) -> Callable[[int], int]:
         ordered = sorted(set(milestones))
         return lambda t: next((m for m in ordered if m > t), _NEVER)
     if name == "ConstantLR":
-        total = _positive_int(kwargs, "total_iters", 5)
+        total = _count_arg(kwargs, "total_iters", 5)
         return lambda t: total if t < total else _NEVER
     if name in ("LinearLR", "PolynomialLR"):
-        total = _positive_int(kwargs, "total_iters", 5)
+        total = _count_arg(kwargs, "total_iters", 5)
         return lambda t: t + 1 if t < total else _NEVER
     return lambda t: t + 1
 

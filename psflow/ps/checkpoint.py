@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from psflow.protocol import Key, Op, OptimizerSpec, SaveState, ScheduleSpec
+from psflow.protocol import Key, Op, OptimizerSpec, SaveState
 from psflow.ps.files import atomic_write, join, url_to_fs  # psflow.train imports them from here
 from psflow.ps.service import Handler, Service, ServiceHost
 from psflow.ps.store import ShardStore
@@ -214,9 +214,10 @@ class ShardFile:
     optimizer: OptimizerSpec
     opt_state: dict[str, dict[str, Any]] = field(default_factory=dict)
     param_groups: list[dict[str, Any]] = field(default_factory=list)
-    lr_schedule: ScheduleSpec | None = None
-    """The schedule the shard followed (its learning rate at :attr:`step` is in
-    :attr:`param_groups`)."""
+    lr_schedule: dict[str, Any] | None = None
+    """The schedule the shard followed, as data (``ScheduleSpec.from_wire`` reads it; its
+    learning rate at :attr:`step` is in :attr:`param_groups`). Kept as data: a schedule this
+    torch no longer has does not make the file unreadable."""
 
     def variables(self) -> dict[str, torch.Tensor]:
         return {n: t for n, t in self.tensors.items() if split_opt_key(n) is None}
@@ -253,11 +254,7 @@ def read_shard(url: str) -> ShardFile:
             optimizer=OptimizerSpec.from_wire(json.loads(meta["psflow.optimizer"])),
             opt_state=json.loads(meta.get("psflow.opt_state", "{}")),
             param_groups=json.loads(meta.get("psflow.param_groups", "[]")),
-            lr_schedule=(
-                ScheduleSpec.from_wire(json.loads(meta["psflow.lr_schedule"]))
-                if "psflow.lr_schedule" in meta
-                else None
-            ),
+            lr_schedule=json.loads(meta.get("psflow.lr_schedule", "null")),
         )
     except (KeyError, ValueError, json.JSONDecodeError) as e:
         raise ValueError(f"{url} is not a readable psflow shard file: {e}") from None

@@ -54,7 +54,11 @@ class Checkpoint:
 
     @property
     def lr_schedule(self) -> ScheduleSpec | None:
-        """The learning-rate schedule the job trained with (``None``: none)."""
+        """The learning-rate schedule the job trained with (``None``: none).
+
+        Raises:
+            ValueError: when this torch cannot run it (``manifest.lr_schedule`` is the data).
+        """
         wired = self.manifest.lr_schedule
         return None if wired is None else ScheduleSpec.from_wire(wired)
 

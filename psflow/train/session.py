@@ -313,11 +313,12 @@ class TrainingSession:
             )
             values = {s: [(n, t) for n, t in ts if "/opt/" not in n] for s, ts in values.items()}
             plain = {}
-        if ckpt.lr_schedule != self.lr_schedule:
+        saved_schedule = ckpt.manifest.lr_schedule
+        if saved_schedule != (self.lr_schedule.to_wire() if self.lr_schedule else None):
             log.info(
                 "%s was saved with lr_schedule %s; the job's, %s, goes on from its step %d",
                 ckpt.name,
-                ckpt.lr_schedule.describe() if ckpt.lr_schedule else "none",
+                saved_schedule,
                 self.lr_schedule.describe() if self.lr_schedule else "none",
                 ckpt.global_step,
             )

@@ -298,7 +298,7 @@ def test_a_shard_file_and_the_manifest_name_the_schedule(tmp_path: Path) -> None
     saver.wait(10)
     assert reply["lr_schedule"] == STEP_LR.to_wire()
     shard = read_shard(f"{url}/shard-0-of-1.safetensors")
-    assert shard.step == 7 and shard.lr_schedule == STEP_LR
+    assert shard.step == 7 and shard.lr_schedule == STEP_LR.to_wire()
     assert shard.param_groups[0]["lr"] == pytest.approx(0.5 * 0.1 * 0.1)  # the lr at step 7
     manifest = Manifest(
         global_step=7,
