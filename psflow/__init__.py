@@ -16,7 +16,7 @@ A training script, in full (``psflow launch --ps 1 --workers 2 train.py`` runs i
                 opt.step()
 
 The public API, by layer: cluster (:class:`ClusterSpec`, :class:`TaskSpec`,
-:class:`TaskContext`, :func:`resolve`), ps (:class:`ParameterServer`), protocol (:class:`OptimizerSpec`),
+:class:`TaskContext`, :func:`resolve`), ps (:class:`ParameterServer`), protocol (:class:`OptimizerSpec`, :class:`ScheduleSpec`),
 worker (:class:`DistributedOptimizer` in async, sync or all-reduce mode, :class:`Towers`), train (:class:`TrainingSession` and its hooks,
 checkpoints), transport (:class:`TransportConfig`, errors). Data (TFRecord, Example, Spark) is
 in :mod:`psflow.data`, deployment templates in :mod:`psflow.deploy`.
@@ -40,6 +40,7 @@ _EXPORTS = {
     "TaskSpec": "psflow.cluster",
     "resolve": "psflow.cluster",
     "OptimizerSpec": "psflow.protocol",
+    "ScheduleSpec": "psflow.protocol",
     "ParameterServer": "psflow.ps",
     "Hook": "psflow.train",
     "LoggingHook": "psflow.train",
@@ -91,6 +92,7 @@ __all__ = [
     "ParameterServer",
     "PeerError",
     "PeerTimeoutError",
+    "ScheduleSpec",
     "SessionConfig",
     "StopAtStepHook",
     "SyncTimeoutError",
@@ -108,7 +110,7 @@ __all__ = [
 if TYPE_CHECKING:
     from psflow.cluster import ClusterSpec, TaskContext, TaskSpec
     from psflow.cluster.resolve import resolve
-    from psflow.protocol import OptimizerSpec
+    from psflow.protocol import OptimizerSpec, ScheduleSpec
     from psflow.ps import ParameterServer
     from psflow.train import (
         Hook,

@@ -5,10 +5,21 @@ them), and it imports nothing of psflow: it sits under every other layer.
 
 - ``messages.py``: :class:`Op` (every request and reply), :class:`Code` (every kind of
   refusal), :class:`Key` (every header key), :class:`SaveState`, :data:`PROTOCOL_VERSION`.
-- ``specs.py``: :class:`OptimizerSpec`, a ``torch.optim`` optimizer named with its arguments.
+- ``specs.py``: :class:`OptimizerSpec`, a ``torch.optim`` optimizer named with its arguments;
+  :class:`ScheduleSpec`, a ``torch.optim.lr_scheduler`` schedule named with its arguments, and
+  :class:`StepSchedule`, the scheduler it builds, driven by the global step.
 """
 
 from psflow.protocol.messages import PROTOCOL_VERSION, Code, Key, Op, SaveState
-from psflow.protocol.specs import OptimizerSpec
+from psflow.protocol.specs import OptimizerSpec, ScheduleSpec, StepSchedule
 
-__all__ = ["PROTOCOL_VERSION", "Code", "Key", "Op", "OptimizerSpec", "SaveState"]
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Code",
+    "Key",
+    "Op",
+    "OptimizerSpec",
+    "SaveState",
+    "ScheduleSpec",
+    "StepSchedule",
+]

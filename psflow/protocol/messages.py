@@ -30,10 +30,11 @@ else:  # pragma: no cover - Python 3.10
             return str(self.value).__format__(spec)
 
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Carried in every header (:attr:`Key.VERSION`); a peer speaking another version is refused.
 2: sync requests name their settings in full (``replicas_to_aggregate``, not ``r``), and every
-error reply carries a :class:`Code`."""
+error reply carries a :class:`Code`. 3: an init may carry a learning-rate schedule
+(:attr:`Key.LR_SCHEDULE`), which a ps of version 2 would ignore without a word."""
 
 
 class Op(StrEnum):
@@ -57,7 +58,7 @@ class Op(StrEnum):
     STATUS = "status"
     """The shard's index, whether it is initialised, its step, who has finished."""
     INIT = "init"
-    """The chief's initial (or restored) values, optimizer and step for the shard."""
+    """The chief's initial (or restored) values, optimizer, schedule and step for the shard."""
     PULL = "pull"
     """The current values of the shard's variables (all, or :attr:`Key.NAMES`)."""
     PUSH = "push"
@@ -155,11 +156,15 @@ class Key(StrEnum):
     TASK = "task"
     """The sending task (``worker:1``)."""
     STEP = "step"
-    """A global step: of an init or restore, of a sync gradient; in replies, the shard's."""
+    """A global step: of an init or restore, of a sync gradient, and in an asynchronous push
+    to shards 1..k the one its worker last saw (they follow the schedule by it); in replies,
+    the shard's."""
     NAMES = "names"
     """Variables to pull (default: all)."""
     OPTIMIZER = "optimizer"
     """An :class:`~psflow.protocol.specs.OptimizerSpec` as data."""
+    LR_SCHEDULE = "lr_schedule"
+    """A :class:`~psflow.protocol.specs.ScheduleSpec` as data (an init; a save's reply)."""
     OPT_STATE = "opt_state"
     """Restored optimizer state that is not a tensor, per variable."""
     REPLACE = "replace"
@@ -180,6 +185,8 @@ class Key(StrEnum):
     # -- replies from a ps -------------------------------------------------------------------
     SHARD = "shard"
     """The shard's index."""
+    LEARNING_RATE = "lr"
+    """From a shard with a schedule: the learning rate it applies at the reply's step."""
     INITIALIZED = "initialized"
     """Whether the shard holds variables."""
     ALREADY = "already"

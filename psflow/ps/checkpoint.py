@@ -7,7 +7,9 @@ manifest):
 - ``<var>/opt/<key>``: each tensor of the optimizer state of that variable (``exp_avg``,
   ``momentum_buffer``, Adam's ``step``);
 - metadata (string to string, JSON values): the shard index and count, the shard's step, the
-  optimizer spec, the optimizer's non-tensor state per variable and its ``param_groups``.
+  optimizer spec, the optimizer's non-tensor state per variable and its ``param_groups`` (the
+  learning rate at that step among them), and the learning-rate schedule's spec when there is
+  one. A schedule is a function of the global step: the step is all the state it has.
 
 Saving happens in two parts, so that serving pauses only for an in-memory copy: the serving
 thread takes a :class:`ShardSnapshot` between two requests, and a background thread writes it
@@ -176,6 +178,7 @@ def snapshot(store: ShardStore, *, shard: int, num_shards: int) -> ShardSnapshot
     """Copies the shard's variables and optimizer state (the only part that pauses serving)."""
     assert store.optimizer is not None and store.optimizer_spec is not None
     start = time.perf_counter()
+    store.learning_rate()  # with a schedule: the learning rate saved is the step's
     opt_tensors, plain, groups = flatten_optimizer_state(store.optimizer, list(store.variables))
     tensors = {n: t.detach().clone() for n, t in store.variables.items()}
     tensors.update({n: t.detach().clone() for n, t in opt_tensors.items()})
@@ -188,6 +191,8 @@ def snapshot(store: ShardStore, *, shard: int, num_shards: int) -> ShardSnapshot
         "psflow.opt_state": json.dumps(plain),
         "psflow.param_groups": json.dumps(groups),
     }
+    if store.schedule is not None:
+        metadata["psflow.lr_schedule"] = json.dumps(store.schedule.spec.to_wire())
     return ShardSnapshot(
         shard=shard,
         num_shards=num_shards,
@@ -209,6 +214,10 @@ class ShardFile:
     optimizer: OptimizerSpec
     opt_state: dict[str, dict[str, Any]] = field(default_factory=dict)
     param_groups: list[dict[str, Any]] = field(default_factory=list)
+    lr_schedule: dict[str, Any] | None = None
+    """The schedule the shard followed, as data (``ScheduleSpec.from_wire`` reads it; its
+    learning rate at :attr:`step` is in :attr:`param_groups`). Kept as data: a schedule this
+    torch no longer has does not make the file unreadable."""
 
     def variables(self) -> dict[str, torch.Tensor]:
         return {n: t for n, t in self.tensors.items() if split_opt_key(n) is None}
@@ -245,6 +254,7 @@ def read_shard(url: str) -> ShardFile:
             optimizer=OptimizerSpec.from_wire(json.loads(meta["psflow.optimizer"])),
             opt_state=json.loads(meta.get("psflow.opt_state", "{}")),
             param_groups=json.loads(meta.get("psflow.param_groups", "[]")),
+            lr_schedule=json.loads(meta.get("psflow.lr_schedule", "null")),
         )
     except (KeyError, ValueError, json.JSONDecodeError) as e:
         raise ValueError(f"{url} is not a readable psflow shard file: {e}") from None
@@ -305,11 +315,13 @@ class ShardCheckpointer:
             file_url,
         )
         spec = self.store.optimizer_spec
+        schedule = self.store.schedule
         return {
             Key.SAVING: file_url,
             Key.SNAPSHOT_STEP: snap.step,
             Key.SNAPSHOT_SECONDS: snap.seconds,
             Key.OPTIMIZER: spec.to_wire() if spec else {},
+            Key.LR_SCHEDULE: schedule.spec.to_wire() if schedule else None,
             Key.VARIABLES: {
                 n: [wire.dtype_name(t.dtype), list(t.shape)]
                 for n, t in self.store.variables.items()

@@ -4,8 +4,10 @@ Requests (:class:`~psflow.protocol.Op`, the ``op`` of the header), each served b
 :class:`~psflow.ps.service.Service` registered for it:
 
 - ``hello``/``status``: shard index, whether initialised, the step, who has finished.
-- ``init``: the chief's initial values and optimizer for this shard (ignored when already set,
-  unless the chief asks to ``replace`` them: a restore after another ps crashed).
+- ``init``: the chief's initial values, optimizer and learning-rate schedule for this shard
+  (ignored when already set, unless the chief asks to ``replace`` them: a restore after
+  another ps crashed). With a schedule, every reply carries the learning rate (``lr``) the
+  shard applies at the reply's step.
 - ``pull``: the current values (all, or the names listed in ``names``).
 - ``push``: gradients, applied with the shard's optimizer; replies with the new step.
 - ``push_pull``: ``push`` then ``pull`` in one round trip.
@@ -36,7 +38,7 @@ import torch
 from psflow import allocator
 from psflow import env as envvars
 from psflow.cluster.spec import TaskContext, TaskSpec
-from psflow.protocol import Code, Key, Op, OptimizerSpec
+from psflow.protocol import Code, Key, Op, OptimizerSpec, ScheduleSpec
 from psflow.ps.checkpoint import CheckpointService, load_optimizer_state, split_init_tensors
 from psflow.ps.service import Handler, NotInitializedError, RequestError, Service
 from psflow.ps.store import ShardStore
@@ -55,7 +57,7 @@ TERM_IDLE_SECONDS = 1.0
 
 # Bound once: reading an enum member off its class costs more than the dict lookup it serves,
 # and push/push_pull run thousands of times a second.
-_OP, _STEP, _OK = Key.OP, Key.STEP, Op.OK
+_OP, _STEP, _OK, _LR = Key.OP, Key.STEP, Op.OK, Key.LEARNING_RATE
 
 
 class ParameterServer:
@@ -336,6 +338,8 @@ class ParameterServer:
         assert self._server is not None
         header.setdefault(_OP, _OK)
         header.setdefault(_STEP, self.store.step)
+        if self.store.schedule is not None:
+            header.setdefault(_LR, self.store.learning_rate())
         self._server.reply(request, header, tensors)
 
     def refuse(self, request: Request, message: str, code: Code) -> None:
@@ -387,24 +391,28 @@ class ParameterServer:
             for service in self._services:
                 service.on_restored(f"{self.name} was restored from a checkpoint by {chief}")
         spec = OptimizerSpec.from_wire(request.header.get(Key.OPTIMIZER))
+        wired = request.header.get(Key.LR_SCHEDULE)
+        schedule = None if wired is None else ScheduleSpec.from_wire(wired)
         step = request.header.get(Key.STEP, 0)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"bad initial step {step!r}")
         tensors, opt_tensors, opt_plain = split_init_tensors(request.header, tensors)
-        self.store.initialize(tensors, spec, step=step)
+        self.store.initialize(tensors, spec, step=step, schedule=schedule)
         if opt_tensors or opt_plain:
             try:
                 load_optimizer_state(self.store, opt_tensors, opt_plain)
             except (ValueError, KeyError, RuntimeError) as e:
                 self.store.optimizer = None  # not initialised: the chief may try again
+                self.store.schedule = None
                 raise ValueError(f"cannot restore the optimizer state: {e}") from None
         log.info(
-            "%s initialised by %s: %d variables, %.1f MB, optimizer %s",
+            "%s initialised by %s: %d variables, %.1f MB, optimizer %s%s",
             self.name,
             self.sender(request),
             len(tensors),
             self.store.nbytes() / 1e6,
             spec.name,
+            "" if schedule is None else f", lr_schedule {schedule.describe()} at step {step}",
         )
         self.reply(request, {Key.INITIALIZED: True, Key.ALREADY: False})
 
@@ -434,7 +442,10 @@ class ParameterServer:
         # Applied before the reply: gradients in a shared-memory lane need no copy.
         grads = self.tensors(request, into=self.store.grad_buffers, transient=True)
         self.flush()
-        return self.store.apply(grads)  # validates first: a bad push changes nothing
+        if self.store.schedule is None or self.shard == 0:
+            return self.store.apply(grads)  # validates first: a bad push changes nothing
+        # Shard 0 keeps the global step; the others learn it (their schedule's) from pushes.
+        return self.store.apply(grads, global_step=request.header.get(_STEP))
 
     def _done(self, request: Request) -> None:
         task = request.header.get(Key.TASK)

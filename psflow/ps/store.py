@@ -1,4 +1,4 @@
-"""One ps shard's variables and the optimizer that updates them."""
+"""One ps shard's variables, the optimizer that updates them, and its learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from psflow.protocol import OptimizerSpec
+from psflow.protocol import OptimizerSpec, ScheduleSpec, StepSchedule
 from psflow.transport.wire import TensorSet, dtype_name
 
 
@@ -34,13 +34,28 @@ class GradBuffers(Mapping[str, torch.Tensor]):
         return len(self._like)
 
 
+MAX_SCHEDULE_CATCH_UP = 1 << 16
+"""Steps of the schedule one push may move a shard by (a worker's word on the global step);
+a shard that lags more catches up over several pushes, and no request can stall the ps."""
+
+
 class ShardStore:
-    """The variables of one shard, their optimizer, and the count of updates applied."""
+    """The variables of one shard, their optimizer, and the count of updates applied.
+
+    With a learning-rate schedule, each update uses the schedule's learning rate at the
+    global step it belongs to: the shard's own step on shard 0 (the global step) and in
+    synchronous training (every shard applies step ``t`` at ``t``); on the other shards in
+    asynchronous training, the highest of their own step and the global steps their workers'
+    pushes carry (:meth:`apply`), so that a shard that some pushes pass by still follows the
+    job's step.
+    """
 
     def __init__(self) -> None:
         self.variables: dict[str, torch.Tensor] = {}
         self.optimizer: torch.optim.Optimizer | None = None
         self.optimizer_spec: OptimizerSpec | None = None
+        self.schedule: StepSchedule | None = None
+        """The learning-rate schedule driving the optimizer, if any."""
         self.step = 0
         """Updates applied (on shard 0: the job's global step)."""
         self.grad_buffers = GradBuffers(self.variables)
@@ -56,6 +71,7 @@ class ShardStore:
         self.variables = {}
         self.optimizer = None
         self.optimizer_spec = None
+        self.schedule = None
         self.grad_buffers = GradBuffers(self.variables)
         self._wire = None
         self._step = lambda: None
@@ -67,7 +83,10 @@ class ShardStore:
         spec: OptimizerSpec,
         *,
         step: int = 0,
+        schedule: ScheduleSpec | None = None,
     ) -> None:
+        """Takes the variables, builds the optimizer (and the schedule, at ``step``: a
+        restore goes on with the learning rate of the restored step)."""
         if self.initialized:
             raise ValueError("shard is already initialised")
         names = [n for n, _ in tensors]
@@ -81,7 +100,11 @@ class ShardStore:
         self._wire = None
         # Gradients in several frames are assembled into these: no allocation per push.
         self.grad_buffers = GradBuffers(self.variables)
-        self.optimizer = spec.build(list(self.variables.values()))
+        optimizer = spec.build(list(self.variables.values()))
+        self.schedule = schedule.build(optimizer) if schedule is not None else None
+        if self.schedule is not None:
+            self.schedule.advance(step)
+        self.optimizer = optimizer
         # torch.optim wraps step() in a profiler range and hook calls that cost more than the
         # update itself for small models; the ps registers no hooks, so it calls step directly.
         raw_step = getattr(type(self.optimizer).step, "__wrapped__", None)
@@ -117,10 +140,17 @@ class ShardStore:
                 raise ValueError("a variable appears twice in one push")
             names.add(name)
 
-    def apply(self, grads: Sequence[tuple[str, torch.Tensor]]) -> int:
-        """Applies one gradient for (some of) the variables and returns the new step count."""
+    def apply(self, grads: Sequence[tuple[str, torch.Tensor]], *, global_step: Any = None) -> int:
+        """Applies one gradient for (some of) the variables and returns the new step count.
+
+        ``global_step``: with a schedule, the global step the pushing worker last saw (a
+        shard other than 0 in asynchronous training has no other way to know it).
+        """
         assert self.optimizer is not None
         self.check(grads)
+        schedule = self.schedule
+        if schedule is not None:
+            schedule.advance(self._schedule_step(schedule, global_step))
         lr = self._plain_sgd_lr()
         if lr is not None:
             # What torch.optim.SGD does for these settings (p -= lr * g, the same kernel),
@@ -141,6 +171,23 @@ class ShardStore:
                 self.variables[name].grad = None
         self.step += 1
         return self.step
+
+    def _schedule_step(self, schedule: StepSchedule, global_step: Any) -> int:
+        if global_step is None:
+            return self.step
+        if isinstance(global_step, bool) or not isinstance(global_step, int):
+            raise ValueError(f"'step' must be a global step (an integer), got {global_step!r}")
+        if global_step <= self.step:
+            return self.step
+        return min(global_step, max(schedule.step, self.step) + MAX_SCHEDULE_CATCH_UP)
+
+    def learning_rate(self) -> float | None:
+        """The learning rate at the shard's step, with a schedule (``None`` without)."""
+        schedule = self.schedule
+        if schedule is None:
+            return None
+        schedule.advance(self.step)
+        return schedule.lr
 
     def _plain_sgd_lr(self) -> float | None:
         """The learning rate when the optimizer is plain SGD (no momentum, no weight decay,

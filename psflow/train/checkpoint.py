@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import save as st_save
 
-from psflow.protocol import Key, OptimizerSpec, SaveState
+from psflow.protocol import Key, OptimizerSpec, SaveState, ScheduleSpec
 from psflow.ps.checkpoint import OPT_SEP, ShardFile, atomic_write, read_shard, url_to_fs
 from psflow.train.manifest import CheckpointDir, Manifest, VariableEntry
 from psflow.transport.wire import dtype_name
@@ -51,6 +51,16 @@ class Checkpoint:
     @property
     def optimizer(self) -> OptimizerSpec:
         return OptimizerSpec.from_wire(self.manifest.optimizer)
+
+    @property
+    def lr_schedule(self) -> ScheduleSpec | None:
+        """The learning-rate schedule the job trained with (``None``: none).
+
+        Raises:
+            ValueError: when this torch cannot run it (``manifest.lr_schedule`` is the data).
+        """
+        wired = self.manifest.lr_schedule
+        return None if wired is None else ScheduleSpec.from_wire(wired)
 
     def check_model(self, params: dict[str, torch.Tensor]) -> None:
         """Raises ``ValueError`` naming the first parameter that differs from the checkpoint."""
@@ -316,6 +326,7 @@ class Checkpointer:
             global_step=int(replies[0][Key.SNAPSHOT_STEP]),
             num_shards=n,
             optimizer=dict(replies[0].get(Key.OPTIMIZER) or {}),
+            lr_schedule=replies[0].get(Key.LR_SCHEDULE),
             variables=variables,
             params=self.param_meta,
             shard_steps=[int(replies[s][Key.SNAPSHOT_STEP]) for s in range(n)],

@@ -61,6 +61,9 @@ class Manifest:
     params: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Every model parameter: ``{"shape": [...], "dtype": "float32"}``."""
     shard_steps: list[int] = field(default_factory=list)
+    lr_schedule: dict[str, Any] | None = None
+    """The learning-rate schedule as data (``{"name": "StepLR", "kwargs": {...}}``), or
+    ``None``; a function of ``global_step``, it needs no other state."""
     psflow_version: str = field(default_factory=psflow_version)
     format: int = FORMAT
     created: float = 0.0

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,7 @@ from torch import nn
 from psflow import env as envvars
 from psflow.cluster.resolve import resolve
 from psflow.cluster.spec import TaskContext
-from psflow.protocol import Key, OptimizerSpec
+from psflow.protocol import Key, OptimizerSpec, ScheduleSpec
 from psflow.train.checkpoint import Checkpointer, load_checkpoint
 from psflow.train.hooks import (
     Hook,
@@ -125,6 +125,9 @@ class TrainingSession:
         ctx: this task (default: from flags or ``TF_CONFIG``).
         optimizer: a ``torch.optim`` class name, applied on the ps (or an
             :class:`~psflow.protocol.OptimizerSpec`).
+        lr_schedule: a ``torch.optim.lr_scheduler`` schedule the ps apply by the global
+            step, as for ``DistributedOptimizer`` (``("StepLR", {"step_size": 1000,
+            "gamma": 0.5})``); it goes on from the restored step after a restore.
         hooks: extra :class:`~psflow.train.hooks.Hook` objects, run on every worker.
         placement, partition_bytes, transport: as for ``DistributedOptimizer``.
         mode, replicas_to_aggregate, total_num_replicas, max_staleness, sync_timeout: the
@@ -151,6 +154,7 @@ class TrainingSession:
         ctx: TaskContext | None = None,
         *,
         optimizer: str | OptimizerSpec = "SGD",
+        lr_schedule: ScheduleSpec | tuple[str, Mapping[str, Any]] | str | None = None,
         hooks: Sequence[Hook] = (),
         placement: str | Placement = "greedy",
         partition_bytes: int | None = Placement.partition_bytes,
@@ -175,6 +179,9 @@ class TrainingSession:
         self.ctx = ctx
         self.transport = transport or TransportConfig.from_env()
         self.spec = OptimizerSpec.of(optimizer, **kwargs)
+        self.lr_schedule = ScheduleSpec.of(lr_schedule)
+        if self.lr_schedule is not None:
+            self.lr_schedule.check(self.spec)
         self.mode_config = ModeConfig.of(
             mode,
             replicas_to_aggregate=replicas_to_aggregate,
@@ -249,12 +256,10 @@ class TrainingSession:
                 LoggingHook(every_n_steps=cfg.log_step_count_steps, last_step=cfg.last_step)
             )
         if self.is_chief and cfg.summary_dir is not None and cfg.save_summaries_steps is not None:
-            lr = self.spec.kwargs.get("lr")
             self._summary = SummaryHook(
                 cfg.summary_dir,
                 every_n_steps=cfg.save_summaries_steps,
                 histogram_steps=cfg.histogram_steps,
-                learning_rate=float(lr) if isinstance(lr, int | float) else None,
             )
             hooks.append(self._summary)
         return hooks
@@ -264,6 +269,7 @@ class TrainingSession:
             self.model,
             self.ctx,
             optimizer=self.spec,
+            lr_schedule=self.lr_schedule,
             placement=self.pieces,
             mode=self.mode_config,
             config=self.transport,
@@ -307,8 +313,17 @@ class TrainingSession:
             )
             values = {s: [(n, t) for n, t in ts if "/opt/" not in n] for s, ts in values.items()}
             plain = {}
+        saved_schedule = ckpt.manifest.lr_schedule
+        if saved_schedule != (self.lr_schedule.to_wire() if self.lr_schedule else None):
+            log.info(
+                "%s was saved with lr_schedule %s; the job's, %s, goes on from its step %d",
+                ckpt.name,
+                saved_schedule,
+                self.lr_schedule.describe() if self.lr_schedule else "none",
+                ckpt.global_step,
+            )
         fresh = self._client.initialize_restored(
-            values, plain, spec, ckpt.global_step, replace=replace
+            values, plain, spec, ckpt.global_step, replace=replace, schedule=self.lr_schedule
         )
         if fresh:
             self.restored_from = ckpt.name

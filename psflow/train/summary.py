@@ -19,6 +19,12 @@ class SummaryHook(Hook):
     """Writes ``loss`` (mean since the last write), ``global_step/sec``, ``learning_rate``
     every ``every_n_steps`` global steps, and a histogram of each parameter every
     ``histogram_steps``.
+
+    ``learning_rate`` at step ``n`` is the one applied to the update made at ``n`` (torch's
+    scheduler stepped ``n`` times): with a schedule, as the ps reported it with step ``n``
+    (:attr:`DistributedOptimizer.learning_rate
+    <psflow.worker.DistributedOptimizer.learning_rate>`); give ``learning_rate`` to write a
+    fixed value instead.
     """
 
     def __init__(
@@ -69,8 +75,11 @@ class SummaryHook(Hook):
             w.add_scalar(
                 "global_step/sec", (step - self._last_step) / max(now - self._last_t, 1e-9), step
             )
-            if self.learning_rate is not None:
-                w.add_scalar("learning_rate", self.learning_rate, step)
+            lr = self.learning_rate
+            if lr is None:
+                lr = ctx.session.opt.learning_rate
+            if lr is not None:
+                w.add_scalar("learning_rate", lr, step)
             self._last_t, self._last_step = now, step
             self._loss_sum, self._loss_n = 0.0, 0
         if self.histogram_steps is not None and step - self._last_hist >= self.histogram_steps:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from psflow.cluster.spec import TaskContext, parse_address
-from psflow.protocol import OptimizerSpec
+from psflow.protocol import OptimizerSpec, ScheduleSpec
 from psflow.transport import TransportConfig
 from psflow.worker.modes import Engine, ModeConfig
 
@@ -53,6 +53,7 @@ class AllReduceEngine(Engine):
         config: ModeConfig,
         *,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        lr_schedule: ScheduleSpec | None = None,
     ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
@@ -98,6 +99,8 @@ class AllReduceEngine(Engine):
                     self._unflatten(flat, params, grads=False)
                     bucket.zero_()
             self.optimizer = spec.build(self.params)
+            # Every rank steps alike: the schedule follows the step here as on a ps.
+            self.schedule = lr_schedule.build(self.optimizer) if lr_schedule else None
         except BaseException:
             self.close()
             raise
@@ -175,11 +178,17 @@ class AllReduceEngine(Engine):
             bucket.div_(self.world_size)
         self.optimizer.step()
         self._global_step += 1
+        if self.schedule is not None:
+            self.schedule.advance(self._global_step)
         return self._global_step
 
     @property
     def global_step(self) -> int:
         return self._global_step
+
+    @property
+    def learning_rate(self) -> float | None:
+        return None if self.schedule is None else self.schedule.lr
 
     def pull(self) -> int:
         return self._global_step  # the parameters are already local and identical everywhere

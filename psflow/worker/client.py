@@ -16,7 +16,7 @@ import torch
 
 from psflow import env as envvars
 from psflow.cluster.spec import TaskContext
-from psflow.protocol import Code, Key, Op, OptimizerSpec
+from psflow.protocol import Code, Key, Op, OptimizerSpec, ScheduleSpec
 from psflow.transport import (
     Client,
     PeerError,
@@ -136,11 +136,21 @@ class ShardedClient:
         """Each shard's state: whether initialised, its step, who has finished."""
         return {s: h for s, (h, _) in self.call(self._headers(Op.STATUS, shards)).items()}
 
-    def initialize(self, values: dict[int, Tensors], spec: OptimizerSpec, step: int = 0) -> bool:
-        """Sends the initial values; returns False when the shards were already initialised."""
+    def initialize(
+        self,
+        values: dict[int, Tensors],
+        spec: OptimizerSpec,
+        step: int = 0,
+        *,
+        schedule: ScheduleSpec | None = None,
+    ) -> bool:
+        """Sends the initial values, the optimizer and the learning-rate schedule; returns
+        False when the shards were already initialised."""
         headers = self._headers(Op.INIT)
         for h in headers.values():
             h.update({Key.OPTIMIZER: spec.to_wire(), Key.STEP: step})
+            if schedule is not None:
+                h[Key.LR_SCHEDULE] = schedule.to_wire()
         replies = self.call(headers, values)
         already = [s for s, (h, _) in replies.items() if h.get(Key.ALREADY)]
         if already and len(already) != self.num_shards:
@@ -155,6 +165,7 @@ class ShardedClient:
         step: int,
         *,
         replace: bool = False,
+        schedule: ScheduleSpec | None = None,
     ) -> bool:
         """Like :meth:`initialize`, with optimizer state from a checkpoint.
 
@@ -172,6 +183,8 @@ class ShardedClient:
                     Key.REPLACE: replace,
                 }
             )
+            if schedule is not None:
+                h[Key.LR_SCHEDULE] = schedule.to_wire()
         replies = self.call(headers, values)
         return not any(h.get(Key.ALREADY) for h, _ in replies.values())
 
@@ -285,11 +298,20 @@ class ShardedClient:
         into: dict[str, torch.Tensor] | None = None,
         lane_views: bool = False,
         layouts: dict[int, wire.Layout] | None = None,
+        global_step: int | None = None,
     ) -> Replies:
-        """Pushes each shard's gradients (always including shard 0) in one round trip each."""
+        """Pushes each shard's gradients (always including shard 0) in one round trip each.
+
+        ``global_step``, the last one this worker saw, goes to the shards other than 0: with
+        a learning-rate schedule, they follow the global step by it.
+        """
         op = Op.PUSH_PULL if pull else Op.PUSH
         headers: dict[int, dict[str, Any]] = {s: {Key.OP: op} for s in grads}
         headers.setdefault(0, {Key.OP: op})
+        if global_step is not None and len(headers) > 1:
+            for s, h in headers.items():
+                if s:
+                    h[Key.STEP] = global_step
         return self.call(headers, grads, into=into, lane_views=lane_views, layouts=layouts)
 
     # -- synchronous steps and bounded staleness --------------------------------------------

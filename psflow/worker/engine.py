@@ -28,6 +28,10 @@ class ExchangeEngine(Engine):
     def pieces(self) -> list[Piece]:
         return self.exchange.pieces
 
+    @property
+    def learning_rate(self) -> float | None:
+        return self.exchange.learning_rate  # as shard 0 reported it
+
     def start(self, spec: OptimizerSpec, *, ready_timeout: float) -> int:
         """The chief initialises the ps (others wait for it), then this worker pulls the
         mode's way. Returns the global step."""

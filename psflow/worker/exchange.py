@@ -17,12 +17,14 @@ import torch
 from torch import nn
 
 from psflow.cluster.spec import TaskContext
-from psflow.protocol import Key, OptimizerSpec
+from psflow.protocol import Key, OptimizerSpec, ScheduleSpec
 from psflow.transport import TransportConfig, wire
 from psflow.worker.client import Replies, ShardedClient, Tensors, group_by_shard
 from psflow.worker.placement import Piece
 
 log = logging.getLogger(__name__)
+
+_LR = Key.LEARNING_RATE
 
 
 class ParameterExchange:
@@ -34,6 +36,7 @@ class ParameterExchange:
         pieces: the placement (:func:`~psflow.worker.placement.place`), the same on every
             worker.
         transport: transport settings.
+        lr_schedule: the learning-rate schedule the chief sends the ps with the optimizer.
 
     Example:
         >>> # ex = ParameterExchange(model, ctx, pieces=place(...), transport=TransportConfig())
@@ -49,8 +52,10 @@ class ParameterExchange:
         *,
         pieces: Sequence[Piece],
         transport: TransportConfig,
+        lr_schedule: ScheduleSpec | None = None,
     ) -> None:
         self.ctx = ctx
+        self.lr_schedule = lr_schedule
         self.params: dict[str, nn.Parameter] = dict(model.named_parameters())
         self.pieces = list(pieces)
         unknown = sorted({p.param for p in self.pieces} - set(self.params))
@@ -59,6 +64,9 @@ class ParameterExchange:
         self.client = ShardedClient(ctx, transport)
         self.global_step = 0
         """Shard 0's step in its last reply."""
+        self.learning_rate: float | None = None
+        """The learning rate shard 0 applies at :attr:`global_step`, as its last reply said
+        (only a ps with a schedule says)."""
         self._by_shard = group_by_shard(self.pieces)
         too_high = sorted(s for s in self._by_shard if s >= self.client.num_shards)
         if too_high:
@@ -102,7 +110,7 @@ class ParameterExchange:
             # The ps tasks may still be starting: wait for them, not just one request's timeout.
             self.client.wait_ready(ready_timeout, initialized=False)
             values = {s: self._values(pieces) for s, pieces in self._by_shard.items()}
-            if self.client.initialize(values, spec):
+            if self.client.initialize(values, spec, schedule=self.lr_schedule):
                 log.info("%s initialised the ps", self.ctx.task)
             else:
                 log.info(
@@ -203,6 +211,9 @@ class ParameterExchange:
                         dst.copy_(value)
             if shard == 0:
                 self.global_step = int(header[Key.STEP])
+                lr = header.get(_LR)
+                if lr is not None:
+                    self.learning_rate = float(lr)
         return self.global_step
 
     def _move_out_of(self, area: np.ndarray[Any, Any]) -> None:
@@ -224,7 +235,12 @@ class ParameterExchange:
         """Pushes ``grads`` (each shard applies them at once) and pulls the values that
         result, one round trip per shard; returns the global step."""
         replies = self.client.push(
-            grads, pull=True, into=self.destinations(), lane_views=True, layouts=layouts
+            grads,
+            pull=True,
+            into=self.destinations(),
+            lane_views=True,
+            layouts=layouts,
+            global_step=self.global_step,
         )
         return self.load(replies)
 

@@ -153,6 +153,12 @@ class Engine(ABC):
         """Where the parameters live on the ps (none without ps)."""
         return []
 
+    @property
+    def learning_rate(self) -> float | None:
+        """The learning rate of the schedule at :attr:`global_step`, as applied (``None``
+        without a schedule)."""
+        return None
+
     @abstractmethod
     def step(self) -> int:
         """Applies this worker's gradients the mode's way; the model then holds the new

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -17,7 +17,7 @@ from psflow import allocator
 from psflow import env as envvars
 from psflow.cluster.resolve import resolve
 from psflow.cluster.spec import TaskContext
-from psflow.protocol import OptimizerSpec
+from psflow.protocol import OptimizerSpec, ScheduleSpec
 from psflow.transport import TransportConfig
 from psflow.worker.engine import AsyncEngine, ExchangeEngine
 from psflow.worker.exchange import ParameterExchange
@@ -40,6 +40,10 @@ class DistributedOptimizer:
         ctx: this task's cluster and identity (default: from flags or ``TF_CONFIG``).
         optimizer: a ``torch.optim`` class name, applied on the ps, with its arguments as
             keywords (``lr=0.01``); or an :class:`~psflow.protocol.OptimizerSpec`.
+        lr_schedule: a ``torch.optim.lr_scheduler`` schedule the ps apply by the global
+            step: ``("StepLR", {"step_size": 1000, "gamma": 0.5})`` or a
+            :class:`~psflow.protocol.ScheduleSpec` (see docs/training.md). Default: the
+            optimizer's learning rate throughout.
         placement: ``"greedy"`` (by bytes) or ``"round_robin"``, or a
             :class:`~psflow.worker.placement.Placement`, or the pieces one placed.
         partition_bytes: a parameter larger than this is split across the shards along dim 0
@@ -74,6 +78,7 @@ class DistributedOptimizer:
         ctx: TaskContext | None = None,
         *,
         optimizer: str | OptimizerSpec = "SGD",
+        lr_schedule: ScheduleSpec | tuple[str, Mapping[str, Any]] | str | None = None,
         placement: str | Placement | Sequence[Piece] = "greedy",
         partition_bytes: int | None = Placement.partition_bytes,
         config: TransportConfig | None = None,
@@ -95,6 +100,9 @@ class DistributedOptimizer:
         self.model = model
         self.ctx = ctx
         self.spec = OptimizerSpec.of(optimizer, **optimizer_kwargs)
+        self.lr_schedule = ScheduleSpec.of(lr_schedule)
+        if self.lr_schedule is not None:
+            self.lr_schedule.check(self.spec)  # here, rather than refused by every ps
         self.mode_config = ModeConfig.of(
             mode,
             replicas_to_aggregate=replicas_to_aggregate,
@@ -107,7 +115,14 @@ class DistributedOptimizer:
         elif partition_bytes != Placement.partition_bytes:
             raise ValueError("partition_bytes applies to a placement strategy, not to pieces")
         self.engine = _engine(
-            model, ctx, self.spec, self.mode_config, placement, config, ready_timeout
+            model,
+            ctx,
+            self.spec,
+            self.lr_schedule,
+            self.mode_config,
+            placement,
+            config,
+            ready_timeout,
         )
         self._closed = False
         self._frozen = allocator.freeze_gc()  # what is alive now lives as long as the training
@@ -130,6 +145,13 @@ class DistributedOptimizer:
     def global_step(self) -> int:
         """The global step after the last :meth:`step` or :meth:`pull`."""
         return self.engine.global_step
+
+    @property
+    def learning_rate(self) -> float | None:
+        """The learning rate at :attr:`global_step`: with a schedule, the one the ps reported
+        (or, in all-reduce mode, applied here); else the optimizer's."""
+        lr = self.engine.learning_rate
+        return self.spec.lr if lr is None else lr
 
     def pull(self) -> int:
         """Overwrites the model's parameters with the ps values; returns the global step."""
@@ -179,6 +201,7 @@ def _engine(
     model: nn.Module,
     ctx: TaskContext,
     spec: OptimizerSpec,
+    lr_schedule: ScheduleSpec | None,
     mode: ModeConfig,
     placement: Placement | Sequence[Piece],
     transport: TransportConfig | None,
@@ -188,7 +211,7 @@ def _engine(
     if mode.mode == "allreduce":
         from psflow.worker.allreduce import AllReduceEngine  # torch.distributed: lazily
 
-        return AllReduceEngine(model, ctx, spec, mode)
+        return AllReduceEngine(model, ctx, spec, mode, lr_schedule=lr_schedule)
     exchange = ParameterExchange(
         model,
         ctx,
@@ -198,6 +221,7 @@ def _engine(
             else placement
         ),
         transport=transport or TransportConfig.from_env(),
+        lr_schedule=lr_schedule,
     )
     try:
         engine: ExchangeEngine
