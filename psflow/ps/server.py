@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -61,6 +62,11 @@ class ParameterServer:
         >>> # if ctx.job == "ps":
         >>> #     psflow.ParameterServer(ctx).join()   # returns when the workers are done
     """
+
+    sigterm_drain: float = 20.0
+    """Seconds a ps given SIGTERM in :meth:`join` goes on serving until every worker has
+    finished (the chief's final checkpoint goes through it), before it stops anyway: within
+    Kubernetes' default grace period of 30 s."""
 
     def __init__(
         self,
@@ -172,7 +178,7 @@ class ParameterServer:
         """
         self.start()
         assert self._thread is not None
-        self._thread.join(timeout)
+        self._wait_serving(timeout)
         if self._thread.is_alive():
             raise TimeoutError(f"{self.name} still serving after {timeout} s")
         # Background work (a shard file still being written), within one timeout for all.
@@ -181,6 +187,48 @@ class ParameterServer:
             service.wait(max(0.0, deadline - time.monotonic()))
         if self.error is not None:
             raise RuntimeError(f"{self.name} stopped: {self.error}") from self.error
+
+    def _wait_serving(self, timeout: float | None) -> None:
+        """Waits for the serving thread. In the main thread SIGTERM (what Kubernetes sends,
+        and ``psflow launch`` on Ctrl-C) ends serving cleanly: the ps goes on until every
+        worker has said ``done``, at most :attr:`sigterm_drain` seconds, then stops as
+        :meth:`stop` does (waiting requests get an error reply, the socket closes) and
+        :meth:`join` returns."""
+        assert self._thread is not None
+        if threading.current_thread() is not threading.main_thread():
+            self._thread.join(timeout)
+            return
+        got: list[float] = []  # when SIGTERM came
+
+        def on_sigterm(signum: int, frame: object) -> None:
+            got.append(time.monotonic())
+
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        try:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            said = False
+            while self._thread.is_alive():
+                now = time.monotonic()
+                if got and not said:
+                    said = True
+                    missing = ", ".join(sorted(self.trainers - self.finished))
+                    log.warning(
+                        "%s: SIGTERM: serving until %s finish, at most %g s",
+                        self.name,
+                        missing,
+                        self.sigterm_drain,
+                    )
+                if got and now - got[0] >= self.sigterm_drain:
+                    log.warning("%s: stopping %g s after SIGTERM", self.name, self.sigterm_drain)
+                    self.stop()
+                if deadline is not None and now >= deadline:
+                    return
+                # In slices: a signal delivered to another thread runs its handler here only
+                # once this thread wakes.
+                left = 0.2 if deadline is None else min(0.2, deadline - now)
+                self._thread.join(left)
+        finally:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stops serving and closes the socket."""
