@@ -25,7 +25,7 @@ from torch import nn
 from psflow import env as envvars
 from psflow.cluster.resolve import resolve
 from psflow.cluster.spec import TaskContext
-from psflow.protocol import Key, OptimizerSpec
+from psflow.protocol import Code, Key, OptimizerSpec
 from psflow.ps.checkpoint import decode_shard
 from psflow.train.checkpoint import Checkpoint, Checkpointer, ShardSaver, load_checkpoint
 from psflow.train.hooks import (
@@ -459,7 +459,7 @@ class TrainingSession:
         try:
             step = self.opt.step()
         except PeerError as e:
-            step = self._recover(e)
+            step = self._ended_by_sigterm(e) if self._terminated else self._recover(e)
         self.global_step = ctx.global_step = step
         for hook in self.hooks:
             hook.after_step(ctx)
@@ -509,6 +509,15 @@ class TrainingSession:
         self.opt = self._optimizer(timeout)
         log.warning("%s: training goes on at global step %d", self.ctx.task, self.opt.global_step)
         return self.opt.global_step
+
+    def _ended_by_sigterm(self, error: PeerError) -> int:
+        """After SIGTERM: a synchronous step that can no longer complete (the other workers,
+        signalled too, finished first) ends the loop like the signal; the ps keep the last
+        complete step, which the final checkpoint saves. Any other error stands."""
+        if error.code != Code.STOPPING:
+            return self._recover(error)
+        log.warning("%s: %s; this step is dropped", self.ctx.task, error)
+        return self.global_step
 
     def _save_due(self) -> bool:
         cfg = self.config

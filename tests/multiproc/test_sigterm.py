@@ -114,10 +114,14 @@ def assert_final_checkpoint(logdir: Path, chief: Task) -> int:
     return stopped_at
 
 
-def test_sigterm_to_every_task_ends_the_job_with_a_final_checkpoint(tmp_path: Path) -> None:
-    """Kubernetes deleting the job: every pod gets SIGTERM at once."""
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_sigterm_to_every_task_ends_the_job_with_a_final_checkpoint(
+    tmp_path: Path, mode: str
+) -> None:
+    """Kubernetes deleting the job: every pod gets SIGTERM at once. In synchronous mode the
+    worker that stops first leaves the other's step unable to complete: that ends it too."""
     logdir = tmp_path / "run"
-    with job(local_cluster(1, 2), logdir, {}) as tasks:
+    with job(local_cluster(1, 2), logdir, {"PSFLOW_MODE": mode}) as tasks:
         wait_for_a_checkpoint(logdir, tasks)
         terminate(tasks, ["worker:0", "worker:1", "ps:0"])
         assert_exit_0_within_grace(tasks, ["worker:0", "worker:1", "ps:0"])
