@@ -19,11 +19,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
 from psflow.cluster.spec import ClusterSpec, TaskSpec
-from psflow.train import CheckpointDir
+from psflow.train import CheckpointDir, TrainingSession
+from psflow.transport import TransportConfig
 
-from .support import ROOT, local_cluster
+from .support import ROOT, local_cluster, start_ps, stop, worker_ctx
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(150)]
 
@@ -161,3 +163,43 @@ def test_sigterm_in_allreduce_mode_stops_every_rank_after_the_same_step(
         assert m and int(m.group(1)) == stopped_at  # the same step on both ranks
         final = CheckpointDir(str(logdir)).latest()
         assert final == f"ckpt-{stopped_at}"
+
+
+def test_a_session_in_this_process_stops_on_sigterm_and_gives_the_handler_back(
+    tmp_path: Path,
+) -> None:
+    cluster = local_cluster(1, 1)
+    ps = start_ps(cluster)
+    before = signal.getsignal(signal.SIGTERM)
+    calls: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    mine = signal.getsignal(signal.SIGTERM)
+    try:
+        model = torch.nn.Linear(2, 1)
+        with TrainingSession(
+            model,
+            worker_ctx(cluster),
+            lr=0.1,
+            checkpoint_dir=str(tmp_path / "ckpt"),
+            save_checkpoint_steps=10**6,
+            log_step_count_steps=None,
+            save_summaries_steps=None,
+            transport=TransportConfig(timeout=20),
+        ) as sess:
+            assert signal.getsignal(signal.SIGTERM) is not mine  # the session's own
+            steps = 0
+            while not sess.should_stop():
+                sess.zero_grad()
+                model(torch.ones(1, 2)).pow(2).sum().backward()
+                sess.step()
+                steps += 1
+                if steps == 3:
+                    os.kill(os.getpid(), signal.SIGTERM)
+        assert steps == 3 and sess.global_step == 3
+        assert signal.getsignal(signal.SIGTERM) is mine and not calls
+        assert CheckpointDir(str(tmp_path / "ckpt")).latest() == "ckpt-3"  # the final one
+        code, err = stop(ps)
+        assert code == 0, err[-3000:]
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        stop(ps, timeout=1)
