@@ -1,6 +1,7 @@
 """The classic distributed TensorFlow example: learn y = 2x + 0.3 on parameter servers.
 
     psflow launch --ps 1 --workers 2 examples/linear_regression.py --logdir runs/linreg
+    psflow launch --workers 2 --mode allreduce examples/linear_regression.py --logdir runs/ar
 
 Every task runs this same script and learns its role from TF_CONFIG (set by the launcher) or
 the classic flags (--ps_hosts --worker_hosts --job_name --task_index). The ps tasks hold W and
@@ -8,7 +9,9 @@ b and apply SGD; each worker draws one example per step, pushes its gradient and
 values. The chief restores the latest checkpoint under --logdir (or initialises), saves
 checkpoints and TensorBoard summaries there (``tensorboard --logdir runs/linreg``), and prints
 the result, `W=... b=...`, once the global step reaches --train_steps. Run the same command
-again after killing it (or after it finished) and it resumes from the last checkpoint.
+again after killing it (or after it finished) and it resumes from the last checkpoint; SIGTERM
+stops it cleanly with a final checkpoint. With `--mode allreduce` there is no ps: the workers
+average their gradients with torch.distributed and the chief saves its own copy.
 """
 
 from __future__ import annotations

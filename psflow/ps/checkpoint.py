@@ -242,7 +242,16 @@ def read_shard(url: str) -> ShardFile:
         ValueError: naming the file when it is not a psflow shard.
     """
     fs, path = url_to_fs(url)
-    data = fs.cat_file(path)
+    return decode_shard(fs.cat_file(path), url)
+
+
+def decode_shard(data: bytes, source: str) -> ShardFile:
+    """A shard file's bytes (from a file, or broadcast from the chief) decoded; ``source``
+    names them in errors.
+
+    Raises:
+        ValueError: naming ``source`` when the bytes are not a psflow shard.
+    """
     try:
         tensors = st_load(data)
         meta = _safetensors_metadata(data)
@@ -257,9 +266,9 @@ def read_shard(url: str) -> ShardFile:
             lr_schedule=json.loads(meta.get("psflow.lr_schedule", "null")),
         )
     except (KeyError, ValueError, json.JSONDecodeError) as e:
-        raise ValueError(f"{url} is not a readable psflow shard file: {e}") from None
+        raise ValueError(f"{source} is not a readable psflow shard file: {e}") from None
     except Exception as e:  # safetensors raises its own error types for corrupt files
-        raise ValueError(f"{url} is not a readable psflow shard file: {e}") from None
+        raise ValueError(f"{source} is not a readable psflow shard file: {e}") from None
 
 
 def _safetensors_metadata(data: bytes) -> dict[str, str]:

@@ -50,10 +50,13 @@ log = logging.getLogger(__name__)
 
 _POLL_SECONDS = 0.1
 
-TERM_SECONDS = 30.0
-"""At most this long a ps serves on after SIGTERM (Kubernetes' and ``psflow launch``'s grace)."""
-TERM_IDLE_SECONDS = 1.0
-"""After SIGTERM, a ps stops once no request has come for this long."""
+TERM_SECONDS = 20.0
+"""At most this long a ps serves on after SIGTERM: the chief's final checkpoint goes through it,
+within Kubernetes' default grace period of 30 s (and ``psflow launch``'s)."""
+TERM_IDLE_SECONDS = 5.0
+"""After SIGTERM, a ps stops once no request has come for this long (its workers are gone, or
+stopped without saying ``done``): longer than a slow step, so a worker still finishing its
+last step finds its ps."""
 
 # Bound once: reading an enum member off its class costs more than the dict lookup it serves,
 # and push/push_pull run thousands of times a second.

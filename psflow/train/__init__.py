@@ -5,6 +5,8 @@
 - ``checkpoint.py``: :class:`Checkpointer` (saving through the ps), :func:`load_checkpoint`,
   :func:`export_state_dict`, :class:`Checkpoint`.
 - ``manifest.py``: :class:`CheckpointDir` (``latest`` pointer, retention), :class:`Manifest`.
+- ``local_shard.py``: :class:`~psflow.train.local_shard.LocalShard`, all-reduce mode's
+  checkpoints (the chief's own model and optimizer saved and restored as one ps shard).
 - ``hooks.py``: :class:`Hook`, :class:`StepContext`, :class:`Session` (what a hook sees of
   its session), :class:`StopAtStepHook`, :class:`NanGuardHook` (:class:`NanLossError`),
   :class:`LoggingHook`.

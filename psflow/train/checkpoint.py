@@ -2,7 +2,8 @@
 
 Saving (:class:`Checkpointer`): the chief asks every ps to snapshot its shard (the pause) and
 goes on training; a background thread waits for every shard file, then publishes the manifest
-and the ``latest`` pointer (:class:`~psflow.train.manifest.CheckpointDir`) and prunes.
+and the ``latest`` pointer (:class:`~psflow.train.manifest.CheckpointDir`) and prunes. In
+all-reduce mode the one "ps" is the chief's own model (:class:`~psflow.train.local_shard.LocalShard`).
 
 Restoring (:func:`load_checkpoint`, :meth:`Checkpoint.place`): the shard files are read back,
 partitions are concatenated into whole parameters (optimizer state tensors of the parameter's
@@ -15,9 +16,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import save as st_save
@@ -26,12 +27,29 @@ from psflow.protocol import Key, OptimizerSpec, SaveState, ScheduleSpec
 from psflow.ps.checkpoint import OPT_SEP, ShardFile, atomic_write, read_shard, url_to_fs
 from psflow.train.manifest import CheckpointDir, Manifest, VariableEntry
 from psflow.transport.wire import dtype_name
-from psflow.worker.client import ShardedClient, Tensors
+from psflow.worker.client import Tensors
 from psflow.worker.placement import Piece
 
 log = logging.getLogger(__name__)
 
 _POLL_SECONDS = 0.02
+
+
+class ShardSaver(Protocol):
+    """What a :class:`Checkpointer` asks of the shards: a
+    :class:`~psflow.worker.ShardedClient` of the ps tasks, or in all-reduce mode the chief's
+    own model (:class:`~psflow.train.local_shard.LocalShard`)."""
+
+    @property
+    def num_shards(self) -> int: ...
+
+    def save(self, url_of: dict[int, str]) -> dict[int, dict[str, Any]]:
+        """Snapshots each shard into its checkpoint directory; the replies, by shard."""
+        ...
+
+    def save_status(self, url_of: dict[int, str]) -> dict[int, dict[str, Any]]: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(kw_only=True)
@@ -177,7 +195,8 @@ class Checkpointer:
 
     Args:
         checkpoint_dir: a local path or fsspec URL that every ps task can also write.
-        client: the chief's connection to the ps (used from the calling thread only).
+        client: the chief's connection to the ps (used from the calling thread only), or in
+            all-reduce mode its own model as one shard.
         pieces: the placement, recorded in each manifest.
         params: the model's parameters (for their shapes and dtypes).
         make_client: a fresh client for the background thread (sockets are per thread).
@@ -189,10 +208,10 @@ class Checkpointer:
         self,
         checkpoint_dir: str,
         *,
-        client: ShardedClient,
+        client: ShardSaver,
         pieces: Sequence[Piece],
         params: dict[str, torch.Tensor],
-        make_client: Any,
+        make_client: Callable[[], ShardSaver],
         max_to_keep: int | None = 5,
         timeout: float = 300.0,
     ) -> None:
@@ -281,7 +300,7 @@ class Checkpointer:
             log.error("checkpoint %s failed: %s", name, e)
             self._error = e
 
-    def _await_shards(self, client: ShardedClient, url: str) -> None:
+    def _await_shards(self, client: ShardSaver, url: str) -> None:
         deadline = time.monotonic() + self.timeout
         pending = set(range(client.num_shards))
         while pending:

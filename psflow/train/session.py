@@ -2,7 +2,8 @@
 
 The chief restores the latest checkpoint or initialises the ps, the other workers wait for a
 ready model, checkpoints are saved on a schedule (and at the end), summaries go to
-TensorBoard, and hooks run around every step.
+TensorBoard, and hooks run around every step. In all-reduce mode the chief saves and restores
+its own copy of the model (:mod:`psflow.train.local_shard`). SIGTERM ends a session cleanly.
 """
 
 from __future__ import annotations
@@ -10,10 +11,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,8 +25,9 @@ from torch import nn
 from psflow import env as envvars
 from psflow.cluster.resolve import resolve
 from psflow.cluster.spec import TaskContext
-from psflow.protocol import Key, OptimizerSpec, ScheduleSpec
-from psflow.train.checkpoint import Checkpointer, load_checkpoint
+from psflow.protocol import Code, Key, OptimizerSpec, ScheduleSpec
+from psflow.ps.checkpoint import decode_shard
+from psflow.train.checkpoint import Checkpoint, Checkpointer, ShardSaver, load_checkpoint
 from psflow.train.hooks import (
     Hook,
     LoggingHook,
@@ -30,11 +35,15 @@ from psflow.train.hooks import (
     StepContext,
     StopAtStepHook,
 )
+from psflow.train.local_shard import LocalShard
 from psflow.train.manifest import CheckpointDir
 from psflow.train.summary import SummaryHook
 from psflow.transport import PeerError, PeerLostError, PeerTimeoutError, TransportConfig
 from psflow.worker import DistributedOptimizer, ModeConfig, Placement, ShardedClient
 from psflow.worker.placement import Piece
+
+if TYPE_CHECKING:
+    from psflow.worker.allreduce import AllReduceEngine
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +87,11 @@ class SessionConfig:
     crashed one restarted by its cluster manager); the chief then restores the latest checkpoint
     into every shard if one came back empty, and training goes on (asynchronous and
     synchronous modes; all-reduce has no ps). ``None``: the error stops the worker."""
+    stop_on_sigterm: bool = True
+    """SIGTERM (what Kubernetes sends a pod 30 s before SIGKILL) stops the session cleanly:
+    the step in progress ends, the loop's :meth:`TrainingSession.should_stop` turns true, and
+    closing saves the chief's final checkpoint and says ``done`` (when the session runs in the
+    main thread; the previous handler comes back at close)."""
 
     def __post_init__(self) -> None:
         for name in ("save_checkpoint_secs", "ready_timeout", "recovery_timeout"):
@@ -189,12 +203,6 @@ class TrainingSession:
             max_staleness=max_staleness,
             sync_timeout=sync_timeout,
         )
-        if self.mode_config.mode == "allreduce" and self.config.checkpoint_dir is not None:
-            raise ValueError(
-                "checkpoints in mode='allreduce' are not supported yet (there is no ps to "
-                f"save): give no checkpoint_dir (got {self.config.checkpoint_dir!r}, from the "
-                "argument or PSFLOW_LOGDIR)"
-            )
         self.global_step = 0
         self.checkpointer: Checkpointer | None = None
         self.restored_from: str | None = None
@@ -202,6 +210,12 @@ class TrainingSession:
         self._last_save_t = time.monotonic()
         self._last_save_step = 0
         self._summary: SummaryHook | None = None
+        self._allreduce: AllReduceEngine | None = None
+        self._local: LocalShard | None = None
+        self._terminated = False
+        """SIGTERM reached this task."""
+        self._previous_sigterm: Any = None
+        self._sigterm_installed = False
         self.hooks = self._builtin_hooks() + list(hooks)
         self.pieces: list[Piece] = []
         """Where the parameters live on the ps (none in all-reduce mode)."""
@@ -219,24 +233,21 @@ class TrainingSession:
                 self._client.wait_ready(ready_timeout, initialized=False)  # ps may be starting
                 self._restore_or_nothing()
             self.opt = self._optimizer(ready_timeout)
+            if self.opt.mode == "allreduce":
+                self._start_allreduce()
         except BaseException:
             if self._client is not None:
                 self._client.close()
+            if self._allreduce is not None:
+                self.opt.close(finished=False)
             raise
         self.global_step = self._last_save_step = self.opt.global_step
         if self.is_chief and self.config.checkpoint_dir is not None:
-            assert self._client is not None
-            self.checkpointer = Checkpointer(
-                self.config.checkpoint_dir,
-                client=self._client,
-                pieces=self.pieces,
-                params=dict(model.named_parameters()),
-                make_client=lambda: ShardedClient(ctx, self.transport),
-                max_to_keep=self.config.max_to_keep,
-                timeout=self.config.save_timeout,
-            )
+            self.checkpointer = self._checkpointer(self.config.checkpoint_dir)
         for hook in self.hooks:
             hook.begin(self)
+        if self.config.stop_on_sigterm:
+            self._stop_on_sigterm()
 
     # -- start ------------------------------------------------------------------------------
 
@@ -276,17 +287,96 @@ class TrainingSession:
             ready_timeout=ready_timeout,
         )
 
+    def _checkpointer(self, checkpoint_dir: str) -> Checkpointer:
+        """The chief's: through the ps, or in all-reduce mode from its own model."""
+        local = self._local
+        shards: ShardSaver
+        if local is not None:
+            shards = local
+            pieces = local.pieces
+        else:
+            assert self._client is not None
+            shards = self._client
+            pieces = self.pieces
+        return Checkpointer(
+            checkpoint_dir,
+            client=shards,
+            pieces=pieces,
+            params=dict(self.model.named_parameters()),
+            make_client=(
+                (lambda: local)
+                if local is not None
+                else lambda: ShardedClient(self.ctx, self.transport)
+            ),
+            max_to_keep=self.config.max_to_keep,
+            timeout=self.config.save_timeout,
+        )
+
     def _restore_or_nothing(self) -> None:
         """The chief: restore the latest checkpoint into the ps (else the optimizer inits)."""
         cfg = self.config
         if cfg.checkpoint_dir is None:
             return
-        d = CheckpointDir(cfg.checkpoint_dir)
-        removed = d.prune(None, incomplete_below=2**62)  # left by a task killed mid-save
-        if removed:
-            log.info("removed incomplete checkpoints %s", ", ".join(removed))
+        self._prune_incomplete(cfg.checkpoint_dir)
         if cfg.restore:
             self._restore(replace=False)
+
+    @staticmethod
+    def _prune_incomplete(checkpoint_dir: str) -> None:
+        removed = CheckpointDir(checkpoint_dir).prune(None, incomplete_below=2**62)
+        if removed:  # left by a task killed mid-save
+            log.info("removed incomplete checkpoints %s", ", ".join(removed))
+
+    def _start_allreduce(self) -> None:
+        """All-reduce mode, on every rank: the chief loads the latest checkpoint into its own
+        model and optimizer, and sends them to every other rank, which loads the same (the
+        engine's start already gave every rank the chief's parameters)."""
+        from psflow.worker.allreduce import AllReduceEngine  # torch.distributed: lazily
+
+        engine = self.opt.engine
+        assert isinstance(engine, AllReduceEngine)
+        self._allreduce = engine
+        self._local = LocalShard(
+            self.model, engine.optimizer, self.spec, lambda: engine.global_step
+        )
+        ckpt = None
+        if self.is_chief and self.config.checkpoint_dir is not None:
+            self._prune_incomplete(self.config.checkpoint_dir)
+            ckpt = load_checkpoint(self.config.checkpoint_dir) if self.config.restore else None
+            if ckpt is not None:
+                self._restore_local(ckpt)
+            else:
+                log.info("no checkpoint in %s: initialising", self.config.checkpoint_dir)
+        mine = None if ckpt is None else self._local.state_bytes(ckpt.global_step)
+        data = engine.broadcast_bytes(mine)  # every rank, with or without a checkpoint
+        if ckpt is not None:
+            engine.start_at(ckpt.global_step)
+        elif data:
+            state = decode_shard(data, f"the state {self.ctx.cluster.chief} restored")
+            self._local.load_shard(state)
+            engine.start_at(state.step)
+
+    def _restore_local(self, ckpt: Checkpoint) -> None:
+        """The chief in all-reduce mode: ``ckpt`` (saved in either mode) into its model."""
+        assert self._local is not None and self.config.checkpoint_dir is not None
+        ckpt.check_model({n: p.detach() for n, p in self.model.named_parameters()})
+        same = ckpt.optimizer.name == self.spec.name
+        if not same:
+            log.warning(
+                "%s was saved with %s, the job uses %s: optimizer state not restored",
+                ckpt.name,
+                ckpt.optimizer.name,
+                self.spec.name,
+            )
+        self._local.load(ckpt, optimizer_state=same)
+        self.restored_from = ckpt.name
+        log.info(
+            "restored %s from %s (global step %d, saved on %d ps); sending it to every rank",
+            self.model.__class__.__name__,
+            CheckpointDir(self.config.checkpoint_dir).url_of(ckpt.name),
+            ckpt.global_step,
+            ckpt.manifest.num_shards,
+        )
 
     def _restore(self, *, replace: bool) -> bool:
         """The chief: loads the latest checkpoint into the ps; False when there is none.
@@ -341,7 +431,23 @@ class TrainingSession:
     # -- the loop ---------------------------------------------------------------------------
 
     def should_stop(self) -> bool:
-        """True once a hook (or :meth:`request_stop`) asked to stop."""
+        """True once a hook (or :meth:`request_stop`, or SIGTERM) asked to stop."""
+        if self._stop:
+            return True
+        if self._allreduce is not None:
+            # Some rank's SIGTERM, which every rank sees after the same step.
+            by_signal = self._allreduce.stop_requested
+        else:
+            by_signal = self._terminated
+        if by_signal:
+            self._stop = True
+            log.warning(
+                "%s: stopping at global step %d on SIGTERM%s%s",
+                self.ctx.task,
+                self.global_step,
+                "" if self._terminated else " (to another rank)",
+                "; saving the final checkpoint" if self.checkpointer is not None else "",
+            )
         return self._stop
 
     def request_stop(self) -> None:
@@ -368,7 +474,7 @@ class TrainingSession:
         try:
             step = self.opt.step()
         except PeerError as e:
-            step = self._recover(e)
+            step = self._ended_by_sigterm(e) if self._terminated else self._recover(e)
         self.global_step = ctx.global_step = step
         for hook in self.hooks:
             hook.after_step(ctx)
@@ -419,6 +525,15 @@ class TrainingSession:
         log.warning("%s: training goes on at global step %d", self.ctx.task, self.opt.global_step)
         return self.opt.global_step
 
+    def _ended_by_sigterm(self, error: PeerError) -> int:
+        """After SIGTERM: a synchronous step that can no longer complete (the other workers,
+        signalled too, finished first) ends the loop like the signal; the ps keep the last
+        complete step, which the final checkpoint saves. Any other error stands."""
+        if error.code != Code.STOPPING:
+            return self._recover(error)
+        log.warning("%s: %s; this step is dropped", self.ctx.task, error)
+        return self.global_step
+
     def _save_due(self) -> bool:
         cfg = self.config
         if (
@@ -467,7 +582,10 @@ class TrainingSession:
                 for hook in self.hooks:
                     hook.end(self)
                 if self.checkpointer is not None:
-                    self._wait_for_workers()
+                    # After SIGTERM the grace period is short, and the others may not be
+                    # stopping at all (one evicted pod): save what the ps hold now.
+                    if self._client is not None and not self._terminated:
+                        self._wait_for_workers()
                     self.opt.pull()
                     self.global_step = self.opt.global_step
                     self.checkpointer.wait()
@@ -475,6 +593,7 @@ class TrainingSession:
             elif self.checkpointer is not None:
                 self.checkpointer.wait(raise_error=False)
         finally:
+            self._restore_sigterm()
             if self._summary is not None:
                 self._summary.close()
             if self._client is not None:
@@ -499,6 +618,36 @@ class TrainingSession:
                 )
                 return
             time.sleep(0.05)
+
+    # -- SIGTERM ----------------------------------------------------------------------------
+
+    def _stop_on_sigterm(self) -> None:
+        """In the main thread, SIGTERM asks the session to stop, as a hook would: the loop ends
+        at :meth:`should_stop` and :meth:`close` saves. In all-reduce mode the request rides
+        with the next step's gradients, so that every rank stops after the same step."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        pid = os.getpid()
+
+        def on_sigterm(signum: int, frame: FrameType | None) -> None:
+            if os.getpid() != pid:  # a forked child (a DataLoader process) dies as it would have
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            # Only flags: should_stop() says so (the main thread may be inside logging now).
+            self._terminated = True
+            if self._allreduce is not None:
+                self._allreduce.request_stop()
+
+        self._previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+        self._sigterm_installed = True
+
+    def _restore_sigterm(self) -> None:
+        if not self._sigterm_installed or threading.current_thread() is not threading.main_thread():
+            return
+        self._sigterm_installed = False
+        previous = self._previous_sigterm  # None: a handler set from C, which cannot come back
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
     def __enter__(self) -> TrainingSession:
         return self

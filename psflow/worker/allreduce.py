@@ -11,6 +11,13 @@ Gradients live in a few flat buckets (``bucket_bytes`` each, like DDP's
 ``gradient_as_bucket_view``): each parameter's ``.grad`` is a view into its bucket, autograd
 accumulates straight into it, and one ``all_reduce`` per bucket moves it without any copy. A
 gradient replaced behind our back (``model.zero_grad()`` sets them to ``None``) is copied in.
+
+The ranks must agree on when to stop, or the ones still training wait in a collective for a
+rank that left. One more element at the end of the last bucket carries each rank's request
+(:meth:`AllReduceEngine.request_stop`, a SIGTERM): the sum travels with the gradients at no
+extra cost, and every rank sees it after the same step (:attr:`AllReduceEngine.stop_requested`).
+State that is not a parameter (a restored optimizer's, the global step) goes from rank 0 to
+the others as bytes (:meth:`AllReduceEngine.broadcast_bytes`) in the caller's format.
 """
 
 from __future__ import annotations
@@ -90,8 +97,13 @@ class AllReduceEngine(Engine):
                 f"{self.world_size} workers"
             )
         self.backend = dist.get_backend()
+        self._stop_asked = False
         try:
             self.buckets = self._make_buckets(bucket_bytes)
+            last = self.buckets[-1][0]
+            # Every rank's stop request, summed by the last bucket's all_reduce.
+            self._stop_flag = last[last.numel() - 1 :]
+            self._stop_seen = torch.zeros_like(self._stop_flag)
             with torch.no_grad():
                 for bucket, params in self.buckets:
                     flat = torch.cat([p.detach().reshape(-1) for p in params])
@@ -127,9 +139,10 @@ class AllReduceEngine(Engine):
             groups[-1].append(p)
             size += nbytes
         out = []
-        for params in groups:
+        for i, params in enumerate(groups):
+            flag = int(i == len(groups) - 1)  # the stop flag's element (see the module's doc)
             bucket = torch.zeros(
-                sum(p.numel() for p in params), dtype=params[0].dtype, device=self.device
+                sum(p.numel() for p in params) + flag, dtype=params[0].dtype, device=self.device
             )
             self._attach(bucket, params)
             out.append((bucket, params))
@@ -169,6 +182,7 @@ class AllReduceEngine(Engine):
 
     def step(self) -> int:
         works = []
+        self._stop_flag.fill_(float(self._stop_asked))
         for bucket, params in self.buckets:
             self._gather(bucket, params)
             works.append(dist.all_reduce(bucket, op=dist.ReduceOp.SUM, async_op=True))
@@ -176,11 +190,50 @@ class AllReduceEngine(Engine):
             assert work is not None
             work.wait()
             bucket.div_(self.world_size)
+        # Kept apart from the bucket, which zero_grad clears; read only when asked (on a GPU
+        # a read waits for the device).
+        self._stop_seen.copy_(self._stop_flag)
         self.optimizer.step()
         self._global_step += 1
         if self.schedule is not None:
             self.schedule.advance(self._global_step)
         return self._global_step
+
+    def request_stop(self) -> None:
+        """Asks every rank to stop: after the next :meth:`step`, :attr:`stop_requested` is
+        true on all of them (this rank included), so that all stop after the same step."""
+        self._stop_asked = True
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether some rank asked to stop (:meth:`request_stop`) before the last step."""
+        return bool(self._stop_seen.item() > 0)
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        """Rank 0's ``data`` on every rank (the others pass ``None``; ``None`` from rank 0 gives
+        ``b""`` everywhere). Every rank must call it, in the same order as the others.
+
+        For state that is not a parameter, such as a restored optimizer's: bytes in a format of
+        the caller's (a safetensors shard file), so that nothing received is ever unpickled.
+        """
+        mine = data if self.rank == 0 and data else b""
+        size = torch.tensor([len(mine)], dtype=torch.int64, device=self.device)
+        dist.broadcast(size, src=0)
+        n = int(size.item())
+        if n == 0:
+            return b""
+        if self.rank == 0:
+            buf = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(self.device)
+        else:
+            buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+        dist.broadcast(buf, src=0)
+        return mine if self.rank == 0 else bytes(buf.cpu().numpy().tobytes())
+
+    def start_at(self, step: int) -> None:
+        """Counts the global step from ``step`` (a restored checkpoint's), on every rank."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        self._global_step = step
 
     @property
     def global_step(self) -> int:

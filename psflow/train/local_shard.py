@@ -1,0 +1,122 @@
+"""All-reduce mode's checkpoints: the chief's own model and optimizer as the one shard.
+
+All-reduce mode has no ps, and every rank holds the whole model, the same on all of them. So
+the chief saves its own copy, in ps mode's format: the ps's own snapshot and writer
+(:class:`~psflow.ps.checkpoint.ShardCheckpointer`) run on a
+:class:`~psflow.ps.store.ShardStore` that views the model's parameters and the engine's
+``torch.optim`` optimizer, and the :class:`~psflow.train.checkpoint.Checkpointer` saves through
+it as through a job of one ps: one shard file of every parameter, then the manifest and the
+``latest`` pointer, on the same schedule, kept to the same ``max_to_keep``, each written
+atomically. :func:`~psflow.train.checkpoint.load_checkpoint` reads it like any other, and a
+checkpoint of either mode restores in the other (the same variables; only the placement
+differs).
+
+Restoring: the chief loads the checkpoint into its model and optimizer, then sends what it
+loaded to the other ranks as the bytes of a shard file (no pickle), which they load the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from psflow.protocol import Key, OptimizerSpec
+from psflow.ps.checkpoint import (
+    ShardCheckpointer,
+    ShardFile,
+    encode_shard,
+    load_optimizer_state,
+    snapshot,
+)
+from psflow.ps.store import ShardStore
+from psflow.train.checkpoint import Checkpoint
+from psflow.worker.placement import Piece
+
+
+class LocalShard:
+    """A model and its optimizer, held whole by this process, as shard 0 of 1.
+
+    It answers what :class:`~psflow.train.checkpoint.Checkpointer` asks of the ps (``save``,
+    ``save_status``), so the chief of an all-reduce job saves with the same code as a ps job.
+
+    Args:
+        model: the module; every parameter is a variable of the checkpoint.
+        optimizer: the ``torch.optim`` optimizer that trains it (``AllReduceEngine.optimizer``).
+        spec: that optimizer as a spec (recorded in the checkpoint).
+        global_step: the global step now, asked at each save.
+    """
+
+    num_shards = 1
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        spec: OptimizerSpec,
+        global_step: Callable[[], int],
+    ) -> None:
+        params = dict(model.named_parameters())
+        name_of = {id(p): n for n, p in params.items()}
+        trained = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        # The optimizer's parameters first, in its order: the ps's code finds a variable's
+        # optimizer state by its position among the variables.
+        order = trained + [n for n in params if n not in set(trained)]
+        self.store = ShardStore()
+        self.store.variables = {n: params[n].detach() for n in order}  # views: no copy
+        self.store.optimizer = optimizer
+        self.store.optimizer_spec = spec
+        self.pieces = [Piece(var=n, param=n, shard=0) for n in params]
+        """The placement: every parameter whole, on shard 0."""
+        self._global_step = global_step
+        self._writer = ShardCheckpointer(self.store, shard=0, num_shards=1)
+
+    # -- what a Checkpointer asks of the ps -------------------------------------------------
+
+    def save(self, url_of: dict[int, str]) -> dict[int, dict[str, Any]]:
+        """Snapshots the model and optimizer now and writes them in the background."""
+        self.store.step = self._global_step()
+        return {0: self._writer.save({Key.DIR: url_of[0]})}
+
+    def save_status(self, url_of: dict[int, str]) -> dict[int, dict[str, Any]]:
+        return {0: self._writer.status({Key.DIR: url_of[0]})}
+
+    def close(self) -> None:
+        """Nothing to close (a ps client would)."""
+
+    # -- restore ----------------------------------------------------------------------------
+
+    def load(self, ckpt: Checkpoint, *, optimizer_state: bool = True) -> None:
+        """Loads a checkpoint of either mode into the model and, with ``optimizer_state``,
+        into the optimizer (whose hyperparameters stay the running script's)."""
+        tensors = ckpt.opt_tensors if optimizer_state else {}
+        plain = ckpt.opt_plain if optimizer_state else {}
+        self._load(ckpt.params, tensors, plain)
+
+    def load_shard(self, shard: ShardFile) -> None:
+        """Loads the state another rank sent (:meth:`state_bytes`)."""
+        self._load(shard.variables(), shard.optimizer_tensors(), shard.opt_state)
+
+    def _load(
+        self,
+        params: dict[str, torch.Tensor],
+        opt_tensors: dict[str, dict[str, torch.Tensor]],
+        opt_plain: dict[str, dict[str, Any]],
+    ) -> None:
+        mine = self.store.variables
+        if set(params) != set(mine):
+            raise ValueError(
+                f"the state holds {sorted(params)}, the model has {sorted(mine)}: not this model"
+            )
+        with torch.no_grad():
+            for name, value in params.items():
+                mine[name].copy_(value)
+        if opt_tensors or opt_plain:
+            load_optimizer_state(self.store, opt_tensors, opt_plain)
+
+    def state_bytes(self, step: int) -> bytes:
+        """The model and optimizer now, at global step ``step``, as a shard file's bytes."""
+        self.store.step = step
+        return encode_shard(snapshot(self.store, shard=0, num_shards=1))
