@@ -5,6 +5,7 @@
 - ``logs.py``: psflow's own log lines in a task, shown without the script configuring logging.
 - ``shmfiles.py``: the names of a task's shared-memory files, and removing a dead task's.
 - ``launcher.py``: :class:`Launcher`: ``psflow launch``, every task as a local process.
+- ``cli.py``: what ``psflow launch`` runs (its flags are in :mod:`psflow.cli`).
 """
 
 from psflow.cluster.resolve import add_cluster_flags, resolve
