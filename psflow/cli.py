@@ -13,10 +13,11 @@ A mistake (a missing file, a bad value, an invalid job file) is one line on stde
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from psflow import __version__
 from psflow import env as envvars
@@ -102,6 +103,16 @@ def _command(
 # -- psflow launch ---------------------------------------------------------------------------
 
 
+def _runs(module: str, name: str) -> Callable[[argparse.Namespace], int]:
+    """The command ``module.name``, imported only when it runs: registering a subcommand must
+    not load torch or ZeroMQ (``psflow --help`` would wait for them)."""
+
+    def run(args: argparse.Namespace) -> int:
+        return int(getattr(importlib.import_module(module), name)(args) or 0)
+
+    return run
+
+
 def _add_launch(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = _command(
         subparsers,
@@ -136,13 +147,7 @@ def _add_launch(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    p.set_defaults(func=_launch)
-
-
-def _launch(args: argparse.Namespace) -> int:
-    from psflow.cluster import cli
-
-    return cli.launch(args)
+    p.set_defaults(func=_runs("psflow.cluster.cli", "launch"))
 
 
 # -- psflow keys -----------------------------------------------------------------------------
@@ -154,13 +159,7 @@ def _add_keys(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
     gen = _command(sub, "generate", help="write a server and a client key pair into DIR")
     gen.add_argument("dir", help="directory to create (give it to tasks as PSFLOW_KEYS_DIR)")
     gen.add_argument("--force", action="store_true", help="replace keys already in DIR")
-    gen.set_defaults(func=_keys_generate)
-
-
-def _keys_generate(args: argparse.Namespace) -> int:
-    from psflow.transport import cli
-
-    return cli.generate(args)
+    gen.set_defaults(func=_runs("psflow.transport.cli", "generate"))
 
 
 # -- psflow checkpoint -----------------------------------------------------------------------
@@ -173,24 +172,12 @@ def _add_checkpoint(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     inspect.add_argument("dir", help="checkpoint directory (path or fsspec URL)")
     inspect.add_argument("--name", help="a ckpt-<step> (default: the latest)")
     inspect.add_argument("--json", action="store_true", help="print the manifest as JSON")
-    inspect.set_defaults(func=_checkpoint_inspect)
+    inspect.set_defaults(func=_runs("psflow.train.cli", "inspect"))
     export = _command(sub, "export", help="a plain state dict for model.load_state_dict")
     export.add_argument("dir", help="checkpoint directory (path or fsspec URL)")
     export.add_argument("out", help="output .safetensors file")
     export.add_argument("--name", help="a ckpt-<step> (default: the latest)")
-    export.set_defaults(func=_checkpoint_export)
-
-
-def _checkpoint_inspect(args: argparse.Namespace) -> int:
-    from psflow.train import cli
-
-    return cli.inspect(args)
-
-
-def _checkpoint_export(args: argparse.Namespace) -> int:
-    from psflow.train import cli
-
-    return cli.export(args)
+    export.set_defaults(func=_runs("psflow.train.cli", "export"))
 
 
 # -- psflow data -----------------------------------------------------------------------------
@@ -215,7 +202,7 @@ def _add_data(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--schema-records", type=int, default=1000, help="records sampled for the schema"
     )
     inspect.add_argument("--raw", action="store_true", help="records are not tf.train.Example")
-    inspect.set_defaults(func=_data_inspect)
+    inspect.set_defaults(func=_runs("psflow.data.cli", "inspect"))
 
     convert = _command(
         sub, "convert", help="write TFRecord (one Example per row) from CSV or Parquet"
@@ -225,19 +212,7 @@ def _add_data(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
     convert.add_argument("--format", choices=["csv", "parquet"], help="default: by input suffix")
     convert.add_argument("--compression", default="auto", help="'', GZIP, ZLIB or auto (suffix)")
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
-    convert.set_defaults(func=_data_convert)
-
-
-def _data_inspect(args: argparse.Namespace) -> int:
-    from psflow.data import cli
-
-    return cli.inspect(args)
-
-
-def _data_convert(args: argparse.Namespace) -> int:
-    from psflow.data import cli
-
-    return cli.convert(args)
+    convert.set_defaults(func=_runs("psflow.data.cli", "convert"))
 
 
 # -- psflow render ---------------------------------------------------------------------------
@@ -312,13 +287,7 @@ def _add_render(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         help="training script and its arguments, run as `python SCRIPT ARGS`",
     )
     script.required = False  # the job file may name the script instead
-    p.set_defaults(func=_render)
-
-
-def _render(args: argparse.Namespace) -> int:
-    from psflow.deploy import cli
-
-    return cli.render(args)
+    p.set_defaults(func=_runs("psflow.deploy.cli", "render"))
 
 
 if __name__ == "__main__":
