@@ -71,6 +71,15 @@ PSFLOW_PS_IDLE_TIMEOUT = "PSFLOW_PS_IDLE_TIMEOUT"
 """Seconds a ps serves without any request before it gives up, naming the workers it still
 waits for (default 1800)."""
 
+PSFLOW_WORKER_TIMEOUT = "PSFLOW_WORKER_TIMEOUT"
+"""Seconds a ps waits without hearing from a worker (or the chief) that has joined before it
+declares it dead (default 30): a worker sends a heartbeat every fifth of this (its requests
+count too), so only a dead, hung (SIGSTOP) or cut-off task stays silent that long. A dead
+worker no longer holds the others back (a synchronous step goes on with the backups, or fails
+its waiting workers naming it; bounded staleness lets the others run), and the ps exits at the
+end of the job without waiting for it; one that comes back (restarted) rejoins. Set it alike in
+every task (``psflow launch`` and the manifests pass the environment to all)."""
+
 PSFLOW_MALLOC = "PSFLOW_MALLOC"
 """``tuned`` (default): ps and worker processes keep freed memory in glibc's heap for reuse
 instead of returning it to the system (see :mod:`psflow.allocator`); ``system`` leaves the C

@@ -38,6 +38,15 @@ error reply carries a :class:`Code`. 3: an init may carry a learning-rate schedu
 tables (:attr:`Key.TABLES`, :attr:`Op.LOOKUP`, row gradients in pushes, :attr:`Key.ROWS`)."""
 
 
+WORKER_TIMEOUT = 30.0
+"""Seconds of silence after which a ps declares a worker that has joined dead (the default of
+``PSFLOW_WORKER_TIMEOUT``; see :mod:`psflow.ps.liveness`)."""
+
+HEARTBEATS_PER_TIMEOUT = 5
+"""A worker sends :attr:`Op.HEARTBEAT` this many times per worker timeout: four may be lost or
+late before the ps declares it dead."""
+
+
 ROW_IDS = "#ids"
 """Suffix of the tensor that carries a table's ids in a push (``emb#ids``)."""
 ROW_GRADS = "#grad"
@@ -91,6 +100,8 @@ class Op(StrEnum):
     """:attr:`PUSH`, then :attr:`PULL` of every variable, in one round trip."""
     DONE = "done"
     """A worker has finished; the ps exits after the last one."""
+    HEARTBEAT = "heartbeat"
+    """A worker is alive (sent while it computes or waits; any request of its counts too)."""
 
     # -- a ps shard: embedding tables (psflow.ps.tables) -------------------------------------
     LOOKUP = "lookup"
@@ -235,6 +246,8 @@ class Key(StrEnum):
     """An init found the shard initialised already (and left it as it was)."""
     FINISHED = "finished"
     """The workers that have finished."""
+    DEAD = "dead"
+    """The workers the ps has not heard from for ``PSFLOW_WORKER_TIMEOUT`` seconds."""
     VARIABLES = "variables"
     """Each variable's ``[dtype, shape]``."""
     STAGED = "staged"

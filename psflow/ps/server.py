@@ -12,6 +12,11 @@ Requests (:class:`~psflow.protocol.Op`, the ``op`` of the header), each served b
 - ``push``: gradients, applied with the shard's optimizer; replies with the new step.
 - ``push_pull``: ``push`` then ``pull`` in one round trip.
 - ``done``: a worker (or the chief) has finished; after the last one the server exits.
+- ``heartbeat``: a worker is alive. A worker (or the chief) silent for ``worker_timeout``
+  seconds (``PSFLOW_WORKER_TIMEOUT``, 30) after its first request is dead
+  (:mod:`psflow.ps.liveness`): the services stop waiting for it, and the server exits once
+  every worker has finished or is dead (and one has finished). A dead worker that speaks again
+  rejoins.
 - ``sync_push``/``sync_stage``/``sync_pull``/``sync_status``/``ssp_wait``: synchronous
   training and bounded staleness (:class:`~psflow.ps.sync.SyncService`).
 - ``save``/``save_status``: snapshot the shard and write it in the background; report progress
@@ -37,6 +42,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -52,6 +58,7 @@ from psflow.ps.checkpoint import (
     load_optimizer_state,
     split_init_tensors,
 )
+from psflow.ps.liveness import DEFAULT_TIMEOUT, Liveness
 from psflow.ps.service import Handler, NotInitializedError, RequestError, Service
 from psflow.ps.store import ShardStore
 from psflow.ps.sync import SyncService
@@ -85,6 +92,7 @@ last step finds its ps."""
 # and push/push_pull run thousands of times a second.
 _OP, _STEP, _OK, _LR, _ROWS = Key.OP, Key.STEP, Op.OK, Key.LEARNING_RATE, Key.ROWS
 _PREFETCH = Key.PREFETCH
+_TASK = Key.TASK
 
 _CHIEF_ONLY = frozenset({Op.INIT.value, Op.SAVE.value, Op.SAVE_STATUS.value})
 """Requests that act on the whole job, served to the chief alone: only the chief initialises
@@ -97,6 +105,8 @@ class ParameterServer:
 
     ``checkpoint_dir`` (default ``PSFLOW_CHECKPOINT_DIR``): the job's checkpoint directory,
     the only place a ``save`` may write this shard to (its ``ckpt-<step>`` directories).
+    ``worker_timeout`` (default ``PSFLOW_WORKER_TIMEOUT``, 30): seconds of silence after which
+    a worker that has joined is dead (:mod:`psflow.ps.liveness`).
 
     Example:
         >>> # in the training script, for the ps tasks:
@@ -112,6 +122,7 @@ class ParameterServer:
         *,
         idle_timeout: float | None = None,
         checkpoint_dir: str | None = None,
+        worker_timeout: float | None = None,
     ) -> None:
         if ctx.task.job != "ps":
             raise ValueError(f"a ParameterServer runs on a ps task, not {ctx.task}")
@@ -133,6 +144,12 @@ class ParameterServer:
         self.store = ShardStore()
         self.trainers = {str(t) for t in ctx.cluster.trainers}
         self.finished: set[str] = set()
+        if worker_timeout is None:
+            worker_timeout = float(os.environ.get(envvars.PSFLOW_WORKER_TIMEOUT, DEFAULT_TIMEOUT))
+        self.liveness = Liveness(self.trainers, worker_timeout)
+        """Who has been heard from lately; who is dead."""
+        self._unjoined_since: float | None = None
+        """When every joined worker was finished or dead while others had never joined."""
         self.ready = threading.Event()
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -154,6 +171,7 @@ class ParameterServer:
                 Op.PUSH: self._push,
                 Op.PUSH_PULL: self._push_pull,
                 Op.DONE: self._done,
+                Op.HEARTBEAT: self._heartbeat,
             },
         )
         self.register(SyncService(self))
@@ -173,6 +191,11 @@ class ParameterServer:
     def shard(self) -> int:
         """The index of the shard this server holds."""
         return self.ctx.task.index
+
+    @property
+    def dead(self) -> AbstractSet[str]:
+        """The workers silent for longer than the worker timeout."""
+        return self.liveness.dead
 
     @property
     def services(self) -> tuple[Service, ...]:
@@ -287,6 +310,10 @@ class ParameterServer:
         server = self._server
         assert server is not None
         last_seen = time.monotonic()
+        liveness = self.liveness
+        # Often enough that a death is noticed within a tenth of the timeout of its bound.
+        check_every = min(0.5, liveness.timeout / 10)
+        next_check = last_seen + check_every
         try:
             while not self._stop.is_set():
                 try:
@@ -296,13 +323,23 @@ class ParameterServer:
                         "malformed", "%s: rejected a malformed message: %s", self.name, e
                     )
                     continue
+                now = time.monotonic()
                 if request is not None:
-                    last_seen = time.monotonic()
+                    last_seen = now
+                    sender = request.header.get(_TASK)
+                    if isinstance(sender, str) and liveness.heard(sender, now):
+                        self._back(sender)
                     self._handle(request)
                     if self.finished >= self.trainers:
                         log.info("%s: every worker has finished; exiting", self.name)
                         break
-                elif time.monotonic() - last_seen > self.idle_timeout:
+                if now >= next_check:
+                    next_check = now + check_every
+                    for worker in liveness.check(now, self.finished):
+                        self._declare_dead(worker, now)
+                    if self._over_without_the_dead(now):
+                        break
+                if request is None and now - last_seen > self.idle_timeout:
                     missing = sorted(self.trainers - self.finished)
                     raise TimeoutError(
                         f"no request for {self.idle_timeout:g} s; still waiting for "
@@ -322,6 +359,46 @@ class ParameterServer:
             with contextlib.suppress(TimeoutError):
                 server.flush(self.config.timeout)
             server.close(linger=2.0)  # let the last replies ('done') reach the workers
+
+    def _declare_dead(self, worker: str, now: float) -> None:
+        silence = self.liveness.silence(worker, now)
+        reason = (
+            f"{worker} is dead: {self.name} has not heard from it for {silence:.1f} s "
+            f"({envvars.PSFLOW_WORKER_TIMEOUT}={self.liveness.timeout:g})"
+        )
+        log.warning("%s: %s", self.name, reason)
+        for service in self._services:
+            service.on_worker_dead(worker, reason)
+
+    def _back(self, worker: str) -> None:
+        log.info("%s: %s, declared dead, is back: it rejoins", self.name, worker)
+        for service in self._services:
+            service.on_worker_back(worker)
+
+    def _over_without_the_dead(self, now: float) -> bool:
+        """Whether the job is over although not every worker said ``done``: each one has
+        finished or is dead (and one has finished); one that never joined is waited for one
+        worker timeout more."""
+        if not self.finished:
+            return False
+        joined = self.liveness.joined()
+        gone = self.finished | self.liveness.dead
+        if not all(w in gone for w in joined):
+            self._unjoined_since = None
+            return False
+        never = sorted(self.trainers - gone - joined)
+        if never:
+            if self._unjoined_since is None:
+                self._unjoined_since = now
+            if now - self._unjoined_since <= self.liveness.timeout:
+                return False
+        dead = sorted(self.liveness.dead - self.finished)
+        log.warning(
+            "%s: every worker has finished or is gone; exiting without %s",
+            self.name,
+            ", ".join([f"{w} (dead)" for w in dead] + [f"{w} (never joined)" for w in never]),
+        )
+        return True
 
     def _terminated(self, last_seen: float) -> bool:
         """After SIGTERM: whether to stop now (nobody asks any more, or time is up)."""
@@ -438,6 +515,7 @@ class ParameterServer:
                 Key.SHARD: self.shard,
                 Key.INITIALIZED: self.store.initialized,
                 Key.FINISHED: sorted(self.finished),
+                Key.DEAD: sorted(self.liveness.dead),
                 Key.VARIABLES: {
                     n: [wire.dtype_name(t.dtype), list(t.shape)]
                     for n, t in self.store.variables.items()
@@ -556,6 +634,11 @@ class ParameterServer:
             step = self.store.apply(grads, global_step=header.get(_STEP), rows=rows)
         fetched = lookup_rows(self.store.tables, prefetch) if prefetch else []
         return step, [(prefetch_tensor_names(n)[1], t) for n, t in fetched]
+
+    def _heartbeat(self, request: Request) -> None:
+        # Heard already (the serving loop notes every sender); the reply tells the worker its
+        # ps is alive too.
+        self.reply(request, {})
 
     def _done(self, request: Request) -> None:
         # The task that finishes is the sender (the header's one name for both): a peer

@@ -76,6 +76,11 @@ class ServiceHost(Protocol):
         """The workers that have sent ``done``."""
         ...
 
+    @property
+    def dead(self) -> AbstractSet[str]:
+        """The workers silent for longer than the worker timeout (:mod:`psflow.ps.liveness`)."""
+        ...
+
     def reply(
         self,
         request: Request,
@@ -143,6 +148,13 @@ class Service(ABC):
 
     def on_worker_finished(self, worker: str) -> None:  # noqa: B027 - optional callback
         """``worker`` has sent ``done`` (it is in :attr:`ServiceHost.finished` already)."""
+
+    def on_worker_dead(self, worker: str, reason: str) -> None:  # noqa: B027 - optional callback
+        """``worker`` has been silent too long (it is in :attr:`ServiceHost.dead` already):
+        what waits for it should go on without it, or be refused naming it (``reason``)."""
+
+    def on_worker_back(self, worker: str) -> None:  # noqa: B027 - optional callback
+        """``worker``, declared dead, spoke again (a restart, or SIGCONT): it rejoins."""
 
     def on_restored(self, reason: str) -> None:  # noqa: B027 - optional callback
         """The chief is replacing the shard's variables (a restore from a checkpoint): work in

@@ -6,6 +6,10 @@ to shard 0 before it pushes; shard 0 answers at once when the worker is at most
 pending until the slowest catches up (or finishes). Nothing is dropped: every gradient is
 applied on arrival, as in plain asynchronous mode, and is at most ``max_staleness`` clock
 ticks of any other worker old.
+
+A dead worker (:mod:`psflow.ps.liveness`) holds nobody back. One that rejoins (restarted, its
+clock back at 0; or resumed after SIGSTOP, far behind) starts again level with the slowest of
+the others: its clock is rebased, not waited for.
 """
 
 from __future__ import annotations
@@ -34,19 +38,42 @@ class ClockTable:
         self.trainers = set(trainers)
         self.clocks: dict[str, int] = {}
         self.finished: set[str] = set()
+        self.dead: set[str] = set()
+        """Workers the ps no longer hears from: they hold nobody back."""
         self.waits = 0
         """Requests that had to wait for a slower worker."""
         self._waiting: list[_Waiting] = []
+        self._offsets: dict[str, int] = {}
+        """Added to a rejoined worker's own clock: where it stands among the others."""
+        self._rebase: set[str] = set()
+        """Workers that rejoined: their next clock is rebased."""
+
+    def rejoin(self, worker: str) -> None:
+        """``worker`` was dead and speaks again: its next clock starts level with the slowest
+        of the others (or stays, when it is ahead of them)."""
+        self._rebase.add(worker)
 
     def slowest(self) -> tuple[int, list[str]]:
         """The lowest clock among unfinished workers (0 for one not seen yet), and who has it."""
-        live = sorted(self.trainers - self.finished)
+        live = sorted(self.trainers - self.finished - self.dead)
         if not live:
             return 0, []
         low = min(self.clocks.get(w, 0) for w in live)
         return low, [w for w in live if self.clocks.get(w, 0) == low]
 
     def wait(self, worker: str, clock: int, bound: int, request: Request) -> None:
+        known = self.clocks.get(worker)
+        own = clock + self._offsets.get(worker, 0)
+        if worker in self._rebase or (known is not None and own < known):
+            # Rejoined, or restarted before it was declared dead (its clock went back).
+            self._rebase.discard(worker)
+            others = [
+                self.clocks.get(w, 0) for w in self.trainers - self.finished - self.dead - {worker}
+            ]
+            level = min(others, default=own)
+            self._offsets[worker] = max(0, level - clock)
+            own = clock + self._offsets[worker]
+        clock = own
         self.clocks[worker] = clock
         self._waiting = [w for w in self._waiting if w.worker != worker]
         self._waiting.append(_Waiting(request=request, worker=worker, clock=clock, bound=bound))

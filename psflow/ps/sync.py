@@ -267,6 +267,8 @@ class SyncService(Service):
         self.agg = SyncAggregator(host.store)
         self.clocks = ClockTable(host.trainers)
         self._pending: list[_Pending] = []
+        self._why_dead: dict[str, str] = {}
+        """Each dead worker: why the ps thinks so (for the errors that name it)."""
 
     def handlers(self) -> Mapping[Op, Handler]:
         return {
@@ -327,6 +329,7 @@ class SyncService(Service):
         self._pending.append(_Pending(request=request, worker=worker, step=step))
         chosen = self.agg.arrive(worker)
         if chosen is None:
+            self._fail_if_stuck()
             return
         self.host.flush()
         self.agg.apply(step, chosen)
@@ -363,16 +366,38 @@ class SyncService(Service):
     # -- the server's life ------------------------------------------------------------------
 
     def on_worker_finished(self, worker: str) -> None:
-        finished = self.host.finished
-        self.clocks.finished = set(finished)
+        self.clocks.finished = set(self.host.finished)
         self._release()
+        self._fail_if_stuck()
+
+    def on_worker_dead(self, worker: str, reason: str) -> None:
+        """Bounded staleness stops holding the others back for it; a synchronous step that
+        needs its gradient fails its waiting workers, naming it (with backup workers enough
+        are left, and the step goes on without it)."""
+        self._why_dead[worker] = reason
+        self.clocks.dead = set(self.host.dead)
+        self._release()
+        self._fail_if_stuck()
+
+    def on_worker_back(self, worker: str) -> None:
+        self._why_dead.pop(worker, None)
+        self.clocks.dead = set(self.host.dead)
+        self.clocks.rejoin(worker)
+
+    def _fail_if_stuck(self) -> None:
+        """Fails the waiting pushes when fewer workers than a step needs are left to push."""
         r = self.agg.replicas_to_aggregate
-        live = self.host.trainers - finished
-        if r is not None and self._pending and len(live) < r:
-            self.fail_pending(
-                f"step {self.agg.store.step} cannot complete: it needs {r} gradients but only "
-                f"{len(live)} worker(s) have not finished ({', '.join(sorted(live)) or 'none'})"
-            )
+        if r is None or not self._pending:
+            return
+        live = self.host.trainers - self.host.finished - self.host.dead
+        if len(live) >= r:
+            return
+        dead = sorted(self.host.dead - self.host.finished)
+        self.fail_pending(
+            f"step {self.agg.store.step} cannot complete: it needs {r} gradients but only "
+            f"{len(live)} worker(s) are alive and unfinished ({', '.join(sorted(live)) or 'none'})"
+            + "".join(f"; {self._why_dead.get(w, w + ' is dead')}" for w in dead)
+        )
 
     def on_restored(self, reason: str) -> None:
         """The waiting requests fail as overtaken (their workers recover and start again from

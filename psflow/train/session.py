@@ -613,13 +613,15 @@ class TrainingSession:
             self.opt.close()
 
     def _wait_for_workers(self) -> None:
-        """The chief waits (bounded) for the other workers to finish, so the final checkpoint
-        holds their last updates too."""
+        """The chief waits (bounded) for the other workers to finish (or die), so the final
+        checkpoint holds their last updates too."""
         assert self._client is not None
         others = {str(t) for t in self.ctx.cluster.trainers} - {str(self.ctx.task)}
         deadline = time.monotonic() + self.config.end_timeout
         while others:
-            finished = set(self._client.status()[0].get(Key.FINISHED, []))
+            status = self._client.status()[0]
+            # A dead worker (silent past PSFLOW_WORKER_TIMEOUT) is not waited for.
+            finished = set(status.get(Key.FINISHED, [])) | set(status.get(Key.DEAD, []))
             if others <= finished:
                 return
             if time.monotonic() > deadline:

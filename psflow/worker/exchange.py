@@ -21,6 +21,7 @@ from psflow.protocol import Key, OptimizerSpec, ScheduleSpec
 from psflow.protocol.messages import row_tensor_names
 from psflow.transport import TransportConfig, wire
 from psflow.worker.client import Replies, ShardedClient, Tensors, group_by_shard
+from psflow.worker.heartbeat import Heartbeat
 from psflow.worker.placement import Piece, dense_parameters
 from psflow.worker.tables import TableClient
 
@@ -99,6 +100,7 @@ class ParameterExchange:
         self._view_ptrs: tuple[int, ...] = ()
         self._view_of: dict[str, torch.Tensor] = {}
         self._into: dict[str, torch.Tensor] = {}
+        self._heartbeat: Heartbeat | None = None
 
     @property
     def num_shards(self) -> int:
@@ -123,6 +125,8 @@ class ParameterExchange:
                 )
         else:
             self.client.wait_ready(ready_timeout)
+        # From now on the ps expect to hear from this task (psflow.ps.liveness).
+        self._heartbeat = Heartbeat(self.ctx, self.client.config).start()
 
     def _values(self, pieces: list[Piece]) -> Tensors:
         return [(p.var, _rows(self.params[p.param].detach(), p.rows)) for p in pieces]
@@ -288,6 +292,9 @@ class ParameterExchange:
 
     def close(self, *, finished: bool) -> None:
         """Tells the ps this worker has finished (with ``finished``) and disconnects."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         try:
             if finished:
                 self.client.done()

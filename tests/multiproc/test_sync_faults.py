@@ -41,7 +41,8 @@ def _result(out: str) -> dict:  # type: ignore[type-arg]
 def test_one_backup_worker_killing_a_worker_mid_run_does_not_stop_training(tmp_path: Path) -> None:
     steps = 25
     cluster = local_cluster(1, 3)
-    ps = start_ps(cluster)
+    # Serving on after the others finished (probed below): worker:1 is not declared dead.
+    ps = start_ps(cluster, env={"PSFLOW_WORKER_TIMEOUT": "600"})
     # The barrier keeps worker:1 from starting so late that the other two have finished without it.
     env = {"SYNC_WORKER_BARRIER": f"{tmp_path}:3"}
     args = [str(steps), "kill_at=worker:1@7", "mode=sync", "replicas_to_aggregate=2"]

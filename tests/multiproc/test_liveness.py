@@ -1,0 +1,133 @@
+"""Worker liveness with real processes: a worker hung (SIGSTOP) or killed is noticed within
+PSFLOW_WORKER_TIMEOUT, set small here through the environment (the fault as data)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import psflow
+from psflow.protocol import Key
+from psflow.transport import PeerError, TransportConfig
+from psflow.worker.client import ShardedClient
+
+from .support import ROOT, freeze, local_cluster, start_ps, stop, worker_ctx
+from .sync_support import batch, loss_fn, make_model
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
+
+SCRIPT = str(ROOT / "tests" / "multiproc" / "scripts" / "sync_worker.py")
+TIMEOUT = 3.0
+"""PSFLOW_WORKER_TIMEOUT of every task here: heartbeats every 0.6 s."""
+BOUND = TIMEOUT + 30.0
+"""An upper bound on noticing, generous for a loaded machine: what is asserted is the error."""
+
+
+def _worker1(cluster: psflow.ClusterSpec, *args: str) -> subprocess.Popen[str]:
+    task = psflow.TaskSpec(job="worker", index=1)
+    env = dict(
+        os.environ,
+        TF_CONFIG=cluster.to_tf_config(task),
+        PYTHONUNBUFFERED="1",
+        PSFLOW_WORKER_TIMEOUT=str(TIMEOUT),
+    )
+    return subprocess.Popen(
+        [sys.executable, SCRIPT, "1000000000", *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _train(opt: psflow.DistributedOptimizer, model: object, until: int) -> None:
+    while opt.global_step < until:
+        x, y = batch(opt.global_step, 0, 4)
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()  # type: ignore[arg-type]
+        opt.step()
+
+
+def _status(cluster: psflow.ClusterSpec) -> dict[str, object]:
+    probe = ShardedClient(worker_ctx(cluster, 0), TransportConfig(timeout=10))
+    try:
+        return probe.sync_status()
+    finally:
+        probe.close()
+
+
+def test_sync_without_backups_fails_the_waiting_worker_naming_the_hung_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PSFLOW_WORKER_TIMEOUT", str(TIMEOUT))
+    cluster = local_cluster(1, 2)
+    ps = start_ps(cluster, env={"PSFLOW_WORKER_TIMEOUT": str(TIMEOUT)})
+    other = _worker1(cluster, "mode=sync")
+    model = make_model("mlp")
+    try:
+        with psflow.DistributedOptimizer(model, worker_ctx(cluster, 0), lr=0.1, mode="sync") as opt:
+            _train(opt, model, 5)  # both workers push every step
+            freeze(other.pid)
+            start = time.monotonic()
+            with pytest.raises(PeerError) as failed:
+                _train(opt, model, 10**9)
+            noticed = time.monotonic() - start
+            assert "worker:1 is dead: ps:0 has not heard from it" in str(failed.value)
+            assert "needs 2 gradients but only 1 worker(s) are alive" in str(failed.value)
+            assert TIMEOUT <= noticed < BOUND, noticed
+            assert _status(cluster)["finished"] == []
+    finally:
+        other.send_signal(signal.SIGCONT)
+        other.kill()
+        stop(other)
+        ps.kill()
+        stop(ps)
+
+
+def test_bounded_staleness_goes_on_without_a_hung_or_dead_worker_and_the_ps_exits(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PSFLOW_WORKER_TIMEOUT", str(TIMEOUT))
+    cluster = local_cluster(1, 2)
+    ps = start_ps(cluster, env={"PSFLOW_WORKER_TIMEOUT": str(TIMEOUT)})
+    other = _worker1(cluster, "mode=async", "max_staleness=2")
+    model = make_model("mlp")
+    try:
+        with psflow.DistributedOptimizer(
+            model, worker_ctx(cluster, 0), lr=0.01, max_staleness=2
+        ) as opt:
+            _train(opt, model, 20)
+            # Hung: worker:0 is held at most until the ps declares worker:1 dead.
+            freeze(other.pid)
+            start = time.monotonic()
+            _train(opt, model, opt.global_step + 50)
+            assert time.monotonic() - start < BOUND
+            status = _status(cluster)
+            assert status[Key.CLOCKS]["laggards"] == ["worker:0"]  # type: ignore[index]
+            # Resumed: it rejoins level with worker:0, and nobody waits for it to catch up.
+            os.kill(other.pid, signal.SIGCONT)
+            clock = status[Key.CLOCKS]["clocks"]["worker:1"]  # type: ignore[index]
+            deadline = time.monotonic() + BOUND
+            while _status(cluster)[Key.CLOCKS]["clocks"]["worker:1"] <= clock + 40:  # type: ignore[index]
+                assert time.monotonic() < deadline, "worker:1 did not rejoin"
+                _train(opt, model, opt.global_step + 1)
+            # Killed: worker:0 trains on, and the ps exits after it without waiting.
+            other.kill()
+            _train(opt, model, opt.global_step + 50)
+        code, err = stop(ps, timeout=BOUND)
+        assert code == 0, err[-3000:]
+        assert "worker:1 is dead" in err
+        assert "worker:1, declared dead, is back: it rejoins" in err
+        assert "exiting without worker:1 (dead)" in err
+    finally:
+        other.send_signal(signal.SIGCONT)
+        other.kill()
+        stop(other)
+        ps.kill()
+        stop(ps)
