@@ -145,6 +145,20 @@ def _add_launch(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         help="seconds the tasks get between SIGTERM and SIGKILL when the job is stopped "
         "(Ctrl-C, SIGTERM, a failed task; a second Ctrl-C kills at once); default 30",
     )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start a failed task again (same address and TF_CONFIG), up to N times in all "
+        "for the job, before stopping it (default 0)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="run without CurveZMQ keys (by default each job gets fresh ones, unless "
+        "PSFLOW_KEYS_DIR names your own)",
+    )
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=_runs("psflow.cluster.cli", "launch"))

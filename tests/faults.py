@@ -3,11 +3,17 @@
 As Horovod's elastic tests pass their fault schedule to the training script, a test runs its
 program (a script, or ``-c CODE``) through this one, which injects the faults first::
 
-    python tests/faults.py [--kill-at TASK@STEP] [--slow-save SECONDS] SCRIPT [ARGS...]
+    python tests/faults.py [--once DIR] [--kill-at TASK@STEP ...] [--slow-save SECONDS] SCRIPT [ARGS...]
     python tests/faults.py [...] -c CODE [ARGS...]
 
 - ``--kill-at worker:0@3500``: task ``worker:0`` SIGKILLs itself once its
-  :class:`~psflow.train.TrainingSession` reaches global step 3500 (other tasks ignore it).
+  :class:`~psflow.train.TrainingSession` reaches global step 3500 (other tasks ignore it);
+  ``--kill-at ps:0@1800``: ps ``ps:0`` SIGKILLs itself once its shard reaches step 1800 (a
+  thread of the :class:`~psflow.ps.ParameterServer` watches the step). The flag may be given
+  several times (``worker:1@600`` and ``chief:0@1200``).
+- ``--once DIR`` (before the ``--kill-at`` flags): each task's kill fires once per ``DIR``
+  (it leaves ``DIR/killed-<task>`` first): the same task, restarted by ``psflow launch
+  --max-restarts`` with the same arguments, trains on past the step.
 - ``--slow-save 1.5``: every checkpoint shard this process (a ps) writes waits 1.5 s, fully
   written under its temporary name, before its rename: a window to kill the task in.
 """
@@ -18,6 +24,7 @@ import os
 import runpy
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,30 +36,54 @@ FAULTS = Path(__file__).resolve()
 """This file, to run as a program's wrapper: ``[sys.executable, FAULTS, ...]``."""
 
 
+ONCE: Path | None = None
+"""``--once DIR``: where each task marks the kill it did (it is not done again)."""
+
+
+def _die(task: str) -> None:
+    """SIGKILLs this process (once per task under :data:`ONCE`, when given)."""
+    if ONCE is not None:
+        mark = ONCE / f"killed-{task.replace(':', '-')}"
+        if mark.exists():
+            return
+        mark.touch()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _parse(spec: str) -> tuple[str, int]:
+    who, sep, at = spec.partition("@")
+    if not sep or not at.isdigit():
+        raise ValueError(f"fault schedule {spec!r} must be <task>@<step>, e.g. worker:0@3000")
+    return who, int(at)
+
+
 class FaultHook(Hook):
     """SIGKILLs this task once the global step reaches ``step``."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, task: str = "") -> None:
         self.step = step
+        self.task = task
 
     @classmethod
     def from_spec(cls, spec: str, task: str) -> FaultHook | None:
         """The hook for ``task`` from a schedule ``<task>@<step>``; ``None`` for other tasks."""
-        who, sep, at = spec.partition("@")
-        if not sep or not at.isdigit():
-            raise ValueError(f"fault schedule {spec!r} must be <task>@<step>, e.g. worker:0@3000")
-        return cls(int(at)) if who == task else None
+        who, at = _parse(spec)
+        return cls(at, task) if who == task else None
 
     def after_step(self, ctx: StepContext) -> None:
         if ctx.global_step >= self.step:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
+            _die(self.task)
 
 
 def kill_at(spec: str) -> None:
-    """Every :class:`TrainingSession` of this process gets the :class:`FaultHook` of ``spec``."""
-    FaultHook.from_spec(spec, "worker:0")  # validates it now
+    """Every :class:`TrainingSession` of this process gets the :class:`FaultHook` of ``spec``;
+    for a ps task (``ps:1@1800``), its :class:`~psflow.ps.ParameterServer` a watching thread."""
+    who, _ = _parse(spec)  # validates it now
+    if who.startswith("ps:"):
+        _kill_ps_at(spec)
+        return
     original = TrainingSession.__init__
 
     def init(self: TrainingSession, *args: Any, **kwargs: Any) -> None:
@@ -62,6 +93,28 @@ def kill_at(spec: str) -> None:
             self.hooks.append(hook)
 
     TrainingSession.__init__ = init  # type: ignore[method-assign]
+
+
+def _kill_ps_at(spec: str) -> None:
+    from psflow.ps import ParameterServer
+
+    original = ParameterServer.start
+
+    def start(self: ParameterServer) -> ParameterServer:
+        out = original(self)
+        who, at = _parse(spec)
+        if who == self.name:
+
+            def watch() -> None:
+                # Polled: the serving thread must not be slowed by a test's hook.
+                while self.store.step < at:
+                    time.sleep(0.005)
+                _die(self.name)
+
+            threading.Thread(target=watch, name="psflow-test-fault", daemon=True).start()
+        return out
+
+    ParameterServer.start = start  # type: ignore[method-assign]
 
 
 def slow_save(seconds: float) -> None:
@@ -82,9 +135,13 @@ def slow_save(seconds: float) -> None:
 
 
 def main(argv: list[str]) -> None:
-    while argv and argv[0] in ("--kill-at", "--slow-save"):
+    global ONCE
+    while argv and argv[0] in ("--kill-at", "--slow-save", "--once"):
         flag, value, argv = argv[0], argv[1], argv[2:]
-        if flag == "--kill-at":
+        if flag == "--once":
+            ONCE = Path(value)
+            ONCE.mkdir(parents=True, exist_ok=True)
+        elif flag == "--kill-at":
             kill_at(value)
         else:
             slow_save(float(value))

@@ -4,6 +4,7 @@
 - ``resolve.py``: :func:`resolve`: this process's task from flags, ``TF_CONFIG`` or a file.
 - ``logs.py``: psflow's own log lines in a task, shown without the script configuring logging.
 - ``shmfiles.py``: the names of a task's shared-memory files, and removing a dead task's.
+- ``keys.py``: :func:`~psflow.cluster.keys.generate_keys`, a job's CurveZMQ key files.
 - ``launcher.py``: :class:`Launcher`: ``psflow launch``, every task as a local process.
 - ``cli.py``: what ``psflow launch`` runs (its flags are in :mod:`psflow.cli`).
 """

@@ -24,5 +24,7 @@ def launch(args: argparse.Namespace) -> int:
         ps_exit_timeout=args.ps_exit_timeout,
         grace=args.grace,
         mode=args.mode,
+        max_restarts=args.max_restarts,
+        insecure=args.insecure,
     )
     return Launcher(config).run()

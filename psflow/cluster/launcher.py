@@ -3,7 +3,18 @@
 Each task gets its own ``TF_CONFIG`` (and :data:`~psflow.env.TASK_DEFAULTS`: psflow's INFO
 lines show); its output lines are prefixed with the task (``[worker:1] ...``). The job succeeds
 when every worker exits 0 and the ps tasks then exit by themselves. When a task fails, the
-launcher names it and its exit code, stops the others and fails.
+launcher names it and its exit code, stops the others and fails; with ``--max-restarts N``
+(torchrun's name) it first starts the failed task again, with the same address and
+``TF_CONFIG``, up to N times in all for the job (restarts are counted per job, as torchrun
+does: N bounds the churn an operator accepts, whichever tasks fail). A restarted ps comes back
+empty and the chief restores the last checkpoint into it; a restarted worker rejoins; a
+restarted chief resumes as chief (Kubernetes' ``restartPolicy: OnFailure`` and
+``backoffLimit`` play this part in the rendered manifests).
+
+Each job gets fresh CurveZMQ keys (:mod:`psflow.cluster.keys`) in a private temporary
+directory (mode 0700) that every task gets as ``PSFLOW_KEYS_DIR`` and that is removed when the
+launcher exits: no other process on the host can reach the job's ps. ``--insecure`` runs
+without keys; a ``PSFLOW_KEYS_DIR`` of the user's own stands.
 
 Ctrl-C (or SIGTERM) stops the job: the workers get SIGTERM (a chief may save a last
 checkpoint), then, once they are gone, the ps tasks; whatever still runs after the grace period
@@ -17,10 +28,12 @@ import contextlib
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -29,6 +42,7 @@ from typing import IO
 
 from psflow import env as envvars
 from psflow.cluster import shmfiles
+from psflow.cluster.keys import generate_keys
 from psflow.cluster.spec import ClusterSpec, TaskSpec
 
 log = logging.getLogger(__name__)
@@ -67,6 +81,12 @@ class LaunchConfig:
     mode: str | None = None
     """Training mode for every task (``PSFLOW_MODE``): ``async``, ``sync`` or ``allreduce``;
     ``allreduce`` starts no ps task. ``None`` leaves it to the script."""
+    max_restarts: int = 0
+    """How many times in all (for the whole job) a failed task is started again before the
+    job stops."""
+    insecure: bool = False
+    """Run the job without CurveZMQ keys; otherwise it gets fresh ones (unless the environment
+    names its own in ``PSFLOW_KEYS_DIR``)."""
 
     def __post_init__(self) -> None:
         if self.ps < 0:
@@ -79,6 +99,10 @@ class LaunchConfig:
             raise ValueError(f"--mode must be one of {LAUNCH_MODES}, got {self.mode!r}")
         if self.mode == "allreduce" and self.ps:
             raise ValueError(f"--mode allreduce runs without ps tasks: drop --ps {self.ps}")
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int):
+            raise TypeError(f"--max-restarts must be an integer, got {self.max_restarts!r}")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.ps_exit_timeout <= 0 or self.grace <= 0:
             raise ValueError("ps_exit_timeout and grace must be > 0 seconds")
 
@@ -137,32 +161,43 @@ class Launcher:
         self._kill_now = threading.Event()
         self._signal: signal.Signals | None = None
         self._swept: set[int] = set()
+        self.restarts = 0
+        """Tasks started again after they failed (at most ``max_restarts``)."""
+        self.keys_dir: str | None = None
+        """The job's own CurveZMQ keys, made by :meth:`run` (``None``: insecure, or the
+        user's own)."""
 
     def start(self) -> None:
         """Starts every task (ps first, so the workers find them listening sooner)."""
         order = sorted(self.cluster.tasks(), key=lambda t: t.job != "ps")
         for task in order:
-            env = {**envvars.TASK_DEFAULTS, **os.environ, **self.config.env}
-            env[envvars.TF_CONFIG] = self.cluster.to_tf_config(task)
-            if self.config.mode is not None:
-                env[envvars.PSFLOW_MODE] = self.config.mode
-            env["PYTHONUNBUFFERED"] = "1"
-            cmd = [sys.executable, self.config.script, *self.config.args]
-            self.procs[task] = subprocess.Popen(
-                cmd,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,  # Ctrl-C reaches the launcher, which stops every task
-                preexec_fn=_die_with_parent,
-            )
-        for task, proc in self.procs.items():
-            for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-                assert stream is not None
-                t = threading.Thread(target=self._relay, args=(task, stream, sink), daemon=True)
-                t.start()
-                self._threads.append(t)
+            self._spawn(task)
+
+    def _spawn(self, task: TaskSpec) -> None:
+        """Starts ``task``'s process (again, after a failure: same address, same TF_CONFIG)
+        and relays its output."""
+        env = {**envvars.TASK_DEFAULTS, **os.environ, **self.config.env}
+        env[envvars.TF_CONFIG] = self.cluster.to_tf_config(task)
+        if self.config.mode is not None:
+            env[envvars.PSFLOW_MODE] = self.config.mode
+        env["PYTHONUNBUFFERED"] = "1"
+        if self.keys_dir is not None:
+            env[envvars.PSFLOW_KEYS_DIR] = self.keys_dir
+        cmd = [sys.executable, self.config.script, *self.config.args]
+        proc = self.procs[task] = subprocess.Popen(
+            cmd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # Ctrl-C reaches the launcher, which stops every task
+            preexec_fn=_die_with_parent,
+        )
+        for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+            assert stream is not None
+            t = threading.Thread(target=self._relay, args=(task, stream, sink), daemon=True)
+            t.start()
+            self._threads.append(t)
 
     def _relay(self, task: TaskSpec, stream: IO[bytes], sink: IO[str]) -> None:
         prefix = f"[{task}] "
@@ -190,6 +225,8 @@ class Launcher:
                 code = proc.poll()
                 if code is not None and code != 0:
                     how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                    if self._restart(task, how):
+                        break  # self.procs changed: look again
                     self._say(f"task {task} failed with {how}; stopping the other tasks")
                     self.stop()
                     return 1
@@ -211,6 +248,49 @@ class Launcher:
                 self.stop()
                 return 1
             time.sleep(0.05)
+
+    def _restart(self, task: TaskSpec, how: str) -> bool:
+        """Starts the failed ``task`` again if a restart is left (and the job is not over:
+        a ps has exited 0, which it does only once the workers are done); whether it did."""
+        limit = self.config.max_restarts
+        if self.restarts >= limit:
+            if limit:
+                self._say(f"no restart left (--max-restarts {limit}, all used)")
+            return False
+        if any(t.job == "ps" and p.poll() == 0 for t, p in self.procs.items()):
+            return False
+        old = self.procs[task]
+        self._swept.add(old.pid)
+        removed = shmfiles.remove_files_of(old.pid)
+        self.restarts += 1
+        self._say(
+            f"task {task} failed with {how}; restarting it with the same address and TF_CONFIG "
+            f"(restart {self.restarts} of {limit} for the job"
+            + (f"; removed {len(removed)} shared-memory files it left" if removed else "")
+            + ")"
+        )
+        self._spawn(task)
+        return True
+
+    def _make_keys(self) -> None:
+        """Fresh CurveZMQ keys for this job in a private directory, unless ``insecure`` or the
+        user gave keys (``PSFLOW_KEYS_DIR`` in the environment)."""
+        if self.config.insecure:
+            return
+        if self.config.env.get(envvars.PSFLOW_KEYS_DIR) or os.environ.get(envvars.PSFLOW_KEYS_DIR):
+            return
+        d = tempfile.mkdtemp(prefix="psflow-keys-")  # mode 0700, this user's alone
+        try:
+            generate_keys(d)
+        except BaseException:
+            shutil.rmtree(d, ignore_errors=True)
+            raise
+        self.keys_dir = d
+
+    def _remove_keys(self) -> None:
+        if self.keys_dir is not None:
+            shutil.rmtree(self.keys_dir, ignore_errors=True)
+            self.keys_dir = None
 
     def stop(self, timeout: float | None = None) -> None:
         """Stops every task still running: SIGTERM, then SIGKILL after the grace period (at
@@ -285,6 +365,7 @@ class Launcher:
 
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
+            self._make_keys()
             self.start()
             code = self.wait()
             if self._stopping.is_set():
@@ -294,5 +375,6 @@ class Launcher:
             self.stop()
             raise
         finally:
+            self._remove_keys()
             for s, handler in old.items():
                 signal.signal(s, handler)

@@ -1,4 +1,5 @@
-"""CurveZMQ keys: generating them for a job and loading them in each task.
+"""CurveZMQ keys: loading them in each task (generating them for a job:
+:func:`psflow.cluster.keys.generate_keys`, re-exported here).
 
 A job's key directory holds one server key pair (every ps task uses it) and one client key
 pair (every worker uses it); a server accepts the clients whose public keys (``*.key``) are in
@@ -24,6 +25,10 @@ from typing import Any
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+
+from psflow.cluster.keys import generate_keys
+
+__all__ = ["CurveKeys", "Gatekeeper", "configure_client", "configure_server", "generate_keys"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,26 +77,6 @@ def _load(secret_path: Path, public_path: Path) -> tuple[bytes, bytes | None]:
     if public is None:
         raise ValueError(f"key file {str(path)!r} has no public key")
     return public, secret
-
-
-def generate_keys(directory: str | os.PathLike[str], *, force: bool = False) -> Path:
-    """Writes a fresh server and client key pair for one job into ``directory``.
-
-    Example:
-        >>> import tempfile
-        >>> d = generate_keys(tempfile.mkdtemp() + "/keys")
-        >>> sorted(p.name for p in d.iterdir())
-        ['client.key', 'client.key_secret', 'server.key', 'server.key_secret']
-    """
-    d = Path(directory)
-    if d.exists() and any(d.iterdir()) and not force:
-        raise ValueError(f"key directory {str(d)!r} is not empty: pass --force to replace it")
-    d.mkdir(parents=True, exist_ok=True)
-    os.chmod(d, 0o700)
-    for name in ("server", "client"):
-        zmq.auth.create_certificates(str(d), name)
-        os.chmod(d / f"{name}.key_secret", 0o600)
-    return d
 
 
 def configure_server(sock: zmq.Socket[bytes], keys: CurveKeys) -> None:
