@@ -42,7 +42,6 @@ from typing import IO
 
 from psflow import env as envvars
 from psflow.cluster import shmfiles
-from psflow.cluster.keys import generate_keys
 from psflow.cluster.spec import ClusterSpec, TaskSpec
 
 log = logging.getLogger(__name__)
@@ -279,6 +278,9 @@ class Launcher:
             return
         if self.config.env.get(envvars.PSFLOW_KEYS_DIR) or os.environ.get(envvars.PSFLOW_KEYS_DIR):
             return
+        # Imported here: `psflow --help` imports this module, and must not load ZeroMQ.
+        from psflow.cluster.keys import generate_keys
+
         d = tempfile.mkdtemp(prefix="psflow-keys-")  # mode 0700, this user's alone
         try:
             generate_keys(d)
