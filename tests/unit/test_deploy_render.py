@@ -114,7 +114,13 @@ def test_strict_validation_can_fail() -> None:
 
 def test_kubernetes_pods_restart_on_failure_and_end_on_success() -> None:
     config = job(**K8S_JOBS["full"])
-    for d in docs(render(config, "kubernetes").text):
+    text = render(config, "kubernetes").text
+    # The manifests say that the restart policy plays psflow launch --max-restarts' part.
+    assert text.count("(psflow launch --max-restarts, per task)") == text.count("kind: Job")
+    assert text.count("--max-restarts` does locally") == text.count("kind: Job")
+    tfjob = render(config, "tfjob").text
+    assert "(psflow launch --max-restarts, counted for the job)" in tfjob
+    for d in docs(text):
         if d["kind"] != "Job":
             continue
         pod = d["spec"]["template"]["spec"]
