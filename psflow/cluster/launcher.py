@@ -11,6 +11,10 @@ empty and the chief restores the last checkpoint into it; a restarted worker rej
 restarted chief resumes as chief (Kubernetes' ``restartPolicy: OnFailure`` and
 ``backoffLimit`` play this part in the rendered manifests).
 
+A worker still running ``--ps-exit-timeout`` seconds after the chief and every ps exited 0
+(hung: the ps declared it dead, :mod:`psflow.ps.liveness`, and ended the job without it) is
+named and stopped, and the job fails: nothing waits forever for a hung task.
+
 Each job gets fresh CurveZMQ keys (:mod:`psflow.cluster.keys`) in a private temporary
 directory (mode 0700) that every task gets as ``PSFLOW_KEYS_DIR`` and that is removed when the
 launcher exits: no other process on the host can reach the job's ps. ``--insecure`` runs
@@ -162,6 +166,8 @@ class Launcher:
         self._swept: set[int] = set()
         self.restarts = 0
         """Tasks started again after they failed (at most ``max_restarts``)."""
+        self._ended_at: float | None = None
+        """When the chief and every ps had exited 0 (the job is over, by their account)."""
         self.keys_dir: str | None = None
         """The job's own CurveZMQ keys, made by :meth:`run` (``None``: insecure, or the
         user's own)."""
@@ -231,6 +237,9 @@ class Launcher:
                     return 1
             if trainers_done_at is None and all(self.procs[t].poll() == 0 for t in trainers):
                 trainers_done_at = time.monotonic()
+            if self._hung_after_the_end():
+                self.stop()
+                return 1
             if all(p.poll() is not None for p in self.procs.values()):
                 self._join_relays()
                 self._say(f"job finished: {len(self.procs)} tasks exited 0")
@@ -247,6 +256,28 @@ class Launcher:
                 self.stop()
                 return 1
             time.sleep(0.05)
+
+    def _hung_after_the_end(self) -> bool:
+        """Whether a worker still runs ``ps_exit_timeout`` seconds after the chief and every
+        ps exited 0: a worker the ps declared dead (hung, e.g. SIGSTOP) and exited without."""
+        ps = [p for t, p in self.procs.items() if t.job == "ps"]
+        ended = [self.procs[self.cluster.chief], *ps]
+        if not ps or any(p.poll() != 0 for p in ended):
+            self._ended_at = None
+            return False
+        left = [str(t) for t, p in self.procs.items() if t.job == "worker" and p.poll() is None]
+        now = time.monotonic()
+        if not left:
+            return False
+        if self._ended_at is None:
+            self._ended_at = now
+        if now - self._ended_at <= self.config.ps_exit_timeout:
+            return False
+        self._say(
+            f"{', '.join(left)} still running {self.config.ps_exit_timeout:g} s after the job "
+            "ended (the chief and the ps exited 0; the ps declared it dead): hung? stopping it"
+        )
+        return True
 
     def _restart(self, task: TaskSpec, how: str) -> bool:
         """Starts the failed ``task`` again if a restart is left (and the job is not over:
@@ -318,6 +349,8 @@ class Launcher:
             if self.procs[task].poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.procs[task].pid, signal.SIGTERM)
+                    # A stopped (SIGSTOP) task takes SIGTERM only once it runs again.
+                    os.killpg(self.procs[task].pid, signal.SIGCONT)
         while any(self.procs[t].poll() is None for t in tasks):
             if self._kill_now.is_set() or time.monotonic() >= deadline:
                 break

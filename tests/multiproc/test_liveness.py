@@ -131,3 +131,40 @@ def test_bounded_staleness_goes_on_without_a_hung_or_dead_worker_and_the_ps_exit
         stop(other)
         ps.kill()
         stop(ps)
+
+
+HUNG = """
+import json, os, signal, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+name = f"{task['type']}:{task['index']}"
+if name == "worker:1":
+    (out / "pid").write_text(str(os.getpid()))
+    os.kill(os.getpid(), signal.SIGSTOP)  # hung, until the launcher's stop
+    time.sleep(60)
+elif name == "worker:0":  # the chief ends the job once worker:1 hangs
+    while not (out / "pid").exists():
+        time.sleep(0.01)
+    stat = Path(f"/proc/{(out / 'pid').read_text()}/stat")
+    while stat.read_text().rsplit(") ", 1)[1][0] != "T":
+        time.sleep(0.01)
+"""
+
+
+def test_the_launcher_stops_a_worker_still_hung_after_the_job_ended(tmp_path: Path) -> None:
+    script = tmp_path / "hung.py"
+    script.write_text(HUNG)
+    cmd = [sys.executable, "-m", "psflow.cli", "launch", "--insecure", "--ps-exit-timeout", "1"]
+    proc = subprocess.run(
+        [*cmd, "--grace", "5", str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert (
+        "worker:1 still running 1 s after the job ended (the chief and the ps exited 0; the ps "
+        "declared it dead): hung? stopping it"
+    ) in proc.stderr
+    assert "not gone" not in proc.stderr  # SIGCONT let it take SIGTERM: no SIGKILL needed
