@@ -83,11 +83,14 @@ class SessionConfig:
     """Seconds one checkpoint may take to write before it fails."""
     end_timeout: float = 60.0
     """Seconds the chief waits for the other workers before the final checkpoint."""
-    recovery_timeout: float | None = 300.0
+    recovery_timeout: float | None = dataclasses.field(
+        default_factory=lambda: float(os.environ.get(envvars.PSFLOW_RECOVERY_TIMEOUT, 300))
+    )
     """Seconds a worker waits, after a ps failed to answer, for every ps to answer again (a
-    crashed one restarted by its cluster manager); the chief then restores the latest checkpoint
-    into every shard if one came back empty, and training goes on (asynchronous and
-    synchronous modes; all-reduce has no ps). ``None``: the error stops the worker."""
+    crashed one restarted by its cluster manager, a cut link mended); the chief then restores
+    the latest checkpoint into every shard if one came back empty, and training goes on
+    (asynchronous and synchronous modes; all-reduce has no ps). Default
+    ``PSFLOW_RECOVERY_TIMEOUT``, else 300. ``None``: the error stops the worker."""
     stop_on_sigterm: bool = True
     """SIGTERM (what Kubernetes sends a pod 30 s before SIGKILL) stops the session cleanly:
     the step in progress ends, the loop's :meth:`TrainingSession.should_stop` turns true, and
