@@ -218,6 +218,8 @@ class TrainingSession:
         self._local: LocalShard | None = None
         self._terminated = False
         """SIGTERM reached this task."""
+        self._waiting_for_ps = False
+        """In :meth:`_recover`'s wait for a lost ps: SIGTERM then ends the wait at once."""
         self._previous_sigterm: Any = None
         self._sigterm_installed = False
         self.hooks = self._builtin_hooks() + list(hooks)
@@ -512,6 +514,17 @@ class TrainingSession:
         log.warning(
             "%s: %s; waiting up to %g s for every ps to answer", self.ctx.task, error, timeout
         )
+        self._waiting_for_ps = True
+        try:
+            return self._wait_and_restore(error, timeout)
+        except _StopWaiting:
+            raise RuntimeError(
+                f"{self.ctx.task} stopped by SIGTERM while it waited for the ps ({error})"
+            ) from error
+        finally:
+            self._waiting_for_ps = False
+
+    def _wait_and_restore(self, error: PeerError, timeout: float) -> int:
         self.opt.close(finished=False)
         if self.checkpointer is not None:
             self.checkpointer.wait(raise_error=False)  # a save the crash cut short
@@ -651,6 +664,11 @@ class TrainingSession:
                 return
             # Only flags: should_stop() says so (the main thread may be inside logging now).
             self._terminated = True
+            if self._waiting_for_ps:
+                # A wait of up to recovery_timeout for a lost ps: the stop must not wait for
+                # it (the launcher's or Kubernetes' grace period is shorter).
+                self._waiting_for_ps = False
+                raise _StopWaiting
             if self._allreduce is not None:
                 self._allreduce.request_stop()
 
@@ -669,6 +687,10 @@ class TrainingSession:
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         self.close(exc)
+
+
+class _StopWaiting(Exception):
+    """SIGTERM arrived while the session waited for a lost ps."""
 
 
 MonitoredTrainingSession = TrainingSession
