@@ -558,9 +558,9 @@ class TrainingSession:
             and time.monotonic() - self._last_save_t >= cfg.save_checkpoint_secs
         )
 
-    def _save(self, *, wait: bool) -> str | None:
+    def _save(self, *, wait: bool, final: bool = False) -> str | None:
         assert self.checkpointer is not None
-        name = self.checkpointer.save(self.global_step, wait=wait)
+        name = self.checkpointer.save(self.global_step, wait=wait, final=final)
         if name is not None:
             self._last_save_t = time.monotonic()
             self._last_save_step = self.global_step
@@ -601,7 +601,7 @@ class TrainingSession:
                     self.opt.pull()
                     self.global_step = self.opt.global_step
                     self.checkpointer.wait()
-                    self._save(wait=True)
+                    self._save(wait=True, final=not self._terminated)
             elif self.checkpointer is not None:
                 self.checkpointer.wait(raise_error=False)
         finally:
