@@ -29,10 +29,10 @@ from torch import nn
 
 from psflow import env as envvars
 from psflow.protocol import RowOptimizerSpec, TableSpec
-from psflow.ps.checkpoint import join, url_to_fs
+from psflow.ps.checkpoint import CKPT_DIR_RE, join, url_to_fs
 from psflow.sparse import Rows, make_rows
 from psflow.train.checkpoint import fixed_tables, load_checkpoint, table_tensors
-from psflow.train.manifest import MANIFEST, CheckpointDir, CheckpointInfo
+from psflow.train.manifest import MANIFEST, CheckpointDir, CheckpointInfo, Manifest
 from psflow.worker.placement import dense_parameters
 from psflow.worker.tables import tables_of
 
@@ -57,8 +57,10 @@ class EvalResult:
     """One checkpoint the evaluator dealt with."""
 
     checkpoint: str
-    """Its name, ``ckpt-<step>``."""
+    """Its name, ``ckpt-<step>`` (the chief's step when it asked for the save)."""
     global_step: int
+    """The global step its manifest gives (the ps's, at the snapshot); the name's step when
+    it was skipped."""
     final: bool
     """Whether the chief marked it the job's last."""
     metrics: dict[str, float] | None
@@ -181,7 +183,7 @@ class Evaluator:
     def pending(self) -> list[CheckpointInfo]:
         """The complete checkpoints newer than every one scored so far, oldest first."""
         newest = self._newest_done()
-        after = -1 if newest is None else newest.global_step
+        after = -1 if newest is None else _name_step(newest.checkpoint)
         return [c for c in self.dir.checkpoints() if c.complete and c.step > after]
 
     def finished(self) -> bool:
@@ -214,7 +216,7 @@ class Evaluator:
         records it; a checkpoint removed before it could be read is recorded as skipped."""
         start = time.perf_counter()
         try:
-            final = self.load(info.name)
+            manifest = self.load(info.name)
         except (ValueError, FileNotFoundError):
             if self.dir.fs.exists(join(self.dir.path, info.name, MANIFEST)):
                 raise  # there, yet unreadable: not a removal
@@ -233,18 +235,19 @@ class Evaluator:
             raw = self.eval_fn(self.model)
         metrics = _numbers(raw, self.eval_fn)
         writer = self.writer
+        step = manifest.global_step
         for name, value in metrics.items():
-            writer.add_scalar(f"{EVAL_SUBDIR}/{name}", value, info.step)
+            writer.add_scalar(f"{EVAL_SUBDIR}/{name}", value, step)
         writer.flush()  # before the record: a crash in between scores it again, never loses it
         result = EvalResult(
-            checkpoint=info.name, global_step=info.step, final=final, metrics=metrics
+            checkpoint=info.name, global_step=step, final=manifest.final, metrics=metrics
         )
         self._record(result)
         log.info(
             "evaluator: %s (global step %d%s): %s (%.1f s)",
             info.name,
-            info.step,
-            ", final" if final else "",
+            step,
+            ", final" if manifest.final else "",
             " ".join(f"{k}={v:.6g}" for k, v in metrics.items()),
             time.perf_counter() - start,
         )
@@ -252,8 +255,8 @@ class Evaluator:
 
     # -- loading ----------------------------------------------------------------------------
 
-    def load(self, name: str) -> bool:
-        """Loads checkpoint ``name`` into the model; returns whether it is final.
+    def load(self, name: str) -> Manifest:
+        """Loads checkpoint ``name`` into the model; returns its manifest.
 
         Raises:
             ValueError: when the checkpoint is incomplete or does not match the model.
@@ -281,7 +284,7 @@ class Evaluator:
                         module.weight.copy_(weights[f"{table}.weight"])
                     else:
                         module.attach(_SavedRows(_rows(table, spec, saved.get(table, []))))
-        return ckpt.manifest.final
+        return ckpt.manifest
 
     # -- output -----------------------------------------------------------------------------
 
@@ -299,7 +302,7 @@ class Evaluator:
             self._writer = None
 
     def _newest_done(self) -> EvalResult | None:
-        return max(self.done.values(), key=lambda r: r.global_step, default=None)
+        return max(self.done.values(), key=lambda r: _name_step(r.checkpoint), default=None)
 
     def _record(self, result: EvalResult) -> None:
         os.makedirs(self.eval_dir, exist_ok=True)
@@ -323,6 +326,7 @@ class Evaluator:
                     result.global_step, int
                 ):
                     raise TypeError("checkpoint and global_step must be a name and a step")
+                _name_step(result.checkpoint)
             except (ValueError, TypeError) as e:
                 if number == len(lines):  # cut short by a crash while it was written
                     log.warning("%s: ignoring its torn last line: %s", self.record_path, e)
@@ -330,6 +334,13 @@ class Evaluator:
                 raise ValueError(f"{self.record_path}:{number}: not a record line: {e}") from None
             done[result.checkpoint] = result
         return done
+
+
+def _name_step(name: str) -> int:
+    m = CKPT_DIR_RE.match(name)
+    if m is None:
+        raise ValueError(f"{name!r} is not a checkpoint name (ckpt-<step>)")
+    return int(m.group(1))
 
 
 class _SavedRows:
