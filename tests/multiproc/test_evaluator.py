@@ -1,5 +1,6 @@
 """``psflow launch --evaluator``: the evaluator task scores every checkpoint of a real job once,
-into TensorBoard, and exits after the final one; its failure does not stop training."""
+into TensorBoard, and exits after the final one; its failure does not stop training.
+(tests/multiproc/test_ctr_example.py has one with hashed tables on 2 ps.)"""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def test_the_evaluator_scores_every_checkpoint_of_the_job_once(tmp_path: Path) -
     script = ROOT / "examples" / "linear_regression.py"
     args = ["--train_steps", "600", "--save_checkpoint_steps", "200", "--logdir", str(logdir)]
     proc = subprocess.run(
-        [*LAUNCH, "--ps", "1", "--workers", "2", "--evaluator", str(script), *args],
+        [*LAUNCH, "--ps", "1", "--workers", "1", "--evaluator", str(script), *args],
         capture_output=True,
         text=True,
         timeout=200,
@@ -44,7 +45,7 @@ def test_the_evaluator_scores_every_checkpoint_of_the_job_once(tmp_path: Path) -
     assert [e.step for e in events] == [m.global_step for m in manifests]
     assert events[-1].value < events[0].value  # it learns, and the evaluator sees it
     assert f"evaluator: {names[-1]} (global step {manifests[-1].global_step}) is the job's " in out
-    assert "job finished: 4 tasks exited 0" in out
+    assert "job finished: 3 tasks exited 0" in out
 
 
 FAILING = """

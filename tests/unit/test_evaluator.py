@@ -181,7 +181,9 @@ def test_a_checkpoint_removed_before_it_was_read_is_skipped(
 
 def test_no_final_checkpoint_times_out_naming_the_last_one(tmp_path: Path) -> None:
     Chief(tmp_path).save(3)
-    ev = Evaluator(torch.nn.Linear(2, 1), weight_sum, str(tmp_path), timeout=0.2, poll_interval=0.01)
+    ev = Evaluator(
+        torch.nn.Linear(2, 1), weight_sum, str(tmp_path), timeout=0.2, poll_interval=0.01
+    )
     with pytest.raises(TimeoutError, match=r"none marked final \(the newest scored: ckpt-3\)"):
         ev.run()
     assert scalars(tmp_path) == [(3, 9.0)]
@@ -193,7 +195,9 @@ def test_bad_arguments_and_results_are_named(tmp_path: Path) -> None:
         evaluator(tmp_path, lambda m: 0.5).run()  # type: ignore[arg-type, return-value]
     with pytest.raises(TypeError, match=r"returned acc='high', which is not a number"):
         evaluator(tmp_path, lambda m: {"acc": "high"}).run()  # type: ignore[dict-item]
-    with pytest.raises(ValueError, match=r"ckpt-1: .weight. is float32\[1, 2\], the model has float32\[1, 3\]"):
+    with pytest.raises(
+        ValueError, match=r"ckpt-1: .weight. is float32\[1, 2\], the model has float32\[1, 3\]"
+    ):
         Evaluator(torch.nn.Linear(3, 1), weight_sum, str(tmp_path), timeout=BOUND).run()
     with pytest.raises(ValueError, match="give logdir"):
         Evaluator(torch.nn.Linear(2, 1), weight_sum, "memory://somewhere")
