@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from psflow.cluster.launcher import LaunchConfig, Launcher
 from psflow.train import CheckpointDir
 from tests.paths import ROOT
 
@@ -85,3 +86,36 @@ def test_a_failed_evaluator_does_not_stop_training_but_fails_the_job(tmp_path: P
     assert "task evaluator:0 failed with exit code 3; training goes on without it" in out
     assert "worker:0 trained on" in out and "worker:1 trained on" in out
     assert "job finished, but evaluator:0 failed" in out
+
+
+LINGERING = """
+    import sys, time
+    import psflow
+
+    ctx, argv = psflow.resolve()
+    if ctx.is_evaluator:
+        print("evaluator waiting for a final checkpoint that never comes", flush=True)
+        time.sleep(120)
+        sys.exit(4)
+"""
+
+
+def test_an_evaluator_left_waiting_after_the_workers_is_stopped(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(LINGERING))
+    config = LaunchConfig(
+        script=str(script), ps=0, workers=1, evaluators=1, eval_exit_timeout=0.5, grace=5
+    )
+    assert Launcher(config).run() == 1
+    err = capfd.readouterr().err
+    assert (
+        "evaluator:0 did not exit within 0.5 s of the workers finishing (no final checkpoint "
+        "to stop after?); stopping them" in err
+    )
+
+
+def test_one_evaluator_at_most() -> None:
+    with pytest.raises(ValueError, match="evaluators must be 0 or 1, got 2"):
+        LaunchConfig(script=__file__, evaluators=2)
