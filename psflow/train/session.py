@@ -601,7 +601,11 @@ class TrainingSession:
                     self.opt.pull()
                     self.global_step = self.opt.global_step
                     self.checkpointer.wait()
-                    self._save(wait=True, final=not self._terminated)
+                    # Stopped by a signal (to any rank), a restart may follow: not the end.
+                    signalled = self._terminated or (
+                        self._allreduce is not None and self._allreduce.stop_requested
+                    )
+                    self._save(wait=True, final=not signalled)
             elif self.checkpointer is not None:
                 self.checkpointer.wait(raise_error=False)
         finally:
