@@ -162,6 +162,12 @@ class Evaluator:
         try:
             while True:
                 pending = self.pending()
+                if len(pending) > 1:
+                    log.info(
+                        "evaluator: %d checkpoints to score, up to %s: behind the chief",
+                        len(pending),
+                        pending[-1].name,
+                    )
                 for info in pending:
                     results.append(self.evaluate(info))
                 if pending:
@@ -215,11 +221,8 @@ class Evaluator:
         """Loads ``info``'s checkpoint, runs the evaluation function, writes its scalars and
         records it; a checkpoint removed before it could be read is recorded as skipped."""
         start = time.perf_counter()
-        try:
-            manifest = self.load(info.name)
-        except (ValueError, FileNotFoundError):
-            if self.dir.fs.exists(join(self.dir.path, info.name, MANIFEST)):
-                raise  # there, yet unreadable: not a removal
+        manifest = self._load_unless_removed(info.name)
+        if manifest is None:
             log.warning(
                 "evaluator: %s was removed (max_to_keep) before it could be read: skipped; "
                 "the evaluator is slower than the chief's checkpoints",
@@ -254,6 +257,26 @@ class Evaluator:
         return result
 
     # -- loading ----------------------------------------------------------------------------
+
+    def _load_unless_removed(self, name: str) -> Manifest | None:
+        """:meth:`load`, or ``None`` when the checkpoint was removed before it could be read
+        (its manifest is gone). A failure while the manifest is still there is tried once
+        more after ``poll_interval`` (a removal may be under way), then raised."""
+        try:
+            return self.load(name)
+        except (ValueError, FileNotFoundError):
+            if not self._has_manifest(name):
+                return None
+        time.sleep(self.poll_interval)
+        try:
+            return self.load(name)
+        except (ValueError, FileNotFoundError):
+            if not self._has_manifest(name):
+                return None
+            raise  # there, yet unreadable: not a removal
+
+    def _has_manifest(self, name: str) -> bool:
+        return bool(self.dir.fs.exists(join(self.dir.path, name, MANIFEST)))
 
     def load(self, name: str) -> Manifest:
         """Loads checkpoint ``name`` into the model; returns its manifest.

@@ -223,3 +223,11 @@ def test_a_script_knows_it_is_the_evaluator_from_tf_config() -> None:
     assert ctx.is_evaluator and not ctx.is_chief
     worker, _ = psflow.resolve([], environ={"TF_CONFIG": cluster.to_tf_config(cluster.chief)})
     assert not worker.is_evaluator
+
+
+def test_a_checkpoint_that_is_there_but_unreadable_is_an_error_not_a_skip(tmp_path: Path) -> None:
+    Chief(tmp_path).save(2, final=True)
+    (tmp_path / "ckpt-2" / "shard-0-of-1.safetensors").unlink()  # its manifest stays
+    with pytest.raises(ValueError, match=r"shard-0-of-1.safetensors, named in ckpt-2's manifest"):
+        evaluator(tmp_path).run()
+    assert not (tmp_path / "eval" / RECORD).exists()
