@@ -303,6 +303,13 @@ class Evaluator:
                 weights = fixed_tables(self.dir.url, ckpt, saved)
                 for table, module in modules.items():
                     spec = TableSpec.from_wire(ckpt.manifest.tables[table]["spec"])
+                    mine = (module.num_embeddings, module.embedding_dim)
+                    if mine != (spec.num_embeddings, spec.embedding_dim):
+                        raise ValueError(
+                            f"{name}: table {table!r} is {spec.num_embeddings} x "
+                            f"{spec.embedding_dim} (None: hashed), the model's is "
+                            f"{mine[0]} x {mine[1]}"
+                        )
                     if spec.num_embeddings is not None and not module.attached:
                         module.weight.copy_(weights[f"{table}.weight"])
                     else:

@@ -321,6 +321,10 @@ def test_a_checkpoint_restores_tables_into_another_number_of_ps(tmp_path: Path) 
     dense = load_checkpoint(url, "ckpt-3")
     assert dense is not None
     torch.testing.assert_close(fresh.head.weight.detach(), dense.params["head.weight"])
+    wrong = Recommender()
+    wrong.items = pnn.Embedding(VOCAB + 1, DIM)
+    with pytest.raises(ValueError, match=rf"ckpt-3: table 'items' is {VOCAB} x {DIM}"):
+        Evaluator(wrong, lambda m: {"x": 0.0}, url, logdir=str(tmp_path)).load("ckpt-3")
 
 
 @pytest.mark.parametrize("optimizer", ["SGD", "Adagrad"])
