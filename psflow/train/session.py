@@ -574,9 +574,9 @@ class TrainingSession:
             and time.monotonic() - self._last_save_t >= cfg.save_checkpoint_secs
         )
 
-    def _save(self, *, wait: bool) -> str | None:
+    def _save(self, *, wait: bool, final: bool = False) -> str | None:
         assert self.checkpointer is not None
-        name = self.checkpointer.save(self.global_step, wait=wait)
+        name = self.checkpointer.save(self.global_step, wait=wait, final=final)
         if name is not None:
             self._last_save_t = time.monotonic()
             self._last_save_step = self.global_step
@@ -617,7 +617,11 @@ class TrainingSession:
                     self.opt.pull()
                     self.global_step = self.opt.global_step
                     self.checkpointer.wait()
-                    self._save(wait=True)
+                    # Stopped by a signal (to any rank), a restart may follow: not the end.
+                    signalled = self._terminated or (
+                        self._allreduce is not None and self._allreduce.stop_requested
+                    )
+                    self._save(wait=True, final=not signalled)
             elif self.checkpointer is not None:
                 self.checkpointer.wait(raise_error=False)
         finally:

@@ -113,6 +113,8 @@ def assert_final_checkpoint(logdir: Path, chief: Task) -> int:
     scheduled = [c.step for c in saved.checkpoints() if c.complete and c.name != latest]
     assert final >= stopped_at and all(s < final for s in scheduled), (final, scheduled)
     assert f"saved checkpoint {logdir}/{latest} (global step {final})" in chief.stderr
+    # Not the job's end (a cluster manager may restart it): an evaluator waits on.
+    assert not saved.manifest(latest).final
     return stopped_at
 
 
