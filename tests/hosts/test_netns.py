@@ -138,7 +138,7 @@ def test_linear_regression_trains_across_hosts_and_rides_out_a_cut_ps_link(
 def test_a_ps_cut_off_past_the_timeout_is_named_by_the_workers(net: Hosts, tmp_path: Path) -> None:
     # A request gives up after PSFLOW_TIMEOUT; the session then waits PSFLOW_RECOVERY_TIMEOUT
     # for the ps to answer again (a restarted ps is restored in that window) before it fails.
-    env = {"PSFLOW_TIMEOUT": "4", "PSFLOW_RECOVERY_TIMEOUT": "8"}
+    env = {"PSFLOW_TIMEOUT": "10", "PSFLOW_RECOVERY_TIMEOUT": "10"}
     _ps, chief, other = tasks = _start(net, tmp_path, train_steps=10**7, env=env)
     try:
         chief.wait_step(1000, timeout=120)
