@@ -2,6 +2,8 @@
 
     psflow data synth-ctr data/ctr --examples 500000 --test-examples 50000
     psflow launch --ps 2 --workers 2 examples/ctr.py --data data/ctr --logdir runs/ctr
+    psflow launch --ps 2 --workers 2 --evaluator examples/ctr.py --data data/ctr --logdir runs/ctr \
+        --save_checkpoint_steps 500
 
 The model is DLRM's (facebookresearch/dlrm): the 13 dense features through a bottom MLP to a
 vector of ``--dim``, each of the 26 categorical features through an embedding of the same
@@ -17,7 +19,9 @@ It reads TFRecord files of the Criteo Kaggle layout through ``psflow.data`` (wha
 ``psflow data synth-ctr`` writes; real Criteo files converted to that layout, or
 tensorflow/models' ``dense-feature-N``/``sparse-feature-N`` records, work unchanged), each
 worker its share. At the end the chief scores the held-out split: AUC, and the best AUC
-achievable on it when the set came from ``synth-ctr`` (its planted model's). Without a cluster
+achievable on it when the set came from ``synth-ctr`` (its planted model's). With
+``--evaluator`` an evaluator task scores every checkpoint on the held-out split (``eval/auc``,
+``eval/loss`` in TensorBoard, under ``<logdir>/eval``) while the job trains. Without a cluster
 (``python examples/ctr.py --data data/ctr``) the same script trains in one process.
 """
 
@@ -167,6 +171,7 @@ def main() -> None:
     parser.add_argument("--wide_l1", type=float, default=0.0)
     parser.add_argument("--wide_l2", type=float, default=1.0)
     parser.add_argument("--logdir", default=None, help="checkpoints and TensorBoard summaries")
+    parser.add_argument("--save_checkpoint_steps", type=int, default=None, help="default: 10 min")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--prefetch",
@@ -180,9 +185,6 @@ def main() -> None:
         # Saves go only under --logdir: the ps refuses to write its shard anywhere else.
         psflow.ParameterServer(ctx, checkpoint_dir=args.logdir).join()
         return
-    trainers = ctx.cluster.trainers if ctx else []
-    index, workers = (trainers.index(ctx.task), len(trainers)) if ctx else (0, 1)
-
     torch.manual_seed(args.seed)
     table = RowOptimizerSpec.of("Adagrad", lr=args.table_lr, initial_accumulator_value=0.1)
     wide = (
@@ -192,6 +194,17 @@ def main() -> None:
     )
     sizes = [int(s) for s in args.bottom.split(",")], [int(s) for s in args.top.split(",")]
     model = DLRM(args.dim, sizes[0], sizes[1], table, wide, args.min_count)
+    test = os.path.join(args.data, "test-*")
+    if ctx is not None and ctx.is_evaluator:
+        # Each checkpoint, hashed tables included, loaded here with no ps; ends after the last.
+        def score(m: nn.Module) -> dict[str, float]:
+            test_auc, test_loss = evaluate(m, test, 4096)
+            return {"auc": test_auc, "loss": test_loss}
+
+        psflow.Evaluator(model, score, args.logdir).run()
+        return
+    trainers = ctx.cluster.trainers if ctx else []
+    index, workers = (trainers.index(ctx.task), len(trainers)) if ctx else (0, 1)
     train = os.path.join(args.data, "train-*")
     batches = ctr_batches(
         train,
@@ -209,6 +222,7 @@ def main() -> None:
             optimizer=args.optimizer,
             lr=args.lr,
             checkpoint_dir=args.logdir,
+            save_checkpoint_steps=args.save_checkpoint_steps,
             last_step=args.train_steps,
         )
         if ctx is not None
@@ -234,7 +248,7 @@ def main() -> None:
         if sess.is_chief:
             if ctx is not None:
                 sess.opt.pull()  # the dense layers as the ps hold them now
-            test_auc, test_loss = evaluate(model, os.path.join(args.data, "test-*"), 4096)
+            test_auc, test_loss = evaluate(model, test, 4096)
             meta_path = os.path.join(args.data, META_FILE)
             best = None
             if os.path.exists(meta_path):

@@ -2,6 +2,7 @@
 
     psflow launch --ps 1 --workers 2 examples/linear_regression.py --logdir runs/linreg
     psflow launch --workers 2 --mode allreduce examples/linear_regression.py --logdir runs/ar
+    psflow launch --ps 1 --workers 2 --evaluator examples/linear_regression.py --logdir runs/linreg
 
 Every task runs this same script and learns its role from TF_CONFIG (set by the launcher) or
 the classic flags (--ps_hosts --worker_hosts --job_name --task_index). The ps tasks hold W and
@@ -11,7 +12,9 @@ checkpoints and TensorBoard summaries there (``tensorboard --logdir runs/linreg`
 the result, `W=... b=...`, once the global step reaches --train_steps. Run the same command
 again after killing it (or after it finished) and it resumes from the last checkpoint; SIGTERM
 stops it cleanly with a final checkpoint. With `--mode allreduce` there is no ps: the workers
-average their gradients with torch.distributed and the chief saves its own copy.
+average their gradients with torch.distributed and the chief saves its own copy. With
+`--evaluator` an evaluator task scores each checkpoint on 1,000 held-out points (`eval/loss` in
+TensorBoard, under runs/linreg/eval) and exits after the final one.
 """
 
 from __future__ import annotations
@@ -24,6 +27,12 @@ import torch.nn.functional as F
 
 import psflow
 from psflow.train import TrainingSession
+
+
+def points(n: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` examples of y = 2x + 0.3 plus noise, x uniform in [-1, 1)."""
+    x = torch.rand(n, 1, generator=generator) * 2 - 1
+    return x, 2 * x + 0.3 + 0.1 * torch.randn(n, 1, generator=generator)
 
 
 def main() -> None:
@@ -44,6 +53,10 @@ def main() -> None:
 
     torch.manual_seed(args.seed + ctx.index)
     model = torch.nn.Linear(1, 1)  # z = w*x + b
+    if ctx.is_evaluator:
+        x, y = points(1000, torch.Generator().manual_seed(1234))  # held out: never trained on
+        psflow.Evaluator(model, lambda m: {"loss": F.mse_loss(m(x), y)}, args.logdir).run()
+        return
     with TrainingSession(
         model,
         ctx,
@@ -55,8 +68,7 @@ def main() -> None:
         log_step_count_steps=1000,
     ) as sess:
         while not sess.should_stop():
-            x = torch.rand(1, 1) * 2 - 1
-            y = 2 * x + 0.3 + 0.1 * torch.randn(1, 1)
+            x, y = points(1)
             loss = F.mse_loss(model(x), y)
             sess.zero_grad()
             loss.backward()

@@ -18,7 +18,7 @@ A training script, in full (``psflow launch --ps 1 --workers 2 train.py`` runs i
 The public API, by layer: cluster (:class:`ClusterSpec`, :class:`TaskSpec`,
 :class:`TaskContext`, :func:`resolve`), ps (:class:`ParameterServer`), protocol (:class:`OptimizerSpec`, :class:`ScheduleSpec`),
 worker (:class:`DistributedOptimizer` in async, sync or all-reduce mode, :class:`Towers`), train (:class:`TrainingSession` and its hooks,
-checkpoints), transport (:class:`TransportConfig`, errors). Data (TFRecord, Example, Spark) is
+checkpoints, :class:`Evaluator`), transport (:class:`TransportConfig`, errors). Data (TFRecord, Example, Spark) is
 in :mod:`psflow.data`, deployment templates in :mod:`psflow.deploy`, embedding tables that can
 live on the ps (``psflow.nn.Embedding``, ``psflow.nn.EmbeddingBag``) in :mod:`psflow.nn`.
 
@@ -44,6 +44,7 @@ _EXPORTS = {
     "OptimizerSpec": "psflow.protocol",
     "ScheduleSpec": "psflow.protocol",
     "ParameterServer": "psflow.ps",
+    "Evaluator": "psflow.train",
     "Hook": "psflow.train",
     "LoggingHook": "psflow.train",
     "ModeStatsHook": "psflow.train",
@@ -84,6 +85,7 @@ _SUBPACKAGES = frozenset(
 __all__ = [
     "ClusterSpec",
     "DistributedOptimizer",
+    "Evaluator",
     "Hook",
     "LoggingHook",
     "ModeConfig",
@@ -117,6 +119,7 @@ if TYPE_CHECKING:
     from psflow.protocol import OptimizerSpec, ScheduleSpec
     from psflow.ps import ParameterServer
     from psflow.train import (
+        Evaluator,
         Hook,
         LoggingHook,
         ModeStatsHook,

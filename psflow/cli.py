@@ -127,6 +127,12 @@ def _add_launch(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     p.add_argument("--chief", action="store_true", help="add a separate chief task")
     p.add_argument("--host", default="127.0.0.1", help="address the tasks listen on")
     p.add_argument(
+        "--evaluator",
+        action="store_true",
+        help="add an evaluator task: the script's evaluator branch (psflow.Evaluator) scores "
+        "every checkpoint and exits after the final one",
+    )
+    p.add_argument(
         "--mode",
         choices=LAUNCH_MODES,
         default=None,

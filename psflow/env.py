@@ -62,6 +62,12 @@ for the chief to initialise them (default 300). Each status request within that 
 by ``PSFLOW_TIMEOUT``; the wait as a whole by this. The chief waits this long for the ps to come
 up, then initialises them itself."""
 
+PSFLOW_RECOVERY_TIMEOUT = "PSFLOW_RECOVERY_TIMEOUT"
+"""Seconds a worker waits, after a ps stopped answering (each request bounded by
+``PSFLOW_TIMEOUT``), for every ps to answer again before it fails naming the ps (default 300):
+the window in which a crashed ps is restarted and restored, or a cut link mended. A
+``SessionConfig(recovery_timeout=...)`` given in the script wins."""
+
 PSFLOW_WAIT_LOG_SECONDS = "PSFLOW_WAIT_LOG_SECONDS"
 """Seconds between the lines a waiting task logs (default 10): which ps tasks have not
 answered (and what the connection says: nothing listening, key refused) or are not yet

@@ -20,6 +20,7 @@ def launch(args: argparse.Namespace) -> int:
         ps=args.ps if args.ps is not None else (0 if args.mode == "allreduce" else 1),
         workers=args.workers,
         chief=args.chief,
+        evaluators=int(args.evaluator),
         host=args.host,
         ps_exit_timeout=args.ps_exit_timeout,
         grace=args.grace,

@@ -20,6 +20,11 @@ directory (mode 0700) that every task gets as ``PSFLOW_KEYS_DIR`` and that is re
 launcher exits: no other process on the host can reach the job's ps. ``--insecure`` runs
 without keys; a ``PSFLOW_KEYS_DIR`` of the user's own stands.
 
+An evaluator task (``--evaluator``; outside the cluster in its ``TF_CONFIG``, as TensorFlow
+has it) scores checkpoints beside the job and exits by itself after the chief's final one; it
+may take up to ``eval_exit_timeout`` for that once the workers are done. Its failure does not
+stop training: the launcher names it, goes on, and the job then fails.
+
 Ctrl-C (or SIGTERM) stops the job: the workers get SIGTERM (a chief may save a last
 checkpoint), then, once they are gone, the ps tasks; whatever still runs after the grace period
 (``--grace``, 30 s; at least 5 s for the ps) gets SIGKILL. A second Ctrl-C kills at once. No task is left behind, nor any shared-memory file a task left
@@ -72,6 +77,11 @@ class LaunchConfig:
     """Number of worker tasks."""
     chief: bool = False
     """Add a separate ``chief`` task (otherwise ``worker:0`` is the chief)."""
+    evaluators: int = 0
+    """Evaluator tasks: 0 or 1 (one evaluator writes ``<logdir>/eval``)."""
+    eval_exit_timeout: float = 600.0
+    """Seconds the evaluator may take, once the workers are done, to score the checkpoints
+    left and exit (then it is stopped, and the job fails)."""
     host: str = "127.0.0.1"
     """Address every task listens on."""
     ps_exit_timeout: float = 30.0
@@ -106,8 +116,10 @@ class LaunchConfig:
             raise TypeError(f"--max-restarts must be an integer, got {self.max_restarts!r}")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if self.ps_exit_timeout <= 0 or self.grace <= 0:
-            raise ValueError("ps_exit_timeout and grace must be > 0 seconds")
+        if self.evaluators not in (0, 1):
+            raise ValueError(f"evaluators must be 0 or 1, got {self.evaluators}")
+        if self.ps_exit_timeout <= 0 or self.grace <= 0 or self.eval_exit_timeout <= 0:
+            raise ValueError("ps_exit_timeout, grace and eval_exit_timeout must be > 0 seconds")
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -125,9 +137,9 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def local_cluster(
-    ps: int, workers: int, *, chief: bool = False, host: str = "127.0.0.1"
+    ps: int, workers: int, *, chief: bool = False, host: str = "127.0.0.1", evaluators: int = 0
 ) -> ClusterSpec:
-    """A cluster of local tasks on free ports."""
+    """A cluster of local tasks on free ports (evaluators outside it: nobody calls them)."""
     ports = iter(free_ports(ps + workers + int(chief), host))
     jobs: dict[str, list[str]] = {}
     if chief:
@@ -136,7 +148,7 @@ def local_cluster(
         jobs["ps"] = [f"{host}:{next(ports)}" for _ in range(ps)]
     if workers:
         jobs["worker"] = [f"{host}:{next(ports)}" for _ in range(workers)]
-    return ClusterSpec(jobs=jobs)
+    return ClusterSpec(jobs=jobs, evaluators=evaluators)
 
 
 def _die_with_parent() -> None:
@@ -155,7 +167,11 @@ class Launcher:
     def __init__(self, config: LaunchConfig) -> None:
         self.config = config
         self.cluster = local_cluster(
-            config.ps, config.workers, chief=config.chief, host=config.host
+            config.ps,
+            config.workers,
+            chief=config.chief,
+            host=config.host,
+            evaluators=config.evaluators,
         )
         self.procs: dict[TaskSpec, subprocess.Popen[bytes]] = {}
         self._threads: list[threading.Thread] = []
@@ -222,19 +238,25 @@ class Launcher:
         """Supervises the job until it ends; returns the launcher's exit code."""
         trainers = [t for t in self.procs if t.job in ("chief", "worker")]
         trainers_done_at: float | None = None
+        failed_evaluators: list[TaskSpec] = []
         while True:
             if self._stopping.is_set():
                 return 128 + (self._signal or signal.SIGINT)
             self._sweep()
             for task, proc in self.procs.items():
                 code = proc.poll()
-                if code is not None and code != 0:
-                    how = f"signal {-code}" if code < 0 else f"exit code {code}"
-                    if self._restart(task, how):
-                        break  # self.procs changed: look again
-                    self._say(f"task {task} failed with {how}; stopping the other tasks")
-                    self.stop()
-                    return 1
+                if code is None or code == 0 or task in failed_evaluators:
+                    continue
+                how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                if task.job == "evaluator":
+                    failed_evaluators.append(task)
+                    self._say(f"task {task} failed with {how}; training goes on without it")
+                    continue
+                if self._restart(task, how):
+                    break  # self.procs changed: look again
+                self._say(f"task {task} failed with {how}; stopping the other tasks")
+                self.stop()
+                return 1
             if trainers_done_at is None and all(self.procs[t].poll() == 0 for t in trainers):
                 trainers_done_at = time.monotonic()
             if self._hung_after_the_end():
@@ -242,17 +264,13 @@ class Launcher:
                 return 1
             if all(p.poll() is not None for p in self.procs.values()):
                 self._join_relays()
+                if failed_evaluators:
+                    names = ", ".join(map(str, failed_evaluators))
+                    self._say(f"job finished, but {names} failed")
+                    return 1
                 self._say(f"job finished: {len(self.procs)} tasks exited 0")
                 return 0
-            if (
-                trainers_done_at is not None
-                and time.monotonic() - trainers_done_at > self.config.ps_exit_timeout
-            ):
-                left = [str(t) for t, p in self.procs.items() if p.poll() is None]
-                self._say(
-                    f"{', '.join(left)} did not exit within {self.config.ps_exit_timeout:g} s of the "
-                    "workers finishing; stopping them"
-                )
+            if trainers_done_at is not None and self._late(time.monotonic() - trainers_done_at):
                 self.stop()
                 return 1
             time.sleep(0.05)
@@ -324,6 +342,22 @@ class Launcher:
         if self.keys_dir is not None:
             shutil.rmtree(self.keys_dir, ignore_errors=True)
             self.keys_dir = None
+
+    def _late(self, waited: float) -> bool:
+        """Whether a task still running ``waited`` seconds after the workers finished has
+        overstayed (the ps: ``ps_exit_timeout``; an evaluator: ``eval_exit_timeout``)."""
+        for job, limit, why in (
+            ("ps", self.config.ps_exit_timeout, ""),
+            ("evaluator", self.config.eval_exit_timeout, " (no final checkpoint to stop after?)"),
+        ):
+            left = [str(t) for t, p in self.procs.items() if t.job == job and p.poll() is None]
+            if left and waited > limit:
+                self._say(
+                    f"{', '.join(left)} did not exit within {limit:g} s of the workers "
+                    f"finishing{why}; stopping them"
+                )
+                return True
+        return False
 
     def stop(self, timeout: float | None = None) -> None:
         """Stops every task still running: SIGTERM, then SIGKILL after the grace period (at

@@ -294,6 +294,12 @@ class TaskContext:
         return self.task == self.cluster.chief
 
     @property
+    def is_evaluator(self) -> bool:
+        """True for an ``evaluator`` task (``TF_CONFIG``'s ``task.type``): it trains nothing and
+        scores each checkpoint the chief writes (:class:`psflow.Evaluator`)."""
+        return self.task.job == "evaluator"
+
+    @property
     def job(self) -> str:
         return self.task.job
 

@@ -97,6 +97,15 @@ def check_target(config: JobConfig, target: str) -> None:
             "tensorboard needs a logdir shared by all pods: give logdir_claim "
             "(a ReadWriteMany PersistentVolumeClaim)"
         )
+    private_logdir = (k8s and config.logdir_claim is None) or (
+        target == "marathon" and config.logdir_host_dir is None
+    )
+    if config.evaluators and private_logdir:
+        raise ValueError(
+            "an evaluator reads the checkpoints the chief writes into the logdir, so the logdir "
+            "must be shared: give "
+            + ("logdir_claim (a ReadWriteMany PersistentVolumeClaim)" if k8s else "logdir_host_dir")
+        )
     if target == "marathon":
         if config.tensorboard and config.logdir_host_dir is None:
             raise ValueError("tensorboard on marathon needs logdir_host_dir (a shared mount)")

@@ -7,11 +7,13 @@ Pure torch, no sockets: the ps holds a :class:`Rows` per table it serves, and a 
 - ``partition.py``: :class:`Partition`, which shard holds an id and where (``mod``/``div``);
   :func:`coalesce`, row gradients summed per id.
 - ``optim.py``: :class:`RowOptimizer`, the row-wise SGD, Adagrad, lazy Adam and FTRL updates.
+- ``idmap.py``: :class:`IdMap`, a hashed table's id -> slot map in tensors (open addressing).
 - ``rows.py``: :class:`Rows`, one shard's part of one table; :class:`FixedRows` (dense, a range
   of ids), :class:`HashedRows` (any int64 id, rows made on first update, admission and
   eviction); :func:`make_rows`, the one a :class:`~psflow.protocol.TableSpec` needs.
 """
 
+from psflow.sparse.idmap import IdMap
 from psflow.sparse.init import initial_rows
 from psflow.sparse.optim import RowOptimizer
 from psflow.sparse.partition import Partition, coalesce
@@ -20,6 +22,7 @@ from psflow.sparse.rows import FixedRows, HashedRows, Rows, make_rows
 __all__ = [
     "FixedRows",
     "HashedRows",
+    "IdMap",
     "Partition",
     "RowOptimizer",
     "Rows",

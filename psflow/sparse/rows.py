@@ -8,16 +8,14 @@
 
 from __future__ import annotations
 
-import itertools
-import sys
 import threading
 from abc import ABC, abstractmethod
 from typing import Any
 
-import numpy as np
 import torch
 
 from psflow.protocol import RowOptimizerSpec, TableSpec
+from psflow.sparse.idmap import IdMap
 from psflow.sparse.init import initial_rows, splitmix64
 from psflow.sparse.optim import RowOptimizer
 from psflow.sparse.partition import Partition
@@ -350,8 +348,6 @@ INITIAL_CAPACITY = 1024
 
 _SKETCH_DEPTH = 4
 _SKETCH_SALT = 0x632BE59BD9B4E019
-_DICT_ENTRY_BYTES = 64
-"""What one id -> slot entry costs beyond the dict's table: two int objects."""
 
 
 class HashedRows(Rows):
@@ -365,8 +361,8 @@ class HashedRows(Rows):
     has to come back while about ``16 * max_rows`` newcomers stream past, and the sketch never
     fills up (which would admit everything). With ``max_rows`` the shard keeps at most that
     many rows, evicting the least recently updated (never one the same push updates). The
-    id -> row map is a dict, queried once per id in one batch per request; everything else is
-    tensor operations.
+    id -> row map is an :class:`~psflow.sparse.idmap.IdMap`, asked once per request with all
+    its ids; everything is tensor operations.
 
     Example:
         >>> spec = TableSpec(name="ids", embedding_dim=4, num_embeddings=None, max_rows=2)
@@ -400,7 +396,7 @@ class HashedRows(Rows):
             INITIAL_CAPACITY if self.max_rows is None else min(INITIAL_CAPACITY, self.max_rows)
         )
         self._n = 0
-        self._slot_of: dict[int, int] = {}
+        self._index = IdMap()
         self._tick = 0
         self._alloc(capacity)
         self.counts = {"admitted": 0, "not_admitted": 0, "evicted": 0, "dropped_full": 0}
@@ -442,10 +438,7 @@ class HashedRows(Rows):
 
     def _slots(self, ids: torch.Tensor) -> torch.Tensor:
         """Each id's slot, -1 for ids not held."""
-        # One pass of dict lookups in C (map), straight into an int64 buffer: about three
-        # times faster than building a list and converting it.
-        found = map(self._slot_of.get, ids.numpy().tolist(), itertools.repeat(-1))
-        return torch.from_numpy(np.fromiter(found, dtype=np.int64, count=ids.numel()))
+        return self._index.get(ids)
 
     def _take_slots(self, count: int) -> torch.Tensor:
         """``count`` slots for new rows: free ones, by growing, or by evicting the least
@@ -456,9 +449,7 @@ class HashedRows(Rows):
         parts = []
         if evict:
             old = torch.topk(self.last_update[:n], evict, largest=False, sorted=False).indices
-            pop = self._slot_of.pop
-            for i in self.slot_ids[old].tolist():
-                pop(i)
+            self._index.remove(self.slot_ids.index_select(0, old))
             self.counts["evicted"] += evict
             parts.append(old)
         fresh = count - evict
@@ -491,7 +482,7 @@ class HashedRows(Rows):
         )
         self.optimizer.reset_rows(self.state, slots)
         self.slot_ids.index_copy_(0, slots, ids)
-        self._slot_of.update(zip(ids.numpy().tolist(), slots.numpy().tolist(), strict=True))
+        self._index.put(ids, slots)
 
     def _admit(self, ids: torch.Tensor) -> torch.Tensor:
         """Counts one push of each of ``ids`` (unique); which have now been pushed
@@ -573,8 +564,7 @@ class HashedRows(Rows):
         tensors = [self.values, self.slot_ids, self.last_update, *self.state.values()]
         if self._sketch is not None:
             tensors.append(self._sketch)
-        mapping = sys.getsizeof(self._slot_of) + _DICT_ENTRY_BYTES * len(self._slot_of)
-        return sum(t.nbytes for t in tensors) + mapping
+        return sum(t.nbytes for t in tensors) + self._index.nbytes
 
     @property
     def stats(self) -> dict[str, int]:
@@ -609,9 +599,7 @@ class HashedRows(Rows):
             new_ids = ids[new_pos]
             self._preserve(new_slots)
             self.slot_ids.index_copy_(0, new_slots, new_ids)
-            self._slot_of.update(
-                zip(new_ids.numpy().tolist(), new_slots.numpy().tolist(), strict=True)
-            )
+            self._index.put(new_ids, new_slots)
             slots[new_pos] = new_slots
             keep = slots >= 0
             if not bool(keep.all()):

@@ -10,6 +10,8 @@
 - ``hooks.py``: :class:`Hook`, :class:`StepContext`, :class:`Session` (what a hook sees of
   its session), :class:`StopAtStepHook`, :class:`NanGuardHook` (:class:`NanLossError`),
   :class:`LoggingHook`.
+- ``evaluator.py``: :class:`Evaluator` (the ``evaluator`` task: every checkpoint scored into
+  TensorBoard), :class:`EvalResult`.
 - ``summary.py``: :class:`SummaryHook` (TensorBoard event files).
 - ``mode_stats.py``: :class:`ModeStatsHook` (sync drops, staleness, waits as summaries).
 - ``cli.py``: ``psflow checkpoint inspect|export``.
@@ -18,6 +20,7 @@ The shard-file format the ps tasks write is in :mod:`psflow.ps.checkpoint`.
 """
 
 from psflow.train.checkpoint import Checkpoint, Checkpointer, export_state_dict, load_checkpoint
+from psflow.train.evaluator import EvalResult, Evaluator
 from psflow.train.hooks import (
     Hook,
     LoggingHook,
@@ -36,6 +39,8 @@ __all__ = [
     "Checkpoint",
     "CheckpointDir",
     "Checkpointer",
+    "EvalResult",
+    "Evaluator",
     "Hook",
     "LoggingHook",
     "Manifest",

@@ -220,9 +220,13 @@ def export_state_dict(checkpoint_dir: str, out: str, name: str | None = None) ->
     return ckpt
 
 
-def fixed_tables(checkpoint_dir: str, ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+def fixed_tables(
+    checkpoint_dir: str,
+    ckpt: Checkpoint,
+    saved: dict[str, list[dict[str, torch.Tensor]]] | None = None,
+) -> dict[str, torch.Tensor]:
     """The checkpoint's fixed-size embedding tables, each assembled whole from its shards'
-    rows, as ``<table>.weight``."""
+    rows, as ``<table>.weight`` (from ``saved``, :func:`table_tensors`, when given)."""
     specs = {
         n: TableSpec.from_wire(t["spec"])
         for n, t in ckpt.manifest.tables.items()
@@ -230,9 +234,8 @@ def fixed_tables(checkpoint_dir: str, ckpt: Checkpoint) -> dict[str, torch.Tenso
     }
     if not specs:
         return {}
-    d = CheckpointDir(checkpoint_dir)
-    n = ckpt.manifest.num_shards
-    saved = read_table_tensors([d.url_of(f"{ckpt.name}/{shard_file_name(i, n)}") for i in range(n)])
+    if saved is None:
+        saved = table_tensors(checkpoint_dir, ckpt)
     out = {}
     for table, spec in specs.items():
         assert spec.num_embeddings is not None
@@ -243,6 +246,16 @@ def fixed_tables(checkpoint_dir: str, ckpt: Checkpoint) -> dict[str, torch.Tenso
             weight[part["ids"]] = part["values"]
         out[f"{table}.weight"] = weight
     return out
+
+
+def table_tensors(
+    checkpoint_dir: str, ckpt: Checkpoint
+) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """Every embedding table's rows in ``ckpt``'s shard files: per table, one map (``ids``,
+    ``values``, ``opt/<key>``) per shard file that holds part of it."""
+    d = CheckpointDir(checkpoint_dir)
+    n = ckpt.manifest.num_shards
+    return read_table_tensors([d.url_of(f"{ckpt.name}/{shard_file_name(i, n)}") for i in range(n)])
 
 
 class Checkpointer:
@@ -291,11 +304,12 @@ class Checkpointer:
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def save(self, step: int, *, wait: bool = True) -> str | None:
+    def save(self, step: int, *, wait: bool = True, final: bool = False) -> str | None:
         """Saves the ps state as ``ckpt-<step>``; returns its name (``None`` if skipped).
 
         With ``wait=False`` only the snapshot happens now; the rest runs in the background
-        and a failure is raised by the next call (or :meth:`wait`).
+        and a failure is raised by the next call (or :meth:`wait`). ``final`` marks the
+        manifest as the job's last checkpoint (an existing ``ckpt-<step>`` gets the mark).
         """
         self.wait(raise_error=True) if wait else self._raise_pending()
         if self.busy:
@@ -303,6 +317,8 @@ class Checkpointer:
             return None
         name = f"ckpt-{step}"
         if any(c.name == name and c.complete for c in self.dir.checkpoints()):
+            if final:
+                self.dir.mark_final(name)
             return name
         url = self.dir.url_of(name)
         start = time.perf_counter()
@@ -312,7 +328,10 @@ class Checkpointer:
             float(h.get(Key.SNAPSHOT_SECONDS, 0)) for h in replies.values()
         )
         self._thread = threading.Thread(
-            target=self._finish, args=(name, url, replies), name="psflow-ckpt", daemon=True
+            target=self._finish,
+            args=(name, url, replies, final),
+            name="psflow-ckpt",
+            daemon=True,
         )
         self._thread.start()
         if wait:
@@ -334,7 +353,7 @@ class Checkpointer:
         else:
             self._error = None
 
-    def _finish(self, name: str, url: str, replies: dict[int, dict[str, Any]]) -> None:
+    def _finish(self, name: str, url: str, replies: dict[int, dict[str, Any]], final: bool) -> None:
         try:
             client = self.make_client()
             try:
@@ -342,6 +361,7 @@ class Checkpointer:
             finally:
                 client.close()
             manifest = self._manifest(replies)
+            manifest.final = final
             self.dir.publish(name, manifest)
             self.last_saved_step = manifest.global_step
             removed = self.dir.prune(self.max_to_keep, incomplete_below=manifest.global_step)

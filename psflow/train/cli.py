@@ -22,7 +22,7 @@ def inspect(args: argparse.Namespace) -> int:
         return 0
     others = [c.name + ("" if c.complete else " (incomplete)") for c in d.checkpoints()]
     print(f"checkpoint: {d.url_of(name)}")
-    print(f"global step: {m.global_step}")
+    print(f"global step: {m.global_step}" + (" (final: training ended here)" if m.final else ""))
     print(
         f"psflow: {m.psflow_version}  optimizer: {m.optimizer.get('name')} {m.optimizer.get('kwargs')}"
     )

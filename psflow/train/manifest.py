@@ -70,6 +70,10 @@ class Manifest:
     tables: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Every embedding table: ``{"spec": TableSpec as data, "rows": rows held, "bytes": ...}``;
     each shard file holds its rows (``@table/<name>/...``)."""
+    final: bool = False
+    """Whether this is the job's last checkpoint: the one the chief saves when training ends
+    normally (not on SIGTERM, which a cluster manager may follow with a restart). An evaluator
+    stops after it. Manifests written before this field read as ``False``."""
     psflow_version: str = field(default_factory=psflow_version)
     format: int = FORMAT
     created: float = 0.0
@@ -127,6 +131,8 @@ class Manifest:
                 raise TypeError(f"{name} is not an object")
         if not all(isinstance(v, dict) for v in [*self.params.values(), *self.tables.values()]):
             raise TypeError("params and tables must map names to objects")
+        if not isinstance(self.final, bool):
+            raise TypeError("final is not true or false")
         if not ints(self.shard_steps):
             raise TypeError("shard_steps is not a list of steps")
         if self.lr_schedule is not None and not isinstance(self.lr_schedule, dict):
@@ -230,6 +236,14 @@ class CheckpointDir:
         """Writes the manifest, then points ``latest`` at it (each an atomic replace)."""
         atomic_write(self.fs, join(self.path, name, MANIFEST), manifest.to_json().encode())
         atomic_write(self.fs, join(self.path, LATEST), f"{name}\n".encode())
+
+    def mark_final(self, name: str) -> None:
+        """Rewrites ``name``'s manifest (an atomic replace) with ``final`` set: the job's
+        training ended at this checkpoint, already saved at the same step."""
+        manifest = self.manifest(name)
+        if not manifest.final:
+            manifest.final = True
+            atomic_write(self.fs, join(self.path, name, MANIFEST), manifest.to_json().encode())
 
     def prune(self, max_to_keep: int | None, *, incomplete_below: int | None = None) -> list[str]:
         """Removes complete checkpoints beyond the newest ``max_to_keep`` (never the latest)

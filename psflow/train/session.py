@@ -83,11 +83,14 @@ class SessionConfig:
     """Seconds one checkpoint may take to write before it fails."""
     end_timeout: float = 60.0
     """Seconds the chief waits for the other workers before the final checkpoint."""
-    recovery_timeout: float | None = 300.0
+    recovery_timeout: float | None = dataclasses.field(
+        default_factory=lambda: float(os.environ.get(envvars.PSFLOW_RECOVERY_TIMEOUT, 300))
+    )
     """Seconds a worker waits, after a ps failed to answer, for every ps to answer again (a
-    crashed one restarted by its cluster manager); the chief then restores the latest checkpoint
-    into every shard if one came back empty, and training goes on (asynchronous and
-    synchronous modes; all-reduce has no ps). ``None``: the error stops the worker."""
+    crashed one restarted by its cluster manager, a cut link mended); the chief then restores
+    the latest checkpoint into every shard if one came back empty, and training goes on
+    (asynchronous and synchronous modes; all-reduce has no ps). Default
+    ``PSFLOW_RECOVERY_TIMEOUT``, else 300. ``None``: the error stops the worker."""
     stop_on_sigterm: bool = True
     """SIGTERM (what Kubernetes sends a pod 30 s before SIGKILL) stops the session cleanly:
     the step in progress ends, the loop's :meth:`TrainingSession.should_stop` turns true, and
@@ -215,6 +218,8 @@ class TrainingSession:
         self._local: LocalShard | None = None
         self._terminated = False
         """SIGTERM reached this task."""
+        self._waiting_for_ps = False
+        """In :meth:`_recover`'s wait for a lost ps: SIGTERM then ends the wait at once."""
         self._previous_sigterm: Any = None
         self._sigterm_installed = False
         self.hooks = self._builtin_hooks() + list(hooks)
@@ -509,6 +514,17 @@ class TrainingSession:
         log.warning(
             "%s: %s; waiting up to %g s for every ps to answer", self.ctx.task, error, timeout
         )
+        self._waiting_for_ps = True
+        try:
+            return self._wait_and_restore(error, timeout)
+        except _StopWaiting:
+            raise RuntimeError(
+                f"{self.ctx.task} stopped by SIGTERM while it waited for the ps ({error})"
+            ) from error
+        finally:
+            self._waiting_for_ps = False
+
+    def _wait_and_restore(self, error: PeerError, timeout: float) -> int:
         self.opt.close(finished=False)
         if self.checkpointer is not None:
             self.checkpointer.wait(raise_error=False)  # a save the crash cut short
@@ -558,9 +574,9 @@ class TrainingSession:
             and time.monotonic() - self._last_save_t >= cfg.save_checkpoint_secs
         )
 
-    def _save(self, *, wait: bool) -> str | None:
+    def _save(self, *, wait: bool, final: bool = False) -> str | None:
         assert self.checkpointer is not None
-        name = self.checkpointer.save(self.global_step, wait=wait)
+        name = self.checkpointer.save(self.global_step, wait=wait, final=final)
         if name is not None:
             self._last_save_t = time.monotonic()
             self._last_save_step = self.global_step
@@ -601,7 +617,11 @@ class TrainingSession:
                     self.opt.pull()
                     self.global_step = self.opt.global_step
                     self.checkpointer.wait()
-                    self._save(wait=True)
+                    # Stopped by a signal (to any rank), a restart may follow: not the end.
+                    signalled = self._terminated or (
+                        self._allreduce is not None and self._allreduce.stop_requested
+                    )
+                    self._save(wait=True, final=not signalled)
             elif self.checkpointer is not None:
                 self.checkpointer.wait(raise_error=False)
         finally:
@@ -650,6 +670,11 @@ class TrainingSession:
                 return
             # Only flags: should_stop() says so (the main thread may be inside logging now).
             self._terminated = True
+            if self._waiting_for_ps:
+                # A wait of up to recovery_timeout for a lost ps: the stop must not wait for
+                # it (the launcher's or Kubernetes' grace period is shorter).
+                self._waiting_for_ps = False
+                raise _StopWaiting
             if self._allreduce is not None:
                 self._allreduce.request_stop()
 
@@ -668,6 +693,10 @@ class TrainingSession:
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         self.close(exc)
+
+
+class _StopWaiting(Exception):
+    """SIGTERM arrived while the session waited for a lost ps."""
 
 
 MonitoredTrainingSession = TrainingSession

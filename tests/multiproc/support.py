@@ -47,8 +47,10 @@ def start_ps(
     )
 
 
-def launch_cmd(script: Path, *args: str, ps: int = 1, workers: int = 2) -> list[str]:
-    """``psflow launch`` of ``script`` as a command line."""
+def launch_cmd(
+    script: Path, *args: str, ps: int = 1, workers: int = 2, grace: float | None = None
+) -> list[str]:
+    """``psflow launch`` of ``script`` as a command line (``grace``: its ``--grace``)."""
     return [
         sys.executable,
         "-m",
@@ -58,6 +60,7 @@ def launch_cmd(script: Path, *args: str, ps: int = 1, workers: int = 2) -> list[
         str(ps),
         "--workers",
         str(workers),
+        *(["--grace", str(grace)] if grace is not None else []),
         str(script),
         *args,
     ]

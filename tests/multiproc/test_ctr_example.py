@@ -1,5 +1,6 @@
 """examples/ctr.py end to end on a tiny synth-ctr set: alone in one process, and as a job of
-2 ps and 2 workers whose hashed table lives on the ps."""
+2 ps and 2 workers whose hashed table lives on the ps, with an evaluator task that scores each
+checkpoint (hashed tables loaded with no ps)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from psflow.train import CheckpointDir
 from tests.paths import ROOT
@@ -46,10 +48,14 @@ def test_alone_it_learns(data: Path) -> None:
     assert 0.55 < float(result["test_auc"]) <= 1.0, result  # type: ignore[arg-type]
 
 
-def test_launched_on_two_ps_it_trains_and_checkpoints(data: Path, tmp_path: Path) -> None:
+def test_launched_on_two_ps_it_trains_checkpoints_and_is_evaluated(
+    data: Path, tmp_path: Path
+) -> None:
     logdir = tmp_path / "run"
     args = ["--data", str(data), "--train_steps", "60", "--batch_size", "64"]
+    args += ["--save_checkpoint_steps", "30"]
     cmd = [sys.executable, "-m", "psflow.cli", "launch", "--ps", "2", "--workers", "2"]
+    cmd += ["--evaluator"]
     proc = subprocess.run(
         [*cmd, str(EXAMPLE), *args, "--logdir", str(logdir)],
         capture_output=True,
@@ -66,3 +72,14 @@ def test_launched_on_two_ps_it_trains_and_checkpoints(data: Path, tmp_path: Path
     assert latest is not None and int(latest.split("-")[1]) >= 60
     table = d.manifest(latest).tables["embedding"]
     assert table["rows"] > 0 and table["spec"]["num_embeddings"] is None
+    # The evaluator scored every checkpoint once, at its global step, and stopped at the final.
+    manifests = [d.manifest(c.name) for c in d.checkpoints() if c.complete]
+    assert len(manifests) >= 2 and manifests[-1].final
+    acc = EventAccumulator(str(logdir / "eval"), size_guidance={"scalars": 0})
+    acc.Reload()
+    aucs = acc.Scalars("eval/auc")
+    assert [e.step for e in aucs] == [m.global_step for m in manifests]
+    assert [e.step for e in acc.Scalars("eval/loss")] == [m.global_step for m in manifests]
+    # Its model, loaded from the final checkpoint with no ps, scores as the chief's did on the
+    # ps's values at the end (the other worker's last updates may fall in between).
+    assert abs(aucs[-1].value - float(result["test_auc"])) < 0.02, (aucs, result)  # type: ignore[arg-type]

@@ -60,7 +60,9 @@ def _open_lane_files(pid: int) -> set[str]:
 
 def _launch(script: Path, *args: str, **env: str) -> tuple[subprocess.Popen[str], Lines]:
     proc = subprocess.Popen(
-        launch_cmd(script, *args, workers=1),
+        # A short grace: a frozen ps cannot act on SIGTERM, and the launcher's 30 s of grace
+        # (for a chief's last checkpoint) would only make this test wait.
+        launch_cmd(script, *args, workers=1, grace=3),
         env={**os.environ, **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

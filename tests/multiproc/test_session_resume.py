@@ -43,6 +43,7 @@ def test_killed_job_resumes_step_and_loss_from_the_last_checkpoint(tmp_path: Pat
     assert latest is not None
     step = saved.manifest(latest).global_step
     assert 2900 <= step <= 3500
+    assert not saved.manifest(latest).final  # killed: not the end of training
     losses_before = [float(m.group(2)) for m in _PROGRESS.finditer(first.stderr)]
 
     second = _launch(logdir)  # the same command
@@ -58,6 +59,7 @@ def test_killed_job_resumes_step_and_loss_from_the_last_checkpoint(tmp_path: Pat
 
     final = saved.latest()
     assert final is not None and saved.manifest(final).global_step >= 10000
+    assert saved.manifest(final).final  # training ended there
     assert len([c for c in saved.checkpoints() if c.complete]) <= 5  # max_to_keep
 
     # Both runs wrote TensorBoard events; TensorBoard's own reader sees them.

@@ -113,6 +113,8 @@ def assert_final_checkpoint(logdir: Path, chief: Task) -> int:
     scheduled = [c.step for c in saved.checkpoints() if c.complete and c.name != latest]
     assert final >= stopped_at and all(s < final for s in scheduled), (final, scheduled)
     assert f"saved checkpoint {logdir}/{latest} (global step {final})" in chief.stderr
+    # Not the job's end (a cluster manager may restart it): an evaluator waits on.
+    assert not saved.manifest(latest).final
     return stopped_at
 
 
@@ -203,3 +205,27 @@ def test_a_session_in_this_process_stops_on_sigterm_and_gives_the_handler_back(
     finally:
         signal.signal(signal.SIGTERM, before)
         stop(ps, timeout=1)
+
+
+def test_sigterm_ends_a_workers_wait_for_a_lost_ps(tmp_path: Path) -> None:
+    """A ps killed: the workers wait up to PSFLOW_RECOVERY_TIMEOUT (here 600 s) for it to come
+    back. SIGTERM (the launcher stopping the job, Kubernetes deleting it) ends that wait within
+    the grace period, with an error naming the ps."""
+    logdir = tmp_path / "run"
+    env = {"PSFLOW_RECOVERY_TIMEOUT": "600"}  # a killed ps's connection closes: no timeout
+    with job(local_cluster(1, 2), logdir, env) as tasks:
+        wait_for_a_checkpoint(logdir, tasks)
+        tasks["ps:0"].proc.kill()
+        for name in ("worker:0", "worker:1"):
+            deadline = time.monotonic() + 90
+            while "waiting up to 600 s for every ps" not in tasks[name].stderr:
+                assert tasks[name].proc.poll() is None, tasks[name].stderr[-3000:]
+                assert time.monotonic() < deadline, tasks[name].stderr[-3000:]
+                time.sleep(0.05)
+        terminate(tasks, ["worker:0", "worker:1"])
+        for name in ("worker:0", "worker:1"):
+            code = tasks[name].exit_code(GRACE)
+            err = tasks[name].stderr
+            assert code == 1, f"{name} exit code {code} (None: still running)\n{err[-3000:]}"
+            assert f"{name} stopped by SIGTERM while it waited for the ps" in err, err[-3000:]
+            assert "ps:0" in err.rsplit("stopped by SIGTERM", 1)[1].splitlines()[0]

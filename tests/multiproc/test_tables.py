@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 import psflow.nn as pnn
 from psflow.cluster.spec import ClusterSpec
 from psflow.protocol import Key, Op
-from psflow.train import CheckpointDir, TrainingSession
+from psflow.train import CheckpointDir, Evaluator, TrainingSession, load_checkpoint
 from psflow.transport import PeerError, TransportConfig
 from psflow.worker import DistributedOptimizer
 from psflow.worker.engine import ExchangeEngine
@@ -310,6 +310,21 @@ def test_a_checkpoint_restores_tables_into_another_number_of_ps(tmp_path: Path) 
     plain = torch.nn.Embedding(VOCAB, DIM)
     plain.load_state_dict({"weight": load_file(out)["items.weight"]})
     torch.testing.assert_close(plain.weight.detach(), saved["items"])
+    # The evaluator loads it with no ps: the fixed table into its weight, the hashed one's rows
+    # kept on the evaluator (an id never trained reads as its initial row, as from the ps).
+    fresh = Recommender()
+    initial = fresh.users(torch.tensor([[12345]])).detach()  # local hashed rows, before
+    Evaluator(fresh, lambda m: {"x": 0.0}, url, logdir=str(tmp_path)).load("ckpt-3")
+    torch.testing.assert_close(fresh.items.weight.detach(), saved["items"])
+    torch.testing.assert_close(fresh.users(probe_users.view(-1, 1)).detach(), saved["users"])
+    torch.testing.assert_close(fresh.users(torch.tensor([[12345]])).detach(), initial)
+    dense = load_checkpoint(url, "ckpt-3")
+    assert dense is not None
+    torch.testing.assert_close(fresh.head.weight.detach(), dense.params["head.weight"])
+    wrong = Recommender()
+    wrong.items = pnn.Embedding(VOCAB + 1, DIM)
+    with pytest.raises(ValueError, match=rf"ckpt-3: table 'items' is {VOCAB} x {DIM}"):
+        Evaluator(wrong, lambda m: {"x": 0.0}, url, logdir=str(tmp_path)).load("ckpt-3")
 
 
 @pytest.mark.parametrize("optimizer", ["SGD", "Adagrad"])

@@ -159,6 +159,9 @@ def test_missing_job_file_and_required_fields(tmp_path: Path) -> None:
         ("marathon", {"tensorboard": True}, "needs logdir_host_dir"),
         ("marathon", {"logdir_host_dir": "logs"}, "absolute logdir_host_dir, got 'logs'"),
         ("marathon", {"port": 65535}, "the last would be 65537"),
+        ("kubernetes", {"evaluators": 1}, "an evaluator reads the checkpoints .* logdir_claim"),
+        ("tfjob", {"evaluators": 1}, "the logdir must be shared: give logdir_claim"),
+        ("marathon", {"evaluators": 1}, "the logdir must be shared: give logdir_host_dir"),
     ],
 )
 def test_target_specific_checks(target: str, kw: dict[str, Any], message: str) -> None:
@@ -167,7 +170,9 @@ def test_target_specific_checks(target: str, kw: dict[str, Any], message: str) -
 
 
 def test_layout_names_and_ports() -> None:
-    config = job(chief=True, ps=2, workers=1, evaluators=1)
+    config = job(
+        chief=True, ps=2, workers=1, evaluators=1, logdir_claim="logs", logdir_host_dir="/logs"
+    )
     k8s = plan(config, "kubernetes")
     assert [t.name for t in k8s.tasks] == [
         "mnist-chief-0",

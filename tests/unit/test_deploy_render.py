@@ -21,7 +21,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from psflow.cluster import ClusterSpec, TaskSpec
+from psflow.cluster import ClusterSpec, TaskSpec, resolve
 from psflow.deploy import JobConfig, render
 
 pytestmark = pytest.mark.unit
@@ -507,3 +507,58 @@ def test_templates_ship_as_package_data() -> None:
     assert len(files) >= 4
     for f in files:
         assert any(fnmatch(f, pat) for pat in patterns), f"{f} would not ship in the wheel"
+
+
+# -- the evaluator -----------------------------------------------------------------------------
+
+
+def _task_runs(target: str, config: JobConfig) -> dict[str, dict[str, Any]]:
+    """Per task (``chief``, ``evaluator``): what runs, its environment (with the TF_CONFIG it
+    gets) and the logdir it sees, as the target describes them."""
+    text = render(config, target).text
+    out: dict[str, dict[str, Any]] = {}
+    if target == "kubernetes":
+        for d in docs(text):
+            if d["kind"] == "Job":
+                pod = d["spec"]["template"]["spec"]
+                (c,) = pod["containers"]
+                job_name = d["metadata"]["labels"]["app.kubernetes.io/component"]
+                out[job_name] = {"cmd": c["args"], "env": env_of(c), "logdir": pod["volumes"]}
+    elif target == "tfjob":
+        (tfjob, *_) = docs(text)
+        for rtype, spec in tfjob["spec"]["tfReplicaSpecs"].items():
+            pod = spec["template"]["spec"]
+            (c,) = pod["containers"]
+            env = {**env_of(c), "TF_CONFIG": operator_tf_config(tfjob, rtype, 0)}
+            out[rtype.lower()] = {"cmd": c["args"], "env": env, "logdir": pod["volumes"]}
+    elif target == "compose":
+        for name, s in yaml.safe_load(text)["services"].items():
+            if "-chief-" in name or "-evaluator-" in name:
+                job_name = name.split("-")[-2]
+                out[job_name] = {
+                    "cmd": s["command"],
+                    "env": s["environment"],
+                    "logdir": s["volumes"],
+                }
+    else:
+        for app in json.loads(text)["apps"]:
+            if app["id"] in ("chief-0", "evaluator-0"):
+                vols = app["container"]["volumes"]
+                out[app["id"][:-2]] = {"cmd": app["args"], "env": app["env"], "logdir": vols}
+    return out
+
+
+@pytest.mark.parametrize("target", ["kubernetes", "tfjob", "compose", "marathon"])
+def test_the_evaluator_runs_the_script_on_the_chiefs_logdir(target: str) -> None:
+    config = job(chief=True, evaluators=1, logdir_claim="logs", logdir_host_dir="/srv/logs")
+    runs = _task_runs(target, config)
+    chief, evaluator = runs["chief"], runs["evaluator"]
+    assert evaluator["cmd"] == chief["cmd"] == ["python", "train.py"]
+    assert evaluator["logdir"] == chief["logdir"]  # the same shared volume
+    assert evaluator["env"]["PSFLOW_LOGDIR"] == chief["env"]["PSFLOW_LOGDIR"] == "/logs"
+    # What the script's `ctx.is_evaluator` branch reads (TFJob: the operator's form, with the
+    # evaluator inside `cluster`).
+    ctx, _ = resolve([], environ={"TF_CONFIG": evaluator["env"]["TF_CONFIG"]})
+    assert ctx.is_evaluator and not ctx.is_chief
+    chief_ctx, _ = resolve([], environ={"TF_CONFIG": chief["env"]["TF_CONFIG"]})
+    assert chief_ctx.is_chief and not chief_ctx.is_evaluator
