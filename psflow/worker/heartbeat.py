@@ -60,8 +60,11 @@ class Heartbeat:
         self.interval = interval
         self.me = str(ctx.task)
         self._peers = {f"ps:{i}": address for i, address in enumerate(ctx.cluster.addresses("ps"))}
-        # Through the socket only (a heartbeat carries no tensor), a reply awaited one interval.
-        self._config = dataclasses.replace(config, shared_memory=False, timeout=interval)
+        # Through the socket only (a heartbeat carries no tensor); a reply is awaited one
+        # interval, and the sends to ps that are down (a full queue) block a round no longer.
+        self._config = dataclasses.replace(
+            config, shared_memory=False, timeout=interval / (1 + len(self._peers))
+        )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -84,10 +87,12 @@ class Heartbeat:
         client = Client(self._peers, self._config)
         try:
             while not self._stop.wait(self.interval):
-                rids = [
-                    client.send(peer, {Key.OP: Op.HEARTBEAT, Key.TASK: self.me})
-                    for peer in self._peers
-                ]
+                rids = []
+                for peer in self._peers:
+                    try:  # a ps that is down (restarting, cut off) blocks the send a while
+                        rids.append(client.send(peer, {Key.OP: Op.HEARTBEAT, Key.TASK: self.me}))
+                    except PeerError as e:
+                        log.debug("%s: heartbeat: %s", self.me, e)
                 try:
                     client.wait(rids, self.interval)
                 except PeerError as e:

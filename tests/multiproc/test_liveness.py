@@ -168,3 +168,29 @@ def test_the_launcher_stops_a_worker_still_hung_after_the_job_ended(tmp_path: Pa
         "declared it dead): hung? stopping it"
     ) in proc.stderr
     assert "not gone" not in proc.stderr  # SIGCONT let it take SIGTERM: no SIGKILL needed
+
+
+def test_the_heartbeat_goes_on_while_a_ps_is_down() -> None:
+    from psflow.cluster.launcher import free_ports
+    from psflow.transport import Server
+    from psflow.worker.heartbeat import Heartbeat
+
+    live, down = (f"127.0.0.1:{p}" for p in free_ports(2))
+    cluster = psflow.ClusterSpec(jobs={"ps": [down, live], "worker": ["127.0.0.1:1"]})
+    config = TransportConfig(timeout=5)
+    server = Server(live, config)
+    beat = Heartbeat(worker_ctx(cluster, 0), config, interval=0.05).start()
+    try:
+        heard = 0
+        deadline = time.monotonic() + BOUND
+        while heard < 10:  # rounds go on past the ps that never answers
+            assert time.monotonic() < deadline, f"{heard} heartbeats"
+            request = server.recv(0.1)
+            if request is not None:
+                assert request.header[Key.OP] == "heartbeat"
+                assert request.header[Key.TASK] == "worker:0"
+                server.reply(request, {Key.OP: "ok"})
+                heard += 1
+    finally:
+        beat.stop()
+        server.close()
