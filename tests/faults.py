@@ -3,7 +3,8 @@
 As Horovod's elastic tests pass their fault schedule to the training script, a test runs its
 program (a script, or ``-c CODE``) through this one, which injects the faults first::
 
-    python tests/faults.py [--once DIR] [--kill-at TASK@STEP ...] [--slow-save SECONDS] SCRIPT [ARGS...]
+    python tests/faults.py [--once DIR] [--kill-at TASK@STEP ...] [--hang-at TASK@STEP:SECONDS ...]
+                           [--slow-save SECONDS] SCRIPT [ARGS...]
     python tests/faults.py [...] -c CODE [ARGS...]
 
 - ``--kill-at worker:0@3500``: task ``worker:0`` SIGKILLs itself once its
@@ -11,9 +12,13 @@ program (a script, or ``-c CODE``) through this one, which injects the faults fi
   ``--kill-at ps:0@1800``: ps ``ps:0`` SIGKILLs itself once its shard reaches step 1800 (a
   thread of the :class:`~psflow.ps.ParameterServer` watches the step). The flag may be given
   several times (``worker:1@600`` and ``chief:0@1200``).
-- ``--once DIR`` (before the ``--kill-at`` flags): each task's kill fires once per ``DIR``
-  (it leaves ``DIR/killed-<task>`` first): the same task, restarted by ``psflow launch
-  --max-restarts`` with the same arguments, trains on past the step.
+- ``--hang-at worker:1@700:8``: the same schedule, but the task hangs instead: it SIGSTOPs
+  itself for 8 seconds (a detached ``sh`` sends it SIGCONT then), its heartbeat included, as a
+  process stopped by a debugger or swapped out would (longer than ``PSFLOW_WORKER_TIMEOUT``: the
+  ps declares it dead; then it comes back and rejoins).
+- ``--once DIR`` (before the other flags): each task's fault fires once per ``DIR`` (it leaves
+  ``DIR/killed-<task>`` or ``DIR/hung-<task>`` first): the same task, restarted by ``psflow
+  launch --max-restarts`` with the same arguments, or resumed, trains on past the step.
 - ``--slow-save 1.5``: every checkpoint shard this process (a ps) writes waits 1.5 s, fully
   written under its temporary name, before its rename: a window to kill the task in.
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 import os
 import runpy
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -40,76 +46,92 @@ ONCE: Path | None = None
 """``--once DIR``: where each task marks the kill it did (it is not done again)."""
 
 
-def _die(task: str) -> None:
-    """SIGKILLs this process (once per task under :data:`ONCE`, when given)."""
+def _strike(task: str, hang: float | None) -> None:
+    """SIGKILLs this process, or with ``hang`` SIGSTOPs it for that many seconds (once per task
+    under :data:`ONCE`, when given)."""
     if ONCE is not None:
-        mark = ONCE / f"killed-{task.replace(':', '-')}"
+        mark = ONCE / f"{'killed' if hang is None else 'hung'}-{task.replace(':', '-')}"
         if mark.exists():
             return
         mark.touch()
     sys.stdout.flush()
     sys.stderr.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
+    if hang is None:
+        os.kill(os.getpid(), signal.SIGKILL)
+    # Detached, so that it outlives nothing and needs nothing of this (stopped) process.
+    subprocess.Popen(
+        ["/bin/sh", "-c", f"sleep {hang}; kill -CONT {os.getpid()}"], start_new_session=True
+    )
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def _parse(spec: str) -> tuple[str, int]:
+def _parse(spec: str, *, hang: bool = False) -> tuple[str, int, float | None]:
     who, sep, at = spec.partition("@")
-    if not sep or not at.isdigit():
-        raise ValueError(f"fault schedule {spec!r} must be <task>@<step>, e.g. worker:0@3000")
-    return who, int(at)
+    step, _, seconds = at.partition(":")
+    try:
+        if not sep or not step.isdigit() or bool(seconds) != hang:
+            raise ValueError
+        return who, int(step), float(seconds) if hang else None
+    except ValueError:
+        example = "worker:1@700:8 (seconds)" if hang else "worker:0@3000"
+        form = "<task>@<step>:<seconds>" if hang else "<task>@<step>"
+        raise ValueError(f"fault schedule {spec!r} must be {form}, e.g. {example}") from None
 
 
 class FaultHook(Hook):
-    """SIGKILLs this task once the global step reaches ``step``."""
+    """SIGKILLs this task once the global step reaches ``step`` (with ``hang``, SIGSTOPs it
+    for that many seconds)."""
 
-    def __init__(self, step: int, task: str = "") -> None:
+    def __init__(self, step: int, task: str = "", hang: float | None = None) -> None:
         self.step = step
         self.task = task
+        self.hang = hang
 
     @classmethod
-    def from_spec(cls, spec: str, task: str) -> FaultHook | None:
-        """The hook for ``task`` from a schedule ``<task>@<step>``; ``None`` for other tasks."""
-        who, at = _parse(spec)
-        return cls(at, task) if who == task else None
+    def from_spec(cls, spec: str, task: str, *, hang: bool = False) -> FaultHook | None:
+        """The hook for ``task`` from a schedule ``<task>@<step>`` (``<task>@<step>:<seconds>``
+        with ``hang``); ``None`` for other tasks."""
+        who, at, seconds = _parse(spec, hang=hang)
+        return cls(at, task, seconds) if who == task else None
 
     def after_step(self, ctx: StepContext) -> None:
         if ctx.global_step >= self.step:
-            _die(self.task)
+            _strike(self.task, self.hang)
 
 
-def kill_at(spec: str) -> None:
+def kill_at(spec: str, *, hang: bool = False) -> None:
     """Every :class:`TrainingSession` of this process gets the :class:`FaultHook` of ``spec``;
     for a ps task (``ps:1@1800``), its :class:`~psflow.ps.ParameterServer` a watching thread."""
-    who, _ = _parse(spec)  # validates it now
+    who, _, _ = _parse(spec, hang=hang)  # validates it now
     if who.startswith("ps:"):
-        _kill_ps_at(spec)
+        _strike_ps_at(spec, hang=hang)
         return
     original = TrainingSession.__init__
 
     def init(self: TrainingSession, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        hook = FaultHook.from_spec(spec, str(self.ctx.task))
+        hook = FaultHook.from_spec(spec, str(self.ctx.task), hang=hang)
         if hook is not None:
             self.hooks.append(hook)
 
     TrainingSession.__init__ = init  # type: ignore[method-assign]
 
 
-def _kill_ps_at(spec: str) -> None:
+def _strike_ps_at(spec: str, *, hang: bool) -> None:
     from psflow.ps import ParameterServer
 
     original = ParameterServer.start
 
     def start(self: ParameterServer) -> ParameterServer:
         out = original(self)
-        who, at = _parse(spec)
+        who, at, seconds = _parse(spec, hang=hang)
         if who == self.name:
 
             def watch() -> None:
                 # Polled: the serving thread must not be slowed by a test's hook.
                 while self.store.step < at:
                     time.sleep(0.005)
-                _die(self.name)
+                _strike(self.name, seconds)
 
             threading.Thread(target=watch, name="psflow-test-fault", daemon=True).start()
         return out
@@ -136,13 +158,13 @@ def slow_save(seconds: float) -> None:
 
 def main(argv: list[str]) -> None:
     global ONCE
-    while argv and argv[0] in ("--kill-at", "--slow-save", "--once"):
+    while argv and argv[0] in ("--kill-at", "--hang-at", "--slow-save", "--once"):
         flag, value, argv = argv[0], argv[1], argv[2:]
         if flag == "--once":
             ONCE = Path(value)
             ONCE.mkdir(parents=True, exist_ok=True)
-        elif flag == "--kill-at":
-            kill_at(value)
+        elif flag in ("--kill-at", "--hang-at"):
+            kill_at(value, hang=flag == "--hang-at")
         else:
             slow_save(float(value))
     if not argv:

@@ -88,6 +88,12 @@ def test_fault_schedule_parsing() -> None:
     assert hook is not None and hook.step == 30
     with pytest.raises(ValueError, match="<task>@<step>"):
         FaultHook.from_spec("worker:0", "worker:0")
+    hang = FaultHook.from_spec("worker:1@700:8.5", "worker:1", hang=True)
+    assert hang is not None and (hang.step, hang.hang) == (700, 8.5)
+    with pytest.raises(ValueError, match="<task>@<step>:<seconds>"):
+        FaultHook.from_spec("worker:1@700", "worker:1", hang=True)
+    with pytest.raises(ValueError, match="<task>@<step>, e.g."):
+        FaultHook.from_spec("worker:1@700:8", "worker:1")
 
 
 @pytest.mark.parametrize(
