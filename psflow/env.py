@@ -6,6 +6,8 @@ variable is prefixed `PSFLOW_`.
 
 from __future__ import annotations
 
+import os
+
 TF_CONFIG = "TF_CONFIG"
 """The cluster and this task, as JSON: ``{"cluster": {...}, "task": {"type": ..., "index": ...}}``."""
 
@@ -99,3 +101,21 @@ alone."""
 PSFLOW_SHM = "PSFLOW_SHM"
 """``1`` (default): requests between a worker and a ps on the same host go through shared
 memory (:mod:`psflow.transport.shm`); ``0`` sends everything through the socket."""
+
+
+def seconds(name: str, default: float) -> float:
+    """The positive number of seconds the environment variable ``name`` holds, else ``default``.
+
+    Raises:
+        ValueError: naming the variable, when it holds anything else.
+    """
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{name} must be a number of seconds > 0, got {raw!r}")
+    return value

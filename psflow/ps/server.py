@@ -145,7 +145,7 @@ class ParameterServer:
         self.trainers = {str(t) for t in ctx.cluster.trainers}
         self.finished: set[str] = set()
         if worker_timeout is None:
-            worker_timeout = float(os.environ.get(envvars.PSFLOW_WORKER_TIMEOUT, DEFAULT_TIMEOUT))
+            worker_timeout = envvars.seconds(envvars.PSFLOW_WORKER_TIMEOUT, DEFAULT_TIMEOUT)
         self.liveness = Liveness(self.trainers, worker_timeout)
         """Who has been heard from lately; who is dead."""
         self._unjoined_since: float | None = None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 
 from psflow import env as envvars
@@ -29,16 +28,7 @@ def worker_timeout() -> float:
     Raises:
         ValueError: when it is set to something other than a positive number.
     """
-    raw = os.environ.get(envvars.PSFLOW_WORKER_TIMEOUT)
-    if raw is None:
-        return WORKER_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"{envvars.PSFLOW_WORKER_TIMEOUT} must be seconds > 0, got {raw!r}")
-    return value
+    return envvars.seconds(envvars.PSFLOW_WORKER_TIMEOUT, WORKER_TIMEOUT)
 
 
 class Heartbeat:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from psflow.cluster import ClusterSpec, TaskContext, TaskSpec
+from psflow.ps import ParameterServer
 from psflow.ps.liveness import Liveness
 from psflow.ps.staleness import ClockTable
 from psflow.transport import Request
@@ -33,11 +35,18 @@ def test_the_timeout_must_be_positive() -> None:
         Liveness({"worker:0"}, timeout=0)
 
 
-@pytest.mark.parametrize("raw", ["0", "-3", "soon"])
+@pytest.mark.parametrize("raw", ["0", "-3", "soon", "nan", "inf"])
 def test_a_bad_worker_timeout_is_named(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
     monkeypatch.setenv("PSFLOW_WORKER_TIMEOUT", raw)
-    with pytest.raises(ValueError, match=f"PSFLOW_WORKER_TIMEOUT must be seconds > 0, got '{raw}'"):
+    match = f"PSFLOW_WORKER_TIMEOUT must be a number of seconds > 0, got '{raw}'"
+    with pytest.raises(ValueError, match=match):
         worker_timeout()
+    ctx = TaskContext(
+        cluster=ClusterSpec(jobs={"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}),
+        task=TaskSpec(job="ps", index=0),
+    )
+    with pytest.raises(ValueError, match=match):
+        ParameterServer(ctx)  # the ps reads it alike
 
 
 def _req(i: int) -> Request:

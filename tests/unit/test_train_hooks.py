@@ -92,7 +92,7 @@ def test_fault_schedule_parsing() -> None:
     assert hang is not None and (hang.step, hang.hang) == (700, 8.5)
     with pytest.raises(ValueError, match="<task>@<step>:<seconds>"):
         FaultHook.from_spec("worker:1@700", "worker:1", hang=True)
-    with pytest.raises(ValueError, match="<task>@<step>, e.g."):
+    with pytest.raises(ValueError, match=r"<task>@<step>, e\.g\."):
         FaultHook.from_spec("worker:1@700:8", "worker:1")
 
 
