@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import save as st_save
 
+from psflow.metrics import WorkerMetrics
 from psflow.protocol import Key, OptimizerSpec, SaveState, ScheduleSpec, TableSpec
 from psflow.ps.checkpoint import (
     OPT_SEP,
@@ -269,8 +270,11 @@ class Checkpointer:
         make_client: Callable[[], ShardSaver],
         max_to_keep: int | None = 5,
         timeout: float = 300.0,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.dir = CheckpointDir(checkpoint_dir)
+        self.metrics = metrics
+        """Where each completed save's duration, step and time go (the chief's)."""
         self.client = client
         self.pieces = list(pieces)
         self.param_meta = {
@@ -312,7 +316,10 @@ class Checkpointer:
             float(h.get(Key.SNAPSHOT_SECONDS, 0)) for h in replies.values()
         )
         self._thread = threading.Thread(
-            target=self._finish, args=(name, url, replies), name="psflow-ckpt", daemon=True
+            target=self._finish,
+            args=(name, url, replies, start),
+            name="psflow-ckpt",
+            daemon=True,
         )
         self._thread.start()
         if wait:
@@ -334,7 +341,9 @@ class Checkpointer:
         else:
             self._error = None
 
-    def _finish(self, name: str, url: str, replies: dict[int, dict[str, Any]]) -> None:
+    def _finish(
+        self, name: str, url: str, replies: dict[int, dict[str, Any]], start: float
+    ) -> None:
         try:
             client = self.make_client()
             try:
@@ -344,6 +353,10 @@ class Checkpointer:
             manifest = self._manifest(replies)
             self.dir.publish(name, manifest)
             self.last_saved_step = manifest.global_step
+            if self.metrics is not None:
+                self.metrics.checkpoint_seconds.observe(time.perf_counter() - start)
+                self.metrics.checkpoint_step.set(manifest.global_step)
+                self.metrics.checkpoint_time.set(time.time())
             removed = self.dir.prune(self.max_to_keep, incomplete_below=manifest.global_step)
             log.info(
                 "saved checkpoint %s (global step %d)%s",

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import nn
 
-from psflow import allocator
+from psflow import allocator, metrics
 from psflow import env as envvars
 from psflow.cluster.resolve import resolve
 from psflow.cluster.spec import TaskContext
@@ -125,6 +126,8 @@ class DistributedOptimizer:
             config,
             ready_timeout,
         )
+        self.metrics = metrics.for_task(str(ctx.task), ctx.host).worker(ctx.cluster.num_tasks("ps"))
+        self._last_step_at: float | None = None
         self._closed = False
         self._frozen = allocator.freeze_gc()  # what is alive now lives as long as the training
 
@@ -163,7 +166,15 @@ class DistributedOptimizer:
 
         Parameters whose ``grad`` is ``None`` are not pushed (they still get pulled).
         """
-        return self.engine.step()
+        step = self.engine.step()
+        m = self.metrics
+        m.steps.inc()
+        m.global_step.set(step)
+        now = time.perf_counter()
+        if self._last_step_at is not None:
+            m.step_seconds.observe(now - self._last_step_at)
+        self._last_step_at = now
+        return step
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients of the model's parameters, like ``torch.optim.Optimizer``."""
