@@ -125,6 +125,26 @@ def local_cluster(
     return ClusterSpec(jobs=jobs)
 
 
+class _AboveLive:
+    """A text stream whose lines a rich console prints above its live display, unwrapped."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        *lines, self._partial = (self._partial + text).split("\n")
+        for line in lines:
+            self.console.print(line, markup=False, highlight=False, emoji=False, soft_wrap=True)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return True
+
+
 def _die_with_parent() -> None:
     # The tasks must not outlive a launcher that is killed outright (SIGKILL cannot be caught).
     with contextlib.suppress(OSError, AttributeError):
@@ -156,6 +176,7 @@ class Launcher:
         self._live: Live | None = None
         self._view: JobView | None = None
         self._watch_done = threading.Event()
+        self._std = sys.stdout, sys.stderr
         self._watcher: threading.Thread | None = None
 
     def start(self) -> None:
@@ -363,14 +384,12 @@ class Launcher:
             return proc is not None and proc.poll() is None
 
         self._view = JobView(self.metrics_at, alive=alive, timeout=0.5)
-        self._live = Live(
-            Text("starting ..."),
-            console=Console(file=sys.stdout),
-            refresh_per_second=2,
-            redirect_stdout=True,
-            redirect_stderr=True,
-        )
+        console = Console(file=sys.stdout)
+        self._live = Live(Text("starting ..."), console=console, refresh_per_second=2)
         self._live.start()
+        # The tasks' lines (and the launcher's) go above the progress line, as they are.
+        self._std = sys.stdout, sys.stderr
+        sys.stdout = sys.stderr = _AboveLive(console)  # type: ignore[assignment]
         self._watcher = threading.Thread(target=self._watch, name="psflow-progress", daemon=True)
         self._watcher.start()
 
@@ -389,6 +408,7 @@ class Launcher:
         if self._watcher is not None:
             self._watcher.join(timeout=5)
         self._live.stop()
+        sys.stdout, sys.stderr = self._std
         assert self._view is not None
         self._view.close()
         self._live = None

@@ -68,9 +68,11 @@ class JobSummary:
     @property
     def eta(self) -> float | None:
         """Seconds until ``last_step`` at the current rate."""
-        if self.last_step is None or self.global_step is None or not self.rate:
+        if self.last_step is None or self.global_step is None:
             return None
-        return max(0.0, (self.last_step - self.global_step) / self.rate)
+        if self.global_step >= self.last_step:
+            return 0.0
+        return (self.last_step - self.global_step) / self.rate if self.rate else None
 
 
 def _rate(cur: m.Sample, prev: m.Sample | None, dt: float, name: str, **match: str) -> float | None:
@@ -205,7 +207,7 @@ class JobView:
         known = [x for x in last if x is not None]
         rated = [r for r in trainers if r.up and r.step_rate is not None]
         slowest = None
-        if len(rated) > 1:
+        if len(rated) > 1 and any(r.step_rate for r in rated):
             low = min(rated, key=lambda r: r.step_rate or 0.0)
             slowest = f"{low.task} ({low.step_rate:.1f} steps/s)"
         return JobSummary(
@@ -289,39 +291,36 @@ def progress_line(s: JobSummary) -> Table:
 
 
 def top_table(rows: list[TaskRow], summary: JobSummary, title: str) -> Group:
-    """``psflow top``'s screen: the job's line, then one row per task."""
-    table = Table(expand=False, pad_edge=False, box=None, header_style="bold")
-    for col, justify in (
-        ("TASK", "left"),
-        ("STATE", "left"),
-        ("STEP", "right"),
-        ("STEPS/S", "right"),
-        ("LOSS", "right"),
-        ("BYTES/S", "right"),
-        ("PS LOAD", "right"),
-        ("STALENESS", "right"),
-        ("RTT", "right"),
-        ("CHECKPOINT", "left"),
-        ("CPU", "right"),
-        ("MEM", "right"),
-    ):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    """``psflow top``'s screen: the job's line, then one row per task.
+
+    Columns: STEP (the global step the task last saw), STEP/S (its own steps), LOSS, NET/S
+    (tensor bytes a worker moved, or a ps served to all workers), LOAD (a ps: share of time
+    applying updates, requests waiting), STALE (a worker: mean steps of other workers applied
+    between its pull and its push; a ps: synchronous gradients dropped as stale), RTT (a
+    worker's mean round trip to the ps), CKPT (the chief's last checkpoint), CPU, MEM.
+    """
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for col in ("TASK", "UP", "STEP", "STEP/S", "LOSS", "NET/S", "LOAD", "STALE", "RTT"):
+        table.add_column(col, justify="left" if col in ("TASK", "UP") else "right", no_wrap=True)
+    table.add_column("CKPT", no_wrap=True)
+    table.add_column("CPU", justify="right", no_wrap=True)
+    table.add_column("MEM", justify="right", no_wrap=True)
     for r in rows:
         job = r.task.partition(":")[0]
         if not r.up:
-            state = Text("starting" if r.error == "starting" else "DOWN", style="yellow")
-            table.add_row(r.task, state, *[""] * 8, Text(r.error[:40], style="dim"), "", "")
+            state = Text("wait" if r.error == "starting" else "DOWN", style="yellow")
+            table.add_row(r.task, state, *[""] * 7, Text(r.error[:30], style="dim"), "", "")
             continue
         if job == "ps":
-            load = f"{_num(None if r.busy is None else 100 * r.busy, '{:.0f}%')} busy"
-            load += f", {_num(r.waiting, '{:.0f}')} waiting"
-            stale = f"{_num(r.staleness, '{:.0f}')} dropped"
+            busy = _num(None if r.busy is None else 100 * r.busy, "{:.0f}%")
+            load = f"{busy} q{_num(r.waiting, '{:.0f}')}"
+            stale = f"{_num(r.staleness, '{:.0f}')} drop"
         else:
             load = ""
             stale = _num(r.staleness, "{:.2f}")
         ckpt = ""
-        if r.checkpoint_step is not None:
-            ckpt = f"step {r.checkpoint_step:.0f} {_ago(r.checkpoint_age)}"
+        if r.checkpoint_age is not None and r.checkpoint_step is not None:
+            ckpt = f"{r.checkpoint_step:.0f} {_ago(r.checkpoint_age)}"
         table.add_row(
             r.task,
             Text("up", style="green"),
@@ -336,9 +335,10 @@ def top_table(rows: list[TaskRow], summary: JobSummary, title: str) -> Group:
             _num(None if r.cpu is None else 100 * r.cpu, "{:.0f}%"),
             _bytes(r.memory),
         )
-    head = Text(f"{title}  {summary_text(summary)}", style="bold")
+    head = Text(title, style="bold")
+    head.append("\n" + summary_text(summary), style="")
     if summary.slowest:
-        head.append(f"  slowest: {summary.slowest}", style="")
+        head.append(f" · slowest {summary.slowest}", style="")
     return Group(head, table)
 
 
