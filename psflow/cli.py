@@ -352,6 +352,17 @@ def _add_render(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         help="also run TensorBoard on the logdir",
     )
     s.add_argument("--backoff-limit", type=int, help="retries of a failing task (default 6)")
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        help="port every task serves Prometheus metrics on, annotated for scraping (default "
+        "9090; 0: none)",
+    )
+    s.add_argument(
+        "--pod-monitor",
+        action=argparse.BooleanOptionalAction,
+        help="also a PodMonitor for the Prometheus operator (kubernetes, tfjob)",
+    )
 
     # PARSER (not REMAINDER) so that options before the script are still read as psflow's own:
     # everything from the script on belongs to the script.
