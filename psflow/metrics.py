@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
+import time
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -46,6 +48,9 @@ log = logging.getLogger(__name__)
 
 PATH = "/metrics"
 """Where a task serves its metrics."""
+
+_RESOLVE_SECONDS = 30.0
+"""How long a task waits for its own host name to resolve before it serves no metrics."""
 
 _LATENCY_BUCKETS = (
     0.0001,
@@ -294,7 +299,7 @@ _DEFINITIONS: dict[str, tuple[type, str, tuple[str, ...], dict[str, Any]]] = {
         ("shard",),
         {"buckets": _SLOW_BUCKETS},
     ),
-    INFO: (Gauge, "1 for every psflow task: its task and job", ("job",), {}),
+    INFO: (Gauge, "Always 1: the task and its job, as labels", ("job",), {}),
 }
 
 
@@ -377,17 +382,46 @@ def for_task(task: str, host: str | None = None) -> TaskMetrics:
         if port is None or _served:
             return m
         bind = os.environ.get(envvars.PSFLOW_METRICS_HOST) or host or "127.0.0.1"
-        try:
-            server, _ = start_http_server(port, addr=bind, registry=m.registry)
-        except OSError as e:
-            raise OSError(
-                f"{task} cannot serve its metrics on {bind}:{port} "
-                f"({envvars.PSFLOW_METRICS_PORT}): {e}"
-            ) from None
+        server = _serve(m.registry, bind, port)
+        if server is None:
+            return m
         where = f"{bind}:{server.server_address[1]}"
         _served[task] = where
         log.info("%s serves its metrics at http://%s%s", task, where, PATH)
         return m
+
+
+def _serve(registry: CollectorRegistry, host: str, port: int) -> Any:
+    """The HTTP server of ``registry`` on ``host:port``, or ``None`` (logged) when it cannot
+    listen there: a job without its metrics still trains.
+
+    A host name is resolved first, for up to :data:`_RESOLVE_SECONDS` (a Kubernetes pod's own
+    Service name resolves only once its DNS record exists).
+    """
+    deadline = time.monotonic() + _RESOLVE_SECONDS
+    while True:
+        try:
+            socket.getaddrinfo(host, port)
+            break
+        except socket.gaierror as e:
+            if time.monotonic() > deadline:
+                log.warning(
+                    "cannot serve metrics: %r does not resolve (%s); going on without them", host, e
+                )
+                return None
+            time.sleep(0.5)
+    try:
+        server, _ = start_http_server(port, addr=host, registry=registry)
+    except OSError as e:
+        log.warning(
+            "cannot serve metrics on %s:%d (%s): %s; going on without them",
+            host,
+            port,
+            envvars.PSFLOW_METRICS_PORT,
+            e,
+        )
+        return None
+    return server
 
 
 def served_at(task: str) -> str | None:
