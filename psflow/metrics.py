@@ -80,7 +80,6 @@ EXAMPLES = "psflow_worker_examples_total"
 LOSS = "psflow_worker_loss"
 GLOBAL_STEP = "psflow_worker_global_step"
 LAST_STEP = "psflow_worker_last_step"
-STEP_SECONDS = "psflow_worker_step_seconds"
 SENT_BYTES = "psflow_worker_sent_bytes_total"
 RECEIVED_BYTES = "psflow_worker_received_bytes_total"
 REQUEST_SECONDS = "psflow_worker_request_seconds"
@@ -132,7 +131,6 @@ class WorkerMetrics:
         self.loss = owner.child(LOSS) if on else _NOOP
         self.global_step = owner.child(GLOBAL_STEP) if on else _NOOP
         self.last_step = owner.child(LAST_STEP) if on else _NOOP
-        self.step_seconds = owner.child(STEP_SECONDS) if on else _NOOP
         self.sync_wait = owner.child(SYNC_WAIT) if on else _NOOP
         self.staleness = owner.child(STALENESS) if on else _NOOP
         self.checkpoint_seconds = owner.child(CHECKPOINT_SECONDS) if on else _NOOP
@@ -240,7 +238,6 @@ _DEFINITIONS: dict[str, tuple[type, str, tuple[str, ...], dict[str, Any]]] = {
     LOSS: (Gauge, "Loss of this worker's last step", (), {}),
     GLOBAL_STEP: (Gauge, "Global step after this worker's last step", (), {}),
     LAST_STEP: (Gauge, "Global step at which the training stops (when the session knows)", (), {}),
-    STEP_SECONDS: (Histogram, "Time between two steps of this worker", (), {}),
     SENT_BYTES: (Counter, "Bytes of tensors sent to a ps shard", ("shard",), {}),
     RECEIVED_BYTES: (Counter, "Bytes of tensors received from a ps shard", ("shard",), {}),
     REQUEST_SECONDS: (

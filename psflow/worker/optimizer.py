@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import os
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -127,7 +126,6 @@ class DistributedOptimizer:
             ready_timeout,
         )
         self.metrics = metrics.for_task(str(ctx.task), ctx.host).worker(ctx.cluster.num_tasks("ps"))
-        self._last_step_at: float | None = None
         self._closed = False
         self._frozen = allocator.freeze_gc()  # what is alive now lives as long as the training
 
@@ -167,13 +165,8 @@ class DistributedOptimizer:
         Parameters whose ``grad`` is ``None`` are not pushed (they still get pulled).
         """
         step = self.engine.step()
-        m = self.metrics
-        m.steps.inc()
-        m.global_step.set(step)
-        now = time.perf_counter()
-        if self._last_step_at is not None:
-            m.step_seconds.observe(now - self._last_step_at)
-        self._last_step_at = now
+        self.metrics.steps.inc()
+        self.metrics.global_step.set(step)
         return step
 
     def zero_grad(self, set_to_none: bool = True) -> None:
