@@ -272,6 +272,7 @@ class Launcher:
         self._terminate(ps, max(deadline, time.monotonic() + min(grace, PS_GRACE)))
         self._sweep()
         self._join_relays()
+        self._forget_job()
 
     def _terminate(self, tasks: list[TaskSpec], deadline: float) -> None:
         """SIGTERM to ``tasks``; SIGKILL to those still running at ``deadline``."""
@@ -340,8 +341,7 @@ class Launcher:
             raise
         finally:
             self._stop_progress()
-            if self._job_file is not None:
-                jobs.remove_job(self._job_file)
+            self._forget_job()
             for s, handler in old.items():
                 signal.signal(s, handler)
 
@@ -351,8 +351,10 @@ class Launcher:
         if not self.config.metrics:
             return {}
         tasks = [str(t) for t in self.cluster.tasks()]
-        ports = free_ports(len(tasks), self.config.host)
-        return {t: f"{self.config.host}:{p}" for t, p in zip(tasks, ports, strict=True)}
+        taken = {self.cluster.address(t).rsplit(":", 1)[1] for t in self.cluster.tasks()}
+        # Chosen after the tasks' own ports were let go: one of those may come back.
+        ports = [p for p in free_ports(2 * len(tasks), self.config.host) if str(p) not in taken]
+        return {t: f"{self.config.host}:{p}" for t, p in zip(tasks, ports, strict=False)}
 
     def _announce_metrics(self) -> None:
         """Says where the tasks serve their metrics; writes the job file ``psflow top`` reads."""
@@ -370,6 +372,11 @@ class Launcher:
             self._job_file = jobs.write_job(job)
         except OSError as e:
             self._say(f"cannot write the job file for psflow top: {e}")
+
+    def _forget_job(self) -> None:
+        if self._job_file is not None:
+            jobs.remove_job(self._job_file)
+            self._job_file = None
 
     def _start_progress(self) -> None:
         show = self.config.progress
