@@ -125,7 +125,8 @@ class WorkerMetrics:
     """A worker's (or the chief's) children, bound to its task and ps shards."""
 
     def __init__(self, owner: TaskMetrics, num_shards: int) -> None:
-        on = owner.enabled
+        self.on = on = owner.enabled
+        """Whether anything is recorded (callers skip work that only feeds the metrics)."""
         self.steps = owner.child(STEPS) if on else _NOOP
         self.examples = owner.child(EXAMPLES) if on else _NOOP
         self.loss = owner.child(LOSS) if on else _NOOP
