@@ -392,10 +392,16 @@ class Launcher:
 
         self._view = JobView(self.metrics_at, alive=alive, timeout=0.5)
         console = Console(file=sys.stdout)
-        self._live = Live(Text("starting ..."), console=console, refresh_per_second=2)
+        self._live = Live(
+            Text("starting ..."),
+            console=console,
+            refresh_per_second=2,
+            redirect_stdout=False,  # rich's proxies would wrap the tasks' lines
+            redirect_stderr=False,
+        )
+        self._std = sys.stdout, sys.stderr
         self._live.start()
         # The tasks' lines (and the launcher's) go above the progress line, as they are.
-        self._std = sys.stdout, sys.stderr
         sys.stdout = sys.stderr = _AboveLive(console)  # type: ignore[assignment]
         self._watcher = threading.Thread(target=self._watch, name="psflow-progress", daemon=True)
         self._watcher.start()

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import socket
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -277,3 +278,46 @@ def test_view_shows_a_task_that_does_not_answer() -> None:
         view.close()
     assert not rows[0].up and rows[0].error
     assert (summary.up, summary.total) == (0, 1)
+
+
+# -- the launcher's choice ---------------------------------------------------------------------
+
+
+def test_launch_shows_its_progress_line_only_on_a_terminal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+
+    from psflow.cluster.launcher import LaunchConfig, Launcher
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for stdout, progress, shown in (
+        (io.StringIO(), None, False),  # a pipe or a file: plain prefixed lines
+        (Terminal(), None, True),
+        (Terminal(), False, False),
+        (io.StringIO(), True, True),
+    ):
+        monkeypatch.setattr("sys.stdout", stdout)
+        launcher = Launcher(LaunchConfig(script=str(script), progress=progress))
+        assert set(launcher.metrics_at) == {"ps:0", "worker:0", "worker:1"}
+        launcher._start_progress()
+        try:
+            assert (launcher._live is not None) is shown
+            if shown:
+                print("[worker:0] a line")  # goes above the live line, as it is
+        finally:
+            launcher._stop_progress()
+        assert launcher._live is None
+        assert sys.stdout is stdout
+        if shown:
+            assert "[worker:0] a line" in stdout.getvalue()
+    no_metrics = Launcher(LaunchConfig(script=str(script), metrics=False, progress=True))
+    assert no_metrics.metrics_at == {}
+    no_metrics._start_progress()
+    assert no_metrics._live is None  # nothing to read the progress from
