@@ -321,3 +321,49 @@ def test_launch_shows_its_progress_line_only_on_a_terminal(
     assert no_metrics.metrics_at == {}
     no_metrics._start_progress()
     assert no_metrics._live is None  # nothing to read the progress from
+
+
+# -- psflow top's targets ----------------------------------------------------------------------
+
+
+def _top_args(**kw: Any) -> Any:
+    import argparse
+
+    return argparse.Namespace(**{"pid": None, "cluster_file": None, "metrics_port": None, **kw})
+
+
+def test_top_finds_the_one_launch_job_or_says_why_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from psflow.cluster.top import targets_of
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(ValueError, match="no psflow launch job runs on this machine"):
+        targets_of(_top_args())
+    d = jobs.jobs_dir()
+    mine = jobs.JobFile(pid=os.getpid(), script="a.py", metrics={"ps:0": "127.0.0.1:9"})
+    jobs.write_job(mine, d)
+    assert targets_of(_top_args()) == ({"ps:0": "127.0.0.1:9"}, f"a.py (pid {os.getpid()})")
+    other = jobs.JobFile(pid=os.getppid(), script="b.py", metrics={"ps:0": "127.0.0.1:8"})
+    jobs.write_job(other, d)
+    with pytest.raises(ValueError, match=r"2 psflow launch jobs run here; pick one: --pid"):
+        targets_of(_top_args())
+    assert targets_of(_top_args(pid=os.getppid()))[0] == {"ps:0": "127.0.0.1:8"}
+    with pytest.raises(ValueError, match="no psflow launch job of pid 1 "):
+        targets_of(_top_args(pid=1))
+
+
+def test_top_reads_a_cluster_file_with_one_metrics_port(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from psflow.cluster.top import targets_of
+
+    monkeypatch.delenv("PSFLOW_METRICS_PORT", raising=False)
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("cluster:\n  ps: ['ps0:2222']\n  worker: ['w0:2222', '[::1]:2222']\n")
+    with pytest.raises(ValueError, match="give --metrics-port"):
+        targets_of(_top_args(cluster_file=str(cluster)))
+    targets, title = targets_of(_top_args(cluster_file=str(cluster), metrics_port=9090))
+    assert targets == {"ps:0": "ps0:9090", "worker:0": "w0:9090", "worker:1": "[::1]:9090"}
+    assert title == str(cluster)
