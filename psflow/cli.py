@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_launch(subparsers)
+    _add_top(subparsers)
     _add_keys(subparsers)
     _add_checkpoint(subparsers)
     _add_data(subparsers)
@@ -151,9 +152,53 @@ def _add_launch(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         help="seconds the tasks get between SIGTERM and SIGKILL when the job is stopped "
         "(Ctrl-C, SIGTERM, a failed task; a second Ctrl-C kills at once); default 30",
     )
+    _add_launch_watching(p)
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=_runs("psflow.cluster.cli", "launch"))
+
+
+def _add_launch_watching(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-metrics",
+        dest="metrics",
+        action="store_false",
+        help="serve no Prometheus metrics (by default each task serves them on a free port, "
+        "listed at the start, and psflow top finds the job)",
+    )
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="one live progress line below the tasks' output (default: when stdout is a terminal)",
+    )
+
+
+# -- psflow top -------------------------------------------------------------------------------
+
+
+def _add_top(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = _command(
+        subparsers,
+        "top",
+        help="a live view of a running job, one row per task, from the tasks' metrics",
+        description="Finds the psflow launch job running on this machine (or the one of --pid), "
+        "or reads the cluster of --cluster-file or TF_CONFIG, whose tasks serve their metrics "
+        "on --metrics-port at their own hosts (as the rendered manifests set it up).",
+    )
+    p.add_argument("--pid", type=int, help="the psflow launch job of this launcher process")
+    p.add_argument("--cluster-file", help="a YAML or JSON cluster file (else TF_CONFIG)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="with a cluster file or TF_CONFIG: the port every task serves its metrics on "
+        "(default PSFLOW_METRICS_PORT)",
+    )
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    p.add_argument(
+        "--once", action="store_true", help="print one view (two scrapes, --interval apart)"
+    )
+    p.set_defaults(func=_runs("psflow.cluster.top", "top"))
 
 
 # -- psflow keys -----------------------------------------------------------------------------
@@ -313,6 +358,17 @@ def _add_render(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         help="also run TensorBoard on the logdir",
     )
     s.add_argument("--backoff-limit", type=int, help="retries of a failing task (default 6)")
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        help="port every task serves Prometheus metrics on, annotated for scraping (default "
+        "9090; 0: none)",
+    )
+    s.add_argument(
+        "--pod-monitor",
+        action=argparse.BooleanOptionalAction,
+        help="also a PodMonitor for the Prometheus operator (kubernetes, tfjob)",
+    )
 
     # PARSER (not REMAINDER) so that options before the script are still read as psflow's own:
     # everything from the script on belongs to the script.

@@ -12,6 +12,17 @@ if [ "$what" != run ] && [ "$what" != test ]; then
 fi
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+# tests/multiproc/test_watch.py drives `psflow launch` and `psflow top` in a real terminal (tmux):
+# installed here where we may (root, with apt); elsewhere that test says tmux is missing.
+if [ "$what" = test ] && ! command -v tmux >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "setup: installing tmux (apt-get)" >&2
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux; } >/dev/null ||
+            echo "setup: could not install tmux; tests/multiproc/test_watch.py will be skipped" >&2
+    else
+        echo "setup: tmux is missing (apt-get install tmux); tests/multiproc/test_watch.py will be skipped" >&2
+    fi
+fi
 py="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
     "$py" -m venv .venv

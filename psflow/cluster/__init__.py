@@ -6,6 +6,9 @@
 - ``shmfiles.py``: the names of a task's shared-memory files, and removing a dead task's.
 - ``launcher.py``: :class:`Launcher`: ``psflow launch``, every task as a local process.
 - ``cli.py``: what ``psflow launch`` runs (its flags are in :mod:`psflow.cli`).
+- ``jobs.py``: the job files ``psflow launch`` leaves for ``psflow top`` while it runs.
+- ``watch.py``: a running job seen through its tasks' metrics (rates, rows, the progress line).
+- ``top.py``: ``psflow top``, a live view of a job, one row per task.
 """
 
 from psflow.cluster.resolve import add_cluster_flags, resolve, resolve_or_alone

@@ -25,5 +25,7 @@ def launch(args: argparse.Namespace) -> int:
         ps_exit_timeout=args.ps_exit_timeout,
         grace=args.grace,
         mode=args.mode,
+        metrics=args.metrics,
+        progress=args.progress,
     )
     return Launcher(config).run()
