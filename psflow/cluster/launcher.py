@@ -385,7 +385,8 @@ class Launcher:
         if not self.config.metrics:
             return {}
         tasks = [str(t) for t in self.cluster.tasks()]
-        taken = {self.cluster.address(t).rsplit(":", 1)[1] for t in self.cluster.tasks()}
+        # An evaluator has no address of its own (it is outside the cluster).
+        taken = {a.rsplit(":", 1)[1] for addrs in self.cluster.jobs.values() for a in addrs}
         # Chosen after the tasks' own ports were let go: one of those may come back.
         ports = [p for p in free_ports(2 * len(tasks), self.config.host) if str(p) not in taken]
         return {t: f"{self.config.host}:{p}" for t, p in zip(tasks, ports, strict=False)}
