@@ -251,6 +251,7 @@ def main() -> None:
     )
     with session as sess:
         start, steps, examples = time.perf_counter(), 0, 0
+        next_eval = args.eval_steps  # a global step: in async mode the chief skips some
         while not sess.should_stop():
             batch = next(batches)
             sess.zero_grad()
@@ -267,7 +268,8 @@ def main() -> None:
             sess.step(loss=loss)
             steps += 1
             examples += len(batch.label)
-            if sess.is_chief and args.eval_steps and steps % args.eval_steps == 0:
+            if sess.is_chief and args.eval_steps and sess.global_step >= next_eval:
+                next_eval = (sess.global_step // args.eval_steps + 1) * args.eval_steps
                 accuracy, test_loss = evaluate(
                     net, test_files, args.eval_batch_size, args.max_length
                 )

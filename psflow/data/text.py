@@ -253,16 +253,16 @@ def prepare_text(
             )
             for label, tokens in docs
         ]
-        tokens = sum(len(t) for _, t in docs)
+        total = sum(len(t) for _, t in docs)
         known = sum(sum(1 for w in t if w in index) for _, t in docs)
         figures[split] = {
             "documents": len(docs),
-            "tokens": tokens,
-            "in_vocabulary": round(known / max(tokens, 1), 4),
+            "tokens": total,
+            "in_vocabulary": round(known / max(total, 1), 4),
         }
         _write_shards(out, split, records, shards, config.compression)
         if log is not None:
-            log(f"{split}: {len(docs):,} documents, {tokens:,} tokens in {shards} shard(s)")
+            log(f"{split}: {len(docs):,} documents, {total:,} tokens in {shards} shard(s)")
     with open(os.path.join(out, VOCAB_FILE), "w", encoding="utf-8") as f:
         f.writelines(f"{w}\n" for w in vocab)
     with open(os.path.join(out, LABELS_FILE), "w", encoding="utf-8") as f:
@@ -344,9 +344,12 @@ def text_batches(
     if max_length is not None and max_length < 1:
         raise ValueError(f"max_length must be >= 1 or None, got {max_length}")
     from psflow.data.dataset import TFRecordDataset
-    from psflow.data.features import FixedLenFeature, VarLenFeature
+    from psflow.data.features import FeatureSpec, FixedLenFeature, VarLenFeature
 
-    spec = {"ids": VarLenFeature(dtype="int64"), "label": FixedLenFeature(dtype="int64")}
+    spec: dict[str, FeatureSpec] = {
+        "ids": VarLenFeature(dtype="int64"),
+        "label": FixedLenFeature(dtype="int64"),
+    }
     ds = TFRecordDataset(
         paths,
         spec,

@@ -115,7 +115,7 @@ class Stages(nn.Module):
                 if 0 <= i < count:
                     out = self.stages[k](*_to(carry[i], self.devices[k]))
                     carry[i] = out if isinstance(out, tuple) else (out,)
-        outputs = [c[0] if len(c) == 1 else c for c in carry]
-        if not all(isinstance(o, torch.Tensor) for o in outputs):
+        outputs = [c[0] for c in carry if len(c) == 1 and isinstance(c[0], torch.Tensor)]
+        if len(outputs) != count:
             raise TypeError("the last stage must return one tensor")
         return torch.cat(outputs) if count > 1 else outputs[0]

@@ -83,7 +83,11 @@ class Towers:
         n = inputs[0].shape[0]
         if any(t.shape[0] != n for t in inputs):
             raise ValueError(f"inputs differ in batch size: {[t.shape[0] for t in inputs]}")
-        parts = [torch.chunk(t, len(self.devices)) for t in inputs]
+        # An input that requires grad (vectors looked up once for the whole batch) is cut from
+        # a leaf of its own: each tower's backward stops there, and one backward through what
+        # made the input follows with the summed gradient.
+        leaves = [t.detach().requires_grad_() if t.requires_grad else t for t in inputs]
+        parts = [torch.chunk(t, len(self.devices)) for t in leaves]
         used = len(parts[0])  # fewer towers than devices when the batch is smaller
         self.sync()
         losses = []
@@ -110,6 +114,12 @@ class Towers:
                 for g in present:
                     total.add_(g.to(p.device))
                 p.grad = total
+        made = [(t, leaf.grad) for t, leaf in zip(inputs, leaves, strict=True) if t.requires_grad]
+        if any(g is not None for _, g in made):
+            torch.autograd.backward(
+                [t for t, g in made if g is not None], [g for _, g in made if g is not None]
+            )
+        with torch.no_grad():
             return sum(
                 (w * loss.to("cpu") for w, loss in zip(weights, losses, strict=True)),
                 torch.zeros((), dtype=losses[0].dtype),
