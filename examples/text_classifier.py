@@ -125,21 +125,29 @@ def evaluate(net: nn.Module, files: str, batch_size: int, max_length: int) -> tu
 
 class Alone:
     """What the loop uses of a :class:`TrainingSession`, for a run in one process: Adam on
-    the dense layers and on the table, both applied here."""
+    the dense layers and on the table, both applied here; summaries under ``logdir``."""
 
     is_chief = True
 
-    def __init__(self, model: nn.Module, lr: float, table_lr: float, last_step: int) -> None:
+    def __init__(
+        self, model: nn.Module, lr: float, table_lr: float, last_step: int, logdir: str | None
+    ) -> None:
         table = [p for n, p in model.named_parameters() if n.startswith("embedding.")]
         dense = [p for n, p in model.named_parameters() if not n.startswith("embedding.")]
         self.opts = [torch.optim.Adam(dense, lr=lr), torch.optim.Adam(table, lr=table_lr)]
         self.global_step, self.last_step = 0, last_step
+        self.writer = None
+        if logdir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(logdir)
 
     def __enter__(self) -> Alone:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        pass
+        if self.writer is not None:
+            self.writer.close()
 
     def should_stop(self) -> bool:
         return self.global_step >= self.last_step
@@ -152,9 +160,12 @@ class Alone:
         for opt in self.opts:
             opt.step()
         self.global_step += 1
+        if self.writer is not None and self.global_step % 100 == 0:
+            self.writer.add_scalar("loss", loss.item(), self.global_step)
 
     def add_scalar(self, tag: str, value: float) -> None:
-        pass
+        if self.writer is not None:
+            self.writer.add_scalar(tag, value, self.global_step)
 
 
 def devices(flag: str | None) -> list[str]:
@@ -247,7 +258,7 @@ def main() -> None:
             log_step_count_steps=100,
         )
         if ctx is not None
-        else Alone(model, args.lr, args.table_lr, args.train_steps)
+        else Alone(model, args.lr, args.table_lr, args.train_steps, args.logdir)
     )
     with session as sess:
         start, steps, examples = time.perf_counter(), 0, 0
