@@ -51,6 +51,7 @@ import psflow
 import psflow.nn as pnn
 from psflow.data.text import TextBatch, read_labels, read_vocab, text_batches
 from psflow.protocol import RowOptimizerSpec
+from psflow.sparse import make_rows
 from psflow.train import TrainingSession
 from psflow.worker import ModeConfig, Stages, Towers
 
@@ -123,18 +124,34 @@ def evaluate(net: nn.Module, files: str, batch_size: int, max_length: int) -> tu
     return correct / n, loss / n
 
 
+class LocalRows:
+    """A table's rows and its row-wise optimizer in this process, as a ps holds them: the rows
+    a batch uses, updated as soon as their gradient is known (lazy Adam, like the ps's)."""
+
+    def __init__(self, table: pnn.Embedding) -> None:
+        self.store = make_rows(table.spec("embedding"), 0, 1)
+
+    def rows(self, table: pnn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+        on_cpu = ids.cpu()
+        values = self.store.lookup(on_cpu).to(ids.device).requires_grad_(True)
+        if torch.is_grad_enabled():
+            values.register_hook(lambda grad: self.store.apply(on_cpu, grad.detach().cpu()))
+        return values
+
+
 class Alone:
-    """What the loop uses of a :class:`TrainingSession`, for a run in one process: Adam on
-    the dense layers and on the table, both applied here; summaries under ``logdir``."""
+    """What the loop uses of a :class:`TrainingSession`, for a run in one process: the
+    optimizers the ps would apply (Adam on the dense layers, lazy Adam on the table's rows),
+    applied here; summaries under ``logdir``."""
 
     is_chief = True
 
     def __init__(
-        self, model: nn.Module, lr: float, table_lr: float, last_step: int, logdir: str | None
+        self, model: TextClassifier, lr: float, last_step: int, logdir: str | None
     ) -> None:
-        table = [p for n, p in model.named_parameters() if n.startswith("embedding.")]
-        dense = [p for n, p in model.named_parameters() if not n.startswith("embedding.")]
-        self.opts = [torch.optim.Adam(dense, lr=lr), torch.optim.Adam(table, lr=table_lr)]
+        if isinstance(model.embedding, pnn.Embedding):
+            model.embedding.attach(LocalRows(model.embedding))
+        self.opt = torch.optim.Adam(model.parameters(), lr=lr)
         self.global_step, self.last_step = 0, last_step
         self.writer = None
         if logdir is not None:
@@ -153,12 +170,10 @@ class Alone:
         return self.global_step >= self.last_step
 
     def zero_grad(self) -> None:
-        for opt in self.opts:
-            opt.zero_grad()
+        self.opt.zero_grad()
 
     def step(self, loss: torch.Tensor) -> None:
-        for opt in self.opts:
-            opt.step()
+        self.opt.step()
         self.global_step += 1
         if self.writer is not None and self.global_step % 100 == 0:
             self.writer.add_scalar("loss", loss.item(), self.global_step)
@@ -258,7 +273,7 @@ def main() -> None:
             log_step_count_steps=100,
         )
         if ctx is not None
-        else Alone(model, args.lr, args.table_lr, args.train_steps, args.logdir)
+        else Alone(model, args.lr, args.train_steps, args.logdir)
     )
     with session as sess:
         start, steps, examples = time.perf_counter(), 0, 0
