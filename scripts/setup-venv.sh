@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates or reuses .venv and installs psflow with exact pins:
 #   setup-venv.sh run    requirements/run.txt: what a job needs (scripts/run.sh)
-#   setup-venv.sh test   requirements/test.txt: the same plus Spark and the test tools (scripts/test.sh)
+#   setup-venv.sh test   requirements/test.txt: the same plus Spark and the test tools (scripts/test.sh),
+#                        and requirements/data.txt without dependencies (corpora for the text example)
 # Re-installs only when a requirement file it reads or pyproject.toml changed. A venv set up for
 # the tests serves a job as it is; one set up for a job gets the test tools on the first test run.
 set -euo pipefail
@@ -27,9 +28,10 @@ py="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
     "$py" -m venv .venv
 fi
-# test.txt starts with `-r run.txt`: its stamp covers both files.
+# test.txt starts with `-r run.txt`: its stamp covers both files (and data.txt, installed
+# --no-deps for the tests).
 run_hash="$(cat requirements/run.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
-test_hash="$(cat requirements/run.txt requirements/test.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
+test_hash="$(cat requirements/run.txt requirements/test.txt requirements/data.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
 if [ "$what" = run ]; then want="$run_hash"; else want="$test_hash"; fi
 stamp=".venv/.psflow-$what"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
@@ -39,6 +41,7 @@ echo "setup: installing requirements/$what.txt into .venv (first run takes a few
 # pip's notes about this machine's optional local indexes are noise; real errors still show.
 log=.venv/pip-install.log
 if ! { .venv/bin/python -m pip install -q -r "requirements/$what.txt" &&
+       { [ "$what" = run ] || .venv/bin/python -m pip install -q --no-deps -r requirements/data.txt; } &&
        .venv/bin/python -m pip install -q --no-deps -e .; } >"$log" 2>&1; then
     grep -v "^WARNING: Location" "$log" >&2
     echo "setup: pip install failed (full log: $log)" >&2
