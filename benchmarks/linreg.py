@@ -1,11 +1,13 @@
 """linreg: the classic example's workload (1 ps + 2 workers, one example a step, async SGD).
 
-    .venv/bin/python benchmarks/linreg.py [--compare-tf] [--preset smoke]
+    .venv/bin/python benchmarks/linreg.py [--compare-tf] [--metrics-cost] [--preset smoke]
 
 Prints steps per second summed over the workers, for psflow and (with ``--compare-tf``, when
 TensorFlow is installed for ``--tf-python``) TensorFlow's own ps runtime on the same workload:
 ``tf.distribute.Server`` tasks, ``replica_device_setter`` and ``MonitoredTrainingSession``.
-The last line is one JSON object.
+With ``--metrics-cost``, psflow also runs with its Prometheus metrics on (every task recording
+and serving them, ``PSFLOW_METRICS_PORT=0``), alternated with the runs without, and the cost
+is their difference in percent. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -107,6 +109,11 @@ def main() -> None:
     parser.add_argument(
         "--tf-python", default=sys.executable, help="a Python that imports tensorflow"
     )
+    parser.add_argument(
+        "--metrics-cost",
+        action="store_true",
+        help="also run psflow with its metrics on, side by side, and report the difference",
+    )
     parser.add_argument("--role", choices=["psflow", "tf"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     preset = PRESETS[args.preset]
@@ -127,10 +134,15 @@ def main() -> None:
     }
     runs = []
     tf_runs = []
+    metrics_runs = []
     for _ in range(preset["repeat"]):
         # Side by side: alternate the two runtimes so both see the same machine conditions.
         cmd = [me, "--role", "psflow", "--preset", args.preset]
         runs.append(steps_per_second(run_job(new_cluster(1, args.workers), lambda _t, c=cmd: c)))
+        if args.metrics_cost:
+            on = {"PSFLOW_METRICS_PORT": "0"}
+            res = run_job(new_cluster(1, args.workers), lambda _t, c=cmd: c, env=on)
+            metrics_runs.append(steps_per_second(res))
         if args.compare_tf:
             cmd = [me, "--role", "tf", "--preset", args.preset]
             res = run_tf_job(new_cluster(1, args.workers), cmd, args.tf_python)
@@ -138,6 +150,12 @@ def main() -> None:
     result["psflow_steps_per_s"] = round(median(runs), 1)
     result["psflow_runs"] = [round(r, 1) for r in runs]
     print(f"psflow: {median(runs):.0f} steps/s (runs: {', '.join(f'{r:.0f}' for r in runs)})")
+    if metrics_runs:
+        on = median(metrics_runs)
+        result["psflow_metrics_on_steps_per_s"] = round(on, 1)
+        result["psflow_metrics_on_runs"] = [round(r, 1) for r in metrics_runs]
+        result["metrics_cost_pct"] = round(100 * (1 - on / median(runs)), 2)
+        print(f"psflow, metrics on: {on:.0f} steps/s ({result['metrics_cost_pct']}% slower)")
     if tf_runs:
         result["tf_steps_per_s"] = round(median(tf_runs), 1)
         result["tf_runs"] = [round(r, 1) for r in tf_runs]

@@ -1,7 +1,7 @@
 """mlp: the ~25M-parameter MLP (batch 32, 1 ps + 2 workers) in each training mode.
 
     .venv/bin/python benchmarks/mlp.py [--mode async|sync|allreduce|all] [--compare-tf]
-        [--tf-python /work/tfvenv/bin/python] [--preset smoke]
+        [--tf-python /work/tfvenv/bin/python] [--metrics-cost] [--preset smoke]
 
 Modes, each side by side with its reference in the same run:
 
@@ -14,8 +14,10 @@ Modes, each side by side with its reference in the same run:
 
 Figures: steps/s (async: summed over the workers; the others: global steps/s) and parameter
 GB/s, the traffic a ps job moves for that rate (worker-steps/s x 2 x model bytes: a gradient
-up and the parameters down per worker step), so the modes compare on one scale. The last line
-is one JSON object.
+up and the parameters down per worker step), so the modes compare on one scale. With
+``--metrics-cost``, psflow also runs with its Prometheus metrics on (every task recording and
+serving them, ``PSFLOW_METRICS_PORT=0``), alternated with the runs without; the cost is their
+difference in percent. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -216,6 +218,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--compare-tf", action="store_true", help="also run TensorFlow")
     parser.add_argument("--tf-python", default=sys.executable, help="a Python with tensorflow")
+    parser.add_argument(
+        "--metrics-cost",
+        action="store_true",
+        help="also run psflow with its metrics on (PSFLOW_METRICS_PORT=0), side by side",
+    )
     parser.add_argument("--role", help=argparse.SUPPRESS)
     args = parser.parse_args()
     preset = PRESETS[args.preset]
@@ -244,16 +251,20 @@ def main() -> None:
     tf_env = {"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
 
     def run(runtime: str, mode: str) -> tuple[float, float]:
-        cmd = [me, "--role", f"{runtime}:{mode}", "--preset", args.preset]
+        cmd = [me, "--role", f"{runtime.removesuffix('+metrics')}:{mode}", "--preset", args.preset]
         ps = 0 if mode == "allreduce" else 1
         kwargs: dict[str, object] = {}
         if runtime == "tf":
             kwargs = {"python": args.tf_python, "ps_exit_timeout": None, "env": tf_env}
+        if runtime == "psflow+metrics":  # every task records and serves its metrics
+            kwargs = {"env": {"PSFLOW_METRICS_PORT": "0"}}
         res = run_job(new_cluster(ps, args.workers), lambda _t, c=cmd: c, **kwargs)  # type: ignore[arg-type]
         return figures(mode, res, model_bytes)
 
     for mode in modes:
         pairs = {"psflow": "psflow"}
+        if args.metrics_cost:
+            pairs["metrics_on"] = "psflow+metrics"
         if mode == "allreduce":
             pairs["ddp"] = "ddp"
         elif args.compare_tf:
@@ -270,7 +281,13 @@ def main() -> None:
             result[f"{mode}_{key}_gbps"] = round(gbps, 3)
             result[f"{mode}_{key}_runs"] = [round(v[0], 2) for v in values]
             line.append(f"{key} {sps:.2f} steps/s, {gbps:.2f} GB/s")
-        other = next((k for k in runs if k != "psflow"), None)
+        if "metrics_on" in runs:
+            off = result[f"{mode}_psflow_steps_per_s"]
+            on = result[f"{mode}_metrics_on_steps_per_s"]
+            cost = round(100 * (1 - on / off), 2)  # type: ignore[operator]
+            result[f"{mode}_metrics_cost_pct"] = cost
+            line.append(f"metrics cost {cost}%")
+        other = next((k for k in runs if k not in ("psflow", "metrics_on")), None)
         if other is not None:
             ratio = result[f"{mode}_psflow_steps_per_s"] / result[f"{mode}_{other}_steps_per_s"]  # type: ignore[operator]
             result[f"{mode}_ratio_vs_{other}"] = round(ratio, 2)

@@ -145,7 +145,7 @@ class Alone:
     def zero_grad(self) -> None:
         self.opt.zero_grad()
 
-    def step(self, loss: torch.Tensor) -> None:
+    def step(self, loss: torch.Tensor, examples: int | None = None) -> None:
         self.opt.step()
         self.global_step += 1
 
@@ -239,7 +239,7 @@ def main() -> None:
             loss.backward()
             if args.prefetch:
                 model.prefetch(following.categorical)
-            sess.step(loss=loss)
+            sess.step(loss=loss, examples=len(batch.label))
             batch = following
             steps += 1
         seconds = time.perf_counter() - start

@@ -72,7 +72,7 @@ def main() -> None:
             loss = F.mse_loss(model(x), y)
             sess.zero_grad()
             loss.backward()
-            sess.step(loss=loss)
+            sess.step(loss=loss, examples=1)
     # The session's end pulled the final values (the other workers' last updates too).
     if ctx.is_chief:
         print(f"W={model.weight.item():.4f} b={model.bias.item():.4f}")

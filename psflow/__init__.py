@@ -17,7 +17,7 @@ A training script, in full (``psflow launch --ps 1 --workers 2 train.py`` runs i
 
 The public API, by layer: cluster (:class:`ClusterSpec`, :class:`TaskSpec`,
 :class:`TaskContext`, :func:`resolve`), ps (:class:`ParameterServer`), protocol (:class:`OptimizerSpec`, :class:`ScheduleSpec`),
-worker (:class:`DistributedOptimizer` in async, sync or all-reduce mode, :class:`Towers`), train (:class:`TrainingSession` and its hooks,
+worker (:class:`DistributedOptimizer` in async, sync or all-reduce mode, :class:`Towers`, :class:`Stages`), train (:class:`TrainingSession` and its hooks,
 checkpoints, :class:`Evaluator`), transport (:class:`TransportConfig`, errors). Data (TFRecord, Example, Spark) is
 in :mod:`psflow.data`, deployment templates in :mod:`psflow.deploy`, embedding tables that can
 live on the ps (``psflow.nn.Embedding``, ``psflow.nn.EmbeddingBag``) in :mod:`psflow.nn`.
@@ -63,6 +63,7 @@ _EXPORTS = {
     "ModeConfig": "psflow.worker",
     "SyncTimeoutError": "psflow.worker",
     "Towers": "psflow.worker",
+    "Stages": "psflow.worker",
 }
 
 # Subpackages reachable as attributes (``psflow.data.TFRecordReader``) after ``import psflow``.
@@ -99,6 +100,7 @@ __all__ = [
     "PeerTimeoutError",
     "ScheduleSpec",
     "SessionConfig",
+    "Stages",
     "StopAtStepHook",
     "SyncTimeoutError",
     "TaskContext",
@@ -133,7 +135,7 @@ if TYPE_CHECKING:
         load_checkpoint,
     )
     from psflow.transport import PeerError, PeerTimeoutError, TransportConfig
-    from psflow.worker import DistributedOptimizer, ModeConfig, SyncTimeoutError, Towers
+    from psflow.worker import DistributedOptimizer, ModeConfig, Stages, SyncTimeoutError, Towers
 
 
 def __getattr__(name: str) -> Any:

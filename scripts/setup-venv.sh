@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates or reuses .venv and installs psflow with exact pins:
 #   setup-venv.sh run    requirements/run.txt: what a job needs (scripts/run.sh)
-#   setup-venv.sh test   requirements/test.txt: the same plus Spark and the test tools (scripts/test.sh)
+#   setup-venv.sh test   requirements/test.txt: the same plus Spark and the test tools (scripts/test.sh),
+#                        and requirements/data.txt without dependencies (corpora for the text example)
 # Re-installs only when a requirement file it reads or pyproject.toml changed. A venv set up for
 # the tests serves a job as it is; one set up for a job gets the test tools on the first test run.
 set -euo pipefail
@@ -12,13 +13,25 @@ if [ "$what" != run ] && [ "$what" != test ]; then
 fi
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+# tests/multiproc/test_watch.py drives `psflow launch` and `psflow top` in a real terminal (tmux):
+# installed here where we may (root, with apt); elsewhere that test says tmux is missing.
+if [ "$what" = test ] && ! command -v tmux >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "setup: installing tmux (apt-get)" >&2
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux; } >/dev/null ||
+            echo "setup: could not install tmux; tests/multiproc/test_watch.py will be skipped" >&2
+    else
+        echo "setup: tmux is missing (apt-get install tmux); tests/multiproc/test_watch.py will be skipped" >&2
+    fi
+fi
 py="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
     "$py" -m venv .venv
 fi
-# test.txt starts with `-r run.txt`: its stamp covers both files.
+# test.txt starts with `-r run.txt`: its stamp covers both files (and data.txt, installed
+# --no-deps for the tests).
 run_hash="$(cat requirements/run.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
-test_hash="$(cat requirements/run.txt requirements/test.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
+test_hash="$(cat requirements/run.txt requirements/test.txt requirements/data.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
 if [ "$what" = run ]; then want="$run_hash"; else want="$test_hash"; fi
 stamp=".venv/.psflow-$what"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
@@ -28,6 +41,7 @@ echo "setup: installing requirements/$what.txt into .venv (first run takes a few
 # pip's notes about this machine's optional local indexes are noise; real errors still show.
 log=.venv/pip-install.log
 if ! { .venv/bin/python -m pip install -q -r "requirements/$what.txt" &&
+       { [ "$what" = run ] || .venv/bin/python -m pip install -q --no-deps -r requirements/data.txt; } &&
        .venv/bin/python -m pip install -q --no-deps -e .; } >"$log" 2>&1; then
     grep -v "^WARNING: Location" "$log" >&2
     echo "setup: pip install failed (full log: $log)" >&2

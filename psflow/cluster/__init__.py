@@ -7,6 +7,9 @@
 - ``keys.py``: :func:`~psflow.cluster.keys.generate_keys`, a job's CurveZMQ key files.
 - ``launcher.py``: :class:`Launcher`: ``psflow launch``, every task as a local process.
 - ``cli.py``: what ``psflow launch`` runs (its flags are in :mod:`psflow.cli`).
+- ``jobs.py``: the job files ``psflow launch`` leaves for ``psflow top`` while it runs.
+- ``watch.py``: a running job seen through its tasks' metrics (rates, rows, the progress line).
+- ``top.py``: ``psflow top``, a live view of a job, one row per task.
 """
 
 from psflow.cluster.resolve import add_cluster_flags, resolve, resolve_or_alone

@@ -27,5 +27,7 @@ def launch(args: argparse.Namespace) -> int:
         mode=args.mode,
         max_restarts=args.max_restarts,
         insecure=args.insecure,
+        metrics=args.metrics,
+        progress=args.progress,
     )
     return Launcher(config).run()

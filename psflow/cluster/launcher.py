@@ -47,11 +47,18 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO
 
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
+
 from psflow import env as envvars
-from psflow.cluster import shmfiles
+from psflow import metrics
+from psflow.cluster import jobs, shmfiles
 from psflow.cluster.spec import ClusterSpec, TaskSpec
+from psflow.cluster.watch import JobView, progress_line
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +107,12 @@ class LaunchConfig:
     insecure: bool = False
     """Run the job without CurveZMQ keys; otherwise it gets fresh ones (unless the environment
     names its own in ``PSFLOW_KEYS_DIR``)."""
+    metrics: bool = True
+    """Each task serves its Prometheus metrics on a free port (``PSFLOW_METRICS_PORT``), listed
+    in a job file that ``psflow top`` finds (:mod:`psflow.cluster.jobs`)."""
+    progress: bool | None = None
+    """One live progress line below the tasks' output (step, rate, loss, ETA, tasks up), read
+    from their metrics; ``None``: when standard output is a terminal."""
 
     def __post_init__(self) -> None:
         if self.ps < 0:
@@ -151,6 +164,26 @@ def local_cluster(
     return ClusterSpec(jobs=jobs, evaluators=evaluators)
 
 
+class _AboveLive:
+    """A text stream whose lines a rich console prints above its live display, unwrapped."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        *lines, self._partial = (self._partial + text).split("\n")
+        for line in lines:
+            self.console.print(line, markup=False, highlight=False, emoji=False, soft_wrap=True)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return True
+
+
 def _die_with_parent() -> None:
     # The tasks must not outlive a launcher that is killed outright (SIGKILL cannot be caught).
     with contextlib.suppress(OSError, AttributeError):
@@ -187,12 +220,21 @@ class Launcher:
         self.keys_dir: str | None = None
         """The job's own CurveZMQ keys, made by :meth:`run` (``None``: insecure, or the
         user's own)."""
+        self.metrics_at = self._metrics_ports()
+        """Task (``ps:0``) to the ``host:port`` where it serves its metrics."""
+        self._job_file: Path | None = None
+        self._live: Live | None = None
+        self._view: JobView | None = None
+        self._watch_done = threading.Event()
+        self._std = sys.stdout, sys.stderr
+        self._watcher: threading.Thread | None = None
 
     def start(self) -> None:
         """Starts every task (ps first, so the workers find them listening sooner)."""
         order = sorted(self.cluster.tasks(), key=lambda t: t.job != "ps")
         for task in order:
             self._spawn(task)
+        self._announce_metrics()
 
     def _spawn(self, task: TaskSpec) -> None:
         """Starts ``task``'s process (again, after a failure: same address, same TF_CONFIG)
@@ -201,6 +243,8 @@ class Launcher:
         env[envvars.TF_CONFIG] = self.cluster.to_tf_config(task)
         if self.config.mode is not None:
             env[envvars.PSFLOW_MODE] = self.config.mode
+        if str(task) in self.metrics_at:
+            env[envvars.PSFLOW_METRICS_PORT] = self.metrics_at[str(task)].rsplit(":", 1)[1]
         env["PYTHONUNBUFFERED"] = "1"
         if self.keys_dir is not None:
             env[envvars.PSFLOW_KEYS_DIR] = self.keys_dir
@@ -375,6 +419,7 @@ class Launcher:
         self._terminate(ps, max(deadline, time.monotonic() + min(grace, PS_GRACE)))
         self._sweep()
         self._join_relays()
+        self._forget_job()
 
     def _terminate(self, tasks: list[TaskSpec], deadline: float) -> None:
         """SIGTERM to ``tasks``; SIGKILL to those still running at ``deadline``."""
@@ -433,6 +478,7 @@ class Launcher:
             )
 
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        self._start_progress()  # first: the tasks' output then goes above its line
         try:
             self._make_keys()
             self.start()
@@ -445,5 +491,89 @@ class Launcher:
             raise
         finally:
             self._remove_keys()
+            self._stop_progress()
+            self._forget_job()
             for s, handler in old.items():
                 signal.signal(s, handler)
+
+    # -- metrics and the progress line ------------------------------------------------------
+
+    def _metrics_ports(self) -> dict[str, str]:
+        if not self.config.metrics:
+            return {}
+        tasks = [str(t) for t in self.cluster.tasks()]
+        # An evaluator has no address of its own (it is outside the cluster).
+        taken = {a.rsplit(":", 1)[1] for addrs in self.cluster.jobs.values() for a in addrs}
+        # Chosen after the tasks' own ports were let go: one of those may come back.
+        ports = [p for p in free_ports(2 * len(tasks), self.config.host) if str(p) not in taken]
+        return {t: f"{self.config.host}:{p}" for t, p in zip(tasks, ports, strict=False)}
+
+    def _announce_metrics(self) -> None:
+        """Says where the tasks serve their metrics; writes the job file ``psflow top`` reads."""
+        if not self.metrics_at:
+            return
+        where = ", ".join(f"{t} {a}" for t, a in self.metrics_at.items())
+        self._say(f"metrics at http://<address>{metrics.PATH}: {where}")
+        job = jobs.JobFile(
+            pid=os.getpid(),
+            script=self.config.script,
+            cluster={j: list(a) for j, a in self.cluster.jobs.items()},
+            metrics=self.metrics_at,
+        )
+        try:
+            self._job_file = jobs.write_job(job)
+        except OSError as e:
+            self._say(f"cannot write the job file for psflow top: {e}")
+
+    def _forget_job(self) -> None:
+        if self._job_file is not None:
+            jobs.remove_job(self._job_file)
+            self._job_file = None
+
+    def _start_progress(self) -> None:
+        show = self.config.progress
+        if show is None:
+            show = sys.stdout.isatty()
+        if not show or not self.metrics_at:
+            return
+        by_name = {str(t): t for t in self.cluster.tasks()}
+
+        def alive(task: str) -> bool:
+            proc = self.procs.get(by_name[task])
+            return proc is not None and proc.poll() is None
+
+        self._view = JobView(self.metrics_at, alive=alive, timeout=0.5)
+        console = Console(file=sys.stdout)
+        self._live = Live(
+            Text("starting ..."),
+            console=console,
+            refresh_per_second=2,
+            redirect_stdout=False,  # rich's proxies would wrap the tasks' lines
+            redirect_stderr=False,
+        )
+        self._std = sys.stdout, sys.stderr
+        self._live.start()
+        # The tasks' lines (and the launcher's) go above the progress line, as they are.
+        sys.stdout = sys.stderr = _AboveLive(console)  # type: ignore[assignment]
+        self._watcher = threading.Thread(target=self._watch, name="psflow-progress", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        assert self._view is not None and self._live is not None
+        while True:
+            _, summary = self._view.poll()
+            self._live.update(progress_line(summary))
+            if self._watch_done.wait(1.0):
+                return
+
+    def _stop_progress(self) -> None:
+        if self._live is None:
+            return
+        self._watch_done.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+        self._live.stop()
+        sys.stdout, sys.stderr = self._std
+        assert self._view is not None
+        self._view.close()
+        self._live = None

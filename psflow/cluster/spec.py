@@ -313,3 +313,9 @@ class TaskContext:
         if self.task.job == "evaluator" and "evaluator" not in self.cluster.jobs:
             return None
         return self.cluster.address(self.task)
+
+    @property
+    def host(self) -> str | None:
+        """The host of this task's own address (what its servers bind), without a port."""
+        address = self.address
+        return None if address is None else parse_address(address)[0]

@@ -15,13 +15,16 @@ No TensorFlow at run time. Where things live:
 - ``ctr.py``: the Criteo-layout click-through-rate set: ``SynthCTRConfig``/``write_synth_ctr``
   (a synthetic set from a planted model, its best AUC known), ``ctr_batches`` (the reader),
   ``auc``/``expected_auc``
+- ``text.py``: text classification data: tab-separated (label, text) files to TFRecord shards
+  of token ids with a vocabulary from the training split (:func:`~psflow.data.text.prepare_text`,
+  ``psflow data text``), and their reader (:func:`~psflow.data.text.text_batches`)
 - ``schema.py``: :func:`infer_schema`, :func:`format_schema`
 - ``pipeline.py``: file/record sharding, interleave, shuffle buffer, rebatching, prefetch
 - ``dataset.py``: :class:`TFRecordDataset` (a torch ``IterableDataset``), :class:`DatasetConfig`
 - ``fs.py``: :func:`expand_paths` (local paths, fsspec URLs, globs)
 - ``spark.py``: :func:`write_dataframe`, :func:`read_dataframe` (pyspark imported lazily)
 - ``convert.py``: :func:`convert_table` (CSV/Parquet to TFRecord, pyarrow imported lazily)
-- ``cli.py``: ``psflow data inspect``, ``psflow data convert`` and ``psflow data synth-ctr``
+- ``cli.py``: ``psflow data inspect``, ``convert``, ``synth-ctr`` and ``text``
 
 ``dataset.py`` is the one module here that needs torch: it is imported when
 :class:`TFRecordDataset` or :class:`DatasetConfig` is first used, so that reading and writing files

@@ -1,4 +1,5 @@
-"""``psflow data inspect``, ``convert`` and ``synth-ctr`` (their flags are in :mod:`psflow.cli`)."""
+"""``psflow data inspect``, ``convert``, ``synth-ctr`` and ``text`` (their flags are in
+:mod:`psflow.cli`)."""
 
 from __future__ import annotations
 
@@ -105,4 +106,32 @@ def synth_ctr(args: argparse.Namespace) -> int:
         f"expected over label draws: {result['expected_best_auc']}"
     )
     print(f"wrote {args.out} in {result['seconds']:.1f} s; figures in {META_FILE}")
+    return 0
+
+
+def text(args: argparse.Namespace) -> int:
+    from psflow.data.text import META_FILE, TextConfig, corpus_files, prepare_text
+
+    if args.corpus is not None:
+        if args.train is not None or args.test is not None:
+            raise ValueError("give --corpus or --train and --test, not both")
+        train, test = corpus_files(args.corpus)
+    elif args.train is None or args.test is None:
+        raise ValueError("give --train and --test (or --corpus)")
+    else:
+        train, test = args.train, args.test
+    config = TextConfig(
+        min_count=args.min_count,
+        max_size=args.max_size or None,
+        max_length=args.max_length or None,
+        shards=args.shards,
+        test_shards=args.test_shards,
+        compression=args.compression.upper(),
+        seed=args.seed,
+    )
+    result = prepare_text(train, test, args.out, config, log=print)
+    print(
+        f"vocabulary: {result['vocab_size']:,} words; labels: {result['num_labels']}; "
+        f"wrote {args.out} in {result['seconds']:.1f} s; figures in {META_FILE}"
+    )
     return 0

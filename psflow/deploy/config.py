@@ -153,6 +153,12 @@ class JobConfig:
     """Kubernetes namespace of every object (kubectl's current namespace when unset)."""
     tensorboard: bool = False
     """Also run TensorBoard on the logdir (needs a shared logdir)."""
+    metrics_port: int = 9090
+    """The port every task serves its Prometheus metrics on (``PSFLOW_METRICS_PORT``, at the
+    task's own address); the Kubernetes pods carry ``prometheus.io/scrape`` annotations for it.
+    0: no metrics. Marathon tasks share their agents' network and get none."""
+    pod_monitor: bool = False
+    """Kubernetes and TFJob: also a ``PodMonitor`` for the Prometheus operator."""
     backoff_limit: int = 6
     """Kubernetes Job and TFJob: retries of a failing task before the job fails."""
     env: dict[str, str] = field(default_factory=dict)
@@ -233,6 +239,15 @@ class JobConfig:
                 raise ValueError(f"{attr} must be a non-empty path, got {value!r}")
         if not isinstance(self.tensorboard, bool):
             raise ValueError(f"tensorboard must be true or false, got {self.tensorboard!r}")
+        _check_int(self.metrics_port, what="metrics_port", low=0, high=65535)
+        if self.metrics_port == self.port:
+            raise ValueError(
+                f"metrics_port {self.metrics_port} is the tasks' port: give another (or 0: none)"
+            )
+        if not isinstance(self.pod_monitor, bool):
+            raise ValueError(f"pod_monitor must be true or false, got {self.pod_monitor!r}")
+        if self.pod_monitor and not self.metrics_port:
+            raise ValueError("pod_monitor needs metrics: give a metrics_port other than 0")
         self._check_env()
 
     def _check_command(self) -> None:

@@ -19,6 +19,9 @@ from psflow import env as envvars
 from psflow.deploy import layout
 from psflow.deploy.config import JobConfig
 
+METRICS_PATH = "/metrics"
+"""Where a task serves its metrics (``psflow.metrics.PATH``: deploy does not import it)."""
+
 OUTPUT_FILES = {
     "kubernetes": "kubernetes.yaml",
     "tfjob": "tfjob.yaml",
@@ -91,6 +94,10 @@ def context(config: JobConfig, target: str) -> dict[str, Any]:
     env_vars = {**envvars.TASK_DEFAULTS, envvars.PSFLOW_LOGDIR: config.logdir, **config.env}
     if config.keys_secret is not None or config.keys_host_dir is not None:
         env_vars[envvars.PSFLOW_KEYS_DIR] = config.keys_mount
+    # Marathon tasks share their agents' network: one port for every task would collide.
+    metrics_port = config.metrics_port if target != "marathon" else 0
+    if metrics_port:
+        env_vars.setdefault(envvars.PSFLOW_METRICS_PORT, str(metrics_port))
     return {
         "job": config,
         "target": target,
@@ -101,6 +108,8 @@ def context(config: JobConfig, target: str) -> dict[str, Any]:
         "tf_config_var": envvars.TF_CONFIG,
         "has_keys": envvars.PSFLOW_KEYS_DIR in env_vars,
         "tensorboard_port": layout.TENSORBOARD_PORT,
+        "metrics_port": metrics_port,
+        "metrics_path": METRICS_PATH,
         "cpus": layout.cpus(config),
         "memory_mib": layout.memory_mib(config),
         "compose_memory": (

@@ -38,6 +38,7 @@ from fsspec.core import split_protocol
 from safetensors.torch import save as st_save
 
 from psflow.env import PSFLOW_CHECKPOINT_DIR
+from psflow.metrics import PsMetrics
 from psflow.protocol import Key, Op, OptimizerSpec, SaveState
 from psflow.ps import safefile
 from psflow.ps.files import atomic_write, join, url_to_fs  # psflow.train imports them from here
@@ -366,9 +367,17 @@ class ShardCheckpointer:
     """
 
     def __init__(
-        self, store: ShardStore, *, shard: int, num_shards: int, root: str | None = None
+        self,
+        store: ShardStore,
+        *,
+        shard: int,
+        num_shards: int,
+        root: str | None = None,
+        metrics: PsMetrics | None = None,
     ) -> None:
         self.store = store
+        self.metrics = metrics
+        """Where the snapshot's pause and the write's duration go."""
         self.shard = shard
         self.num_shards = num_shards
         self.root = root
@@ -407,6 +416,8 @@ class ShardCheckpointer:
             if self._thread is not None and self._thread.is_alive():
                 raise ValueError("a checkpoint of this shard is still being written")
         snap = snapshot(self.store, shard=self.shard, num_shards=self.num_shards)
+        if self.metrics is not None:
+            self.metrics.checkpoint_pause.observe(snap.seconds)
         file_url = join(url.rstrip("/"), shard_file_name(self.shard, self.num_shards))
         with self._lock:
             self._status[url] = {Key.STATE: SaveState.WRITING, Key.FILE: file_url}
@@ -456,6 +467,8 @@ class ShardCheckpointer:
                 Key.FILE: file_url,
                 Key.SECONDS: time.perf_counter() - start,
             }
+            if self.metrics is not None:
+                self.metrics.checkpoint_write.observe(status[Key.SECONDS])
         except Exception as e:
             log.error("shard %d: writing %s failed: %s", self.shard, file_url, e)
             error = f"{type(e).__name__}: {e}"
@@ -506,7 +519,7 @@ class CheckpointService(Service):
     def __init__(self, host: ServiceHost, *, num_shards: int, root: str | None = None) -> None:
         self.host = host
         self.checkpointer = ShardCheckpointer(
-            host.store, shard=host.shard, num_shards=num_shards, root=root
+            host.store, shard=host.shard, num_shards=num_shards, root=root, metrics=host.metrics
         )
 
     def handlers(self) -> Mapping[Op, Handler]:

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from psflow import allocator
+from psflow import allocator, metrics
 from psflow import env as envvars
 from psflow.cluster.spec import TaskContext, TaskSpec
 from psflow.protocol import Code, Key, Op, OptimizerSpec, ScheduleSpec
@@ -66,6 +66,7 @@ from psflow.ps.tables import (
     TableService,
     build_tables,
     check_lookup,
+    count_rows,
     lookup_rows,
     restore_tables,
     split_prefetch,
@@ -161,6 +162,8 @@ class ParameterServer:
         self._handlers: dict[str, Handler] = {}
         self._owners: dict[str, str] = {}
         self._services: list[Service] = []
+        self.metrics = metrics.for_task(self.name, ctx.host).ps(self.shard)
+        """This shard's Prometheus metrics (:mod:`psflow.metrics`)."""
         self._add_handlers(
             "the server",
             {
@@ -180,6 +183,13 @@ class ParameterServer:
             CheckpointService(
                 self, num_shards=ctx.cluster.num_tasks("ps"), root=self.checkpoint_dir
             )
+        )
+        self._requests = {op: self.metrics.requests(Op(op).value) for op in self._handlers}
+        self.metrics.watch(
+            step=lambda: self.store.step,
+            nbytes=lambda: sum(t.nbytes for t in list(self.store.variables.values())),
+            waiting=self._waiting,
+            tables=lambda: {n: t.stats for n, t in list(self.store.tables.items())},
         )
 
     @property
@@ -421,6 +431,9 @@ class ParameterServer:
     def _handle(self, request: Request) -> None:
         op = request.header[_OP]
         handler = self._handlers.get(op)
+        counter = self._requests.get(op)
+        if counter is not None:
+            counter.inc()
         try:
             if handler is None:
                 raise RequestError(f"unknown op {wire.brief(op)}")
@@ -457,6 +470,11 @@ class ParameterServer:
         self.refuse(request, str(error), code)
 
     # -- what services use (psflow.ps.service.ServiceHost) ----------------------------------
+
+    def _waiting(self) -> int:
+        """Requests received and not answered yet (read when the metrics are scraped)."""
+        queued = 0 if self._server is None else self._server.queued
+        return queued + sum(s.waiting for s in self._services)
 
     def sender(self, request: Request) -> str:
         """The task that sent ``request`` (as it says), for messages."""
@@ -627,12 +645,18 @@ class ParameterServer:
         if _ROWS in header:
             grads, rows = split_rows(header, grads)
         self.flush()
+        start = time.perf_counter()
         if self.store.schedule is None or self.shard == 0:
             step = self.store.apply(grads, rows=rows)  # validates first: a bad push changes nothing
         else:
             # Shard 0 keeps the global step; the others learn it (their schedule's) from pushes.
             step = self.store.apply(grads, global_step=header.get(_STEP), rows=rows)
+        self.metrics.apply_seconds.observe(time.perf_counter() - start)
+        if rows:
+            count_rows(self.metrics, rows, pushed=True)
         fetched = lookup_rows(self.store.tables, prefetch) if prefetch else []
+        if prefetch:
+            count_rows(self.metrics, prefetch, pushed=False)
         return step, [(prefetch_tensor_names(n)[1], t) for n, t in fetched]
 
     def _heartbeat(self, request: Request) -> None:

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from psflow.metrics import PsMetrics
 from psflow.protocol import Code, Op
 from psflow.ps.store import ShardStore
 from psflow.transport import Request, wire
@@ -118,6 +119,11 @@ class ServiceHost(Protocol):
         """The task that sent ``request`` (as it says), for messages."""
         ...
 
+    @property
+    def metrics(self) -> PsMetrics:
+        """The shard's Prometheus metrics (bound children: cheap to update)."""
+        ...
+
 
 class Service(ABC):
     """A set of ops served by a :class:`~psflow.ps.server.ParameterServer`.
@@ -167,3 +173,8 @@ class Service(ABC):
 
     def wait(self, timeout: float) -> None:  # noqa: B027 - optional callback
         """Waits up to ``timeout`` seconds for background work (before the ps task exits)."""
+
+    @property
+    def waiting(self) -> int:
+        """Requests this service holds unanswered (read by the metrics, from another thread)."""
+        return 0

@@ -96,6 +96,11 @@ class ClockTable:
         self._waiting = keep
         return out
 
+    @property
+    def num_waiting(self) -> int:
+        """Workers held back (for their bound) right now."""
+        return len(self._waiting)
+
     def drop_waiting(self) -> list[Request]:
         out = [w.request for w in self._waiting]
         self._waiting.clear()

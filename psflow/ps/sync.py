@@ -25,6 +25,7 @@ Ops (:class:`SyncService`): ``sync_push`` (shard 0), ``sync_stage`` (other shard
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -309,6 +310,8 @@ class SyncService(Service):
             request.header, self.host.tensors(request, into=self.agg.buffers(worker))
         )
         staged = self.agg.stage(worker, step, grads, rows)
+        if not staged:
+            self.host.metrics.dropped_stale.inc()
         self.host.reply(request, {Key.STAGED: staged})
 
     def _push(self, request: Request) -> None:
@@ -323,6 +326,7 @@ class SyncService(Service):
         )
         if not self.agg.stage(worker, step, grads, rows):
             # Too late for its step: the worker moves on to the current one.
+            self.host.metrics.dropped_stale.inc()
             self._reply_params(request, {Key.ACCEPTED: False})
             return
         self._pending = [p for p in self._pending if p.worker != worker]  # a restarted worker
@@ -332,7 +336,9 @@ class SyncService(Service):
             self._fail_if_stuck()
             return
         self.host.flush()
+        start = time.perf_counter()
         self.agg.apply(step, chosen)
+        self.host.metrics.apply_seconds.observe(time.perf_counter() - start)
         pending, self._pending = self._pending, []
         for p in pending:
             self._reply_params(p.request, {Key.ACCEPTED: p.worker in chosen})
@@ -358,6 +364,11 @@ class SyncService(Service):
         bound = _int(request.header, Key.MAX_STALENESS)
         self.clocks.wait(worker, clock, bound, request)
         self._release()
+
+    @property
+    def waiting(self) -> int:
+        """Pushes parked until their step completes, and bounded-staleness waits."""
+        return len(self._pending) + self.clocks.num_waiting
 
     def _release(self) -> None:
         for request, header in self.clocks.release():

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from psflow.metrics import PsMetrics
 from psflow.protocol import Key, Op, TableSpec
 from psflow.protocol.messages import (
     ROW_GRADS,
@@ -198,6 +199,16 @@ def sum_rows(
     return out
 
 
+def count_rows(m: PsMetrics, ids: Mapping[str, Any], *, pushed: bool) -> None:
+    """Counts the embedding rows ``ids`` names per table (``(ids, grads)`` pairs for a push,
+    id tensors for a lookup) as pushed or pulled."""
+    if not m.on:
+        return
+    for table, t in ids.items():
+        n = int((t[0] if isinstance(t, tuple) else t).numel())
+        (m.rows_pushed(table) if pushed else m.rows_pulled(table)).inc(n)
+
+
 def begin_table_snapshots(tables: Mapping[str, Rows]) -> dict[str, RowSnapshot]:
     """Every table's rows and row-wise optimizer state at this moment, for a checkpoint: taken
     without copying (rows are copied as they change, the rest by :func:`finish_table_snapshots`
@@ -265,6 +276,7 @@ class TableService(Service):
         ids = dict(self.host.tensors(request))
         check_lookup(self.host.store.tables, ids)
         self.host.reply(request, {}, lookup_rows(self.host.store.tables, ids))
+        count_rows(self.host.metrics, ids, pushed=False)
 
     def _status(self, request: Request) -> None:
         self.host.require_initialized()

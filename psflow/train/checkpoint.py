@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import save as st_save
 
+from psflow.metrics import WorkerMetrics
 from psflow.protocol import Key, OptimizerSpec, SaveState, ScheduleSpec, TableSpec
 from psflow.ps.checkpoint import (
     OPT_SEP,
@@ -282,8 +283,11 @@ class Checkpointer:
         make_client: Callable[[], ShardSaver],
         max_to_keep: int | None = 5,
         timeout: float = 300.0,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.dir = CheckpointDir(checkpoint_dir)
+        self.metrics = metrics
+        """Where each completed save's duration, step and time go (the chief's)."""
         self.client = client
         self.pieces = list(pieces)
         self.param_meta = {
@@ -329,7 +333,7 @@ class Checkpointer:
         )
         self._thread = threading.Thread(
             target=self._finish,
-            args=(name, url, replies, final),
+            args=(name, url, replies, final, start),
             name="psflow-ckpt",
             daemon=True,
         )
@@ -353,7 +357,9 @@ class Checkpointer:
         else:
             self._error = None
 
-    def _finish(self, name: str, url: str, replies: dict[int, dict[str, Any]], final: bool) -> None:
+    def _finish(
+        self, name: str, url: str, replies: dict[int, dict[str, Any]], final: bool, start: float
+    ) -> None:
         try:
             client = self.make_client()
             try:
@@ -364,6 +370,10 @@ class Checkpointer:
             manifest.final = final
             self.dir.publish(name, manifest)
             self.last_saved_step = manifest.global_step
+            if self.metrics is not None:
+                self.metrics.checkpoint_seconds.observe(time.perf_counter() - start)
+                self.metrics.checkpoint_step.set(manifest.global_step)
+                self.metrics.checkpoint_time.set(time.time())
             removed = self.dir.prune(self.max_to_keep, incomplete_below=manifest.global_step)
             log.info(
                 "saved checkpoint %s (global step %d)%s",

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from psflow import env as envvars
+from psflow import metrics
 from psflow.cluster.resolve import resolve
 from psflow.cluster.spec import TaskContext
 from psflow.protocol import Code, Key, OptimizerSpec, ScheduleSpec
@@ -207,6 +208,8 @@ class TrainingSession:
             max_staleness=max_staleness,
             sync_timeout=sync_timeout,
         )
+        self.metrics = metrics.for_task(str(ctx.task), ctx.host).worker(ctx.cluster.num_tasks("ps"))
+        """This task's Prometheus metrics (:mod:`psflow.metrics`)."""
         self.global_step = 0
         self.checkpointer: Checkpointer | None = None
         self.restored_from: str | None = None
@@ -223,6 +226,9 @@ class TrainingSession:
         self._previous_sigterm: Any = None
         self._sigterm_installed = False
         self.hooks = self._builtin_hooks() + list(hooks)
+        stops = [h.last_step for h in self.hooks if isinstance(h, StopAtStepHook)]
+        if stops:
+            self.metrics.last_step.set(min(stops))
         self.pieces: list[Piece] = []
         """Where the parameters live on the ps (none in all-reduce mode)."""
         if self.mode_config.mode != "allreduce":
@@ -316,6 +322,7 @@ class TrainingSession:
             ),
             max_to_keep=self.config.max_to_keep,
             timeout=self.config.save_timeout,
+            metrics=self.metrics,
         )
 
     def _restore_or_nothing(self) -> None:
@@ -473,16 +480,28 @@ class TrainingSession:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.opt.zero_grad(set_to_none)
 
-    def step(self, loss: torch.Tensor | float | None = None, **values: Any) -> int:
+    def step(
+        self,
+        loss: torch.Tensor | float | None = None,
+        *,
+        examples: int | None = None,
+        **values: Any,
+    ) -> int:
         """Runs the hooks, pushes the gradients, pulls the parameters; returns the global step.
 
-        ``loss`` feeds the NaN guard, the progress line and the ``loss`` summary.
+        ``loss`` feeds the NaN guard, the progress line, the ``loss`` summary and the
+        ``psflow_worker_loss`` metric; ``examples`` (the batch size) the
+        ``psflow_worker_examples_total`` metric.
         """
         loss_value = (
             None
             if loss is None
             else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         )
+        if loss_value is not None:
+            self.metrics.loss.set(loss_value)
+        if examples is not None:
+            self.metrics.examples.inc(examples)
         ctx = StepContext(
             session=self, global_step=self.global_step, loss=loss_value, values=values
         )

@@ -145,6 +145,11 @@ class Server:
             ("handshake", value), "a client failed its handshake on %s: %s", address, why
         )
 
+    @property
+    def queued(self) -> int:
+        """Requests received and not yet handed out by :meth:`recv`."""
+        return len(self._ready)
+
     def recv(self, timeout: float) -> Request | None:
         """The next request, or ``None`` after ``timeout`` seconds without one.
 

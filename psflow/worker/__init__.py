@@ -17,6 +17,8 @@
 - ``tables.py``: :class:`TableClient`, a model's :mod:`psflow.nn` embedding tables on the
   ps: rows pulled by id at forward time, row gradients pushed with the step.
 - ``towers.py``: :class:`Towers`, one batch split across several local devices.
+- ``stages.py``: :class:`Stages`, one model split across several local devices, run in
+  micro-batches (GPipe).
 """
 
 from psflow.worker.client import ShardedClient
@@ -25,6 +27,7 @@ from psflow.worker.exchange import ParameterExchange
 from psflow.worker.modes import MODES, Engine, ModeConfig, SyncTimeoutError
 from psflow.worker.optimizer import DistributedOptimizer
 from psflow.worker.placement import ParamInfo, Piece, Placement, place, shard_bytes
+from psflow.worker.stages import Stages
 from psflow.worker.staleness import StalenessEngine
 from psflow.worker.sync import SyncEngine
 from psflow.worker.tables import TableClient
@@ -41,6 +44,7 @@ __all__ = [
     "Piece",
     "Placement",
     "ShardedClient",
+    "Stages",
     "StalenessEngine",
     "SyncEngine",
     "SyncTimeoutError",

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from psflow import env as envvars
+from psflow import metrics
 from psflow.cluster.spec import TaskContext
 from psflow.protocol import Code, Key, Op, OptimizerSpec, ScheduleSpec
 from psflow.transport import (
@@ -60,6 +61,7 @@ class ShardedClient:
             },
             config,
         )
+        self.metrics = metrics.for_task(self.me, ctx.host).worker(len(self.shards))
 
     @property
     def transport(self) -> Client:
@@ -89,8 +91,23 @@ class ShardedClient:
                 (:data:`LOST_CODES`), or is gone.
             PeerError: when a shard refused the request or did not answer.
         """
+        m = self.metrics
+        if not m.on:
+            rids = self.send(headers, tensors, layouts=layouts)
+            return self.wait(rids, timeout, into=into, lane_views=lane_views)
+        start = time.perf_counter()
         rids = self.send(headers, tensors, layouts=layouts)
-        return self.wait(rids, timeout, into=into, lane_views=lane_views)
+        replies = self.wait(rids, timeout, into=into, lane_views=lane_views)
+        # Each shard's round trip ends when the last of the call's replies is in: the shards
+        # answer in parallel, and a worker waits for them all.
+        seconds = time.perf_counter() - start
+        for shard, (_, got) in replies.items():
+            m.request_seconds[shard].observe(seconds)
+            m.received[shard].inc(sum(t.nbytes for _, t in got))
+        if tensors:
+            for shard, sent in tensors.items():
+                m.sent[shard].inc(sum(t.nbytes for _, t in sent))
+        return replies
 
     def send(
         self,

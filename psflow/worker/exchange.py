@@ -288,7 +288,11 @@ class ParameterExchange:
         if prefetch:
             rest = self.tables.put_prefetched({s: t for s, (_, t) in replies.items()})
             replies = {s: (h, rest[s]) for s, (h, _) in replies.items()}
-        return self.load(replies)
+        before = self.global_step
+        step = self.load(replies)
+        # The other workers' updates applied between this worker's last pull and its push.
+        self.client.metrics.staleness.observe(max(0, step - before - 1))
+        return step
 
     def close(self, *, finished: bool) -> None:
         """Tells the ps this worker has finished (with ``finished``) and disconnects."""

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from psflow import allocator
+from psflow import allocator, metrics
 from psflow import env as envvars
 from psflow.cluster.resolve import resolve
 from psflow.cluster.spec import TaskContext
@@ -125,6 +125,7 @@ class DistributedOptimizer:
             config,
             ready_timeout,
         )
+        self.metrics = metrics.for_task(str(ctx.task), ctx.host).worker(ctx.cluster.num_tasks("ps"))
         self._closed = False
         self._frozen = allocator.freeze_gc()  # what is alive now lives as long as the training
 
@@ -163,7 +164,10 @@ class DistributedOptimizer:
 
         Parameters whose ``grad`` is ``None`` are not pushed (they still get pulled).
         """
-        return self.engine.step()
+        step = self.engine.step()
+        self.metrics.steps.inc()
+        self.metrics.global_step.set(step)
+        return step
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients of the model's parameters, like ``torch.optim.Optimizer``."""

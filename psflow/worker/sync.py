@@ -62,7 +62,9 @@ class SyncEngine(ExchangeEngine):
             )
         except PeerTimeoutError as e:
             raise self._diagnose(t, e) from e
-        self.wait_seconds += time.monotonic() - start
+        waited = time.monotonic() - start
+        self.wait_seconds += waited
+        self.client.metrics.sync_wait.observe(waited)
         header = replies[0][0]
         self.local_steps += 1
         if header.get(Key.ACCEPTED):

@@ -74,14 +74,20 @@ class Towers:
         """Splits ``inputs`` across the towers, backpropagates, and averages into ``.grad``.
 
         ``loss_fn(replica, *parts)`` computes one tower's loss. The main model's gradients are
-        overwritten (not accumulated). Returns the batch's loss, combined like the gradients.
+        overwritten (not accumulated). An input that requires grad (the output of layers run
+        once for the whole batch, outside the towers) gets the batch's gradient, accumulated
+        by autograd as usual. Returns the batch's loss, combined like the gradients.
         """
         if not inputs:
             raise ValueError("backward needs at least one input tensor to split")
         n = inputs[0].shape[0]
         if any(t.shape[0] != n for t in inputs):
             raise ValueError(f"inputs differ in batch size: {[t.shape[0] for t in inputs]}")
-        parts = [torch.chunk(t, len(self.devices)) for t in inputs]
+        # An input that requires grad (vectors looked up once for the whole batch) is cut from
+        # a leaf of its own: each tower's backward stops there, and one backward through what
+        # made the input follows with the summed gradient.
+        leaves = [t.detach().requires_grad_() if t.requires_grad else t for t in inputs]
+        parts = [torch.chunk(t, len(self.devices)) for t in leaves]
         used = len(parts[0])  # fewer towers than devices when the batch is smaller
         self.sync()
         losses = []
@@ -90,24 +96,30 @@ class Towers:
             replica, device = self.replicas[i], self.devices[i]
             replica.zero_grad(set_to_none=True)
             chunk = [p[i].to(device, non_blocking=True) for p in parts]
+            weight = chunk[0].shape[0] / n if self.reduction == "mean" else 1.0
             loss = loss_fn(replica, *chunk)
-            loss.backward()
+            # Weighted before backward, so that an input computed before the towers (an
+            # embedding looked up once for the whole batch) gets the batch's gradient too.
+            (loss * weight).backward()
             losses.append(loss.detach())
-            weights.append(chunk[0].shape[0] / n if self.reduction == "mean" else 1.0)
+            weights.append(weight)
         with torch.no_grad():
             for name, p in self._main.items():
-                grads = [
-                    (w, self._replica_params[i][name].grad)
-                    for i, w in zip(range(used), weights, strict=True)
-                ]
-                present = [(w, g) for w, g in grads if g is not None]
+                grads = [self._replica_params[i][name].grad for i in range(used)]
+                present = [g for g in grads if g is not None]
                 if not present:
                     p.grad = None
                     continue
                 total = torch.zeros_like(p)
-                for w, g in present:
-                    total.add_(g.to(p.device), alpha=w)
+                for g in present:
+                    total.add_(g.to(p.device))
                 p.grad = total
+        made = [(t, leaf.grad) for t, leaf in zip(inputs, leaves, strict=True) if t.requires_grad]
+        if any(g is not None for _, g in made):
+            torch.autograd.backward(
+                [t for t, g in made if g is not None], [g for _, g in made if g is not None]
+            )
+        with torch.no_grad():
             return sum(
                 (w * loss.to("cpu") for w, loss in zip(weights, losses, strict=True)),
                 torch.zeros((), dtype=losses[0].dtype),

@@ -20,12 +20,17 @@ def _tf_python() -> str | None:
     return str(venv) if venv.exists() else None
 
 
-@pytest.mark.parametrize("script", ["linreg.py", "transport.py"])
-def test_runtime_benchmarks(script: str) -> None:
-    result = run_benchmark_smoke(script)
+@pytest.mark.parametrize(
+    ("script", "args"), [("linreg.py", ("--metrics-cost",)), ("transport.py", ())]
+)
+def test_runtime_benchmarks(script: str, args: tuple[str, ...]) -> None:
+    result = run_benchmark_smoke(script, *args)
     assert result["preset"] == "smoke"
     figures = [v for k, v in result.items() if k.endswith(("steps_per_s", "gbps"))]
     assert figures and all(isinstance(v, float) and v > 0 for v in figures)
+    if args:  # metrics on and off, side by side
+        assert result["psflow_metrics_on_steps_per_s"] > 0
+        assert isinstance(result["metrics_cost_pct"], float)
 
 
 def test_mlp_benchmark_runs_every_mode_and_ddp() -> None:

