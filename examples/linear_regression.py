@@ -44,6 +44,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--logdir", default=None, help="checkpoints and TensorBoard summaries")
     parser.add_argument("--save_checkpoint_steps", type=int, default=1000)
+    parser.add_argument("--log_step_count_steps", type=int, default=1000, help="progress every")
+    parser.add_argument(
+        "--replicas_to_aggregate",
+        type=int,
+        default=None,
+        help="with --mode sync: gradients averaged per step (fewer than the workers: backups)",
+    )
     args = parser.parse_args(argv)
 
     if ctx.job == "ps":
@@ -65,7 +72,8 @@ def main() -> None:
         checkpoint_dir=args.logdir,
         save_checkpoint_steps=args.save_checkpoint_steps,
         last_step=args.train_steps,
-        log_step_count_steps=1000,
+        log_step_count_steps=args.log_step_count_steps,
+        replicas_to_aggregate=args.replicas_to_aggregate,
     ) as sess:
         while not sess.should_stop():
             x, y = points(1)

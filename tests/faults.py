@@ -46,7 +46,7 @@ ONCE: Path | None = None
 """``--once DIR``: where each task marks the kill it did (it is not done again)."""
 
 
-def _strike(task: str, hang: float | None) -> None:
+def _strike(task: str, hang: float | None, step: int) -> None:
     """SIGKILLs this process, or with ``hang`` SIGSTOPs it for that many seconds (once per task
     under :data:`ONCE`, when given)."""
     if ONCE is not None:
@@ -54,6 +54,9 @@ def _strike(task: str, hang: float | None) -> None:
         if mark.exists():
             return
         mark.touch()
+    # The moment of the fault, for whoever measures what follows (tests/fault_matrix.py).
+    what = "SIGKILL" if hang is None else f"SIGSTOP for {hang:g} s"
+    print(f"fault: {task} {what} at step {step}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     if hang is None:
@@ -96,7 +99,7 @@ class FaultHook(Hook):
 
     def after_step(self, ctx: StepContext) -> None:
         if ctx.global_step >= self.step:
-            _strike(self.task, self.hang)
+            _strike(self.task, self.hang, ctx.global_step)
 
 
 def kill_at(spec: str, *, hang: bool = False) -> None:
@@ -131,7 +134,7 @@ def _strike_ps_at(spec: str, *, hang: bool) -> None:
                 # Polled: the serving thread must not be slowed by a test's hook.
                 while self.store.step < at:
                     time.sleep(0.005)
-                _strike(self.name, seconds)
+                _strike(self.name, seconds, self.store.step)
 
             threading.Thread(target=watch, name="psflow-test-fault", daemon=True).start()
         return out

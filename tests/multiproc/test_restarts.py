@@ -26,9 +26,13 @@ def test_a_killed_worker_chief_and_ps_are_restarted_and_the_job_finishes(tmp_pat
     logdir = tmp_path / "run"
     faults = [
         *("--once", str(tmp_path / "faults")),  # each task is killed once, not again restarted
-        *("--kill-at", "worker:1@600"),
-        *("--kill-at", "worker:0@1200"),  # the chief
-        *("--kill-at", "ps:0@1800"),  # after the checkpoint at 1500
+        # In this order, each kill's outcome is the same however fast the tasks run: the ps
+        # (after the checkpoint at 500; the chief restores it from there), then the chief
+        # (the ps, alive, keep their state: it must not restore), then worker:1 (it rejoins).
+        # A ps killed while the chief is away would be restored by the chief once it is back.
+        *("--kill-at", "ps:0@1000"),
+        *("--kill-at", "worker:0@1400"),  # the chief
+        *("--kill-at", "worker:1@1800"),
     ]
     cmd = launch_cmd(
         FAULTS,
@@ -45,11 +49,11 @@ def test_a_killed_worker_chief_and_ps_are_restarted_and_the_job_finishes(tmp_pat
     restarted = re.findall(
         r"task (\S+) failed with signal 9; restarting it .*\(restart (\d) of 3", err
     )
-    assert restarted == [("worker:1", "1"), ("worker:0", "2"), ("ps:0", "3")], err[-4000:]
+    assert restarted == [("ps:0", "1"), ("worker:0", "2"), ("worker:1", "3")], err[-4000:]
     # The restarted chief found the ps initialised: it resumed, it did not restore...
     assert "the ps were already initialised: not restoring" in err
     # ... and the restarted ps came back empty: the chief restored it from the last checkpoint.
-    assert re.search(r"ps:0 came back empty: every shard restored from ckpt-1[0-9]{3}\b", err), err[
+    assert re.search(r"ps:0 came back empty: every shard restored from ckpt-\d+\b", err), err[
         -4000:
     ]
     m = re.fullmatch(r"\[worker:0\] W=(\S+) b=(\S+)", proc.stdout.strip().splitlines()[-1])
@@ -62,7 +66,7 @@ def test_a_killed_worker_chief_and_ps_are_restarted_and_the_job_finishes(tmp_pat
     assert final is not None and saved.manifest(final).global_step >= STEPS
     acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
     acc.Reload()
-    assert max(e.step for e in acc.Scalars("loss")) > 1800
+    assert max(e.step for e in acc.Scalars("loss")) > 1400
 
 
 def test_the_job_stops_once_its_restarts_are_used(tmp_path: Path) -> None:

@@ -144,12 +144,18 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
         (hold / "release").touch()
 
         def launch_exit() -> str | None:
+            fields = "#{pane_dead}:#{pane_dead_status}:#{pane_dead_signal}"
             out = subprocess.run(
-                [*tmux, "list-panes", "-t", "job:launch", "-F", "#{pane_dead} #{pane_dead_status}"],
+                [*tmux, "list-panes", "-t", "job:launch", "-F", fields],
                 capture_output=True,
                 text=True,
-            ).stdout.split()
-            return out[1] if out and out[0] == "1" else None
+            ).stdout.strip()
+            dead, _, rest = out.partition(":")
+            status, _, sig = rest.partition(":")
+            # tmux may show the pane dead a moment before it has its exit status: asked again.
+            if dead != "1":
+                return None
+            return status or (f"signal {sig}" if sig else None)
 
         assert _until("psflow launch to exit", launch_exit, timeout=60) == "0"
         assert jobs.running_jobs(run_dir / "psflow" / "jobs") == []

@@ -1,0 +1,229 @@
+"""The fault matrix: every role (ps, worker, chief) in every mode (asynchronous; synchronous with
+one backup worker), killed with SIGKILL at a scheduled step or stopped with SIGSTOP for longer
+than the timeouts, in a real ``psflow launch --max-restarts 1`` job of the linear-regression
+example. Each fault is data given to the processes (``tests/faults.py``); this script reads the
+job's output as it comes and times what follows::
+
+    python tests/fault_matrix.py                 # all twelve, a Markdown table, a JSON line last
+    python tests/fault_matrix.py --only sync-ps-kill async-worker-hang
+
+- detected: from the fault to the first line that names the task as failed, dead or silent
+  (the launcher, the ps or a worker);
+- recovered: from the fault to the chief's first progress line past the step of the fault
+  (training seen going on; 0 when it never stopped);
+- steps lost: global steps the job went back (a restore from a checkpoint), else 0;
+- the result: the launcher's exit code and the model (W near 2.0 and b near 0.3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FAULTS = ROOT / "tests" / "faults.py"
+EXAMPLE = ROOT / "examples" / "linear_regression.py"
+
+TRAIN_STEPS = 3000
+FAULT_STEP = 1200
+HANG_SECONDS = 10.0
+ENV = {
+    "PSFLOW_WORKER_TIMEOUT": "4",  # the ps declares a silent worker dead after 4 s
+    "PSFLOW_TIMEOUT": "6",  # a request to a silent ps gives up after 6 s (then: recovery)
+}
+"""Timeouts shorter than the hang, so that every hang outlasts them."""
+
+WORKERS = 3
+"""Three workers: in synchronous mode, two aggregated per step and one backup."""
+
+LINE = re.compile(r"^\[(\S+)\] (.*)$")
+PROGRESS = re.compile(r"^step (\d+)/")
+DETECTED = re.compile(
+    r"failed with signal|is dead|declared dead|has not heard from|no answer within"
+)
+RESTORED = re.compile(r"restored from ckpt-(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    mode: str  # async | sync
+    role: str  # ps | worker | chief
+    fault: str  # kill | hang
+
+    @property
+    def name(self) -> str:
+        return f"{self.mode}-{self.role}-{self.fault}"
+
+    @property
+    def task(self) -> str:
+        return {"ps": "ps:0", "worker": "worker:1", "chief": "worker:0"}[self.role]
+
+
+SCENARIOS = [
+    Scenario(mode, role, fault)
+    for mode in ("async", "sync")
+    for role in ("ps", "worker", "chief")
+    for fault in ("kill", "hang")
+]
+
+
+@dataclasses.dataclass
+class Result:
+    scenario: str
+    exit_code: int | None
+    fault_step: int | None
+    detected_s: float | None
+    recovered_s: float | None
+    steps_lost: int | None
+    final_step: int | None
+    w: float | None
+    b: float | None
+    detected_by: str | None
+    seconds: float
+
+    @property
+    def right_model(self) -> bool:
+        return (
+            self.w is not None
+            and self.b is not None
+            and abs(self.w - 2.0) < 0.05
+            and abs(self.b - 0.3) < 0.05
+        )
+
+
+def command(s: Scenario, workdir: Path) -> list[str]:
+    flag = "--kill-at" if s.fault == "kill" else "--hang-at"
+    spec = f"{s.task}@{FAULT_STEP}" + ("" if s.fault == "kill" else f":{HANG_SECONDS:g}")
+    launch = ["launch", "--ps", "1", "--workers", str(WORKERS), "--max-restarts", "1"]
+    launch += ["--mode", s.mode, "--grace", "10", "--no-metrics"]
+    script = [str(EXAMPLE), "--train_steps", str(TRAIN_STEPS), "--lr", "0.01"]
+    script += ["--save_checkpoint_steps", "500", "--log_step_count_steps", "100"]
+    script += ["--logdir", str(workdir / "run")]
+    if s.mode == "sync":
+        script += ["--replicas_to_aggregate", str(WORKERS - 1)]
+    faults = [str(FAULTS), "--once", str(workdir / "faults"), flag, spec]
+    return [sys.executable, "-m", "psflow.cli", *launch, *faults, *script]
+
+
+def run(s: Scenario, workdir: Path, timeout: float = 240) -> tuple[Result, list[str]]:
+    """Runs one scenario; its result and the job's output (stdout and stderr, as read)."""
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        command(s, workdir),
+        env={**os.environ, **ENV},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[tuple[float, str]] = []
+    lock = threading.Lock()
+
+    def read(stream: object) -> None:
+        for line in iter(stream.readline, ""):  # type: ignore[attr-defined]
+            with lock:
+                lines.append((time.monotonic(), line.rstrip("\n")))
+
+    readers = [
+        threading.Thread(target=read, args=(st,), daemon=True) for st in (proc.stdout, proc.stderr)
+    ]
+    for t in readers:
+        t.start()
+    try:
+        code: int | None = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        code = None
+    for t in readers:
+        t.join(10)
+    return _measure(s, lines, code, time.monotonic() - start), [text for _, text in lines]
+
+
+def _measure(s: Scenario, lines: list[tuple[float, str]], code: int | None, took: float) -> Result:
+    fault_at = fault_step = None
+    detected_at = recovered_at = None
+    detected_by = None
+    restored: int | None = None
+    final_step = w = b = None
+    for t, text in lines:
+        m = LINE.match(text)
+        who, msg = (m.group(1), m.group(2)) if m else ("", text)
+        if fault_at is None:
+            f = re.search(rf"fault: {re.escape(s.task)} \S+.* at step (\d+)", msg)
+            if f:
+                fault_at, fault_step = t, int(f.group(1))
+            continue
+        if detected_at is None and s.task in msg and DETECTED.search(msg):
+            detected_at, detected_by = t, text[:160]
+        r = RESTORED.search(msg)
+        if r:
+            restored = int(r.group(1))
+        p = PROGRESS.match(msg)
+        if p and who == "worker:0":
+            step = int(p.group(1))
+            final_step = max(final_step or 0, step)
+            if recovered_at is None and fault_step is not None and step > fault_step:
+                recovered_at = t
+        wb = re.fullmatch(r"W=(\S+) b=(\S+)", msg)
+        if wb and who == "worker:0":
+            w, b = float(wb.group(1)), float(wb.group(2))
+    if fault_at is None:
+        return Result(s.name, code, None, None, None, None, final_step, w, b, None, took)
+    return Result(
+        scenario=s.name,
+        exit_code=code,
+        fault_step=fault_step,
+        detected_s=None if detected_at is None else round(detected_at - fault_at, 2),
+        recovered_s=None if recovered_at is None else round(max(0.0, recovered_at - fault_at), 2),
+        steps_lost=0 if restored is None or fault_step is None else max(0, fault_step - restored),
+        final_step=final_step,
+        w=w,
+        b=b,
+        detected_by=detected_by,
+        seconds=round(took, 1),
+    )
+
+
+def table(results: list[Result]) -> str:
+    rows = [
+        "| fault | time to detect (s) | time to recover (s) | steps lost | exit | W, b |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        model = "-" if r.w is None else f"{r.w:.3f}, {r.b:.3f}"
+        rows.append(
+            f"| {r.scenario} | {r.detected_s} | {r.recovered_s} | {r.steps_lost} | "
+            f"{r.exit_code} | {model} |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="*", help="scenario names (default: all)")
+    parser.add_argument("--log", action="store_true", help="print each job's output too")
+    args = parser.parse_args()
+    chosen = [s for s in SCENARIOS if not args.only or s.name in args.only]
+    results = []
+    for s in chosen:
+        with tempfile.TemporaryDirectory(prefix=f"psflow-{s.name}-") as d:
+            result, out = run(s, Path(d))
+        results.append(result)
+        print(f"{s.name}: {json.dumps(dataclasses.asdict(result))}", file=sys.stderr, flush=True)
+        if args.log:
+            print("\n".join(out), file=sys.stderr)
+    print(table(results))
+    print(json.dumps([dataclasses.asdict(r) for r in results]))
+
+
+if __name__ == "__main__":
+    main()
