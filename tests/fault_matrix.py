@@ -9,8 +9,8 @@ job's output as it comes and times what follows::
 
 - detected: from the fault to the first line that names the task as failed, dead or silent
   (the launcher, the ps or a worker);
-- recovered: from the fault to the chief's first progress line past the step of the fault
-  (training seen going on; 0 when it never stopped);
+- recovered: from the fault to training seen going on (the ps's global step, read from its
+  metrics, rising; about 0 when it never stopped);
 - steps lost: global steps the job went back (a restore from a checkpoint), else 0;
 - the result: the launcher's exit code and the model (W near 2.0 and b near 0.3).
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -27,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,9 +49,9 @@ WORKERS = 3
 
 LINE = re.compile(r"^\[(\S+)\] (.*)$")
 PROGRESS = re.compile(r"^step (\d+)/")
-DETECTED = re.compile(
-    r"failed with signal|is dead|declared dead|has not heard from|no answer within"
-)
+SAVED = re.compile(r"saved checkpoint \S+ \(global step (\d+)\)")
+METRICS_AT = re.compile(r"metrics at \S+: ps:0 (\S+?),")
+PS_STEP = re.compile(r"^psflow_ps_global_step\{[^}]*\} (\S+)$", re.M)
 RESTORED = re.compile(r"restored from ckpt-(\d+)")
 
 
@@ -104,7 +106,7 @@ def command(s: Scenario, workdir: Path) -> list[str]:
     flag = "--kill-at" if s.fault == "kill" else "--hang-at"
     spec = f"{s.task}@{FAULT_STEP}" + ("" if s.fault == "kill" else f":{HANG_SECONDS:g}")
     launch = ["launch", "--ps", "1", "--workers", str(WORKERS), "--max-restarts", "1"]
-    launch += ["--mode", s.mode, "--grace", "10", "--no-metrics"]
+    launch += ["--mode", s.mode, "--grace", "10"]
     script = [str(EXAMPLE), "--train_steps", str(TRAIN_STEPS), "--lr", "0.01"]
     script += ["--save_checkpoint_steps", "500", "--log_step_count_steps", "100"]
     script += ["--logdir", str(workdir / "run")]
@@ -132,6 +134,32 @@ def run(s: Scenario, workdir: Path, timeout: float = 240) -> tuple[Result, list[
             with lock:
                 lines.append((time.monotonic(), line.rstrip("\n")))
 
+    steps: list[tuple[float, int]] = []  # the ps's global step, from its metrics
+    done = threading.Event()
+
+    def poll() -> None:
+        url = None
+        while not done.is_set():
+            if url is None:
+                with lock:
+                    for _, text in lines:
+                        m = METRICS_AT.search(text)
+                        if m:
+                            url = f"http://{m.group(1)}/metrics"
+                if url is None:
+                    time.sleep(0.05)
+                    continue
+            try:
+                with urllib.request.urlopen(url, timeout=0.5) as r:
+                    found = PS_STEP.search(r.read().decode())
+                if found:
+                    steps.append((time.monotonic(), int(float(found.group(1)))))
+            except OSError:
+                pass  # down (killed, restarting) or stopped (SIGSTOP): no figure now
+            time.sleep(0.05)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
     readers = [
         threading.Thread(target=read, args=(st,), daemon=True) for st in (proc.stdout, proc.stderr)
     ]
@@ -145,10 +173,24 @@ def run(s: Scenario, workdir: Path, timeout: float = 240) -> tuple[Result, list[
         code = None
     for t in readers:
         t.join(10)
-    return _measure(s, lines, code, time.monotonic() - start), [text for _, text in lines]
+    done.set()
+    poller.join(5)
+    result = _measure(s, lines, steps, code, time.monotonic() - start)
+    return result, [text for _, text in lines]
 
 
-def _measure(s: Scenario, lines: list[tuple[float, str]], code: int | None, took: float) -> Result:
+def _measure(
+    s: Scenario,
+    lines: list[tuple[float, str]],
+    steps: list[tuple[float, int]],
+    code: int | None,
+    took: float,
+) -> Result:
+    # A line naming the task as failed (the launcher), dead (the ps) or silent (a worker).
+    task = re.escape(s.task)
+    detected = re.compile(
+        rf"task {task} failed with signal|{task} is dead|{task} at \S+: no answer within"
+    )
     fault_at = fault_step = None
     detected_at = recovered_at = None
     detected_by = None
@@ -162,20 +204,25 @@ def _measure(s: Scenario, lines: list[tuple[float, str]], code: int | None, took
             if f:
                 fault_at, fault_step = t, int(f.group(1))
             continue
-        if detected_at is None and s.task in msg and DETECTED.search(msg):
+        if detected_at is None and detected.search(msg):
             detected_at, detected_by = t, text[:160]
         r = RESTORED.search(msg)
         if r:
             restored = int(r.group(1))
-        p = PROGRESS.match(msg)
+        p = PROGRESS.match(msg) or SAVED.search(msg)
         if p and who == "worker:0":
-            step = int(p.group(1))
-            final_step = max(final_step or 0, step)
-            if recovered_at is None and fault_step is not None and step > fault_step:
-                recovered_at = t
+            final_step = max(final_step or 0, int(p.group(1)))
         wb = re.fullmatch(r"W=(\S+) b=(\S+)", msg)
         if wb and who == "worker:0":
             w, b = float(wb.group(1)), float(wb.group(2))
+    if fault_at is not None:
+        # Training going on: the ps's global step rising between two readings both after the
+        # fault (0 when it never stopped).
+        after = [(t, n) for t, n in steps if t > fault_at]
+        for (_, n0), (t1, n1) in itertools.pairwise(after):
+            if n1 > n0:
+                recovered_at = t1
+                break
     if fault_at is None:
         return Result(s.name, code, None, None, None, None, final_step, w, b, None, took)
     return Result(

@@ -303,9 +303,10 @@ class Launcher:
                 return 1
             if trainers_done_at is None and all(self.procs[t].poll() == 0 for t in trainers):
                 trainers_done_at = time.monotonic()
-            if self._hung_after_the_end():
+            hung = self._hung_after_the_end()
+            if hung is not None:
                 self.stop()
-                return 1
+                return hung
             if all(p.poll() is not None for p in self.procs.values()):
                 self._join_relays()
                 if failed_evaluators:
@@ -319,27 +320,39 @@ class Launcher:
                 return 1
             time.sleep(0.05)
 
-    def _hung_after_the_end(self) -> bool:
-        """Whether a worker still runs ``ps_exit_timeout`` seconds after the chief and every
-        ps exited 0: a worker the ps declared dead (hung, e.g. SIGSTOP) and exited without."""
+    def _hung_after_the_end(self) -> int | None:
+        """The job's exit code when a worker or the chief still runs ``ps_exit_timeout`` seconds
+        after every ps exited 0 (one the ps declared dead, hung e.g. by SIGSTOP, and ended the
+        job without: its requests would wait the recovery timeout, 300 s, for ps that will not
+        return); ``None`` while there is none. As TensorFlow's jobs (TFJob's default success
+        policy), the job succeeded when its chief did: a straggling worker is stopped with a
+        warning (0); a chief still running never saved its final checkpoint (1)."""
         ps = [p for t, p in self.procs.items() if t.job == "ps"]
-        ended = [self.procs[self.cluster.chief], *ps]
-        if not ps or any(p.poll() != 0 for p in ended):
+        if not ps or any(p.poll() != 0 for p in ps):
             self._ended_at = None
-            return False
-        left = [str(t) for t, p in self.procs.items() if t.job == "worker" and p.poll() is None]
+            return None
+        left = [
+            t for t, p in self.procs.items() if t.job in ("chief", "worker") and p.poll() is None
+        ]
         now = time.monotonic()
         if not left:
-            return False
+            return None
         if self._ended_at is None:
             self._ended_at = now
         if now - self._ended_at <= self.config.ps_exit_timeout:
-            return False
+            return None
+        chief = self.cluster.chief in left
         self._say(
-            f"{', '.join(left)} still running {self.config.ps_exit_timeout:g} s after the job "
-            "ended (the chief and the ps exited 0; the ps declared it dead): hung? stopping it"
+            f"{', '.join(map(str, left))} still running {self.config.ps_exit_timeout:g} s after "
+            "the ps exited 0 (they declared it dead and ended the job without it): hung? "
+            "stopping it"
+            + (
+                "; the chief's final checkpoint was not saved"
+                if chief
+                else f"; the job succeeded with its chief ({self.cluster.chief} exited 0)"
+            )
         )
-        return True
+        return 1 if chief else 0
 
     def _restart(self, task: TaskSpec, how: str) -> bool:
         """Starts the failed ``task`` again if a restart is left (and the job is not over:

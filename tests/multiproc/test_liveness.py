@@ -162,10 +162,10 @@ def test_the_launcher_stops_a_worker_still_hung_after_the_job_ended(tmp_path: Pa
         text=True,
         timeout=60,
     )
-    assert proc.returncode == 1, proc.stderr
+    assert proc.returncode == 0, proc.stderr  # the chief finished: the job succeeded
     assert (
-        "worker:1 still running 1 s after the job ended (the chief and the ps exited 0; the ps "
-        "declared it dead): hung? stopping it"
+        "worker:1 still running 1 s after the ps exited 0 (they declared it dead and ended the "
+        "job without it): hung? stopping it; the job succeeded with its chief (worker:0 exited 0)"
     ) in proc.stderr
     assert "not gone" not in proc.stderr  # SIGCONT let it take SIGTERM: no SIGKILL needed
 
