@@ -12,8 +12,10 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from psflow import env as envvars
@@ -117,3 +119,11 @@ def median(values: list[float]) -> float:
 def emit(result: dict[str, Any]) -> None:
     """The benchmark's last line: one JSON object."""
     print(json.dumps(result, sort_keys=True))
+
+
+def keys_dir() -> str:
+    """A fresh directory of CurveZMQ keys for one job (``PSFLOW_KEYS_DIR``), as ``psflow launch``
+    makes by default; left in the system's temporary directory."""
+    from psflow.cluster.keys import generate_keys
+
+    return str(generate_keys(Path(tempfile.mkdtemp(prefix="psflow-bench-keys-")) / "keys"))

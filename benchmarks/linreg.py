@@ -114,6 +114,11 @@ def main() -> None:
         action="store_true",
         help="also run psflow with its metrics on, side by side, and report the difference",
     )
+    parser.add_argument(
+        "--keys-cost",
+        action="store_true",
+        help="also run psflow with CurveZMQ keys (PSFLOW_KEYS_DIR), side by side",
+    )
     parser.add_argument("--role", choices=["psflow", "tf"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     preset = PRESETS[args.preset]
@@ -124,7 +129,7 @@ def main() -> None:
 
     # Imported only here: the TensorFlow tasks run in a Python that may lack psflow and torch.
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from common import emit, machine, median, new_cluster, run_job, run_tf_job
+    from common import emit, keys_dir, machine, median, new_cluster, run_job, run_tf_job
 
     me = os.path.abspath(__file__)
     result: dict[str, object] = {
@@ -135,6 +140,7 @@ def main() -> None:
     runs = []
     tf_runs = []
     metrics_runs = []
+    keys_runs = []
     for _ in range(preset["repeat"]):
         # Side by side: alternate the two runtimes so both see the same machine conditions.
         cmd = [me, "--role", "psflow", "--preset", args.preset]
@@ -143,6 +149,10 @@ def main() -> None:
             on = {"PSFLOW_METRICS_PORT": "0"}
             res = run_job(new_cluster(1, args.workers), lambda _t, c=cmd: c, env=on)
             metrics_runs.append(steps_per_second(res))
+        if args.keys_cost:
+            keyed = {"PSFLOW_KEYS_DIR": keys_dir()}
+            res = run_job(new_cluster(1, args.workers), lambda _t, c=cmd: c, env=keyed)
+            keys_runs.append(steps_per_second(res))
         if args.compare_tf:
             cmd = [me, "--role", "tf", "--preset", args.preset]
             res = run_tf_job(new_cluster(1, args.workers), cmd, args.tf_python)
@@ -156,6 +166,12 @@ def main() -> None:
         result["psflow_metrics_on_runs"] = [round(r, 1) for r in metrics_runs]
         result["metrics_cost_pct"] = round(100 * (1 - on / median(runs)), 2)
         print(f"psflow, metrics on: {on:.0f} steps/s ({result['metrics_cost_pct']}% slower)")
+    if keys_runs:
+        on = median(keys_runs)
+        result["psflow_keys_on_steps_per_s"] = round(on, 1)
+        result["psflow_keys_on_runs"] = [round(r, 1) for r in keys_runs]
+        result["keys_cost_pct"] = round(100 * (1 - on / median(runs)), 2)
+        print(f"psflow, CurveZMQ keys: {on:.0f} steps/s ({result['keys_cost_pct']}% slower)")
     if tf_runs:
         result["tf_steps_per_s"] = round(median(tf_runs), 1)
         result["tf_runs"] = [round(r, 1) for r in tf_runs]

@@ -223,6 +223,11 @@ def main() -> None:
         action="store_true",
         help="also run psflow with its metrics on (PSFLOW_METRICS_PORT=0), side by side",
     )
+    parser.add_argument(
+        "--keys-cost",
+        action="store_true",
+        help="also run psflow with CurveZMQ keys (PSFLOW_KEYS_DIR), side by side",
+    )
     parser.add_argument("--role", help=argparse.SUPPRESS)
     args = parser.parse_args()
     preset = PRESETS[args.preset]
@@ -236,7 +241,7 @@ def main() -> None:
         return tf_task(mode == "sync", dims, steps, warmup)
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from common import emit, machine, median, new_cluster, run_job
+    from common import emit, keys_dir, machine, median, new_cluster, run_job
 
     me = os.path.abspath(__file__)
     model_bytes = _num_params(dims) * 4
@@ -251,13 +256,15 @@ def main() -> None:
     tf_env = {"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
 
     def run(runtime: str, mode: str) -> tuple[float, float]:
-        cmd = [me, "--role", f"{runtime.removesuffix('+metrics')}:{mode}", "--preset", args.preset]
+        cmd = [me, "--role", f"{runtime.split('+')[0]}:{mode}", "--preset", args.preset]
         ps = 0 if mode == "allreduce" else 1
         kwargs: dict[str, object] = {}
         if runtime == "tf":
             kwargs = {"python": args.tf_python, "ps_exit_timeout": None, "env": tf_env}
         if runtime == "psflow+metrics":  # every task records and serves its metrics
             kwargs = {"env": {"PSFLOW_METRICS_PORT": "0"}}
+        if runtime == "psflow+keys":  # CurveZMQ: every socket message encrypted
+            kwargs = {"env": {"PSFLOW_KEYS_DIR": keys_dir()}}
         res = run_job(new_cluster(ps, args.workers), lambda _t, c=cmd: c, **kwargs)  # type: ignore[arg-type]
         return figures(mode, res, model_bytes)
 
@@ -265,6 +272,8 @@ def main() -> None:
         pairs = {"psflow": "psflow"}
         if args.metrics_cost:
             pairs["metrics_on"] = "psflow+metrics"
+        if args.keys_cost:
+            pairs["keys_on"] = "psflow+keys"
         if mode == "allreduce":
             pairs["ddp"] = "ddp"
         elif args.compare_tf:
@@ -281,13 +290,15 @@ def main() -> None:
             result[f"{mode}_{key}_gbps"] = round(gbps, 3)
             result[f"{mode}_{key}_runs"] = [round(v[0], 2) for v in values]
             line.append(f"{key} {sps:.2f} steps/s, {gbps:.2f} GB/s")
-        if "metrics_on" in runs:
+        for what in ("metrics", "keys"):
+            if f"{what}_on" not in runs:
+                continue
             off = result[f"{mode}_psflow_steps_per_s"]
-            on = result[f"{mode}_metrics_on_steps_per_s"]
+            on = result[f"{mode}_{what}_on_steps_per_s"]
             cost = round(100 * (1 - on / off), 2)  # type: ignore[operator]
-            result[f"{mode}_metrics_cost_pct"] = cost
-            line.append(f"metrics cost {cost}%")
-        other = next((k for k in runs if k not in ("psflow", "metrics_on")), None)
+            result[f"{mode}_{what}_cost_pct"] = cost
+            line.append(f"{what} cost {cost}%")
+        other = next((k for k in runs if k not in ("psflow", "metrics_on", "keys_on")), None)
         if other is not None:
             ratio = result[f"{mode}_psflow_steps_per_s"] / result[f"{mode}_{other}_steps_per_s"]  # type: ignore[operator]
             result[f"{mode}_ratio_vs_{other}"] = round(ratio, 2)

@@ -106,7 +106,9 @@ def command(s: Scenario, workdir: Path) -> list[str]:
     flag = "--kill-at" if s.fault == "kill" else "--hang-at"
     spec = f"{s.task}@{FAULT_STEP}" + ("" if s.fault == "kill" else f":{HANG_SECONDS:g}")
     launch = ["launch", "--ps", "1", "--workers", str(WORKERS), "--max-restarts", "1"]
-    launch += ["--mode", s.mode, "--grace", "10"]
+    # --ps-exit-timeout 5: a task hung across the end of the job is stopped 5 s after the ps
+    # exit (30 by default).
+    launch += ["--mode", s.mode, "--grace", "10", "--ps-exit-timeout", "5"]
     script = [str(EXAMPLE), "--train_steps", str(TRAIN_STEPS), "--lr", "0.01"]
     script += ["--save_checkpoint_steps", "500", "--log_step_count_steps", "100"]
     script += ["--logdir", str(workdir / "run")]
@@ -189,7 +191,8 @@ def _measure(
     # A line naming the task as failed (the launcher), dead (the ps) or silent (a worker).
     task = re.escape(s.task)
     detected = re.compile(
-        rf"task {task} failed with signal|{task} is dead|{task} at \S+: no answer within"
+        rf"task {task} failed with signal|{task} is dead"
+        rf"|{task} at \S+: (no answer within|step \d+ did not complete)"
     )
     fault_at = fault_step = None
     detected_at = recovered_at = None
@@ -258,6 +261,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", help="scenario names (default: all)")
     parser.add_argument("--log", action="store_true", help="print each job's output too")
+    parser.add_argument("--logs", type=Path, help="write each job's output to DIR/<scenario>.log")
     args = parser.parse_args()
     chosen = [s for s in SCENARIOS if not args.only or s.name in args.only]
     results = []
@@ -268,6 +272,9 @@ def main() -> None:
         print(f"{s.name}: {json.dumps(dataclasses.asdict(result))}", file=sys.stderr, flush=True)
         if args.log:
             print("\n".join(out), file=sys.stderr)
+        if args.logs:
+            args.logs.mkdir(parents=True, exist_ok=True)
+            (args.logs / f"{s.name}.log").write_text("\n".join(out) + "\n")
     print(table(results))
     print(json.dumps([dataclasses.asdict(r) for r in results]))
 

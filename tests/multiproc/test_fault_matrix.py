@@ -1,5 +1,7 @@
-"""The fault matrix (issue 12, item 5), each scenario a real ``psflow launch`` job: the job
-finishes with the right model at or past its last step, whichever task was killed or hung.
+"""The fault matrix (issue 12, item 5), each scenario a real ``psflow launch`` job: whichever
+task is killed (SIGKILL at a scheduled step, restarted by ``--max-restarts 1``) or hung (SIGSTOP
+past the timeouts, then SIGCONT), the job finishes with the right model at its last step, or
+stops with an error naming the task, within a bound.
 
 ``python tests/fault_matrix.py`` runs the same scenarios and prints the table of times.
 """
@@ -16,11 +18,20 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_the_job_survives_the_fault(scenario: Scenario, tmp_path: Path) -> None:
+def test_the_job_survives_the_fault_or_names_the_task(scenario: Scenario, tmp_path: Path) -> None:
     result, out = run(scenario, tmp_path, timeout=240)
-    log = "\n".join(out[-60:])
+    log = "\n".join(out[-80:])
     assert result.fault_step is not None, f"the fault never struck:\n{log}"
+    assert result.detected_s is not None, f"nothing named {scenario.task}:\n{log}"
+    if scenario.role == "chief" and scenario.fault == "hang":
+        # The chief hung across the end of the job: the others finished, the ps exited without
+        # it (declared dead), so its final checkpoint can never be saved: an error naming it.
+        assert result.exit_code == 1, f"{result}\n{log}"
+        assert any(
+            "worker:0 still running" in line and "final checkpoint was not saved" in line
+            for line in out
+        ), log
+        return
     assert result.exit_code == 0, f"{result}\n{log}"
     assert result.right_model, f"{result}\n{log}"
-    assert result.final_step is not None and result.final_step >= TRAIN_STEPS - 100, result
-    assert result.detected_s is not None, f"nothing named {scenario.task}:\n{log}"
+    assert result.final_step is not None and result.final_step >= TRAIN_STEPS, result
