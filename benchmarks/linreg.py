@@ -160,18 +160,17 @@ def main() -> None:
     result["psflow_steps_per_s"] = round(median(runs), 1)
     result["psflow_runs"] = [round(r, 1) for r in runs]
     print(f"psflow: {median(runs):.0f} steps/s (runs: {', '.join(f'{r:.0f}' for r in runs)})")
-    if metrics_runs:
-        on = median(metrics_runs)
-        result["psflow_metrics_on_steps_per_s"] = round(on, 1)
-        result["psflow_metrics_on_runs"] = [round(r, 1) for r in metrics_runs]
-        result["metrics_cost_pct"] = round(100 * (1 - on / median(runs)), 2)
-        print(f"psflow, metrics on: {on:.0f} steps/s ({result['metrics_cost_pct']}% slower)")
-    if keys_runs:
-        on = median(keys_runs)
-        result["psflow_keys_on_steps_per_s"] = round(on, 1)
-        result["psflow_keys_on_runs"] = [round(r, 1) for r in keys_runs]
-        result["keys_cost_pct"] = round(100 * (1 - on / median(runs)), 2)
-        print(f"psflow, CurveZMQ keys: {on:.0f} steps/s ({result['keys_cost_pct']}% slower)")
+    for what, label, on_runs in (
+        ("metrics", "metrics on", metrics_runs),
+        ("keys", "CurveZMQ keys", keys_runs),
+    ):
+        if not on_runs:
+            continue
+        on = median(on_runs)
+        result[f"psflow_{what}_on_steps_per_s"] = round(on, 1)
+        result[f"psflow_{what}_on_runs"] = [round(r, 1) for r in on_runs]
+        result[f"{what}_cost_pct"] = round(100 * (1 - on / median(runs)), 2)
+        print(f"psflow, {label}: {on:.0f} steps/s ({result[f'{what}_cost_pct']}% slower)")
     if tf_runs:
         result["tf_steps_per_s"] = round(median(tf_runs), 1)
         result["tf_runs"] = [round(r, 1) for r in tf_runs]

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from psflow import env as envvars
+from psflow.cluster.shmfiles import pid_alive
 
 
 @dataclass(kw_only=True)
@@ -95,16 +96,6 @@ def remove_job(path: Path) -> None:
         path.unlink()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def running_jobs(directory: Path | None = None) -> list[JobFile]:
     """The jobs whose launcher still runs, the most recent first (stale files are removed)."""
     d = directory or jobs_dir()
@@ -116,7 +107,7 @@ def running_jobs(directory: Path | None = None) -> list[JobFile]:
             job = JobFile.from_json(json.loads(path.read_text()), str(path))
         except (OSError, ValueError):
             continue  # half written by someone else, or not ours: not a job we can show
-        if _alive(job.pid):
+        if pid_alive(job.pid):
             jobs.append(job)
         else:
             remove_job(path)

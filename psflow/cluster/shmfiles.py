@@ -75,7 +75,7 @@ def remove_stale(directory: str = SHM_DIR) -> list[str]:
     removed = []
     for n in sorted(names):
         who = owner(n) if n.startswith(PREFIX) else None
-        if who is None or who[1] != ns or _alive(who[0]):
+        if who is None or who[1] != ns or pid_alive(who[0]):
             continue
         path = os.path.join(directory, n)
         if _remove_own(path):
@@ -85,7 +85,8 @@ def remove_stale(directory: str = SHM_DIR) -> list[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (someone else's counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
