@@ -86,6 +86,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
         "PATH": os.environ.get("PATH", ""),
         "TERM": "xterm-256color",
     }
+    exit_file = tmp / "launch.exit"
     conf = tmp / "tmux.conf"  # a wide terminal, whatever the machine's tmux defaults are
     conf.write_text("set -g default-size 160x40\n")
     tmux = ["tmux", "-L", f"psflow-test-{os.getpid()}", "-f", str(conf)]
@@ -116,7 +117,8 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
             "launch",
             *size,
             *env_flags,
-            shlex.join(cmd),
+            # The exit status in a file: tmux 3.3 sometimes shows the pane dead with no status.
+            f"{shlex.join(cmd)}; echo $? > {shlex.quote(str(exit_file))}",
         ],
         check=True,
         env=server_env,
@@ -144,20 +146,19 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
         (hold / "release").touch()
 
         def launch_exit() -> str | None:
-            fields = "#{pane_dead}:#{pane_dead_status}:#{pane_dead_signal}"
-            out = subprocess.run(
-                [*tmux, "list-panes", "-t", "job:launch", "-F", fields],
+            text = exit_file.read_text() if exit_file.exists() else ""
+            return text.strip() if text.endswith("\n") else None
+
+        try:
+            code = _until("psflow launch to exit", launch_exit, timeout=60)
+        except AssertionError:
+            pane = subprocess.run(
+                [*tmux, "capture-pane", "-p", "-S", "-200", "-t", "job:launch"],
                 capture_output=True,
                 text=True,
-            ).stdout.strip()
-            dead, _, rest = out.partition(":")
-            status, _, sig = rest.partition(":")
-            # tmux may show the pane dead a moment before it has its exit status: asked again.
-            if dead != "1":
-                return None
-            return status or (f"signal {sig}" if sig else None)
-
-        assert _until("psflow launch to exit", launch_exit, timeout=60) == "0"
+            ).stdout
+            raise AssertionError(f"psflow launch did not exit; its terminal:\n{pane}") from None
+        assert code == "0"
         assert jobs.running_jobs(run_dir / "psflow" / "jobs") == []
         assert not list((run_dir / "psflow" / "jobs").glob("*.json")), "job file left behind"
     finally:
