@@ -157,37 +157,28 @@ class PsMetrics:
         self.dropped_stale = owner.child(PS_DROPPED, shard=self._shard) if on else _NOOP
         self.checkpoint_pause = owner.child(PS_CKPT_PAUSE, shard=self._shard) if on else _NOOP
         self.checkpoint_write = owner.child(PS_CKPT_WRITE, shard=self._shard) if on else _NOOP
-        self._requests: dict[str, Any] = {}
-        self._rows_pulled: dict[str, Any] = {}
-        self._rows_pushed: dict[str, Any] = {}
+        self._bound: dict[tuple[str, str, str], Any] = {}
+
+    def _bound_child(self, name: str, label: str, value: str) -> Any:
+        """The child of ``name`` for ``label=value`` on this shard, bound on first use (ops
+        and tables are small sets)."""
+        key = (name, label, value)
+        child = self._bound.get(key)
+        if child is None:
+            on = self.on
+            child = self._owner.child(name, shard=self._shard, **{label: value}) if on else _NOOP
+            self._bound[key] = child
+        return child
 
     def requests(self, op: str) -> Any:
-        """The request counter of ``op`` (bound on first use: the ops are a small set)."""
-        child = self._requests.get(op)
-        if child is None:
-            child = self._owner.child(PS_REQUESTS, shard=self._shard, op=op) if self.on else _NOOP
-            self._requests[op] = child
-        return child
+        """The request counter of ``op``."""
+        return self._bound_child(PS_REQUESTS, "op", op)
 
     def rows_pulled(self, table: str) -> Any:
-        child = self._rows_pulled.get(table)
-        if child is None:
-            on = self.on
-            child = (
-                self._owner.child(PS_ROWS_PULLED, shard=self._shard, table=table) if on else _NOOP
-            )
-            self._rows_pulled[table] = child
-        return child
+        return self._bound_child(PS_ROWS_PULLED, "table", table)
 
     def rows_pushed(self, table: str) -> Any:
-        child = self._rows_pushed.get(table)
-        if child is None:
-            on = self.on
-            child = (
-                self._owner.child(PS_ROWS_PUSHED, shard=self._shard, table=table) if on else _NOOP
-            )
-            self._rows_pushed[table] = child
-        return child
+        return self._bound_child(PS_ROWS_PUSHED, "table", table)
 
     @property
     def on(self) -> bool:

@@ -126,6 +126,13 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
     subprocess.run([*tmux, "set-option", "-t", "job", "remain-on-exit", "on"], check=True)
     try:
 
+        def pane() -> str:
+            return subprocess.run(
+                [*tmux, "capture-pane", "-p", "-S", "-200", "-t", "job:launch"],
+                capture_output=True,
+                text=True,
+            ).stdout
+
         def all_trained() -> dict[str, dict[str, float]] | None:
             files = sorted(hold.glob("*.trained"))
             if len(files) < WORKERS:
@@ -135,12 +142,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
         try:
             trained = _until("the workers to train", all_trained, timeout=120)
         except AssertionError:
-            pane = subprocess.run(
-                [*tmux, "capture-pane", "-p", "-S", "-200", "-t", "job:launch"],
-                capture_output=True,
-                text=True,
-            ).stdout
-            raise AssertionError(f"the job did not train; its terminal:\n{pane}") from None
+            raise AssertionError(f"the job did not train; its terminal:\n{pane()}") from None
         (running,) = jobs.running_jobs(run_dir / "psflow" / "jobs")
         yield Job(tmux, run_dir, hold, trained, dict(running.metrics), env)
         (hold / "release").touch()
@@ -152,12 +154,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
         try:
             code = _until("psflow launch to exit", launch_exit, timeout=60)
         except AssertionError:
-            pane = subprocess.run(
-                [*tmux, "capture-pane", "-p", "-S", "-200", "-t", "job:launch"],
-                capture_output=True,
-                text=True,
-            ).stdout
-            raise AssertionError(f"psflow launch did not exit; its terminal:\n{pane}") from None
+            raise AssertionError(f"psflow launch did not exit; its terminal:\n{pane()}") from None
         assert code == "0"
         assert jobs.running_jobs(run_dir / "psflow" / "jobs") == []
         assert not list((run_dir / "psflow" / "jobs").glob("*.json")), "job file left behind"
