@@ -119,6 +119,9 @@ def main() -> None:
         action="store_true",
         help="also run psflow with CurveZMQ keys (PSFLOW_KEYS_DIR), side by side",
     )
+    parser.add_argument(
+        "--repeat", type=int, default=None, help="runs of each side (default: the preset's)"
+    )
     parser.add_argument("--role", choices=["psflow", "tf"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     preset = PRESETS[args.preset]
@@ -141,7 +144,7 @@ def main() -> None:
     tf_runs = []
     metrics_runs = []
     keys_runs = []
-    for _ in range(preset["repeat"]):
+    for _ in range(args.repeat or preset["repeat"]):
         # Side by side: alternate the two runtimes so both see the same machine conditions.
         cmd = [me, "--role", "psflow", "--preset", args.preset]
         runs.append(steps_per_second(run_job(new_cluster(1, args.workers), lambda _t, c=cmd: c)))

@@ -228,6 +228,9 @@ def main() -> None:
         action="store_true",
         help="also run psflow with CurveZMQ keys (PSFLOW_KEYS_DIR), side by side",
     )
+    parser.add_argument(
+        "--repeat", type=int, default=None, help="runs of each side (default: the preset's)"
+    )
     parser.add_argument("--role", help=argparse.SUPPRESS)
     args = parser.parse_args()
     preset = PRESETS[args.preset]
@@ -279,7 +282,7 @@ def main() -> None:
         elif args.compare_tf:
             pairs["tf"] = "tf"
         runs: dict[str, list[tuple[float, float]]] = {k: [] for k in pairs}
-        for _ in range(preset["repeat"]):
+        for _ in range(args.repeat or preset["repeat"]):
             for key, runtime in pairs.items():  # alternated: both see the same machine
                 runs[key].append(run(runtime, mode))
         line = []

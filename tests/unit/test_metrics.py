@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import socket
 import sys
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client import Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from psflow import metrics
 from psflow.cluster import jobs
@@ -33,11 +34,12 @@ def test_every_metric_is_named_by_prometheus_conventions() -> None:
         assert _NAME_RE.match(name), name
         assert doc and doc[0].isupper(), name
         assert set(labels) <= {"shard", "op", "table", "job"}, name
-        if kind is Counter:
+        assert kind in (metrics._COUNTER, metrics._GAUGE, metrics._HISTOGRAM), name
+        if kind == metrics._COUNTER:
             assert name.endswith("_total"), name
         else:
             assert not name.endswith("_total"), name
-        if kind is Histogram:
+        if kind == metrics._HISTOGRAM:
             assert name.endswith(("_seconds", "_steps")), name
     # The names read back (psflow top, the tests) are the ones defined.
     spelled = {v for k, v in vars(metrics).items() if k.isupper() and isinstance(v, str)}
@@ -91,7 +93,55 @@ def test_off_means_no_op_children_and_an_empty_registry() -> None:
     w.request_seconds[0].observe(0.1)
     m.ps(0).watch(step=lambda: 1, nbytes=lambda: 1, waiting=lambda: 0, tables=dict)
     assert generate_latest(m.registry) == b""
-    assert not isinstance(w.steps, Counter | Gauge)
+    assert w.steps is w.request_seconds[0] is metrics._NOOP
+
+
+def test_children_expose_what_prometheus_clients_own_would() -> None:
+    """The lock-free children against prometheus-client's Counter, Gauge and Histogram fed
+    the same numbers: the same samples, bucket by bucket (bounds included: "less or equal")."""
+    ours = metrics.TaskMetrics("worker:0", enabled=True)
+    theirs = CollectorRegistry()
+    bounds = metrics._DEFINITIONS[metrics.REQUEST_SECONDS][3]["buckets"]
+    ref_hist = Histogram(
+        metrics.REQUEST_SECONDS, "h", ("task", "shard"), registry=theirs, buckets=bounds
+    ).labels(task="worker:0", shard="1")
+    ref_count = Counter(
+        metrics.SENT_BYTES[: -len("_total")], "c", ("task", "shard"), registry=theirs
+    )
+    ref_gauge = Gauge(metrics.LOSS, "g", ("task",), registry=theirs).labels(task="worker:0")
+    w = ours.worker(2)
+    rng = random.Random(7)
+    values = [rng.choice(bounds) for _ in range(50)] + [rng.uniform(0, 40) for _ in range(200)]
+    for v in values:
+        w.request_seconds[1].observe(v)
+        ref_hist.observe(v)
+        w.sent[1].inc(v)
+        ref_count.labels(task="worker:0", shard="1").inc(v)
+    w.loss.set(0.25)
+    ref_gauge.set(0.25)
+    got = metrics.parse(generate_latest(ours.registry).decode())
+    want = metrics.parse(generate_latest(theirs).decode())
+    for name in (
+        metrics.REQUEST_SECONDS + "_bucket",
+        metrics.REQUEST_SECONDS + "_count",
+        metrics.REQUEST_SECONDS + "_sum",
+        metrics.SENT_BYTES,
+        metrics.LOSS,
+    ):
+        mine = sorted((sorted(labels.items()), v) for labels, v in got.values[name])
+        ref = sorted((sorted(labels.items()), v) for labels, v in want.values[name])
+        mine = [m for m in mine if ("shard", "0") not in m[0]]  # ours has shard 0 too
+        assert [m[0] for m in mine] == [r[0] for r in ref], name
+        assert [m[1] for m in mine] == pytest.approx([r[1] for r in ref]), name
+
+
+def test_a_child_takes_exactly_its_labels() -> None:
+    m = metrics.TaskMetrics("ps:0", enabled=True)
+    assert m.child(metrics.PS_REQUESTS, shard="0", op="push") is m.child(
+        metrics.PS_REQUESTS, op="push", shard="0"
+    )
+    with pytest.raises(ValueError, match="psflow_ps_requests_total takes the labels"):
+        m.child(metrics.PS_REQUESTS, shard="0")
 
 
 @pytest.mark.parametrize(

@@ -49,6 +49,7 @@ def test_both_sides_see_one_memory_and_the_name_goes_away(lane: Lane) -> None:
         (None, None, (-1, 8192), "bad lane size"),
         (None, None, (True, 8192), "bad lane size"),
     ],
+    ids=["path", "no-pid", "missing", "token", "short-token", "size", "negative", "bool"],
 )
 def test_attach_refuses_what_does_not_match(
     lane: Lane, name: str | None, token: bytes | None, sizes: tuple[int, int], message: str
