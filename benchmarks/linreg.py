@@ -42,12 +42,15 @@ def psflow_task(steps: int, warmup: int) -> None:
         for i in range(steps + warmup):
             if i == warmup:
                 start = time.perf_counter()
+                cpu = time.process_time()  # every thread of the process: ZeroMQ's, metrics'
             loss = F.mse_loss(model(xs[i]), ys[i])
             opt.zero_grad()
             loss.backward()
             opt.step()
         elapsed = time.perf_counter() - start
-    print("RESULT " + json.dumps({"steps": steps, "seconds": elapsed, "w": model.weight.item()}))
+        cpu = time.process_time() - cpu
+    result = {"steps": steps, "seconds": elapsed, "cpu_seconds": cpu, "w": model.weight.item()}
+    print("RESULT " + json.dumps(result))
 
 
 def tf_task(steps: int, warmup: int) -> None:
@@ -99,6 +102,15 @@ def steps_per_second(results: dict[str, dict[str, float]]) -> float:
     return sum(r["steps"] / r["seconds"] for r in results.values())
 
 
+def worker_cpu_us(results: dict[str, dict[str, float]]) -> float:
+    """CPU time of a psflow worker process per step (microseconds, mean over the workers)."""
+    return (
+        1e6
+        * sum(r["cpu_seconds"] for r in results.values())
+        / sum(r["steps"] for r in results.values())
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
@@ -140,29 +152,36 @@ def main() -> None:
         "preset": args.preset,
         "workers": args.workers,
     }
-    runs = []
-    tf_runs = []
-    metrics_runs = []
-    keys_runs = []
-    for _ in range(args.repeat or preset["repeat"]):
-        # Side by side: alternate the two runtimes so both see the same machine conditions.
-        cmd = [me, "--role", "psflow", "--preset", args.preset]
-        runs.append(steps_per_second(run_job(new_cluster(1, args.workers), lambda _t, c=cmd: c)))
-        if args.metrics_cost:
-            on = {"PSFLOW_METRICS_PORT": "0"}
-            res = run_job(new_cluster(1, args.workers), lambda _t, c=cmd: c, env=on)
-            metrics_runs.append(steps_per_second(res))
-        if args.keys_cost:
-            keyed = {"PSFLOW_KEYS_DIR": keys_dir()}
-            res = run_job(new_cluster(1, args.workers), lambda _t, c=cmd: c, env=keyed)
-            keys_runs.append(steps_per_second(res))
+    runs: list[float] = []
+    tf_runs: list[float] = []
+    metrics_runs: list[float] = []
+    keys_runs: list[float] = []
+    repeat = args.repeat or preset["repeat"]
+    cmd = [me, "--role", "psflow", "--preset", args.preset]
+    cpu: dict[int, list[float]] = {id(runs): [], id(metrics_runs): [], id(keys_runs): []}
+    sides: list[tuple[list[float], dict[str, str] | None]] = [(runs, None)]
+    if args.metrics_cost:
+        sides.append((metrics_runs, {"PSFLOW_METRICS_PORT": "0"}))
+    if args.keys_cost:
+        sides.append((keys_runs, {"PSFLOW_KEYS_DIR": keys_dir()}))
+    for i in range(repeat):
+        # Side by side: the variants alternate, in turn first and last (ABBA), so that both see
+        # the same machine conditions and neither always follows the other.
+        for out, env in sides if i % 2 == 0 else sides[::-1]:
+            res = run_job(new_cluster(1, args.workers), lambda _t, c=cmd: c, env=env)
+            out.append(steps_per_second(res))
+            cpu[id(out)].append(worker_cpu_us(res))
         if args.compare_tf:
-            cmd = [me, "--role", "tf", "--preset", args.preset]
-            res = run_tf_job(new_cluster(1, args.workers), cmd, args.tf_python)
+            tf_cmd = [me, "--role", "tf", "--preset", args.preset]
+            res = run_tf_job(new_cluster(1, args.workers), tf_cmd, args.tf_python)
             tf_runs.append(steps_per_second(res))
     result["psflow_steps_per_s"] = round(median(runs), 1)
     result["psflow_runs"] = [round(r, 1) for r in runs]
-    print(f"psflow: {median(runs):.0f} steps/s (runs: {', '.join(f'{r:.0f}' for r in runs)})")
+    result["psflow_worker_cpu_us_per_step"] = round(median(cpu[id(runs)]), 1)
+    print(
+        f"psflow: {median(runs):.0f} steps/s (runs: {', '.join(f'{r:.0f}' for r in runs)}); "
+        f"a worker's CPU {median(cpu[id(runs)]):.1f} us a step"
+    )
     for what, label, on_runs in (
         ("metrics", "metrics on", metrics_runs),
         ("keys", "CurveZMQ keys", keys_runs),
@@ -173,7 +192,18 @@ def main() -> None:
         result[f"psflow_{what}_on_steps_per_s"] = round(on, 1)
         result[f"psflow_{what}_on_runs"] = [round(r, 1) for r in on_runs]
         result[f"{what}_cost_pct"] = round(100 * (1 - on / median(runs)), 2)
-        print(f"psflow, {label}: {on:.0f} steps/s ({result[f'{what}_cost_pct']}% slower)")
+        # Also the median of each repeat's own pair: less moved by the machine's drift.
+        paired = median([1 - a / b for a, b in zip(on_runs, runs, strict=True)])
+        result[f"{what}_cost_paired_pct"] = round(100 * paired, 2)
+        # And in CPU: what a worker process spends a step, every thread counted.
+        on_cpu = median(cpu[id(on_runs)])
+        result[f"psflow_{what}_on_worker_cpu_us_per_step"] = round(on_cpu, 1)
+        result[f"{what}_cpu_cost_pct"] = round(100 * (on_cpu / median(cpu[id(runs)]) - 1), 2)
+        print(
+            f"psflow, {label}: {on:.0f} steps/s ({result[f'{what}_cost_pct']}% slower; "
+            f"median of the pairs {result[f'{what}_cost_paired_pct']}%); a worker's CPU "
+            f"{on_cpu:.1f} us a step ({result[f'{what}_cpu_cost_pct']}% more)"
+        )
     if tf_runs:
         result["tf_steps_per_s"] = round(median(tf_runs), 1)
         result["tf_runs"] = [round(r, 1) for r in tf_runs]
