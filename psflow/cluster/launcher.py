@@ -37,6 +37,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -135,11 +136,42 @@ class LaunchConfig:
             raise ValueError("ps_exit_timeout, grace and eval_exit_timeout must be > 0 seconds")
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct ports that were free a moment ago (held open together while chosen)."""
-    socks = []
+_PORT_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def _listening_ports() -> range:
+    """Where :func:`free_ports` looks: the 12,000 ports just below the kernel's ephemeral range
+    (Linux's ``ip_local_port_range``, 32768-60999 by default), which the kernel never hands to
+    an outgoing connection; an empty range where there is none to read."""
     try:
-        for _ in range(n):
+        with open(_PORT_RANGE) as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return range(0)
+    return range(max(1024, low - 12000), low)
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports that were free a moment ago (held open together while chosen).
+
+    Chosen at random below the ephemeral range: a port the kernel picks for ``bind(0)`` comes
+    from the range it also gives outgoing connections (ZeroMQ's, other jobs'), so one of those
+    could take it before the task binds it. Outside Linux, the kernel's own choice.
+    """
+    socks: list[socket.socket] = []
+    candidates = _listening_ports()
+    try:
+        for _ in range(20 * n if len(candidates) else 0):
+            if len(socks) == n:
+                break
+            s = socket.socket()
+            try:
+                s.bind((host, random.choice(candidates)))
+            except OSError:  # taken (or lingering): another
+                s.close()
+                continue
+            socks.append(s)
+        while len(socks) < n:
             s = socket.socket()
             s.bind((host, 0))
             socks.append(s)

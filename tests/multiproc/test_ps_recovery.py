@@ -72,9 +72,21 @@ def test_a_restarted_ps_is_restored_from_the_last_checkpoint(tmp_path: Path, mod
             latest = saved.latest()
             if latest is not None and saved.manifest(latest).global_step >= 1500:
                 break
+            if any(p.poll() is not None for p in [*ps, *workers]):
+                break  # one ended before the kill: named below
             time.sleep(0.02)
         else:
-            pytest.fail("no checkpoint at step 1500 within 150 s")
+            latest = None
+        if latest is None or saved.manifest(latest).global_step < 1500:
+            tails = []
+            for name, p in [
+                ("ps:0", ps[0]),
+                ("ps:1", ps[1]),
+                *zip(("worker:0", "worker:1"), workers, strict=True),
+            ]:
+                code, err = stop(p, timeout=0.1)
+                tails.append(f"--- {name} (exit {code}):\n{err[-1500:]}")
+            pytest.fail("no checkpoint at step 1500 within 150 s:\n" + "\n".join(tails))
         ps[1].send_signal(signal.SIGKILL)
         ps[1].wait(10)
         restarted = start_ps(cluster, 1)  # what Kubernetes does with a failed pod

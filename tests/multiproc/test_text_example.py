@@ -1,5 +1,6 @@
 """examples/text_classifier.py end to end on a tiny subset of the real 20 Newsgroups files:
-alone in one process, as a job whose workers split each batch over towers, and as a
+alone in one process, as a job whose workers split each batch over towers (with an evaluator
+task scoring its checkpoints), and as a
 synchronous job whose workers split the model into stages (trained through the ps)."""
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ def test_alone_it_learns(data: Path) -> None:
 def test_towers_job_trains_and_writes_test_accuracy(data: Path, tmp_path: Path) -> None:
     logdir = tmp_path / "run"
     args = ["--data", str(data), "--train_steps", "30", "--eval_steps", "10", *SMALL]
-    stdout = _run(launch_cmd(EXAMPLE, *args, "--towers", "cpu,cpu", "--logdir", str(logdir)))
+    cmd = launch_cmd(EXAMPLE, *args, "--towers", "cpu,cpu", "--logdir", str(logdir))
+    cmd.insert(cmd.index(str(EXAMPLE)), "--evaluator")
+    stdout = _run(cmd)
     result = _result(stdout)
     assert result["global_step"] >= 30
     assert 0.0 <= result["test_accuracy"] <= 1.0
@@ -75,8 +78,17 @@ def test_towers_job_trains_and_writes_test_accuracy(data: Path, tmp_path: Path) 
     assert len(accuracy) >= 2 and all(0.0 <= e.value <= 1.0 for e in accuracy)
     assert accuracy[-1].value == pytest.approx(result["test_accuracy"], abs=1e-4)
     assert len(acc.Scalars("eval/loss")) == len(accuracy)
-    table = CheckpointDir(str(logdir)).manifest(CheckpointDir(str(logdir)).latest()).tables
+    d = CheckpointDir(str(logdir))
+    table = d.manifest(d.latest()).tables
     assert table["embedding"]["spec"]["num_embeddings"] > 2  # the table lived on the ps
+    # The evaluator task scored every checkpoint once, at its step, table rows loaded with no ps.
+    manifests = [d.manifest(c.name) for c in d.checkpoints() if c.complete]
+    assert manifests and manifests[-1].final
+    scored = EventAccumulator(str(logdir / "eval"), size_guidance={"scalars": 0})
+    scored.Reload()
+    assert [e.step for e in scored.Scalars("eval/accuracy")] == [m.global_step for m in manifests]
+    assert all(0.0 <= e.value <= 1.0 for e in scored.Scalars("eval/accuracy"))
+    assert [e.step for e in scored.Scalars("eval/loss")] == [m.global_step for m in manifests]
 
 
 def test_stages_train_through_the_ps_in_sync_mode(data: Path) -> None:

@@ -300,3 +300,19 @@ def test_exit_on_error_prints_one_line_and_exits_2(capsys: pytest.CaptureFixture
     assert err.count("\n") == 1 and ": error: unknown job 'wroker'" in err
     with pytest.raises(ValueError, match="unknown job"):
         resolve(argv, environ={"PSFLOW_LOG_LEVEL": "debug"}, exit_on_error=True)
+
+
+def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:
+    """No outgoing connection can take a chosen port before its task binds it: the kernel gives
+    those ports from ``ip_local_port_range``, and free_ports chooses below it."""
+    import socket
+
+    from psflow.cluster.launcher import _listening_ports, free_ports
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = free_ports(8)
+    assert len(set(ports)) == 8
+    assert all(p < low and p in _listening_ports() for p in ports), (ports, low)
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))  # still free
