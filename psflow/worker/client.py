@@ -161,10 +161,11 @@ class ShardedClient:
         *,
         schedule: ScheduleSpec | None = None,
         tables: list[dict[str, Any]] | None = None,
+        timeout: float | None = None,
     ) -> bool:
         """Sends the initial values, the optimizer, the learning-rate schedule and the
         embedding tables' specs (each shard creates its rows); returns False when the shards
-        were already initialised."""
+        were already initialised. ``timeout``: for the replies (default: the transport's)."""
         headers = self._headers(Op.INIT)
         for h in headers.values():
             h.update({Key.OPTIMIZER: spec.to_wire(), Key.STEP: step})
@@ -172,7 +173,7 @@ class ShardedClient:
                 h[Key.LR_SCHEDULE] = schedule.to_wire()
             if tables:
                 h[Key.TABLES] = tables
-        replies = self.call(headers, values)
+        replies = self.call(headers, values, timeout=timeout)
         already = [s for s, (h, _) in replies.items() if h.get(Key.ALREADY)]
         if already and len(already) != self.num_shards:
             log.warning("shards %s were already initialised, the others were not", already)

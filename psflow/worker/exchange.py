@@ -117,7 +117,12 @@ class ParameterExchange:
             self.client.wait_ready(ready_timeout, initialized=False)
             values = {s: self._values(pieces) for s, pieces in self._by_shard.items()}
             tables = self.tables.wire_specs(spec) if self.tables else None
-            if self.client.initialize(values, spec, schedule=self.lr_schedule, tables=tables):
+            # A ps allocates the model and its tables' rows before it answers (20M rows take it
+            # seconds; more on a loaded machine): more than one request's timeout may pass.
+            initialized = self.client.initialize(
+                values, spec, schedule=self.lr_schedule, tables=tables, timeout=ready_timeout
+            )
+            if initialized:
                 log.info("%s initialised the ps", self.ctx.task)
             else:
                 log.info(

@@ -38,7 +38,9 @@ def _worker(
         os.environ,
         TF_CONFIG=cluster.to_tf_config(task),
         PYTHONUNBUFFERED="1",
-        PSFLOW_TIMEOUT="3",
+        # The ps that is killed is named at once (its connection drops); this only bounds a
+        # request to a ps that is alive, which a loaded machine can keep waiting seconds.
+        PSFLOW_TIMEOUT="10",
         PSFLOW_MODE=mode,
         # A synchronous step that lost a worker to the recovery cannot complete: its other
         # workers notice after this long.
