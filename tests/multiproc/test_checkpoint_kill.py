@@ -61,7 +61,7 @@ def test_ps_killed_mid_save_then_restore_into_two_ps(tmp_path: Path) -> None:
         probe.close()
         torch.manual_seed(0)
         model = torch.nn.Linear(64, 64)
-        sess = _session(model, cluster, url, timeout=5)
+        sess = _session(model, cluster, url, timeout=10)
         _train(sess, model, 3)
         assert sess.save() == f"{url}/ckpt-3"
         saved = {n: p.detach().clone() for n, p in model.named_parameters()}
