@@ -1,7 +1,7 @@
 """An LSTM text classifier on 20 Newsgroups: towers, stages and every training mode.
 
-    psflow data text --corpus 20newsgroups data/20news
-    psflow launch --ps 1 --workers 2 examples/text_classifier.py --data data/20news --logdir runs/text
+    psflow data text --corpus 20newsgroups data/20news && psflow launch --ps 1 --workers 2 \\
+        examples/text_classifier.py --data data/20news --logdir runs/text
 
 The classic multi-GPU tutorial's model: word embeddings -> LSTM -> its last time step -> a
 linear layer -> softmax cross-entropy, trained with Adam on the ps; accuracy is
