@@ -20,7 +20,8 @@ from psflow.cluster.spec import ClusterSpec, TaskContext, TaskSpec
 from psflow.transport.shm import Lane
 from psflow.worker import DistributedOptimizer, ShardedClient
 from psflow.worker.engine import ExchangeEngine
-from tests.faults import FAULTS
+
+from .forked import Forked
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,19 +33,14 @@ def start_ps(
     index: int = 0,
     env: dict[str, str] | None = None,
     faults: Sequence[str] = (),
-) -> subprocess.Popen[str]:
+) -> Forked:
     """A ps task as its own process, serving until the workers are done; ``faults``: the
-    options of :mod:`tests.faults` (``["--slow-save", "1.5"]``)."""
+    options of :mod:`tests.faults` (``["--slow-save", "1.5"]``). Forked from a server that has
+    imported torch (:mod:`tests.multiproc.forked`), it serves a second or two sooner than
+    ``python -c PS_MAIN`` would, at the CPU cost of a fork."""
     task = TaskSpec(job="ps", index=index)
     e = dict(os.environ, TF_CONFIG=cluster.to_tf_config(task), PYTHONUNBUFFERED="1", **(env or {}))
-    wrapper = [str(FAULTS), *faults] if faults else []
-    return subprocess.Popen(
-        [sys.executable, *wrapper, "-c", PS_MAIN],
-        env=e,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return Forked([*faults, "-c", PS_MAIN], env=e)
 
 
 def launch_cmd(
@@ -116,7 +112,7 @@ def freeze(pid: int, timeout: float = 10) -> None:
         time.sleep(0.001)
 
 
-def stop(proc: subprocess.Popen[str], timeout: float = 10) -> tuple[int, str]:
+def stop(proc: subprocess.Popen[str] | Forked, timeout: float = 10) -> tuple[int, str]:
     """Waits for (or kills) a process; returns its exit code and stderr."""
     try:
         _, err = proc.communicate(timeout=timeout)

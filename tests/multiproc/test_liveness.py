@@ -140,7 +140,8 @@ out = Path(sys.argv[1])
 task = json.loads(os.environ["TF_CONFIG"])["task"]
 name = f"{task['type']}:{task['index']}"
 if name == "worker:1":
-    (out / "pid").write_text(str(os.getpid()))
+    (out / "pid.tmp").write_text(str(os.getpid()))
+    os.replace(out / "pid.tmp", out / "pid")  # whole, or not there: never read half-written
     os.kill(os.getpid(), signal.SIGSTOP)  # hung, until the launcher's stop
     time.sleep(60)
 elif name == "worker:0":  # the chief ends the job once worker:1 hangs
