@@ -47,6 +47,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "examples": 1_000_000,
             "scale": 1.0,
             "repeat": 2,
+            "prefetch": True,
         },
         "memory": {"tables": [1_000_000, 20_000_000], "steps": 50, "warmup": 5},
     },
@@ -61,6 +62,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "examples": 20_000,
             "scale": 0.001,
             "repeat": 1,
+            "prefetch": False,  # the suite tests prefetching elsewhere (test_tables)
         },
         "memory": {"tables": [10_000, 1_000_000], "steps": 5, "warmup": 1},
     },
@@ -221,11 +223,9 @@ def run_ctr(args: argparse.Namespace, p: dict[str, Any], base: list[str]) -> dic
         if args.data is None:
             _synthesize(tmp, p)
         for _ in range(p["repeat"]):
-            variants = (
-                ("shm", "1", []),
-                ("socket", "0", []),
-                ("shm_prefetch", "1", ["--prefetch"]),
-            )
+            variants = [("shm", "1", []), ("socket", "0", [])]
+            if p["prefetch"]:
+                variants.append(("shm_prefetch", "1", ["--prefetch"]))
             for path, shm, extra in variants:
                 cmd = [*base, "--data", data, *extra]
                 r = run_job(new_cluster(PS, 2), lambda _t, c=cmd: c, env={"PSFLOW_SHM": shm})

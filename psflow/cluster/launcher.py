@@ -319,6 +319,7 @@ class Launcher:
             if self._stopping.is_set():
                 return 128 + (self._signal or signal.SIGINT)
             self._sweep()
+            restarted = False
             for task, proc in self.procs.items():
                 code = proc.poll()
                 if code is None or code == 0 or task in failed_evaluators:
@@ -329,17 +330,23 @@ class Launcher:
                     self._say(f"task {task} failed with {how}; training goes on without it")
                     continue
                 if self._restart(task, how):
-                    break  # self.procs changed: look again
+                    restarted = True
+                    break
                 self._say(f"task {task} failed with {how}; stopping the other tasks")
                 self.stop()
                 return 1
+            if restarted:
+                continue  # self.procs changed (and the new task may have ended already): look again
             if trainers_done_at is None and all(self.procs[t].poll() == 0 for t in trainers):
                 trainers_done_at = time.monotonic()
             hung = self._hung_after_the_end()
             if hung is not None:
                 self.stop()
                 return hung
-            if all(p.poll() is not None for p in self.procs.values()):
+            # Every task ended, each with 0 (a failed evaluator aside): one that failed since the
+            # look above is seen on the next turn, not counted as a success.
+            codes = {t: p.poll() for t, p in self.procs.items()}
+            if all(c == 0 or (c is not None and t in failed_evaluators) for t, c in codes.items()):
                 self._join_relays()
                 if failed_evaluators:
                     names = ", ".join(map(str, failed_evaluators))

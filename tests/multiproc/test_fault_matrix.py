@@ -23,9 +23,11 @@ def test_the_job_survives_the_fault_or_names_the_task(scenario: Scenario, tmp_pa
     log = "\n".join(out[-80:])
     assert result.fault_step is not None, f"the fault never struck:\n{log}"
     assert result.detected_s is not None, f"nothing named {scenario.task}:\n{log}"
-    if scenario.role == "chief" and scenario.fault == "hang":
-        # The chief hung across the end of the job: the others finished, the ps exited without
-        # it (declared dead), so its final checkpoint can never be saved: an error naming it.
+    if scenario.role == "chief" and result.exit_code != 0:
+        # The others may finish the job while the chief is down (killed and importing torch
+        # again, or hung): the ps exit without it (declared dead), so its final checkpoint can
+        # never be saved. The other outcome the fault matrix allows: an error naming it. Which
+        # one comes depends on how fast this machine runs the others' last steps.
         assert result.exit_code == 1, f"{result}\n{log}"
         assert any(
             "worker:0 still running" in line and "final checkpoint was not saved" in line

@@ -308,8 +308,9 @@ def test_tensorboard_shows_the_learning_rate_the_ps_applied(tmp_path: Path) -> N
     for e in events:  # event files hold float32
         assert e.value == float(np.float32(expected[e.step])), (e.step, e.value)
     values = [e.value for e in sorted(events, key=lambda e: e.step)]
+    # It decays at every step the chief saw (where its first summary falls depends on how far
+    # the other worker ran ahead: each value is checked against its own step above).
     assert all(b < a for a, b in itertools.pairwise(values))
-    assert values[-1] < 0.05 * values[0]  # it decays: 0.9 ** 40 is about 0.015
 
 
 def test_allreduce_follows_the_schedule_on_every_rank() -> None:
