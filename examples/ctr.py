@@ -167,9 +167,15 @@ def main() -> None:
     parser.add_argument(
         "--wide", action=argparse.BooleanOptionalAction, default=True, help="the first-order term"
     )
-    parser.add_argument("--wide_lr", type=float, default=0.05, help="the wide term's FTRL's")
+    parser.add_argument("--wide_lr", type=float, default=0.1, help="the wide term's FTRL's")
     parser.add_argument("--wide_l1", type=float, default=0.0)
-    parser.add_argument("--wide_l2", type=float, default=1.0)
+    parser.add_argument("--wide_l2", type=float, default=0.0)
+    parser.add_argument(
+        "--wide_initial_accumulator",
+        type=float,
+        default=1e-5,
+        help="the wide term's FTRL's initial_accumulator_value",
+    )
     parser.add_argument("--logdir", default=None, help="checkpoints and TensorBoard summaries")
     parser.add_argument("--save_checkpoint_steps", type=int, default=None, help="default: 10 min")
     parser.add_argument("--seed", type=int, default=0)
@@ -188,7 +194,18 @@ def main() -> None:
     torch.manual_seed(args.seed)
     table = RowOptimizerSpec.of("Adagrad", lr=args.table_lr, initial_accumulator_value=0.1)
     wide = (
-        RowOptimizerSpec.of("Ftrl", lr=args.wide_lr, l1=args.wide_l1, l2=args.wide_l2)
+        # A row's gradient is of the batch's mean loss: about 1/batch_size of one example's. At
+        # TensorFlow's initial accumulator (0.1, sized for one example's gradient) the
+        # accumulator would outweigh a rare id's gradients for its whole life and hold its
+        # weight near 0; 1e-5 lets each id's step follow its own gradients (0.7720 -> see
+        # benchmarks/results/embedding.md).
+        RowOptimizerSpec.of(
+            "Ftrl",
+            lr=args.wide_lr,
+            l1=args.wide_l1,
+            l2=args.wide_l2,
+            initial_accumulator_value=args.wide_initial_accumulator,
+        )
         if args.wide
         else None
     )
