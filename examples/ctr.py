@@ -5,9 +5,9 @@
 
 On that set (3.3 GB, about a minute to write; best achievable test AUC 0.78413) the job makes
 one pass (the defaults: 5,000 steps of 1,024 examples, over 2 workers) and scores a test AUC of
-0.779, within 0.01 of the best: 4 to 6 minutes on a shared, loaded 2-core machine, about 3 at
-the 27,500 samples/s it does there when quiet (every run in ``benchmarks/results/embedding.md``,
-"examples/ctr.py: quality"). With an evaluator task:
+0.779, within 0.01 of the best: 4 to 6 minutes on a shared, loaded 2-core machine; about 3 at
+the 27,500 samples/s the same model did there when quiet (every run in
+``benchmarks/results/embedding.md``, "examples/ctr.py: quality"). With an evaluator task:
 
     psflow launch --ps 2 --workers 2 --evaluator examples/ctr.py --data data/ctr --logdir runs/ctr \
         --save_checkpoint_steps 500
