@@ -172,6 +172,12 @@ def main() -> None:
     parser.add_argument("--optimizer", default="Adam")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--table_lr", type=float, default=0.05, help="row-wise Adagrad's")
+    parser.add_argument(
+        "--table_initial_accumulator",
+        type=float,
+        default=0.1,
+        help="row-wise Adagrad's initial_accumulator_value",
+    )
     parser.add_argument("--min_count", type=int, default=5, help="admit an id at its n-th use")
     parser.add_argument(
         "--wide", action=argparse.BooleanOptionalAction, default=True, help="the first-order term"
@@ -201,7 +207,9 @@ def main() -> None:
         psflow.ParameterServer(ctx, checkpoint_dir=args.logdir).join()
         return
     torch.manual_seed(args.seed)
-    table = RowOptimizerSpec.of("Adagrad", lr=args.table_lr, initial_accumulator_value=0.1)
+    table = RowOptimizerSpec.of(
+        "Adagrad", lr=args.table_lr, initial_accumulator_value=args.table_initial_accumulator
+    )
     wide = (
         # A row's gradient is of the batch's mean loss: about 1/batch_size of one example's. At
         # TensorFlow's initial accumulator (0.1, sized for one example's gradient) the
