@@ -15,7 +15,11 @@ echo "== import-linter =="
 # milliseconds, and the cache would be one more untracked directory in the checkout.
 lint-imports --no-cache
 echo "== pytest =="
-# Two processes, each taking whole files (a module's fixtures are built once): most tests wait on
-# other processes (a ps, workers) much of the time. PSFLOW_TEST_PROCESSES=0 runs them in this one;
-# arguments after test.sh go to pytest (-n 0 too).
-pytest -q -n "${PSFLOW_TEST_PROCESSES:-2}" --dist loadfile "$@"
+# Two processes (pytest-xdist). `--dist worksteal`: each starts with half the tests, and one that
+# runs out takes half of what the other has left, so neither idles while the other runs a long
+# file. (`--dist loadfile` hands out whole files, the ones with the fewest tests last: the
+# slowest multi-process files came last, and one process ran alone for the last minute or two.)
+# A module's fixtures may be built in both processes: the few module-scoped ones are cheap,
+# Spark's session aside. PSFLOW_TEST_PROCESSES=0 runs them in this one; arguments after test.sh
+# go to pytest (-n 0 too).
+pytest -q -n "${PSFLOW_TEST_PROCESSES:-2}" --dist worksteal "$@"

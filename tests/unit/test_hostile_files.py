@@ -3,11 +3,13 @@
 Every mutation is drawn from ``random.Random(seed)``, so a failure replays. Each case must end
 in valid data or in an error that names the file (and the byte offset where the format has
 one); never another exception, a hang, or an allocation sized by a corrupted field (memory is
-watched with tracemalloc around each loop).
+watched with tracemalloc around each loop). ``tests/fuzz_files.py`` runs the same cases for as
+long as one likes.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 import struct
 import time
@@ -208,6 +210,11 @@ def _shard_bytes() -> bytes:
     return b"".join(bytes(c) for c in safetensors_chunks(tensors, metadata))
 
 
+@functools.cache
+def _good_shard() -> bytes:
+    return _shard_bytes()
+
+
 def mutate_safetensors(rng: random.Random, data: bytes) -> bytes:
     """A corrupted shard file: the generic corruptions, or a forged header length."""
     if rng.random() < 0.25:
@@ -237,28 +244,30 @@ def mutate_safetensors(rng: random.Random, data: bytes) -> bytes:
     return bytes(buf[:i]) + rng.randbytes(rng.randint(1, 16)) + bytes(buf[i:])
 
 
+def shard_case(rng: random.Random, tmp: Path, i: int) -> str:
+    """Reads one mutated shard file (every fifth from disk, the others from memory): ``"ok"``
+    or ``"error"`` (naming the file), raising on anything else."""
+    data = mutate_safetensors(rng, _good_shard())
+    on_disk = i % 5 == 0
+    path = tmp / "shard-0-of-2.safetensors"
+    if on_disk:
+        path.write_bytes(data)
+    source = str(path) if on_disk else f"case {i}"
+    try:
+        shard = read_shard(source) if on_disk else decode_shard(data, source)
+        assert all(isinstance(t, torch.Tensor) for t in shard.tensors.values())
+        return "ok"
+    except ValueError as e:
+        assert source in str(e), e
+        return "error"
+
+
 def test_mutated_shard_files_end_in_tensors_or_named_errors(tmp_path: Path) -> None:
     rng = random.Random("shard")
-    good = _shard_bytes()
-    assert decode_shard(good, "good").tensors["fc.weight"].shape == (6, 4)
+    assert decode_shard(_good_shard(), "good").tensors["fc.weight"].shape == (6, 4)
 
     def loop() -> Counter[str]:
-        counts: Counter[str] = Counter()
-        for i in range(1500):
-            data = mutate_safetensors(rng, good)
-            on_disk = i % 5 == 0
-            path = tmp_path / "shard-0-of-2.safetensors"
-            if on_disk:
-                path.write_bytes(data)
-            source = str(path) if on_disk else f"case {i}"
-            try:
-                shard = read_shard(source) if on_disk else decode_shard(data, source)
-                assert all(isinstance(t, torch.Tensor) for t in shard.tensors.values())
-                counts["ok"] += 1
-            except ValueError as e:
-                assert source in str(e), e
-                counts["error"] += 1
-        return counts
+        return Counter(shard_case(rng, tmp_path, i) for i in range(1500))
 
     counts, _ = _bounded(loop)
     assert counts["error"] > 750 and counts["ok"] > 0
@@ -282,6 +291,7 @@ def test_a_header_length_past_the_end_is_refused_before_reading(
         safefile.read(str(path))
 
 
+@functools.cache
 def _manifest_json() -> str:
     return Manifest.from_json(
         '{"format": 1, "global_step": 7, "num_shards": 2, "optimizer": {"name": "SGD",'
@@ -294,34 +304,35 @@ def _manifest_json() -> str:
     ).to_json()
 
 
+def manifest_case(rng: random.Random) -> str:
+    """Reads one mutated manifest: ``"ok"`` or ``"error"`` (naming the file), raising on
+    anything else."""
+    data = bytearray(_manifest_json().encode())
+    kind = rng.randrange(4)
+    if kind == 0:
+        data = data[: rng.randrange(len(data) + 1)]
+    elif kind == 1:
+        for _ in range(rng.randint(1, 3)):
+            data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    elif kind == 2:
+        digits = [i for i, b in enumerate(data) if chr(b).isdigit()]
+        i = rng.choice(digits)
+        data[i : i + 1] = str(rng.choice([-1, 2**64, 10**400, 99])).encode()
+    else:
+        i = rng.randrange(len(data))
+        data[i:i] = rng.choice([b"[" * 100_000, b'"x"', b"null", b"{}", rng.randbytes(8)])
+    try:
+        m = Manifest.from_json(bytes(data), "ckpt-7/manifest.json")
+        assert all(e.file == f"shard-{e.shard}-of-{m.num_shards}.safetensors" for e in m.variables)
+        return "ok"
+    except ValueError as e:
+        assert "ckpt-7/manifest.json" in str(e), e
+        return "error"
+
+
 def test_mutated_manifests_end_in_a_manifest_or_named_errors() -> None:
     rng = random.Random("manifest")
-    good = _manifest_json().encode()
-    counts: Counter[str] = Counter()
-    for _ in range(1500):
-        data = bytearray(good)
-        kind = rng.randrange(4)
-        if kind == 0:
-            data = data[: rng.randrange(len(data) + 1)]
-        elif kind == 1:
-            for _ in range(rng.randint(1, 3)):
-                data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
-        elif kind == 2:
-            digits = [i for i, b in enumerate(data) if chr(b).isdigit()]
-            i = rng.choice(digits)
-            data[i : i + 1] = str(rng.choice([-1, 2**64, 10**400, 99])).encode()
-        else:
-            i = rng.randrange(len(data))
-            data[i:i] = rng.choice([b"[" * 100_000, b'"x"', b"null", b"{}", rng.randbytes(8)])
-        try:
-            m = Manifest.from_json(bytes(data), "ckpt-7/manifest.json")
-            assert all(
-                e.file == f"shard-{e.shard}-of-{m.num_shards}.safetensors" for e in m.variables
-            )
-            counts["ok"] += 1
-        except ValueError as e:
-            assert "ckpt-7/manifest.json" in str(e), e
-            counts["error"] += 1
+    counts = Counter(manifest_case(rng) for _ in range(1500))
     assert counts["error"] > 750 and counts["ok"] > 0
 
 
