@@ -15,11 +15,13 @@ echo "== import-linter =="
 # milliseconds, and the cache would be one more untracked directory in the checkout.
 lint-imports --no-cache
 echo "== pytest =="
-# Two processes (pytest-xdist). `--dist worksteal`: each starts with half the tests, and one that
-# runs out takes half of what the other has left, so neither idles while the other runs a long
-# file. (`--dist loadfile` hands out whole files, the ones with the fewest tests last: the
-# slowest multi-process files came last, and one process ran alone for the last minute or two.)
-# A module's fixtures may be built in both processes: the few module-scoped ones are cheap,
-# Spark's session aside. PSFLOW_TEST_PROCESSES=0 runs them in this one; arguments after test.sh
-# go to pytest (-n 0 too).
-pytest -q -n "${PSFLOW_TEST_PROCESSES:-2}" --dist worksteal "$@"
+# Three processes (pytest-xdist) on a 2-core machine: most multi-process tests spend part of
+# their time waiting (a timeout running out, a task hung on purpose, a ps starting), and a third
+# process uses those seconds (quiet machine: 9 min 48 s with three, 11 min 7 s with two).
+# `--dist worksteal`: each starts with a share of the tests, and one that runs out takes half of
+# what another has left, so none idles while another runs a long file. (`--dist loadfile` hands
+# out whole files, the ones with the fewest tests last: the slowest multi-process files came
+# last, and one process ran alone for the last minute or two.) A module's fixtures may be built
+# in more than one process: the few module-scoped ones are cheap, Spark's session aside.
+# PSFLOW_TEST_PROCESSES=0 runs them in this one; arguments after test.sh go to pytest.
+pytest -q -n "${PSFLOW_TEST_PROCESSES:-3}" --dist worksteal "$@"
