@@ -243,7 +243,7 @@ class TrainingSession:
             if self.is_chief and self.mode_config.mode != "allreduce":
                 self._client = ShardedClient(ctx, self.transport)
                 self._client.wait_ready(ready_timeout, initialized=False)  # ps may be starting
-                self._restore_or_nothing()
+                self._restore_or_nothing(ready_timeout)
             self.opt = self._optimizer(ready_timeout)
             if self.opt.mode == "allreduce":
                 self._start_allreduce()
@@ -325,14 +325,15 @@ class TrainingSession:
             metrics=self.metrics,
         )
 
-    def _restore_or_nothing(self) -> None:
-        """The chief: restore the latest checkpoint into the ps (else the optimizer inits)."""
+    def _restore_or_nothing(self, timeout: float) -> None:
+        """The chief: restore the latest checkpoint into the ps (else the optimizer inits);
+        ``timeout`` bounds the ps's answer (they load the checkpoint's tables first)."""
         cfg = self.config
         if cfg.checkpoint_dir is None:
             return
         self._prune_incomplete(cfg.checkpoint_dir)
         if cfg.restore:
-            self._restore(replace=False)
+            self._restore(replace=False, timeout=timeout)
 
     @staticmethod
     def _prune_incomplete(checkpoint_dir: str) -> None:
@@ -391,10 +392,12 @@ class TrainingSession:
             ckpt.manifest.num_shards,
         )
 
-    def _restore(self, *, replace: bool) -> bool:
+    def _restore(self, *, replace: bool, timeout: float) -> bool:
         """The chief: loads the latest checkpoint into the ps; False when there is none.
 
-        With ``replace``, shards that are already initialised take its values too.
+        With ``replace``, shards that are already initialised take its values too. ``timeout``
+        bounds the ps's answer, not one request's ``PSFLOW_TIMEOUT``: a ps loads the
+        checkpoint's tables before it answers.
         """
         cfg = self.config
         assert cfg.checkpoint_dir is not None
@@ -438,6 +441,7 @@ class TrainingSession:
                 d.url_of(f"{ckpt.name}/{shard_file_name(i, ckpt.manifest.num_shards)}")
                 for i in range(ckpt.manifest.num_shards)
             ],
+            timeout=timeout,
         )
         if fresh:
             self.restored_from = ckpt.name
@@ -561,7 +565,10 @@ class TrainingSession:
             ]
             if empty:
                 names = ", ".join(empty)
-                if self.config.checkpoint_dir is None or not self._restore(replace=True):
+                restored = self.config.checkpoint_dir is not None and self._restore(
+                    replace=True, timeout=timeout
+                )
+                if not restored:
                     raise RuntimeError(
                         f"{names} came back empty and there is no checkpoint to restore it from"
                     ) from error

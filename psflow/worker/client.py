@@ -190,6 +190,7 @@ class ShardedClient:
         schedule: ScheduleSpec | None = None,
         tables: list[dict[str, Any]] | None = None,
         tables_from: list[str] | None = None,
+        timeout: float | None = None,
     ) -> bool:
         """Like :meth:`initialize`, with optimizer state from a checkpoint.
 
@@ -213,7 +214,9 @@ class ShardedClient:
             if tables:
                 h[Key.TABLES] = tables
                 h[Key.TABLES_FROM] = tables_from or []
-        replies = self.call(headers, values)
+        # ``timeout``: a ps loads the checkpoint's tables before it answers (longer than one
+        # request's PSFLOW_TIMEOUT for a large one, or on a loaded machine).
+        replies = self.call(headers, values, timeout=timeout)
         return not any(h.get(Key.ALREADY) for h, _ in replies.values())
 
     def wait_ready(self, timeout: float, *, initialized: bool = True) -> None:
