@@ -102,6 +102,11 @@ PSFLOW_SHM = "PSFLOW_SHM"
 """``1`` (default): requests between a worker and a ps on the same host go through shared
 memory (:mod:`psflow.transport.shm`); ``0`` sends everything through the socket."""
 
+PSFLOW_KERNELS = "PSFLOW_KERNELS"
+"""``1`` (default): a ps applies the row-wise optimizers of embedding tables with psflow's fused
+C kernels when the install built them (:mod:`psflow.sparse.kernels`); ``0`` uses torch's index
+operations (the reference, and the fallback without a C compiler)."""
+
 PSFLOW_METRICS_PORT = "PSFLOW_METRICS_PORT"
 """Port on which the task serves its Prometheus metrics (:mod:`psflow.metrics`) at
 ``/metrics``; ``0``: one the OS picks (logged). Unset (outside ``psflow launch``, which picks one

@@ -30,8 +30,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # test.txt starts with `-r run.txt`: its stamp covers both files (and data.txt, installed
 # --no-deps for the tests).
-run_hash="$(cat requirements/run.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
-test_hash="$(cat requirements/run.txt requirements/test.txt requirements/data.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
+# setup.py and the C source: the install compiles psflow/sparse/_kernels.c (when they change, the
+# kernels are built again).
+built="pyproject.toml setup.py psflow/sparse/_kernels.c"
+run_hash="$(cat requirements/run.txt $built | sha256sum | cut -d' ' -f1)"
+test_hash="$(cat requirements/run.txt requirements/test.txt requirements/data.txt $built | sha256sum | cut -d' ' -f1)"
 if [ "$what" = run ]; then want="$run_hash"; else want="$test_hash"; fi
 stamp=".venv/.psflow-$what"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from psflow.protocol import RowOptimizerSpec
+from psflow.sparse import kernels
 
 
 class RowOptimizer:
@@ -19,6 +20,10 @@ class RowOptimizer:
       ``w -= lr * g / (sqrt(sum) + eps)``.
     - ``Adam``: ``torch.optim.SparseAdam``'s maths with a step count per row (lazy Adam).
     - ``Ftrl``: TensorFlow's ``FtrlOptimizer`` (the ``ApplyFtrl`` kernel, no l2 shrinkage).
+
+    The methods below are the reference, in torch's index operations; on CPU tables the fused C
+    kernels of :mod:`psflow.sparse.kernels` apply the same arithmetic when the install built
+    them (each row read and written once).
 
     Example:
         >>> opt = RowOptimizer(RowOptimizerSpec.of("SGD", lr=0.5))
@@ -94,9 +99,54 @@ class RowOptimizer:
             state: from :meth:`new_state` (same rows).
             index: 1-D int64, unique rows of ``values``.
             grad: ``[len(index), dim]``, already summed per row.
+
+        Raises:
+            IndexError: for an index outside ``values``' rows (nothing changes).
         """
-        if index.numel():
-            self._apply(values, state, index, grad)
+        if not index.numel():
+            return
+        if index.dtype == torch.int64 and kernels.fused(values, state, grad):
+            self._fused(values, state, index.contiguous(), grad)
+            return
+        rows = values.shape[0]
+        low, high = int(index.min()), int(index.max())
+        if low < 0 or high >= rows:  # as the kernels do: before anything changes
+            raise IndexError(f"row index {low if low < 0 else high} is out of range [0, {rows})")
+        self._apply(values, state, index, grad)
+
+    def _fused(
+        self,
+        values: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        index: torch.Tensor,
+        g: torch.Tensor,
+    ) -> None:
+        k = kernels.KERNELS
+        assert k is not None
+        double = kernels.is_double(values)
+        w, i, n = values.data_ptr(), index.data_ptr(), index.numel()
+        rows, dim = values.shape
+        if g.shape != (n, dim):
+            raise ValueError(f"gradients of shape {list(g.shape)} for {n} rows of dim {dim}")
+        name = self.spec.name
+        if name == "SGD":
+            bad = k.sgd(double, w, i, g.data_ptr(), n, dim, rows, self.lr)
+        elif name == "Adagrad":
+            s = state["sum"].data_ptr()
+            bad = k.adagrad(double, w, s, i, g.data_ptr(), n, dim, rows, self.lr, self.eps)
+        elif name == "Adam":
+            m, v, t = (state[x].data_ptr() for x in ("exp_avg", "exp_avg_sq", "step"))
+            bad = k.adam(
+                double, w, m, v, t, i, g.data_ptr(), n, dim, rows,
+                self.lr, self.beta1, self.beta2, self.eps,
+            )  # fmt: skip
+        else:
+            a, lin = state["accum"].data_ptr(), state["linear"].data_ptr()
+            bad = k.ftrl(
+                double, w, a, lin, i, g.data_ptr(), n, dim, rows,
+                self.lr, self.l1, self.l2, self.lr_power,
+            )  # fmt: skip
+        kernels.check(bad, index, rows)
 
     def _sgd(
         self,
@@ -157,7 +207,7 @@ class RowOptimizer:
         # TensorFlow's ApplyFtrl<CPUDevice> (tensorflow/core/kernels/training_ops.cc), per row.
         lr, l1, l2, power = self.lr, self.l1, self.l2, self.lr_power
         accum = state["accum"].index_select(0, index)
-        new_accum = accum.addcmul(g, g)
+        new_accum = accum + g * g  # as TF's accum + grad.square() (addcmul would fuse: FMA)
         if power == -0.5:
             new_p, old_p = new_accum.sqrt(), accum.sqrt_()
         else:

@@ -1,0 +1,206 @@
+/* Fused row-wise optimizer updates for embedding tables on the ps.
+ *
+ * torch applies a row-wise update as a chain of index operations (gather the rows' state,
+ * compute, scatter back), each one a pass over the touched rows: on a real table those rows
+ * are scattered through hundreds of megabytes, and every pass misses the cache again. Here
+ * each row is read and written once, with its state beside it, in the order of torch's own
+ * arithmetic (psflow/sparse/optim.py is the reference; tests/unit/test_sparse_optim.py checks
+ * both against the single-process references).
+ *
+ * The Python side (psflow/sparse/kernels.py) passes raw pointers of contiguous CPU tensors it
+ * has checked (dtype, shape, contiguity); each function still checks every index against the
+ * row count before it touches memory, and returns the position of the first bad one. The GIL
+ * is released while a kernel runs.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+
+/* -1 when every index is in [0, rows), else the position of the first that is not. */
+static Py_ssize_t first_bad(const int64_t *index, Py_ssize_t n, Py_ssize_t rows) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (index[i] < 0 || index[i] >= rows) return i;
+    }
+    return -1;
+}
+
+/* w -= lr * g */
+#define SGD(T)                                                                               \
+    static void sgd_##T(T *w, const int64_t *index, const T *g, Py_ssize_t n, Py_ssize_t dim, \
+                        T alpha) {                                                           \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                 \
+            T *wr = w + index[i] * dim;                                                      \
+            const T *gr = g + i * dim;                                                       \
+            for (Py_ssize_t j = 0; j < dim; j++) wr[j] = wr[j] + alpha * gr[j];              \
+        }                                                                                    \
+    }
+
+/* sum += g^2; w += (g / (sqrt(sum) + eps)) * -lr */
+#define ADAGRAD(T, SQRT)                                                                     \
+    static void adagrad_##T(T *w, T *sum, const int64_t *index, const T *g, Py_ssize_t n,    \
+                            Py_ssize_t dim, T neg_lr, T eps) {                               \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                 \
+            T *wr = w + index[i] * dim, *sr = sum + index[i] * dim;                          \
+            const T *gr = g + i * dim;                                                       \
+            for (Py_ssize_t j = 0; j < dim; j++) {                                           \
+                T s = sr[j] + gr[j] * gr[j];                                                 \
+                sr[j] = s;                                                                   \
+                wr[j] = wr[j] + (gr[j] / (SQRT(s) + eps)) * neg_lr;                          \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+/* torch.optim.SparseAdam with a step count per row: m += (g - m)(1 - b1);
+ * v += (g^2 - v)(1 - b2); w -= m / (sqrt(v) + eps) * (lr * sqrt(1 - b2^t) / (1 - b1^t)),
+ * the step size in double as torch computes it, then rounded to T. */
+#define ADAM(T, SQRT)                                                                        \
+    static void adam_##T(T *w, T *m, T *v, int64_t *step, const int64_t *index, const T *g,  \
+                         Py_ssize_t n, Py_ssize_t dim, double lr, double b1, double b2,      \
+                         T eps) {                                                            \
+        const T c1 = (T)(1.0 - b1), c2 = (T)(1.0 - b2);                                      \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                 \
+            const int64_t r = index[i];                                                      \
+            const int64_t t = ++step[r];                                                     \
+            const T size = (T)(sqrt(1.0 - pow(b2, (double)t)) / (1.0 - pow(b1, (double)t)) * lr); \
+            T *wr = w + r * dim, *mr = m + r * dim, *vr = v + r * dim;                       \
+            const T *gr = g + i * dim;                                                       \
+            for (Py_ssize_t j = 0; j < dim; j++) {                                           \
+                T mj = mr[j] + (gr[j] - mr[j]) * c1;                                         \
+                T vj = vr[j] + (gr[j] * gr[j] - vr[j]) * c2;                                 \
+                mr[j] = mj;                                                                  \
+                vr[j] = vj;                                                                  \
+                wr[j] = wr[j] - (mj / (SQRT(vj) + eps)) * size;                              \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+/* TensorFlow's ApplyFtrl (training_ops.cc), per row, as psflow/sparse/optim.py's _ftrl. */
+#define FTRL(T, SQRT, POW, FABS)                                                             \
+    static void ftrl_##T(T *w, T *accum, T *linear, const int64_t *index, const T *g,        \
+                         Py_ssize_t n, Py_ssize_t dim, T lr, T l1, T two_l2, T neg_power,    \
+                         int sqrt_power) {                                                   \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                 \
+            const int64_t r = index[i];                                                      \
+            T *wr = w + r * dim, *ar = accum + r * dim, *lr_ = linear + r * dim;             \
+            const T *gr = g + i * dim;                                                       \
+            for (Py_ssize_t j = 0; j < dim; j++) {                                           \
+                T a = ar[j], gj = gr[j];                                                     \
+                T na = a + gj * gj;                                                          \
+                T new_p = sqrt_power ? SQRT(na) : POW(na, neg_power);                        \
+                T old_p = sqrt_power ? SQRT(a) : POW(a, neg_power);                          \
+                T lin = (lr_[j] + gj) - ((new_p - old_p) / lr) * wr[j];                      \
+                lr_[j] = lin;                                                                \
+                T sign = (T)((lin > 0) - (lin < 0));                                         \
+                T x = sign * l1 - lin;                                                       \
+                T y = new_p / lr + two_l2;                                                   \
+                wr[j] = FABS(lin) > l1 ? x / y : (T)0;                                       \
+                ar[j] = na;                                                                  \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+typedef double f64;
+typedef float f32;
+SGD(f32)
+SGD(f64)
+ADAGRAD(f32, sqrtf)
+ADAGRAD(f64, sqrt)
+ADAM(f32, sqrtf)
+ADAM(f64, sqrt)
+FTRL(f32, sqrtf, powf, fabsf)
+FTRL(f64, sqrt, pow, fabs)
+
+#define PTR(T, p) ((T *)(uintptr_t)(p))
+
+/* Each: (double: 0 float32 / 1 float64, pointers..., n, dim, rows, settings...) -> -1 or the
+ * position of the first index outside [0, rows) (then nothing was changed). */
+
+static PyObject *py_sgd(PyObject *self, PyObject *args) {
+    int f64_;
+    Py_ssize_t w, index, g, n, dim, rows;
+    double lr;
+    if (!PyArg_ParseTuple(args, "pnnnnnnd", &f64_, &w, &index, &g, &n, &dim, &rows, &lr))
+        return NULL;
+    Py_ssize_t bad = first_bad(PTR(int64_t, index), n, rows);
+    if (bad >= 0) return PyLong_FromSsize_t(bad);
+    Py_BEGIN_ALLOW_THREADS
+    if (f64_) sgd_f64(PTR(f64, w), PTR(int64_t, index), PTR(f64, g), n, dim, -lr);
+    else sgd_f32(PTR(f32, w), PTR(int64_t, index), PTR(f32, g), n, dim, (f32)-lr);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(-1);
+}
+
+static PyObject *py_adagrad(PyObject *self, PyObject *args) {
+    int f64_;
+    Py_ssize_t w, sum, index, g, n, dim, rows;
+    double lr, eps;
+    if (!PyArg_ParseTuple(args, "pnnnnnnndd", &f64_, &w, &sum, &index, &g, &n, &dim, &rows, &lr,
+                          &eps))
+        return NULL;
+    Py_ssize_t bad = first_bad(PTR(int64_t, index), n, rows);
+    if (bad >= 0) return PyLong_FromSsize_t(bad);
+    Py_BEGIN_ALLOW_THREADS
+    if (f64_)
+        adagrad_f64(PTR(f64, w), PTR(f64, sum), PTR(int64_t, index), PTR(f64, g), n, dim, -lr,
+                    eps);
+    else
+        adagrad_f32(PTR(f32, w), PTR(f32, sum), PTR(int64_t, index), PTR(f32, g), n, dim,
+                    (f32)-lr, (f32)eps);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(-1);
+}
+
+static PyObject *py_adam(PyObject *self, PyObject *args) {
+    int f64_;
+    Py_ssize_t w, m, v, step, index, g, n, dim, rows;
+    double lr, b1, b2, eps;
+    if (!PyArg_ParseTuple(args, "pnnnnnnnnndddd", &f64_, &w, &m, &v, &step, &index, &g, &n,
+                          &dim, &rows, &lr, &b1, &b2, &eps))
+        return NULL;
+    Py_ssize_t bad = first_bad(PTR(int64_t, index), n, rows);
+    if (bad >= 0) return PyLong_FromSsize_t(bad);
+    Py_BEGIN_ALLOW_THREADS
+    if (f64_)
+        adam_f64(PTR(f64, w), PTR(f64, m), PTR(f64, v), PTR(int64_t, step), PTR(int64_t, index),
+                 PTR(f64, g), n, dim, lr, b1, b2, eps);
+    else
+        adam_f32(PTR(f32, w), PTR(f32, m), PTR(f32, v), PTR(int64_t, step), PTR(int64_t, index),
+                 PTR(f32, g), n, dim, lr, b1, b2, (f32)eps);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(-1);
+}
+
+static PyObject *py_ftrl(PyObject *self, PyObject *args) {
+    int f64_;
+    Py_ssize_t w, accum, linear, index, g, n, dim, rows;
+    double lr, l1, l2, lr_power;
+    if (!PyArg_ParseTuple(args, "pnnnnnnnndddd", &f64_, &w, &accum, &linear, &index, &g, &n,
+                          &dim, &rows, &lr, &l1, &l2, &lr_power))
+        return NULL;
+    Py_ssize_t bad = first_bad(PTR(int64_t, index), n, rows);
+    if (bad >= 0) return PyLong_FromSsize_t(bad);
+    int sqrt_power = lr_power == -0.5;
+    Py_BEGIN_ALLOW_THREADS
+    if (f64_)
+        ftrl_f64(PTR(f64, w), PTR(f64, accum), PTR(f64, linear), PTR(int64_t, index),
+                 PTR(f64, g), n, dim, lr, l1, 2 * l2, -lr_power, sqrt_power);
+    else
+        ftrl_f32(PTR(f32, w), PTR(f32, accum), PTR(f32, linear), PTR(int64_t, index),
+                 PTR(f32, g), n, dim, (f32)lr, (f32)l1, (f32)(2 * l2), (f32)-lr_power,
+                 sqrt_power);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(-1);
+}
+
+static PyMethodDef methods[] = {
+    {"sgd", py_sgd, METH_VARARGS, "Row-wise SGD in place; -1 or the first bad index."},
+    {"adagrad", py_adagrad, METH_VARARGS, "Row-wise Adagrad in place; -1 or the first bad index."},
+    {"adam", py_adam, METH_VARARGS, "Row-wise lazy Adam in place; -1 or the first bad index."},
+    {"ftrl", py_ftrl, METH_VARARGS, "Row-wise FTRL-Proximal in place; -1 or the first bad index."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }
