@@ -7,15 +7,34 @@ business (``table.py``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
+import psflow.sparse.kernels as kernels
 from psflow.nn.table import RowSource, TableModule
 from psflow.protocol import RowOptimizerSpec
 
 __all__ = ["Embedding", "EmbeddingBag", "RowSource", "TableModule"]
 
 _MODES = ("sum", "mean", "max")
+
+
+class _GatherRows(torch.autograd.Function):
+    """``rows[index]`` and its gradient, with :func:`psflow.sparse.kernels.gather` and
+    :func:`~psflow.sparse.kernels.scatter_add`."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.rows = rows.shape[0]
+        return kernels.gather(rows.detach(), index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (index,) = ctx.saved_tensors
+        return kernels.scatter_add(ctx.rows, grad.contiguous(), index), None
 
 
 class Embedding(TableModule):
@@ -112,6 +131,11 @@ class Embedding(TableModule):
                 self.sparse,
             )
         positions, rows, padding = self._gather(input)
+        if padding is None and not self.scale_grad_by_freq:
+            # The same values and gradients as F.embedding (whose CPU backward sorts the ids
+            # first), on one thread (psflow.sparse.kernels says why).
+            flat = _GatherRows.apply(rows, positions.reshape(-1))
+            return flat.view(*positions.shape, self.embedding_dim)
         return F.embedding(positions, rows, padding, None, 2.0, self.scale_grad_by_freq, False)
 
     def extra_repr(self) -> str:

@@ -48,6 +48,24 @@ class RowSource(Protocol):
         ...
 
 
+def grouped_rows(
+    source: RowSource, table: TableModule, ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``source``'s rows of ``ids`` in the order it keeps them: ``(rows, order)``, where
+    ``rows[k]`` is the row of ``ids[order[k]]`` (``order`` ``None``: the ids' own order).
+
+    A source whose rows come from several places (the worker's, from each ps) may define
+    ``grouped_rows(table, ids)`` and give them grouped by where they came from: no copy into
+    the ids' order on the way in, and each place's gradients a slice of the leaf's on the way
+    out. Any other source gives :meth:`RowSource.rows`.
+    """
+    grouped = getattr(source, "grouped_rows", None)
+    if grouped is None:
+        return source.rows(table, ids), None
+    rows, order = grouped(table, ids)
+    return rows, order
+
+
 class _FusedRows:
     """The row source of a hashed table kept on this process.
 
@@ -323,8 +341,9 @@ class TableModule(nn.Module):
             # torch.unique sorts: the extremes are the first and last.
             self._check_range(unique[0], unique[-1])
         source = self._row_source()
+        order = None
         if unique.numel():
-            rows = source.rows(self, unique)
+            rows, order = grouped_rows(source, self, unique)
         else:  # nothing to ask for
             rows = torch.zeros(
                 0, self.embedding_dim, dtype=self._dtype, device=ids.device, requires_grad=True
@@ -339,6 +358,12 @@ class TableModule(nn.Module):
             at = int(torch.searchsorted(unique, self.padding_idx))
             if at < unique.numel() and int(unique[at]) == self.padding_idx:
                 padding = at
+        if order is not None:  # rows[k] is unique[order[k]]'s: where each unique id's row is
+            where = torch.empty_like(order)
+            where[order] = torch.arange(order.numel(), device=order.device)
+            positions = where.to(ids.device)[positions]
+            if padding is not None:
+                padding = int(where[padding])
         return positions.reshape(ids.shape), rows, padding
 
     def prefetch(self, ids: torch.Tensor) -> None:

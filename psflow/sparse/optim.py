@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+import psflow.sparse.kernels as kernels
 from psflow.protocol import RowOptimizerSpec
-from psflow.sparse import kernels
 
 
 class RowOptimizer:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+import psflow.sparse.kernels as kernels
 from psflow.protocol import RowOptimizerSpec, TableSpec
 from psflow.sparse.idmap import IdMap
 from psflow.sparse.init import initial_rows, splitmix64
@@ -308,7 +309,7 @@ class FixedRows(Rows):
         self.state = self.optimizer.new_state(self._rows, self.dim, self.dtype)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.values.index_select(0, self.partition.local_index(ids))
+        return kernels.gather(self.values, self.partition.local_index(ids))
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         self._check_grads(ids, grads)
@@ -507,7 +508,7 @@ class HashedRows(Rows):
         slots = self._slots(ids)
         known = slots >= 0
         if bool(known.all()):
-            return self.values.index_select(0, slots)
+            return kernels.gather(self.values, slots)
         spec = self.spec
         out = initial_rows(
             spec.seed,
@@ -519,7 +520,7 @@ class HashedRows(Rows):
         )
         if bool(known.any()):
             where = known.nonzero().squeeze(1)
-            out.index_copy_(0, where, self.values.index_select(0, slots[where]))
+            out.index_copy_(0, where, kernels.gather(self.values, slots[where]))
         return out
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:

@@ -28,8 +28,9 @@ from psflow.worker.client import ShardedClient, Tensors
 
 log = logging.getLogger(__name__)
 
-Split = dict[int, tuple[torch.Tensor, torch.Tensor]]
-"""Ids by shard: each shard's ids and their positions among all (``Partition.split``)."""
+Split = dict[int, tuple[torch.Tensor, Any]]
+"""Ids by shard: each shard's ids and where they are among all: their positions
+(``Partition.split``), or a slice when the rows are grouped by shard (:meth:`TableClient._grouped`)."""
 
 _ROW_WISE = {"SGD": "SGD", "Adagrad": "Adagrad", "Adam": "Adam", "SparseAdam": "Adam"}
 """The row-wise optimizer a table takes when it names none: the dense optimizer's own."""
@@ -103,7 +104,9 @@ class TableClient:
         self._to_prefetch: dict[str, torch.Tensor] = {}
         """Per table, unique ids whose rows the next push brings back."""
         self._sent_prefetch: dict[str, tuple[torch.Tensor, Split]] = {}
-        self._prefetched: dict[str, tuple[torch.Tensor, torch.Tensor, Split]] = {}
+        self._prefetched: dict[
+            str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Split]
+        ] = {}
         """Per table, rows that came with the last push: used by the forward that asks for
         exactly those ids."""
         for module in self.modules.values():
@@ -121,18 +124,43 @@ class TableClient:
     def rows(self, table: TableModule, ids: torch.Tensor) -> torch.Tensor:
         """The rows of ``ids`` (1-D, unique) of ``table``, from the shards that hold them: a
         leaf tensor whose gradient :meth:`gradients` pushes at the next step."""
+        name, flat = self._name_and_ids(table, ids)
+        values, order, split = self._fetch(name, flat)
+        if order is not None:  # into the ids' order: each shard's rows go where its ids are
+            aligned = torch.empty_like(values)
+            aligned[order] = values
+            values = aligned
+            split = {s: (shard_ids, order[at]) for s, (shard_ids, at) in split.items()}
+        return self._looked(name, flat, values, split, ids.device)
+
+    def grouped_rows(
+        self, table: TableModule, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows of ``ids`` (1-D, unique) grouped by shard, as each came: ``(rows, order)``,
+        ``rows[k]`` the row of ``ids[order[k]]`` (``None``: one shard, the ids' order). Saves
+        :meth:`rows`' copy into the ids' order, and at the push each shard's gradients are a
+        slice of the leaf's (see :func:`psflow.nn.table.grouped_rows`)."""
+        name, flat = self._name_and_ids(table, ids)
+        values, order, split = self._fetch(name, flat)
+        grouped_ids = flat if order is None else flat[order]
+        return self._looked(name, grouped_ids, values, split, ids.device), order
+
+    def _name_and_ids(self, table: TableModule, ids: torch.Tensor) -> tuple[str, torch.Tensor]:
         name = self._name_of.get(id(table))
         if name is None:
             raise ValueError(f"{type(table).__name__} is not one of this model's tables")
-        device = ids.device
-        flat = ids.detach().to("cpu", torch.int64)
+        return name, ids.detach().to("cpu", torch.int64)
+
+    def _fetch(
+        self, name: str, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, Split]:
+        """The rows of ``ids`` grouped by shard (:meth:`_grouped`): prefetched with the last
+        push when that asked for exactly these ids, else one request per shard, all in flight
+        at once."""
         cached = self._prefetched.pop(name, None)
-        if cached is not None and torch.equal(cached[0], flat):
-            out = cached[1].to(device) if device.type != "cpu" else cached[1]
-            out.requires_grad_(True)
-            self._looked_up.append((name, flat, out, cached[2]))
-            return out
-        split = self.partitions[name].split(flat)
+        if cached is not None and torch.equal(cached[0], ids):
+            return cached[1:]
+        split = self.partitions[name].split(ids)
         replies = self.client.lookup(
             {s: [(name, shard_ids)] for s, (shard_ids, _) in split.items()}
         )
@@ -143,11 +171,16 @@ class TableClient:
                     f"ps:{s} answered a lookup of {name!r} with {len(shard_tensors)} tensors"
                 )
             parts[s] = shard_tensors[0][1]
-        out = self._assemble(name, flat, split, parts)
-        if device.type != "cpu":
-            out = out.to(device)
+        return self._grouped(name, split, parts)
+
+    def _looked(
+        self, name: str, ids: torch.Tensor, values: torch.Tensor, split: Split, device: torch.device
+    ) -> torch.Tensor:
+        """``values`` as the forward's leaf (on ``device``), remembered with its ids (in the
+        leaf's order) and ``split`` for the next push."""
+        out = values.to(device) if device.type != "cpu" else values
         out.requires_grad_(True)
-        self._looked_up.append((name, flat, out, split))
+        self._looked_up.append((name, ids, out, split))
         return out
 
     # -- step: row gradients ----------------------------------------------------------------
@@ -173,17 +206,19 @@ class TableClient:
                 )
                 split = self.partitions[name].split(ids)
             ids_name, grads_name = row_tensor_names(name)
-            for s, (shard_ids, positions) in split.items():
-                tensors.setdefault(s, []).extend(
-                    [(ids_name, shard_ids), (grads_name, grads[positions])]
-                )
+            for s, (shard_ids, at) in split.items():
+                # ``at``: a slice of a grouped leaf's gradient (a view), or positions
+                tensors.setdefault(s, []).extend([(ids_name, shard_ids), (grads_name, grads[at])])
                 tables.setdefault(s, []).append(name)
         return tensors, tables
 
-    def _assemble(
-        self, name: str, ids: torch.Tensor, split: Split, parts: dict[int, torch.Tensor]
-    ) -> torch.Tensor:
-        """One tensor of the rows of ``ids``, from each shard's rows of its share (``split``).
+    def _grouped(
+        self, name: str, split: Split, parts: dict[int, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, Split]:
+        """Each shard's rows of its share of the ids (``split``) in one tensor, shard after
+        shard: ``(rows, order, split)``, ``rows[k]`` the row of ``ids[order[k]]`` (``None``
+        when one shard has them all, in the ids' order), the returned split locating each
+        shard's rows as a slice.
 
         Raises:
             ValueError: when a shard is missing or sent rows of the wrong shape or dtype.
@@ -192,16 +227,21 @@ class TableClient:
         dtype = getattr(torch, spec.dtype)
         if set(parts) != set(split):
             raise ValueError(f"rows of {name!r} came from ps {sorted(parts)}, not {sorted(split)}")
-        out = torch.empty((ids.shape[0], spec.embedding_dim), dtype=dtype)
-        for s, (shard_ids, positions) in split.items():
+        grouped: Split = {}
+        start = 0
+        for s, (shard_ids, _) in split.items():
             values = parts[s]
             if values.shape != (shard_ids.shape[0], spec.embedding_dim) or values.dtype != dtype:
                 raise ValueError(
                     f"ps:{s} sent rows of {name!r} shaped {list(values.shape)} "
                     f"{values.dtype}; expected [{shard_ids.shape[0]}, {spec.embedding_dim}] {dtype}"
                 )
-            out[positions] = values
-        return out
+            grouped[s] = (shard_ids, slice(start, start + shard_ids.shape[0]))
+            start += shard_ids.shape[0]
+        if len(split) == 1:  # one shard holds every id, in their order (a stable split)
+            return next(iter(parts.values())), None, grouped
+        values = torch.cat([parts[s] for s in split])
+        return values, torch.cat([positions for _, positions in split.values()]), grouped
 
     def clear(self) -> None:
         """Forgets the lookups since the last step (``zero_grad``)."""
@@ -251,8 +291,7 @@ class TableClient:
                     got.setdefault(table, {})[s] = value
             rest[s] = kept
         for name, (ids, split) in self._sent_prefetch.items():
-            out = self._assemble(name, ids, split, got.get(name, {}))
-            self._prefetched[name] = (ids, out, split)
+            self._prefetched[name] = (ids, *self._grouped(name, split, got.get(name, {})))
         self._sent_prefetch = {}
         return rest
 

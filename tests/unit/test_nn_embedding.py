@@ -37,7 +37,7 @@ class DenseSource:
 
     def rows(self, table: TableModule, ids: torch.Tensor) -> torch.Tensor:
         assert ids.dtype == torch.int64 and ids.dim() == 1
-        assert torch.equal(ids, torch.unique(ids)), "ids must be unique"
+        assert torch.unique(ids).numel() == ids.numel(), "ids must be unique"
         leaf = self.weight[ids].clone().requires_grad_(True)
         self.asked.append(ids)
         self.leaves.append(leaf)
@@ -51,6 +51,17 @@ class DenseSource:
             for i, g in zip(ids.tolist(), leaf.grad, strict=True):
                 out[i] = out[i] + g if i in out else g.clone()
         return out
+
+
+class GroupedSource(DenseSource):
+    """Gives rows grouped as the worker's source does over 2 ps with ``mod``: even ids, then
+    odd ones (``grouped_rows``)."""
+
+    def grouped_rows(
+        self, table: TableModule, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        order = torch.argsort(ids % 2, stable=True)
+        return self.rows(table, ids[order]), order
 
 
 def random_ids(
@@ -78,20 +89,20 @@ def check_grads(module: TableModule, source: DenseSource | None, ref: torch.nn.M
     assert torch.count_nonzero(expected) == 0
 
 
-def attach_or_not(module: TableModule, attached: bool) -> DenseSource | None:
+def attach_or_not(module: TableModule, attached: bool | str) -> DenseSource | None:
     if not attached:
         return None
-    source = DenseSource(module.weight)
+    source = GroupedSource(module.weight) if attached == "grouped" else DenseSource(module.weight)
     module.attach(source)
     return source
 
 
-@pytest.mark.parametrize("attached", [False, True], ids=["local", "attached"])
+@pytest.mark.parametrize("attached", [False, True, "grouped"], ids=["local", "attached", "grouped"])
 @pytest.mark.parametrize("padding_idx", [None, 3, -1])
 @pytest.mark.parametrize("shape", [(7,), (4, 6), ()], ids=["1d", "2d", "0d"])
 @pytest.mark.parametrize("seed", SEEDS)
 def test_embedding_matches_torch(
-    seed: int, shape: tuple[int, ...], padding_idx: int | None, attached: bool
+    seed: int, shape: tuple[int, ...], padding_idx: int | None, attached: bool | str
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     emb = Embedding(N, DIM, padding_idx=padding_idx, seed=seed)
@@ -108,8 +119,8 @@ def test_embedding_matches_torch(
     check_grads(emb, source, ref)
 
 
-@pytest.mark.parametrize("attached", [False, True], ids=["local", "attached"])
-def test_embedding_scale_grad_by_freq_and_int32_ids_match_torch(attached: bool) -> None:
+@pytest.mark.parametrize("attached", [False, True, "grouped"], ids=["local", "attached", "grouped"])
+def test_embedding_scale_grad_by_freq_and_int32_ids_match_torch(attached: bool | str) -> None:
     gen = torch.Generator().manual_seed(5)
     emb = Embedding(N, DIM, scale_grad_by_freq=True, padding_idx=2)
     ref = torch.nn.Embedding(N, DIM, scale_grad_by_freq=True, padding_idx=2)
@@ -148,11 +159,16 @@ def bag_input(
     return ids, offsets
 
 
-@pytest.mark.parametrize("attached", [False, True], ids=["local", "attached"])
+@pytest.mark.parametrize("attached", [False, True, "grouped"], ids=["local", "attached", "grouped"])
 @pytest.mark.parametrize(("mode", "layout", "weighted", "padding_idx"), bag_cases())
 @pytest.mark.parametrize("seed", SEEDS)
 def test_embedding_bag_matches_torch(
-    seed: int, mode: str, layout: str, weighted: bool, padding_idx: int | None, attached: bool
+    seed: int,
+    mode: str,
+    layout: str,
+    weighted: bool,
+    padding_idx: int | None,
+    attached: bool | str,
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     last = layout == "offsets+last"

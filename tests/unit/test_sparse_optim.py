@@ -343,3 +343,27 @@ def test_spec_refuses_bad_wire_data() -> None:
         RowOptimizerSpec.from_wire({"name": "SGD", "kwargs": {}, "extra": 1})
     with pytest.raises(ValueError, match="not beside it"):
         RowOptimizerSpec.of(RowOptimizerSpec(), lr=0.1)
+
+
+# -- gather and scatter_add (the forward pass's rows and their gradient) -------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
+def test_gather_and_scatter_add_match_torch(dtype: torch.dtype) -> None:
+    need_kernels()
+    gen = torch.Generator().manual_seed(13)
+    src = (torch.randn(300, 7, generator=gen) * 100).to(dtype)
+    index = torch.randint(0, 300, (1000,), generator=gen)  # repeats: they add up
+    assert torch.equal(kernels.gather(src, index), src.index_select(0, index))
+    if dtype != torch.int64:
+        grad = torch.randn(1000, 7, generator=gen).to(dtype)
+        want = torch.zeros(300, 7, dtype=dtype).index_add_(0, index, grad)
+        torch.testing.assert_close(kernels.scatter_add(300, grad, index), want)
+
+
+def test_gather_and_scatter_add_refuse_a_bad_index() -> None:
+    need_kernels()
+    with pytest.raises(IndexError, match="row index 5 is out of range"):
+        kernels.gather(torch.zeros(5, 2), torch.tensor([0, 5]))
+    with pytest.raises(IndexError, match="row index -1 is out of range"):
+        kernels.scatter_add(5, torch.ones(2, 2), torch.tensor([-1, 0]))
