@@ -1,6 +1,7 @@
 """What ``bash scripts/run.sh`` and ``bash scripts/test.sh`` install, and when they install again.
 
-The scripts run for real, in a copy of ``scripts/``, ``requirements/`` and ``pyproject.toml``
+The scripts run for real, in a copy of ``scripts/``, ``requirements/``, ``pyproject.toml``,
+``setup.py`` and the C source it builds,
 whose ``.venv/bin/python`` and ``.venv/bin/psflow`` are stand-ins that record their arguments
 instead of installing or training: each test reads what a path asked pip for, with no network.
 """
@@ -66,6 +67,9 @@ def checkout(tmp_path: Path) -> Path:
     shutil.copytree(ROOT / "scripts", tmp_path / "scripts")
     shutil.copytree(ROOT / "requirements", tmp_path / "requirements")
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    shutil.copy(ROOT / "setup.py", tmp_path / "setup.py")
+    (tmp_path / "psflow" / "sparse").mkdir(parents=True)
+    shutil.copy(ROOT / "psflow/sparse/_kernels.c", tmp_path / "psflow/sparse/_kernels.c")
     (tmp_path / ".venv" / "bin").mkdir(parents=True)
     for tool in ("python", "psflow"):
         stand_in = tmp_path / ".venv" / "bin" / tool
@@ -141,6 +145,10 @@ def test_the_test_command_adds_the_tools_and_each_path_reinstalls_on_change(
     with (checkout / "pyproject.toml").open("a") as f:
         f.write("# changed\n")
     assert installed(checkout, run(checkout, "setup-venv.sh", "run"))
+    # A changed kernel source installs again: the install is what compiles it.
+    with (checkout / "psflow/sparse/_kernels.c").open("a") as f:
+        f.write("/* changed */\n")
+    assert "-e ." in " ".join(run(checkout, "setup-venv.sh", "run"))
     with (checkout / "requirements" / "test.txt").open("a") as f:
         f.write("# changed\n")
     assert run(checkout, "setup-venv.sh", "run") == []
