@@ -31,14 +31,20 @@ def run_job(
     timeout: float = 300.0,
     env: dict[str, str] | None = None,
     ps_exit_timeout: float | None = 10.0,
+    share_cores: bool = True,
 ) -> dict[str, dict[str, Any]]:
     """Runs every task of ``cluster``; returns each worker's ``RESULT`` keyed by task name.
 
     ``ps_exit_timeout`` is how long the ps tasks get to exit by themselves once the workers are
     done (a ps still running then is an error); ``None`` kills them (TensorFlow's never exit).
+    ``share_cores``: each task gets ``OMP_NUM_THREADS`` as ``psflow launch`` gives it
+    (``psflow.env.threads_per_task``), unless set; TensorFlow's tasks keep their own defaults.
     """
     procs: dict[TaskSpec, subprocess.Popen[str]] = {}
     base_env = {**envvars.TASK_DEFAULTS, **os.environ, **(env or {})}  # as psflow launch does
+    if share_cores:  # as psflow launch does, unless set
+        tasks_here = sum(1 for _ in cluster.tasks())
+        base_env.setdefault(envvars.OMP_NUM_THREADS, envvars.threads_per_task(tasks_here))
     try:
         for task in sorted(cluster.tasks(), key=lambda t: t.job != "ps"):
             e = dict(base_env, TF_CONFIG=cluster.to_tf_config(task), PYTHONUNBUFFERED="1")
@@ -94,6 +100,7 @@ def run_tf_job(cluster: ClusterSpec, argv: list[str], tf_python: str) -> dict[st
         python=tf_python,
         ps_exit_timeout=None,
         env={"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""},
+        share_cores=False,
     )
 
 

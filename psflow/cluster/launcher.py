@@ -272,6 +272,9 @@ class Launcher:
         """Starts ``task``'s process (again, after a failure: same address, same TF_CONFIG)
         and relays its output."""
         env = {**envvars.TASK_DEFAULTS, **os.environ, **self.config.env}
+        # All of them on this host: the cores shared out, as torchrun does (unless set).
+        tasks_here = sum(1 for _ in self.cluster.tasks())
+        env.setdefault(envvars.OMP_NUM_THREADS, envvars.threads_per_task(tasks_here))
         env[envvars.TF_CONFIG] = self.cluster.to_tf_config(task)
         if self.config.mode is not None:
             env[envvars.PSFLOW_MODE] = self.config.mode

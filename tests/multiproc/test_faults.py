@@ -15,6 +15,7 @@ import torch
 import zmq
 
 import psflow
+from psflow.env import threads_per_task
 from psflow.protocol import PROTOCOL_VERSION, Key
 from psflow.transport import (
     Client,
@@ -289,7 +290,14 @@ def _alive(pid: int) -> bool:
 def launch(tmp_path: Path, **env: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         launch_cmd(ROOT / "tests" / "multiproc" / "scripts" / "sleeper.py", str(tmp_path)),
-        env={**{k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}, **env},
+        env={
+            **{
+                k: v
+                for k, v in os.environ.items()
+                if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")
+            },
+            **env,
+        },
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -302,21 +310,25 @@ def test_launcher_names_the_failed_task_and_stops_the_others(tmp_path: Path) -> 
     assert proc.returncode == 1
     assert "task worker:1 failed with exit code 3; stopping the other tasks" in err
     assert "[worker:0] started worker:0" in out and "[ps:0] started ps:0" in out
-    assert "[worker:0] started worker:0 OMP_WAIT_POLICY=PASSIVE" in out  # the launcher's default
+    # The launcher's defaults: OpenMP's threads wait passively, and the cores are shared out
+    # over the 3 tasks (as torchrun does).
+    threads = threads_per_task(3)
+    assert f"[worker:0] started worker:0 OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS={threads}" in out
     pids = _pids(tmp_path)
     assert sorted(pids) == ["ps:0", "worker:0", "worker:1"]
     assert not any(_alive(p) for p in pids.values())
 
 
 def test_ctrl_c_stops_every_task(tmp_path: Path) -> None:
-    proc = launch(tmp_path, OMP_WAIT_POLICY="ACTIVE")
+    proc = launch(tmp_path, OMP_WAIT_POLICY="ACTIVE", OMP_NUM_THREADS="7")
     deadline = time.monotonic() + 30
     while len(_pids(tmp_path)) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(_pids(tmp_path)) == 3
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
-    assert "[ps:0] started ps:0 OMP_WAIT_POLICY=ACTIVE" in out  # the user's setting wins
+    # The user's settings win.
+    assert "[ps:0] started ps:0 OMP_WAIT_POLICY=ACTIVE OMP_NUM_THREADS=7" in out
     assert proc.returncode == 130
     assert "received SIGINT; stopping every task" in err
     assert not any(_alive(p) for p in _pids(tmp_path).values())

@@ -316,3 +316,15 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> Non
     for p in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))  # still free
+
+
+def test_threads_per_task_shares_the_cores_out() -> None:
+    import os
+
+    from psflow.env import threads_per_task
+
+    cores = len(os.sched_getaffinity(0))
+    assert threads_per_task(1) == str(cores)
+    assert threads_per_task(cores) == "1"
+    assert threads_per_task(cores * 10) == "1"  # at least one
+    assert threads_per_task(0) == str(cores)
