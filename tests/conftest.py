@@ -70,3 +70,17 @@ def no_leaked_processes() -> Iterator[None]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     assert not leaked, f"test left processes behind: {leaked}"
+
+
+@pytest.fixture(params=["kernels", "torch"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test on both paths of the sparse tables: psflow's C kernels and torch's index
+    operations (``PSFLOW_KERNELS=0``, or an install without a compiler)."""
+    from psflow.sparse import kernels
+    from tests.kernels import need_kernels
+
+    if request.param == "torch":
+        monkeypatch.setattr(kernels, "KERNELS", None)
+    else:
+        need_kernels()
+    return str(request.param)

@@ -17,6 +17,7 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* -1 when every index is in [0, rows), else the position of the first that is not. */
@@ -263,11 +264,79 @@ static PyObject *py_ftrl(PyObject *self, PyObject *args) {
     return PyLong_FromLong(-1);
 }
 
+/* A request's ids, checked in one pass (psflow/sparse/rows.py's Rows.check_ids says what): each
+ * in [0, num_embeddings) (num_embeddings < 0: a hashed table, any id), on `shard` of
+ * `num_shards` (mod: id mod S, non-negative as Python's; div: TensorFlow's ranges, the first
+ * `boundary` ids in r ranges of q + 1, the rest in ranges of q), and none twice (an open-addressing set
+ * of twice as many slots). Returns (0, -1) when all are good, else (1 out of range | 2 another
+ * shard's | 3 twice, the position of the first such id). */
+static PyObject *py_check_ids(PyObject *self, PyObject *args) {
+    Py_ssize_t ids_, n;
+    long long num_embeddings, q, r, boundary;
+    int div, num_shards, shard;
+    if (!PyArg_ParseTuple(args, "nnLpiiLLL", &ids_, &n, &num_embeddings, &div, &num_shards, &shard,
+                          &q, &r, &boundary))
+        return NULL;
+    const int64_t *ids = PTR(int64_t, ids_);
+    Py_ssize_t slots = 16;
+    while (slots < 2 * n) slots *= 2;
+    int64_t *set = malloc((size_t)slots * sizeof(int64_t));
+    unsigned char *used = calloc((size_t)slots, 1);
+    if (set == NULL || used == NULL) {
+        free(set);
+        free(used);
+        return PyErr_NoMemory();
+    }
+    int code = 0;
+    Py_ssize_t at = -1;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const int64_t id = ids[i];
+        if (num_embeddings >= 0 && (id < 0 || id >= num_embeddings)) {
+            code = 1;
+        } else if (num_shards > 1) {
+            int64_t s;
+            if (!div) {
+                s = id % num_shards;
+                if (s < 0) s += num_shards;
+            } else {
+                s = id < boundary ? id / (q + 1) : r + (id - boundary) / (q > 0 ? q : 1);
+            }
+            if (s != shard) code = 2;
+        }
+        if (code) {
+            at = i;
+            break;
+        }
+        uint64_t h = ((uint64_t)id * 0x9E3779B97F4A7C15ull) >> 20;
+        for (Py_ssize_t k = (Py_ssize_t)(h & (uint64_t)(slots - 1));; k = (k + 1) & (slots - 1)) {
+            if (!used[k]) {
+                used[k] = 1;
+                set[k] = id;
+                break;
+            }
+            if (set[k] == id) {
+                code = 3;
+                break;
+            }
+        }
+        if (code) {
+            at = i;
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    free(set);
+    free(used);
+    return Py_BuildValue("in", code, at);
+}
+
 static PyMethodDef methods[] = {
     {"sgd", py_sgd, METH_VARARGS, "Row-wise SGD in place; -1 or the first bad index."},
     {"adagrad", py_adagrad, METH_VARARGS, "Row-wise Adagrad in place; -1 or the first bad index."},
     {"adam", py_adam, METH_VARARGS, "Row-wise lazy Adam in place; -1 or the first bad index."},
     {"ftrl", py_ftrl, METH_VARARGS, "Row-wise FTRL-Proximal in place; -1 or the first bad index."},
+    {"check_ids", py_check_ids, METH_VARARGS, "A request's ids: (0, -1) or (reason, position)."},
     {"gather", py_gather, METH_VARARGS, "out[i] = src[index[i]]; -1 or the first bad index."},
     {"scatter_add", py_scatter_add, METH_VARARGS, "out[index[i]] += src[i]; -1 or the first bad."},
     {NULL, NULL, 0, NULL},

@@ -156,6 +156,9 @@ class Rows(ABC):
             raise ValueError(f"table {name!r}: ids must be 1-D, got shape {list(ids.shape)}")
         if ids.numel() == 0:
             return
+        if kernels.KERNELS is not None and ids.device.type == "cpu":
+            self._check_ids_fused(ids.contiguous())
+            return
         n = self.spec.num_embeddings
         bad = None
         if n is not None:
@@ -177,6 +180,27 @@ class Rows(ABC):
             if bool(same.any()):
                 first = int(ordered[1:][same][0])
                 raise ValueError(f"table {name!r}: id {first} appears more than once")
+
+    def _check_ids_fused(self, ids: torch.Tensor) -> None:
+        """:meth:`check_ids`' range, shard and uniqueness checks in one pass of the kernels,
+        with the same errors."""
+        k, p, name, n = kernels.KERNELS, self.partition, self.spec.name, self.spec.num_embeddings
+        assert k is not None
+        code, at = k.check_ids(
+            ids.data_ptr(), ids.numel(), -1 if n is None else n, p.kind == "div",
+            p.num_shards, self.shard, p._q, p._r, p._boundary,
+        )  # fmt: skip
+        if code == 0:
+            return
+        bad = int(ids[at])
+        if code == 1:
+            raise ValueError(f"table {name!r}: id {bad} is out of range [0, {n})")
+        if code == 2:
+            raise ValueError(
+                f"table {name!r}: id {bad} is not on shard {self.shard} of {self.num_shards} "
+                f"(it is on shard {int(p.shard_of(ids.new_tensor([bad]))[0])})"
+            )
+        raise ValueError(f"table {name!r}: id {bad} appears more than once")
 
     def _check_grads(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         name = self.spec.name

@@ -2,40 +2,17 @@
 
 from __future__ import annotations
 
-import shutil
-import sysconfig
-
 import numpy as np
 import pytest
 import torch
 
 from psflow.protocol import ROW_OPTIMIZERS, RowOptimizerSpec
 from psflow.sparse import RowOptimizer, kernels
+from tests.kernels import need_kernels
 
 pytestmark = pytest.mark.unit
 
 ROWS, DIM, STEPS = 12, 5, 6
-
-
-@pytest.fixture(params=["kernels", "torch"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test here runs on both paths: the fused C kernels and torch's index operations."""
-    if request.param == "torch":
-        monkeypatch.setattr(kernels, "KERNELS", None)
-    else:
-        need_kernels()
-    return str(request.param)
-
-
-def need_kernels() -> None:
-    """Fails where the kernels should have been built (a C compiler is here) but were not;
-    skips only where the install could not build them."""
-    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
-    if kernels.KERNELS is not None:
-        return
-    if shutil.which(compiler) is not None:
-        pytest.fail(f"{compiler} is here, but psflow/sparse/_kernels.c was not built (setup.py)")
-    pytest.skip(f"no C compiler ({compiler}): the install could not build the kernels")
 
 
 def test_kernels_are_built() -> None:

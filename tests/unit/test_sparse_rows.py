@@ -208,18 +208,68 @@ def test_fixed_rows_padding_row_is_never_updated() -> None:
         (torch.tensor([3, 5, 3]), "table 'emb': id 3 appears more than once"),
     ],
 )
+@pytest.mark.usefixtures("path")
 def test_check_ids_names_the_table_and_the_id(ids: object, match: str) -> None:
     rows = make_rows(fixed(), 1, 2)
     with pytest.raises(ValueError, match=match):
         rows.check_ids(ids)
 
 
+@pytest.mark.usefixtures("path")
 def test_check_ids_accepts_good_ids() -> None:
     make_rows(fixed(), 1, 2).check_ids(torch.tensor([19, 1, 5]))
     make_rows(fixed(), 1, 2).check_ids(torch.tensor([], dtype=torch.int64))
     make_rows(hashed(), 0, 2).check_ids(torch.tensor([-4, 1 << 40]))
     with pytest.raises(ValueError, match="table 'ids': id -3 is not on shard 0"):
         make_rows(hashed(), 0, 2).check_ids(torch.tensor([-4, -3]))
+
+
+@pytest.mark.parametrize("kind", ["mod", "div", "hashed"])
+def test_check_ids_kernel_agrees_with_torch(kind: str) -> None:
+    """The kernel's one pass against torch's checks, on random ids of every kind of table,
+    shard count and fault: the same verdict and the same message."""
+    from psflow.sparse import kernels
+    from tests.kernels import need_kernels
+
+    need_kernels()
+    gen = torch.Generator().manual_seed(3)
+    seen: set[str] = set()
+    for trial in range(300):
+        shards = int(torch.randint(1, 5, (1,), generator=gen))
+        shard = int(torch.randint(0, shards, (1,), generator=gen))
+        n = int(torch.randint(shards, 60, (1,), generator=gen))
+        if kind == "hashed":
+            rows = make_rows(hashed(), shard, shards)
+            ids = torch.randint(-(1 << 40), 1 << 40, (8,), generator=gen)
+            ids = ids - ids % shards + shard  # on this shard
+        else:
+            rows = make_rows(fixed(n=n, partition=kind), shard, shards)
+            ids = rows.partition.ids_on(shard)[torch.randperm(rows.num_rows, generator=gen)[:8]]
+        fault = trial % 4  # none, out of range, another shard's, twice
+        if fault == 1 and kind != "hashed":
+            ids = torch.cat([ids, torch.tensor([n + trial % 3])])
+        elif fault == 2 and shards > 1:
+            ids = torch.cat([ids, torch.tensor([(shard + 1) % shards + 0])])
+            if kind == "div":
+                ids[-1] = rows.partition.start_of((shard + 1) % shards)
+        elif fault == 3 and ids.numel():
+            ids = torch.cat([ids, ids[:1]])
+        verdicts = []
+        for use in (kernels.KERNELS, None):
+            saved, kernels.KERNELS = kernels.KERNELS, use
+            try:
+                rows.check_ids(ids)
+                verdicts.append(None)
+            except ValueError as e:
+                verdicts.append(str(e))
+            finally:
+                kernels.KERNELS = saved
+        assert verdicts[0] == verdicts[1], (kind, shards, shard, ids.tolist())
+        seen.add(verdicts[0] or "good")
+    faults = {"good", "more than once", "not on shard"} | (
+        {"out of range"} if kind != "hashed" else set()
+    )
+    assert {f for f in faults if any(f in v for v in seen)} == faults, seen
 
 
 def test_apply_refuses_bad_gradients() -> None:
