@@ -175,7 +175,8 @@ class Key(StrEnum):
     CHUNK = "c"
     """The tensors' bytes follow in frames of at most this many bytes."""
     IN_LANE = "s"
-    """The tensors' bytes lie in the shared-memory lane the message came through."""
+    """The tensors' bytes lie in the shared-memory lane the message came through: ``1`` in the
+    area of its direction, ``2`` (a reply only) in the request area (:data:`IN_REQUEST_AREA`)."""
     ERROR = "error"
     """Why a request was refused (:attr:`Op.ERROR`), for people."""
     CODE = "code"
@@ -290,3 +291,9 @@ class Key(StrEnum):
     """The shard file a save writes."""
     SECONDS = "seconds"
     """How long the write took."""
+
+
+IN_REQUEST_AREA = 2
+""":attr:`Key.IN_LANE` of a reply whose tensors the server wrote into the lane's request area
+(the request's own tensors are done with by then): rows a lookup returns, which must not enter
+the reply area, where the client's parameters may still be in use."""

@@ -20,7 +20,7 @@ import torch
 import zmq
 
 from psflow import allocator
-from psflow.protocol.messages import Key, Op
+from psflow.protocol.messages import IN_REQUEST_AREA, Key, Op
 from psflow.transport import wire
 from psflow.transport.auth import configure_client
 from psflow.transport.config import TransportConfig, endpoint
@@ -382,15 +382,18 @@ class Client:
             code = header.get(Key.CODE)
             detail = str(header.get(Key.ERROR, "unknown error"))
             raise PeerError(peer.name, detail, code=code if isinstance(code, str) else None)
+        # Rows a server wrote into the request area are copied out: the next request overwrites
+        # them.
+        in_request = lane is not None and header.get(Key.IN_LANE) == IN_REQUEST_AREA
         try:
             tensors = wire.decode_tensors(
                 header,
                 frames,
                 max_bytes=self.config.max_message_bytes,
                 into=w.into,
-                area=lane.reply if lane is not None else None,
-                transient=w.lane_views,
-                views=lane.reply_views if lane is not None else None,
+                area=None if lane is None else lane.request if in_request else lane.reply,
+                transient=w.lane_views and not in_request,
+                views=None if lane is None or in_request else lane.reply_views,
             )
         except wire.WireError as e:
             raise PeerError(peer.name, f"malformed reply: {e}") from None

@@ -26,7 +26,7 @@ import zmq
 
 from psflow import allocator
 from psflow import env as envvars
-from psflow.protocol.messages import Code, Key, Op
+from psflow.protocol.messages import IN_REQUEST_AREA, Code, Key, Op
 from psflow.transport import wire
 from psflow.transport.auth import Gatekeeper, configure_server
 from psflow.transport.config import TransportConfig, endpoint
@@ -315,6 +315,14 @@ class Server:
                 frames = wire.encode(dict(header), tensors, area=lane.reply if whole_set else None)
                 if len(frames) == 1 and lane.post_reply(frames[0]):
                     return
+            elif not isinstance(tensors, wire.TensorSet) and _outside(tensors, lane.request):
+                # The request's area: its tensors are done with, and the client copies these
+                # out before its next request. (A lookup's rows, in a lane.)
+                frames = wire.encode(
+                    dict(header), tensors, area=lane.request, in_lane=IN_REQUEST_AREA
+                )
+                if len(frames) == 1 and lane.post_reply(frames[0]):
+                    return
             need = wire.lane_bytes_of(tensors) if fixed else 0
             note: dict[str, Any] = {Key.OP: Op.USE_SOCKET, Key.ID: rid, Key.NEED: need}
             self._post(lane, request.identity, wire.encode(note))
@@ -396,4 +404,16 @@ def _sent(tracker: zmq.MessageTracker, timeout: float) -> bool:
         tracker.wait(timeout)
     except zmq.NotDone:
         return False
+    return True
+
+
+def _outside(tensors: Sequence[tuple[str, torch.Tensor]], area: Any) -> bool:
+    """Whether no tensor's memory lies in ``area`` (the lane's request area): a handler may
+    answer with views of what it was sent, which a copy into that area would overwrite."""
+    start = area.ctypes.data
+    end = start + area.nbytes
+    for _, t in tensors:
+        p = t.data_ptr()
+        if p < end and p + t.nbytes > start:
+            return False
     return True

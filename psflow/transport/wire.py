@@ -206,12 +206,13 @@ def encode(
     chunk: int = DEFAULT_CHUNK_BYTES,
     area: np.ndarray[Any, Any] | None = None,
     layout: Layout | None = None,
+    in_lane: int = 1,
 ) -> list[Any]:
     """The frames of one message: the packed header, then each tensor's bytes in chunks.
 
     With ``area`` (a lane's uint8 area), the tensors are copied into it when they fit, and the
-    message is the header alone (its :attr:`~Key.IN_LANE` is then set). ``layout``, when the tensors
-    follow it, spares describing them again.
+    message is the header alone (its :attr:`~Key.IN_LANE` is then set, to ``in_lane``: which area
+    it is). ``layout``, when the tensors follow it, spares describing them again.
 
     Small messages (at most :data:`INLINE_BYTES` of tensor data) travel as one frame, the
     bytes inside the header: each frame costs a wake-up of ZeroMQ's I/O thread, which is what
@@ -255,7 +256,7 @@ def encode(
         if dst is not None:
             for off, raw in zip(offsets, raws, strict=True):
                 dst[off : off + len(raw)] = raw
-            header[_IN_LANE] = 1
+            header[_IN_LANE] = in_lane
         elif nbytes <= INLINE_BYTES:
             # Each tensor starts 8-byte aligned, so the receiver can view it in place.
             header[_INLINE] = b"".join(

@@ -419,3 +419,49 @@ def test_prefetched_rows_ride_the_step_and_train_the_same() -> None:
     torch.testing.assert_close(head_b, head_a)
     # Without prefetch each forward asks for both tables; with it only the first forward does.
     assert (asked_a, asked_b) == (2 * 6, 2), (asked_a, asked_b)
+
+
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["lane", "socket"])
+def test_large_lookups_come_back_through_the_lane(
+    shm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows too large for a header come back in the lane's request area (the reply area may
+    hold the model's parameters, still in use); through the socket when the ps takes no lanes.
+    Either way they are the table's rows, and training goes on over them."""
+    from psflow.protocol.messages import IN_REQUEST_AREA
+    from psflow.transport import wire
+
+    seen: list[object] = []
+    decode = wire.decode_tensors
+
+    def spy(header, frames, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(header.get(Key.IN_LANE))
+        return decode(header, frames, **kwargs)
+
+    monkeypatch.setattr(wire, "decode_tensors", spy)
+    cluster = local_cluster(1, 1)
+    ps = start_ps(cluster, env={"PSFLOW_SHM": shm})
+    try:
+        local = pnn.Embedding(5000, 64, seed=4, init_std=0.1)
+        remote = torch.nn.Sequential(
+            pnn.Embedding(5000, 64, seed=4, init_std=0.1, optimizer="SGD"), torch.nn.Linear(64, 1)
+        )
+        ids = torch.randperm(5000, generator=torch.Generator().manual_seed(0))[:512]
+        with DistributedOptimizer(remote, worker_ctx(cluster), lr=0.1) as opt:
+            for step in range(3):
+                seen.clear()
+                opt.zero_grad()
+                out = remote[0](ids)  # 512 x 64 float32: 128 KB of rows
+                if step == 0:
+                    torch.testing.assert_close(out, local(ids), rtol=0, atol=0)
+                remote[1](out).square().mean().backward()
+                opt.step()
+                # From the second step: the first push made the lane's request area as large.
+                if step:
+                    assert (IN_REQUEST_AREA in seen) == (shm == "1"), seen
+            after = table_rows(opt, "0", ids)
+        assert not torch.equal(after, local(ids).detach())  # the pushes were applied
+        code, err = stop(ps)
+        assert code == 0, err
+    finally:
+        stop(ps, timeout=1)
