@@ -8,7 +8,7 @@ import sysconfig
 
 import pytest
 
-from psflow.sparse import kernels
+import psflow.sparse.kernels as kernels
 
 
 def need_kernels() -> None:

@@ -48,22 +48,24 @@ class RowSource(Protocol):
         ...
 
 
-def grouped_rows(
+def batch_rows(
     source: RowSource, table: TableModule, ids: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``source``'s rows of ``ids`` in the order it keeps them: ``(rows, order)``, where
-    ``rows[k]`` is the row of ``ids[order[k]]`` (``order`` ``None``: the ids' own order).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of a batch's ids (1-D int64, in range, repeats allowed) from ``source``:
+    ``(rows, positions)``, the rows of the unique ids and, for each id, which row is its.
 
     A source whose rows come from several places (the worker's, from each ps) may define
-    ``grouped_rows(table, ids)`` and give them grouped by where they came from: no copy into
-    the ids' order on the way in, and each place's gradients a slice of the leaf's on the way
-    out. Any other source gives :meth:`RowSource.rows`.
+    ``batch_rows(table, ids)`` itself and give the rows in its own order, grouped by where they
+    came from: no copy into sorted order on the way in, and each place's gradients a slice of
+    the leaf's on the way out. Any other source is asked :meth:`RowSource.rows` for the
+    batch's unique ids, in sorted order.
     """
-    grouped = getattr(source, "grouped_rows", None)
-    if grouped is None:
-        return source.rows(table, ids), None
-    rows, order = grouped(table, ids)
-    return rows, order
+    own = getattr(source, "batch_rows", None)
+    if own is not None:
+        rows, positions = own(table, ids)
+        return rows, positions
+    unique, positions = torch.unique(ids, return_inverse=True)
+    return source.rows(table, unique), positions
 
 
 class _FusedRows:
@@ -335,35 +337,26 @@ class TableModule(nn.Module):
         the batch uses it. ``F.embedding(positions, rows)`` is then ``F.embedding(ids, weight)``.
         """
         self._check_dtype(ids)
-        unique, positions = torch.unique(ids.reshape(-1), return_inverse=True)
-        unique = unique.to(torch.int64)
-        if unique.numel():
-            # torch.unique sorts: the extremes are the first and last.
-            self._check_range(unique[0], unique[-1])
-        source = self._row_source()
-        order = None
-        if unique.numel():
-            rows, order = grouped_rows(source, self, unique)
-        else:  # nothing to ask for
+        flat = ids.reshape(-1).to(torch.int64)
+        if not flat.numel():  # nothing to ask for
             rows = torch.zeros(
                 0, self.embedding_dim, dtype=self._dtype, device=ids.device, requires_grad=True
             )
-        if rows.shape != (unique.numel(), self.embedding_dim):
+            return flat.reshape(ids.shape), rows, None
+        if self.num_embeddings is not None:
+            self._check_range(*torch.aminmax(flat))
+        rows, positions = batch_rows(self._row_source(), self, flat)
+        unique = int(positions.max()) + 1
+        if rows.shape != (unique, self.embedding_dim):
             raise RuntimeError(
                 f"{self._label()}: the row source gave rows of shape {list(rows.shape)} for "
-                f"{unique.numel()} ids, expected [{unique.numel()}, {self.embedding_dim}]"
+                f"{unique} ids, expected [{unique}, {self.embedding_dim}]"
             )
         padding = None
-        if self.padding_idx is not None and unique.numel():
-            at = int(torch.searchsorted(unique, self.padding_idx))
-            if at < unique.numel() and int(unique[at]) == self.padding_idx:
-                padding = at
-        if order is not None:  # rows[k] is unique[order[k]]'s: where each unique id's row is
-            where = torch.empty_like(order)
-            where[order] = torch.arange(order.numel(), device=order.device)
-            positions = where.to(ids.device)[positions]
-            if padding is not None:
-                padding = int(where[padding])
+        if self.padding_idx is not None:
+            at = (flat == self.padding_idx).nonzero()
+            if at.numel():
+                padding = int(positions[at[0, 0]])
         return positions.reshape(ids.shape), rows, padding
 
     def prefetch(self, ids: torch.Tensor) -> None:
@@ -384,10 +377,11 @@ class TableModule(nn.Module):
         if fetch is None:
             return
         self._check_dtype(ids)
-        unique = torch.unique(ids.reshape(-1)).to(torch.int64)
-        if unique.numel():
-            self._check_range(unique[0], unique[-1])
-            fetch(self, unique)
+        flat = ids.reshape(-1).to(torch.int64)
+        if flat.numel():
+            if self.num_embeddings is not None:
+                self._check_range(*torch.aminmax(flat))
+            fetch(self, flat)
 
     def _row_source(self) -> RowSource:
         if self._source is not None:

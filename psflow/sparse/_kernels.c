@@ -264,6 +264,17 @@ static PyObject *py_ftrl(PyObject *self, PyObject *args) {
     return PyLong_FromLong(-1);
 }
 
+/* The shard of an id: Partition.shard_of (psflow/sparse/partition.py). */
+static inline int64_t shard_of(int64_t id, int div, int64_t num_shards, int64_t q, int64_t r,
+                               int64_t boundary) {
+    if (num_shards == 1) return 0;
+    if (!div) {
+        int64_t s = id % num_shards;
+        return s < 0 ? s + num_shards : s;
+    }
+    return id < boundary ? id / (q + 1) : r + (id - boundary) / (q > 0 ? q : 1);
+}
+
 /* A request's ids, checked in one pass (psflow/sparse/rows.py's Rows.check_ids says what): each
  * in [0, num_embeddings) (num_embeddings < 0: a hashed table, any id), on `shard` of
  * `num_shards` (mod: id mod S, non-negative as Python's; div: TensorFlow's ranges, the first
@@ -294,15 +305,8 @@ static PyObject *py_check_ids(PyObject *self, PyObject *args) {
         const int64_t id = ids[i];
         if (num_embeddings >= 0 && (id < 0 || id >= num_embeddings)) {
             code = 1;
-        } else if (num_shards > 1) {
-            int64_t s;
-            if (!div) {
-                s = id % num_shards;
-                if (s < 0) s += num_shards;
-            } else {
-                s = id < boundary ? id / (q + 1) : r + (id - boundary) / (q > 0 ? q : 1);
-            }
-            if (s != shard) code = 2;
+        } else if (shard_of(id, div, num_shards, q, r, boundary) != shard) {
+            code = 2;
         }
         if (code) {
             at = i;
@@ -331,11 +335,68 @@ static PyObject *py_check_ids(PyObject *self, PyObject *args) {
     return Py_BuildValue("in", code, at);
 }
 
+/* A batch's ids (any order, repeats) -> its unique ids grouped by shard, shard 0's first, each
+ * shard's in the order they first appear (`unique`, returns how many), where each id of the
+ * batch is among them (`positions`), and how many each shard has (`counts`). One pass with an
+ * open-addressing map id -> first-appearance number, then the numbers are placed by shard:
+ * what torch.unique, then a split by shard (remainder, a stable argsort, a count, a gather per
+ * shard) does in seven operations. */
+static PyObject *py_group_ids(PyObject *self, PyObject *args) {
+    Py_ssize_t ids_, n, unique_, positions_, counts_;
+    int div;
+    long long num_shards, q, r, boundary;
+    if (!PyArg_ParseTuple(args, "nnpLLLLnnn", &ids_, &n, &div, &num_shards, &q, &r, &boundary,
+                          &unique_, &positions_, &counts_))
+        return NULL;
+    const int64_t *ids = PTR(int64_t, ids_);
+    int64_t *unique = PTR(int64_t, unique_), *positions = PTR(int64_t, positions_);
+    int64_t *counts = PTR(int64_t, counts_);
+    Py_ssize_t slots = 16;
+    while (slots < 2 * n) slots *= 2;
+    int64_t *keys = malloc((size_t)slots * sizeof(int64_t));
+    int64_t *vals = malloc((size_t)slots * sizeof(int64_t));
+    int64_t *first = malloc((size_t)(n > 0 ? n : 1) * sizeof(int64_t)); /* number -> id */
+    int64_t *place = malloc((size_t)(n > 0 ? n : 1) * sizeof(int64_t)); /* number -> slot */
+    int64_t *start = calloc((size_t)num_shards + 1, sizeof(int64_t));
+    if (!keys || !vals || !first || !place || !start) {
+        free(keys), free(vals), free(first), free(place), free(start);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t m = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t k = 0; k < slots; k++) vals[k] = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const int64_t id = ids[i];
+        uint64_t h = ((uint64_t)id * 0x9E3779B97F4A7C15ull) >> 20;
+        Py_ssize_t k = (Py_ssize_t)(h & (uint64_t)(slots - 1));
+        while (vals[k] >= 0 && keys[k] != id) k = (k + 1) & (slots - 1);
+        if (vals[k] < 0) {
+            keys[k] = id;
+            vals[k] = m;
+            first[m++] = id;
+        }
+        positions[i] = vals[k];
+    }
+    for (Py_ssize_t u = 0; u < m; u++)
+        counts[shard_of(first[u], div, num_shards, q, r, boundary)]++;
+    for (int64_t s = 0; s < num_shards; s++) start[s + 1] = start[s] + counts[s];
+    for (Py_ssize_t u = 0; u < m; u++) {
+        int64_t s = shard_of(first[u], div, num_shards, q, r, boundary);
+        place[u] = start[s]++;
+        unique[place[u]] = first[u];
+    }
+    for (Py_ssize_t i = 0; i < n; i++) positions[i] = place[positions[i]];
+    Py_END_ALLOW_THREADS
+    free(keys), free(vals), free(first), free(place), free(start);
+    return PyLong_FromSsize_t(m);
+}
+
 static PyMethodDef methods[] = {
     {"sgd", py_sgd, METH_VARARGS, "Row-wise SGD in place; -1 or the first bad index."},
     {"adagrad", py_adagrad, METH_VARARGS, "Row-wise Adagrad in place; -1 or the first bad index."},
     {"adam", py_adam, METH_VARARGS, "Row-wise lazy Adam in place; -1 or the first bad index."},
     {"ftrl", py_ftrl, METH_VARARGS, "Row-wise FTRL-Proximal in place; -1 or the first bad index."},
+    {"group_ids", py_group_ids, METH_VARARGS, "A batch's unique ids grouped by shard; how many."},
     {"check_ids", py_check_ids, METH_VARARGS, "A request's ids: (0, -1) or (reason, position)."},
     {"gather", py_gather, METH_VARARGS, "out[i] = src[index[i]]; -1 or the first bad index."},
     {"scatter_add", py_scatter_add, METH_VARARGS, "out[index[i]] += src[i]; -1 or the first bad."},

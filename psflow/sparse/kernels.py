@@ -29,6 +29,7 @@ from types import ModuleType
 import torch
 
 from psflow import env as envvars
+from psflow.sparse.partition import Partition
 
 log = logging.getLogger(__name__)
 
@@ -123,3 +124,25 @@ def scatter_add(rows: int, src: torch.Tensor, index: torch.Tensor) -> torch.Tens
         rows,
     )
     return out
+
+
+def group_ids(
+    ids: torch.Tensor, partition: Partition
+) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
+    """A batch's ids (1-D int64 on the CPU, repeats allowed) as ``(unique, positions,
+    counts)``: its unique ids grouped by ``partition``'s shard (shard 0's first, each shard's in
+    the order they first appear), where each id is among them, and how many each shard has.
+    ``None`` where the kernels are not built (``torch.unique`` and ``Partition.split`` then)."""
+    if KERNELS is None or ids.device.type != "cpu" or ids.dtype != torch.int64:
+        return None
+    ids = ids.contiguous()
+    n = ids.numel()
+    unique = torch.empty(n, dtype=torch.int64)
+    positions = torch.empty(n, dtype=torch.int64)
+    counts = torch.zeros(partition.num_shards, dtype=torch.int64)
+    m = KERNELS.group_ids(
+        ids.data_ptr(), n, partition.kind == "div", partition.num_shards,
+        partition._q, partition._r, partition._boundary,
+        unique.data_ptr(), positions.data_ptr(), counts.data_ptr(),
+    )  # fmt: skip
+    return unique[:m], positions, counts.tolist()

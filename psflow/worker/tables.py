@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import psflow.sparse.kernels as kernels
 from psflow.nn import TableModule
 from psflow.protocol import OptimizerSpec, RowOptimizerSpec, TableSpec
 from psflow.protocol.messages import prefetch_tensor_names, row_tensor_names
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 
 Split = dict[int, tuple[torch.Tensor, Any]]
 """Ids by shard: each shard's ids and where they are among all: their positions
-(``Partition.split``), or a slice when the rows are grouped by shard (:meth:`TableClient._grouped`)."""
+(``Partition.split``), or a slice when the rows are grouped by shard (:meth:`TableClient._group`)."""
 
 _ROW_WISE = {"SGD": "SGD", "Adagrad": "Adagrad", "Adam": "Adam", "SparseAdam": "Adam"}
 """The row-wise optimizer a table takes when it names none: the dense optimizer's own."""
@@ -102,11 +103,9 @@ class TableClient:
             self._name_of[id(module)] = spec.name
         self._looked_up: list[tuple[str, torch.Tensor, torch.Tensor, Split]] = []
         self._to_prefetch: dict[str, torch.Tensor] = {}
-        """Per table, unique ids whose rows the next push brings back."""
+        """Per table, a coming batch's ids, whose rows the next push brings back."""
         self._sent_prefetch: dict[str, tuple[torch.Tensor, Split]] = {}
-        self._prefetched: dict[
-            str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Split]
-        ] = {}
+        self._prefetched: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         """Per table, rows that came with the last push: used by the forward that asks for
         exactly those ids."""
         for module in self.modules.values():
@@ -122,28 +121,28 @@ class TableClient:
     # -- forward: rows by id ----------------------------------------------------------------
 
     def rows(self, table: TableModule, ids: torch.Tensor) -> torch.Tensor:
-        """The rows of ``ids`` (1-D, unique) of ``table``, from the shards that hold them: a
-        leaf tensor whose gradient :meth:`gradients` pushes at the next step."""
+        """The rows of ``ids`` (1-D, unique) of ``table``, in their order, from the shards that
+        hold them: a leaf tensor whose gradient :meth:`gradients` pushes at the next step."""
         name, flat = self._name_and_ids(table, ids)
-        values, order, split = self._fetch(name, flat)
-        if order is not None:  # into the ids' order: each shard's rows go where its ids are
-            aligned = torch.empty_like(values)
-            aligned[order] = values
-            values = aligned
-            split = {s: (shard_ids, order[at]) for s, (shard_ids, at) in split.items()}
-        return self._looked(name, flat, values, split, ids.device)
+        unique, positions, split = self._group(name, flat)
+        values = self._fetch(name, unique, split)
+        aligned = values[positions]  # into the ids' order; the split follows them there
+        order = torch.empty_like(positions)
+        order[positions] = torch.arange(positions.numel())
+        split = {s: (shard_ids, order[at]) for s, (shard_ids, at) in split.items()}
+        return self._looked(name, flat, aligned, split, ids.device)
 
-    def grouped_rows(
+    def batch_rows(
         self, table: TableModule, ids: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The rows of ``ids`` (1-D, unique) grouped by shard, as each came: ``(rows, order)``,
-        ``rows[k]`` the row of ``ids[order[k]]`` (``None``: one shard, the ids' order). Saves
-        :meth:`rows`' copy into the ids' order, and at the push each shard's gradients are a
-        slice of the leaf's (see :func:`psflow.nn.table.grouped_rows`)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of a batch's ``ids`` (1-D, in range, repeats allowed) as they came from
+        the shards: ``(rows, positions)``, the unique ids' rows grouped by shard (a leaf whose
+        gradient :meth:`gradients` pushes at the next step, each shard's a slice of it) and
+        which row each id is (see :func:`psflow.nn.table.batch_rows`)."""
         name, flat = self._name_and_ids(table, ids)
-        values, order, split = self._fetch(name, flat)
-        grouped_ids = flat if order is None else flat[order]
-        return self._looked(name, grouped_ids, values, split, ids.device), order
+        unique, positions, split = self._group(name, flat)
+        values = self._fetch(name, unique, split)
+        return self._looked(name, unique, values, split, ids.device), positions.to(ids.device)
 
     def _name_and_ids(self, table: TableModule, ids: torch.Tensor) -> tuple[str, torch.Tensor]:
         name = self._name_of.get(id(table))
@@ -151,16 +150,40 @@ class TableClient:
             raise ValueError(f"{type(table).__name__} is not one of this model's tables")
         return name, ids.detach().to("cpu", torch.int64)
 
-    def _fetch(
-        self, name: str, ids: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None, Split]:
-        """The rows of ``ids`` grouped by shard (:meth:`_grouped`): prefetched with the last
-        push when that asked for exactly these ids, else one request per shard, all in flight
-        at once."""
+    def _group(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Split]:
+        """``ids``' unique ids grouped by shard, where each id is among them, and each shard's
+        share as a slice of them: one pass of :func:`psflow.sparse.kernels.group_ids`, or
+        ``torch.unique`` and :meth:`Partition.split`."""
+        partition = self.partitions[name]
+        grouped = kernels.group_ids(ids, partition)
+        if grouped is not None:
+            unique, positions, counts = grouped
+        else:
+            unique, positions = torch.unique(ids, return_inverse=True)
+            split = partition.split(unique)
+            if len(split) > 1:  # shard after shard: where each unique id went
+                order = torch.cat([at for _, at in split.values()])
+                where = torch.empty_like(order)
+                where[order] = torch.arange(order.numel())
+                unique, positions = unique[order], where[positions]
+            counts = [0] * partition.num_shards
+            for s, (shard_ids, _) in split.items():
+                counts[s] = shard_ids.numel()
+        out: Split = {}
+        start = 0
+        for s, count in enumerate(counts):
+            if count:
+                out[s] = (unique[start : start + count], slice(start, start + count))
+                start += count
+        return unique, positions, out
+
+    def _fetch(self, name: str, unique: torch.Tensor, split: Split) -> torch.Tensor:
+        """The rows of ``unique`` (grouped by shard as ``split`` says), shard after shard:
+        prefetched with the last push when that asked for exactly these ids, else one request
+        per shard, all in flight at once."""
         cached = self._prefetched.pop(name, None)
-        if cached is not None and torch.equal(cached[0], ids):
-            return cached[1:]
-        split = self.partitions[name].split(ids)
+        if cached is not None and torch.equal(cached[0], unique):
+            return cached[1]
         replies = self.client.lookup(
             {s: [(name, shard_ids)] for s, (shard_ids, _) in split.items()}
         )
@@ -171,7 +194,7 @@ class TableClient:
                     f"ps:{s} answered a lookup of {name!r} with {len(shard_tensors)} tensors"
                 )
             parts[s] = shard_tensors[0][1]
-        return self._grouped(name, split, parts)
+        return self._joined(name, split, parts)
 
     def _looked(
         self, name: str, ids: torch.Tensor, values: torch.Tensor, split: Split, device: torch.device
@@ -212,13 +235,9 @@ class TableClient:
                 tables.setdefault(s, []).append(name)
         return tensors, tables
 
-    def _grouped(
-        self, name: str, split: Split, parts: dict[int, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor | None, Split]:
+    def _joined(self, name: str, split: Split, parts: dict[int, torch.Tensor]) -> torch.Tensor:
         """Each shard's rows of its share of the ids (``split``) in one tensor, shard after
-        shard: ``(rows, order, split)``, ``rows[k]`` the row of ``ids[order[k]]`` (``None``
-        when one shard has them all, in the ids' order), the returned split locating each
-        shard's rows as a slice.
+        shard.
 
         Raises:
             ValueError: when a shard is missing or sent rows of the wrong shape or dtype.
@@ -227,8 +246,6 @@ class TableClient:
         dtype = getattr(torch, spec.dtype)
         if set(parts) != set(split):
             raise ValueError(f"rows of {name!r} came from ps {sorted(parts)}, not {sorted(split)}")
-        grouped: Split = {}
-        start = 0
         for s, (shard_ids, _) in split.items():
             values = parts[s]
             if values.shape != (shard_ids.shape[0], spec.embedding_dim) or values.dtype != dtype:
@@ -236,12 +253,9 @@ class TableClient:
                     f"ps:{s} sent rows of {name!r} shaped {list(values.shape)} "
                     f"{values.dtype}; expected [{shard_ids.shape[0]}, {spec.embedding_dim}] {dtype}"
                 )
-            grouped[s] = (shard_ids, slice(start, start + shard_ids.shape[0]))
-            start += shard_ids.shape[0]
-        if len(split) == 1:  # one shard holds every id, in their order (a stable split)
-            return next(iter(parts.values())), None, grouped
-        values = torch.cat([parts[s] for s in split])
-        return values, torch.cat([positions for _, positions in split.values()]), grouped
+        if len(parts) == 1:
+            return next(iter(parts.values()))
+        return torch.cat([parts[s] for s in split])
 
     def clear(self) -> None:
         """Forgets the lookups since the last step (``zero_grad``)."""
@@ -250,13 +264,11 @@ class TableClient:
     # -- prefetch: the next batch's rows ride the step ----------------------------------------
 
     def prefetch(self, table: TableModule, ids: torch.Tensor) -> None:
-        """Asks for the rows of ``ids`` (1-D, unique) with the next push: its reply brings
-        them, read right after that push is applied, and the forward that asks for exactly
-        those ids uses them instead of a request of its own."""
-        name = self._name_of.get(id(table))
-        if name is None:
-            raise ValueError(f"{type(table).__name__} is not one of this model's tables")
-        self._to_prefetch[name] = ids.detach().to("cpu", torch.int64)
+        """Asks for the rows of a coming batch's ``ids`` (as its forward will give them) with
+        the next push: its reply brings them, read right after that push is applied, and the
+        forward that asks for exactly those ids uses them instead of a request of its own."""
+        name, flat = self._name_and_ids(table, ids)
+        self._to_prefetch[name] = flat
 
     def take_prefetch(self) -> tuple[dict[int, Tensors], dict[int, list[str]]]:
         """The ids to send with the next push, as tensors per shard, and the tables per shard."""
@@ -265,8 +277,8 @@ class TableClient:
         tensors: dict[int, Tensors] = {}
         tables: dict[int, list[str]] = {}
         for name, ids in asked.items():
-            split = self.partitions[name].split(ids)
-            self._sent_prefetch[name] = (ids, split)
+            unique, _, split = self._group(name, ids)
+            self._sent_prefetch[name] = (unique, split)
             ids_name = prefetch_tensor_names(name)[0]
             for s, (shard_ids, _) in split.items():
                 tensors.setdefault(s, []).append((ids_name, shard_ids))
@@ -290,8 +302,8 @@ class TableClient:
                 else:
                     got.setdefault(table, {})[s] = value
             rest[s] = kept
-        for name, (ids, split) in self._sent_prefetch.items():
-            self._prefetched[name] = (ids, *self._grouped(name, split, got.get(name, {})))
+        for name, (unique, split) in self._sent_prefetch.items():
+            self._prefetched[name] = (unique, self._joined(name, split, got.get(name, {})))
         self._sent_prefetch = {}
         return rest
 

@@ -88,6 +88,7 @@ def _ps(cluster: ClusterSpec) -> list[subprocess.Popen[str]]:
     return [start_ps(cluster, i) for i in range(cluster.num_tasks("ps"))]
 
 
+@pytest.mark.usefixtures("path")  # the worker's grouping: psflow's kernel, or torch's ops
 def test_one_worker_matches_one_process_adagrad(two_ps: ClusterSpec) -> None:
     """One asynchronous worker against 2 ps takes exactly the steps one process takes with
     torch.optim.Adagrad over a local copy of the same model (rows untouched by a step get a

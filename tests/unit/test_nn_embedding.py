@@ -54,14 +54,17 @@ class DenseSource:
 
 
 class GroupedSource(DenseSource):
-    """Gives rows grouped as the worker's source does over 2 ps with ``mod``: even ids, then
-    odd ones (``grouped_rows``)."""
+    """Gives a batch's rows as the worker's source does over 2 ps with ``mod``
+    (``batch_rows``): the unique ids' rows, even ids first, then odd ones."""
 
-    def grouped_rows(
+    def batch_rows(
         self, table: TableModule, ids: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        order = torch.argsort(ids % 2, stable=True)
-        return self.rows(table, ids[order]), order
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        unique, positions = torch.unique(ids, return_inverse=True)
+        order = torch.argsort(unique % 2, stable=True)
+        where = torch.empty_like(order)
+        where[order] = torch.arange(order.numel())
+        return self.rows(table, unique[order]), where[positions]
 
 
 def random_ids(

@@ -483,3 +483,29 @@ def test_a_snapshot_keeps_its_moment_while_training_goes_on(
     for key in expected:
         torch.testing.assert_close(half[key], expected[key], rtol=0, atol=0)
     assert not torch.equal(rows.snapshot()["values"], expected["values"]), "training went on"
+
+
+@pytest.mark.parametrize(
+    ("kind", "n", "shards"), [("mod", 50, 3), ("div", 50, 3), ("mod", None, 4), ("div", 7, 1)]
+)
+def test_group_ids_groups_a_batch_by_shard(kind: str, n: int | None, shards: int) -> None:
+    from psflow.sparse import kernels
+    from tests.kernels import need_kernels
+
+    need_kernels()
+    partition = Partition(kind, n, shards)
+    gen = torch.Generator().manual_seed(5)
+    for size in (0, 1, 7, 300):
+        high = n if n is not None else 1 << 40
+        low = 0 if n is not None else -(1 << 40)
+        ids = torch.randint(low, high, (size,), generator=gen)
+        if size > 3:
+            ids[3] = ids[0]  # a repeat
+        grouped = kernels.group_ids(ids, partition)
+        assert grouped is not None
+        unique, positions, counts = grouped
+        assert torch.equal(unique[positions], ids)  # each id finds its row
+        assert sorted(unique.tolist()) == torch.unique(ids).tolist()  # each id once
+        shard = partition.shard_of(unique)
+        assert counts == torch.bincount(shard, minlength=shards).tolist()
+        assert torch.equal(shard, shard.sort().values)  # shard 0's first, and so on
