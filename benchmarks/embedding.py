@@ -8,7 +8,9 @@
   pushes the gradients. Reports rows/s per ps shard and the payload bytes per step, through
   shared memory and through the socket (``PSFLOW_SHM=0``), and with ``--compare-tf`` the same
   workload on TensorFlow's ps runtime (``benchmarks/tf_embedding.py``: a partitioned variable,
-  ``embedding_lookup``, sparse Adagrad) in the same run.
+  ``embedding_lookup``, sparse Adagrad) in the same run. The full preset adds
+  ``shm_prefetch``: each step's push brings the next step's rows (``prefetch``), one round
+  trip a step instead of two; with one worker its rows are those a lookup would get.
 - ``ctr``: ``examples/ctr.py``'s DLRM end to end on a ``psflow data synth-ctr`` set (or
   ``--data``), 2 ps and 2 workers, Adagrad for the dense layers and row-wise for the table:
   samples/s summed over the workers, against the same model in TensorFlow 1.x style
@@ -37,7 +39,7 @@ from typing import Any
 PRESETS: dict[str, dict[str, Any]] = {
     # ctr: as benchmarks/tf_embedding.py's presets (the sizes of facebookresearch/dlrm's Kaggle run)
     "full": {
-        "sparse": {"rows": 2_000_000, "steps": 300, "warmup": 30, "repeat": 3},
+        "sparse": {"rows": 2_000_000, "steps": 300, "warmup": 30, "repeat": 3, "prefetch": True},
         "ctr": {
             "steps": 300,
             "warmup": 30,
@@ -52,7 +54,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "memory": {"tables": [1_000_000, 20_000_000], "steps": 50, "warmup": 5},
     },
     "smoke": {
-        "sparse": {"rows": 100_000, "steps": 20, "warmup": 5, "repeat": 1},
+        "sparse": {"rows": 100_000, "steps": 20, "warmup": 5, "repeat": 1, "prefetch": False},
         "ctr": {
             "steps": 20,
             "warmup": 5,
@@ -80,7 +82,9 @@ def _peak_rss_bytes() -> int:
     return 0
 
 
-def psflow_task(rows: int, steps: int, warmup: int, save_dir: str | None, row_opt: str) -> None:
+def psflow_task(
+    rows: int, steps: int, warmup: int, save_dir: str | None, row_opt: str, prefetch: bool = False
+) -> None:
     import numpy as np
     import torch
 
@@ -117,6 +121,8 @@ def psflow_task(rows: int, steps: int, warmup: int, save_dir: str | None, row_op
             opt.zero_grad()
             out = table(ids)
             (0.5 * out.pow(2).sum()).backward()
+            if prefetch and i + 1 < len(batches):  # the next step's rows ride this push
+                table.prefetch(batches[i + 1])
             opt.step()
             if i >= warmup:
                 # ids and rows pulled, ids and gradients pushed
@@ -277,7 +283,9 @@ def main() -> None:
         if args.workload == "ctr":
             return ctr_task(p, args.data, args.prefetch)
         row_opt = "SGD" if args.workload == "memory" else "Adagrad"
-        return psflow_task(args.rows, p["steps"], p["warmup"], args.save_dir, row_opt)
+        return psflow_task(
+            args.rows, p["steps"], p["warmup"], args.save_dir, row_opt, args.prefetch
+        )
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from common import emit, machine, new_cluster, run_job, run_tf_job
@@ -315,12 +323,15 @@ def main() -> None:
         emit(result)
         return
 
-    runs: dict[str, list[float]] = {"shm": [], "socket": [], "tf": []}
+    runs: dict[str, list[float]] = {"shm": [], "socket": [], "shm_prefetch": [], "tf": []}
     bytes_per_step = 0.0
+    variants = [("shm", "1", []), ("socket", "0", [])]
+    if p["prefetch"]:  # each step's push brings the next step's rows: one round trip a step
+        variants.append(("shm_prefetch", "1", ["--prefetch"]))
     for _ in range(p["repeat"]):
         # Side by side: alternate the runtimes so that all see the same machine conditions.
-        for path, shm in (("shm", "1"), ("socket", "0")):
-            cmd = [*base, "--rows", str(p["rows"])]
+        for path, shm, extra in variants:
+            cmd = [*base, "--rows", str(p["rows"]), *extra]
             r = run_job(new_cluster(PS, 1), lambda _t, c=cmd: c, env={"PSFLOW_SHM": shm})
             (only,) = r.values()
             runs[path].append(only["rows"] / only["seconds"] / PS)
