@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from psflow.env import TASK_DEFAULTS
+from psflow.env import OMP_NUM_THREADS, TASK_DEFAULTS, threads_per_task
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,6 +19,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # processes of a test need (a profiled sparse step: 36 ms spinning, 6 ms passive).
 for _name, _value in TASK_DEFAULTS.items():
     os.environ.setdefault(_name, _value)
+# And the cores shared out, as launch does for its tasks: the pytest processes (pytest-xdist's,
+# PYTEST_XDIST_WORKER_COUNT) each run torch on one share instead of all of them.
+os.environ.setdefault(
+    OMP_NUM_THREADS, threads_per_task(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+)
 
 
 def _children(pid: int) -> list[int]:

@@ -61,7 +61,18 @@ def fused(values: torch.Tensor, state: dict[str, torch.Tensor], grad: torch.Tens
         return False
     if not values.is_contiguous() or values.dim() != 2:
         return False
-    return all(t.is_contiguous() and t.device.type == "cpu" for t in state.values())
+    # The kernels index every state tensor with the values' rows: each must have them all.
+    return all(_state_fits(t, values) for t in state.values())
+
+
+def _state_fits(t: torch.Tensor, values: torch.Tensor) -> bool:
+    """A state tensor the kernels can index as they index ``values``: one of its shape and
+    dtype (sums, moments), or one int64 count a row (Adam's steps)."""
+    if not t.is_contiguous() or t.device.type != "cpu":
+        return False
+    if t.dtype == torch.int64:
+        return t.shape == (values.shape[0],)
+    return t.shape == values.shape and t.dtype == values.dtype
 
 
 def is_double(values: torch.Tensor) -> bool:

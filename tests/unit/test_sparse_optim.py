@@ -344,3 +344,14 @@ def test_gather_and_scatter_add_refuse_a_bad_index() -> None:
         kernels.gather(torch.zeros(5, 2), torch.tensor([0, 5]))
     with pytest.raises(IndexError, match="row index -1 is out of range"):
         kernels.scatter_add(5, torch.ones(2, 2), torch.tensor([-1, 0]))
+
+
+def test_a_state_of_the_wrong_shape_never_reaches_the_kernels() -> None:
+    """A state tensor with fewer rows than the values (a damaged restore) goes to torch's path,
+    which raises, instead of to a kernel that would write past its end."""
+    opt = RowOptimizer(RowOptimizerSpec.of("Adagrad"))
+    w = torch.zeros(10, 3)
+    state = {"sum": torch.zeros(4, 3)}
+    assert not kernels.fused(w, state, torch.ones(1, 3))
+    with pytest.raises((IndexError, RuntimeError)):
+        opt.apply(w, state, torch.tensor([8]), torch.ones(1, 3))
