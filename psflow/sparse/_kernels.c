@@ -340,7 +340,8 @@ static PyObject *py_check_ids(PyObject *self, PyObject *args) {
  * batch is among them (`positions`), and how many each shard has (`counts`). One pass with an
  * open-addressing map id -> first-appearance number, then the numbers are placed by shard:
  * what torch.unique, then a split by shard (remainder, a stable argsort, a count, a gather per
- * shard) does in seven operations. */
+ * shard) does in seven operations. An id no shard holds (outside a div table) raises
+ * IndexError (the outputs are then left half-written: scratch the caller drops). */
 static PyObject *py_group_ids(PyObject *self, PyObject *args) {
     Py_ssize_t ids_, n, unique_, positions_, counts_;
     int div;
@@ -362,7 +363,8 @@ static PyObject *py_group_ids(PyObject *self, PyObject *args) {
         free(keys), free(vals), free(first), free(place), free(start);
         return PyErr_NoMemory();
     }
-    Py_ssize_t m = 0;
+    Py_ssize_t m = 0, bad = -1;
+    int64_t bad_id = 0;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t k = 0; k < slots; k++) vals[k] = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -377,17 +379,30 @@ static PyObject *py_group_ids(PyObject *self, PyObject *args) {
         }
         positions[i] = vals[k];
     }
-    for (Py_ssize_t u = 0; u < m; u++)
-        counts[shard_of(first[u], div, num_shards, q, r, boundary)]++;
-    for (int64_t s = 0; s < num_shards; s++) start[s + 1] = start[s] + counts[s];
     for (Py_ssize_t u = 0; u < m; u++) {
         int64_t s = shard_of(first[u], div, num_shards, q, r, boundary);
-        place[u] = start[s]++;
-        unique[place[u]] = first[u];
+        if (s < 0 || s >= num_shards) { /* an id outside a div table's range */
+            bad = u;
+            break;
+        }
+        counts[s]++;
     }
-    for (Py_ssize_t i = 0; i < n; i++) positions[i] = place[positions[i]];
+    if (bad < 0) {
+        for (int64_t s = 0; s < num_shards; s++) start[s + 1] = start[s] + counts[s];
+        for (Py_ssize_t u = 0; u < m; u++) {
+            int64_t s = shard_of(first[u], div, num_shards, q, r, boundary);
+            place[u] = start[s]++;
+            unique[place[u]] = first[u];
+        }
+        for (Py_ssize_t i = 0; i < n; i++) positions[i] = place[positions[i]];
+    }
+    bad_id = bad >= 0 ? first[bad] : 0;
     Py_END_ALLOW_THREADS
     free(keys), free(vals), free(first), free(place), free(start);
+    if (bad >= 0) {
+        PyErr_Format(PyExc_IndexError, "id %lld is outside the table's shards", (long long)bad_id);
+        return NULL;
+    }
     return PyLong_FromSsize_t(m);
 }
 

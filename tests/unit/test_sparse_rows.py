@@ -509,3 +509,12 @@ def test_group_ids_groups_a_batch_by_shard(kind: str, n: int | None, shards: int
         shard = partition.shard_of(unique)
         assert counts == torch.bincount(shard, minlength=shards).tolist()
         assert torch.equal(shard, shard.sort().values)  # shard 0's first, and so on
+
+
+def test_group_ids_refuses_an_id_no_shard_holds() -> None:
+    import psflow.sparse.kernels as kernels
+    from tests.kernels import need_kernels
+
+    need_kernels()
+    with pytest.raises(IndexError, match="id 60 is outside the table's shards"):
+        kernels.group_ids(torch.tensor([3, 60, 4]), Partition("div", 50, 3))
