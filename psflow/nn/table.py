@@ -30,7 +30,9 @@ class RowSource(Protocol):
     """Where an attached table's rows come from: set on the module by the worker.
 
     The module asks once per forward pass, with the unique ids of the batch; the rows it gets
-    back stand in for ``weight[ids]``.
+    back stand in for ``weight[ids]``. A source may also define ``batch_rows(table, ids)``,
+    taking the batch's ids as they are and giving its rows in its own order (see
+    :func:`batch_rows`); the module then asks that instead.
     """
 
     def rows(self, table: TableModule, ids: torch.Tensor) -> torch.Tensor:
