@@ -15,6 +15,15 @@ afresh whatever the other settings say (a 64 MB frame cost 16,384 page faults pe
 The cost is memory held after a peak: a process keeps its largest footprint until it exits,
 as a caching allocator does. ``PSFLOW_MALLOC=system`` keeps glibc's defaults; another
 allocator preloaded with ``LD_PRELOAD`` (jemalloc, tcmalloc) is left alone.
+
+An embedding table's rows and their optimizer state (:func:`table_empty`) are asked for in
+transparent huge pages. A step reads and writes a few thousand rows scattered through hundreds
+of megabytes: with 4 KB pages, each row is a miss in the TLB too, and the page walk misses the
+cache again. With 2 MB pages, a 1M x 64 float32 Adagrad shard's update of 2,048 rows took 154
+µs instead of 215 µs, and their gather 75 µs instead of 103 µs, with the caches cold as a
+training step leaves them (one core). Linux gives a process huge pages where it asks
+(``madvise``) when ``/sys/kernel/mm/transparent_hugepage/enabled`` says ``madvise`` or
+``always``; ``PSFLOW_MALLOC=system`` does not ask.
 """
 
 from __future__ import annotations
@@ -24,6 +33,9 @@ import gc
 import logging
 import os
 import platform
+import sys
+
+import torch
 
 from psflow import env as envvars
 
@@ -33,6 +45,11 @@ log = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
+# <sys/mman.h>
+_MADV_HUGEPAGE = 14
+_HUGE_PAGE = 2 << 20
+
+_libc: ctypes.CDLL | None = None
 
 _tuned: bool | None = None
 
@@ -44,9 +61,7 @@ def tune() -> bool:
         ValueError: when ``PSFLOW_MALLOC`` is neither ``tuned`` nor ``system``.
     """
     global _tuned
-    setting = os.environ.get(envvars.PSFLOW_MALLOC, "tuned")
-    if setting not in ("tuned", "system"):
-        raise ValueError(f"{envvars.PSFLOW_MALLOC} must be 'tuned' or 'system', got {setting!r}")
+    setting = _setting()
     if _tuned is not None:
         return _tuned
     _tuned = False
@@ -55,16 +70,73 @@ def tune() -> bool:
     if "malloc" in os.environ.get("LD_PRELOAD", ""):
         log.debug("%s is preloaded: leaving it alone", os.environ["LD_PRELOAD"])
         return False
+    libc = _c_library()
+    if libc is None:
+        return False
     try:
-        libc = ctypes.CDLL("libc.so.6")
         ok = libc.mallopt(_M_MMAP_MAX, 0) == 1
         ok = libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(2**31 - 1)) == 1 and ok
         ok = libc.mallopt(_M_ARENA_MAX, 1) == 1 and ok
-    except (OSError, AttributeError) as e:
+    except AttributeError as e:
         log.debug("cannot tune malloc: %s", e)
         return False
     _tuned = ok
     return ok
+
+
+def _c_library() -> ctypes.CDLL | None:
+    global _libc
+    if _libc is None and platform.libc_ver()[0] == "glibc":
+        try:
+            _libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        except OSError as e:
+            log.debug("cannot load the C library: %s", e)
+    return _libc
+
+
+def _setting() -> str:
+    setting = os.environ.get(envvars.PSFLOW_MALLOC, "tuned")
+    if setting not in ("tuned", "system"):
+        raise ValueError(f"{envvars.PSFLOW_MALLOC} must be 'tuned' or 'system', got {setting!r}")
+    return setting
+
+
+def table_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype)`` on the CPU for a table's rows or their optimizer
+    state, its memory asked for in huge pages before anything touches it (see the module
+    docstring): the caller fills it.
+
+    Raises:
+        ValueError: when ``PSFLOW_MALLOC`` is neither ``tuned`` nor ``system``.
+    """
+    out = torch.empty(shape, dtype=dtype)
+    if _setting() == "tuned":
+        advise_huge_pages(out)
+    return out
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Asks Linux for transparent huge pages under the 2 MB-aligned part of ``t``'s memory
+    (a CPU tensor); True when asked. Pages already touched stay as they are until the kernel's
+    ``khugepaged`` merges them."""
+    nbytes = t.numel() * t.element_size()
+    if sys.platform != "linux" or t.device.type != "cpu" or nbytes < 2 * _HUGE_PAGE:
+        return False
+    libc = _c_library()
+    if libc is None:
+        return False
+    start = (t.data_ptr() + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
+    end = (t.data_ptr() + nbytes) & ~(_HUGE_PAGE - 1)
+    if end <= start:
+        return False
+    try:
+        done = libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+    except AttributeError:
+        return False
+    if done != 0:  # EINVAL where the kernel has no transparent huge pages
+        log.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
+        return False
+    return True
 
 
 def freeze_gc() -> bool:

@@ -56,6 +56,7 @@ def initial_rows(
     std: float,
     dtype: torch.dtype,
     padding_idx: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The initial rows of ``ids``: ``[len(ids), dim]`` values ``N(0, std^2)``.
 
@@ -69,6 +70,7 @@ def initial_rows(
         std: the standard deviation.
         dtype: the result's dtype (values are made in float64 and cast).
         padding_idx: that id's row is zero.
+        out: written and returned instead of a new tensor (``[len(ids), dim]``, ``dtype``).
 
     Example:
         >>> a = initial_rows(0, torch.tensor([3, 7]), 4, std=1.0, dtype=torch.float64)
@@ -83,7 +85,12 @@ def initial_rows(
     if dim < 1:
         raise ValueError(f"dim must be >= 1, got {dim}")
     n = ids.numel()
-    out = torch.empty((n, dim), dtype=dtype, device=ids.device)
+    if out is None:
+        out = torch.empty((n, dim), dtype=dtype, device=ids.device)
+    elif out.shape != (n, dim) or out.dtype != dtype:
+        raise ValueError(
+            f"out is {out.dtype} of shape {list(out.shape)}, expected {dtype} of {[n, dim]}"
+        )
     if n == 0:
         return out
     pairs = (dim + 1) // 2

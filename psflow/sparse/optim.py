@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 import psflow.sparse.kernels as kernels
+from psflow import allocator
 from psflow.protocol import RowOptimizerSpec
 
 
@@ -57,26 +58,27 @@ class RowOptimizer:
     def new_state(
         self, rows: int, dim: int, dtype: torch.dtype, device: torch.device | str | None = None
     ) -> dict[str, torch.Tensor]:
-        """Fresh state for ``rows`` rows (what a row that was never updated holds)."""
+        """Fresh state for ``rows`` rows (what a row that was never updated holds); on the CPU,
+        in huge pages (:func:`psflow.allocator.table_empty`)."""
         name = self.spec.name
         shape = (rows, dim)
+        on_cpu = device is None or torch.device(device).type == "cpu"
+
+        def full(value: float) -> torch.Tensor:
+            if not on_cpu:
+                return torch.full(shape, value, dtype=dtype, device=device)
+            return allocator.table_empty(shape, dtype).fill_(value)
+
         if name == "Adagrad":
-            return {
-                "sum": torch.full(shape, self.initial_accumulator_value, dtype=dtype, device=device)
-            }
+            return {"sum": full(self.initial_accumulator_value)}
         if name == "Adam":
             return {
-                "exp_avg": torch.zeros(shape, dtype=dtype, device=device),
-                "exp_avg_sq": torch.zeros(shape, dtype=dtype, device=device),
+                "exp_avg": full(0.0),
+                "exp_avg_sq": full(0.0),
                 "step": torch.zeros(rows, dtype=torch.int64, device=device),
             }
         if name == "Ftrl":
-            return {
-                "accum": torch.full(
-                    shape, self.initial_accumulator_value, dtype=dtype, device=device
-                ),
-                "linear": torch.zeros(shape, dtype=dtype, device=device),
-            }
+            return {"accum": full(self.initial_accumulator_value), "linear": full(0.0)}
         return {}
 
     def reset_rows(self, state: dict[str, torch.Tensor], index: torch.Tensor) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 import psflow.sparse.kernels as kernels
+from psflow import allocator
 from psflow.protocol import RowOptimizerSpec, TableSpec
 from psflow.sparse.idmap import IdMap
 from psflow.sparse.init import initial_rows, splitmix64
@@ -329,6 +330,7 @@ class FixedRows(Rows):
             std=spec.init_std,
             dtype=self.dtype,
             padding_idx=spec.padding_idx,
+            out=allocator.table_empty((self._rows, self.dim), self.dtype),
         )
         self.state = self.optimizer.new_state(self._rows, self.dim, self.dtype)
 
@@ -442,7 +444,7 @@ class HashedRows(Rows):
     def _alloc(self, capacity: int) -> None:
         """Storage for ``capacity`` rows, the first ``self._n`` copied from the current one."""
         n = self._n
-        values = torch.empty((capacity, self.dim), dtype=self.dtype)
+        values = allocator.table_empty((capacity, self.dim), self.dtype)
         state = self.optimizer.new_state(capacity, self.dim, self.dtype)
         slot_ids = torch.empty(capacity, dtype=torch.int64)
         last = torch.zeros(capacity, dtype=torch.int64)

@@ -99,3 +99,67 @@ def test_freeze_gc_hides_what_is_alive_from_the_collector(
     done, count = out.stdout.split()
     assert done == str(frozen)
     assert (int(count) > 1000) is frozen  # torch's objects, among others
+
+
+# Prints whether the memory of a table's rows and of its Adagrad state is advised for huge
+# pages ("hg" in the flags of the mapping that holds it), and what an 8 MB table_empty holds.
+_HUGE_PROBE = """
+import torch
+from psflow import allocator
+from psflow.protocol import RowOptimizerSpec, TableSpec
+from psflow.sparse import FixedRows
+
+def advised(t):
+    middle = t.data_ptr() + t.numel() * t.element_size() // 2
+    start = end = None
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+            start, end = (int(x, 16) for x in head[0].split("-"))
+        elif line.startswith("VmFlags:") and start <= middle < end:
+            return "hg" in line.split()
+    raise AssertionError("no mapping holds the tensor")
+
+spec = TableSpec(name="emb", embedding_dim=64, num_embeddings=200_000, dtype="float32",
+                 optimizer=RowOptimizerSpec.of("Adagrad", lr=0.1, initial_accumulator_value=0.5))
+rows = FixedRows(spec, shard=0, num_shards=2)
+t = allocator.table_empty((2048, 1024), torch.float32)
+print(advised(rows.values), advised(rows.state["sum"]), advised(t), list(t.shape), t.dtype,
+      float(rows.state["sum"].min()), float(rows.state["sum"].max()))
+"""
+
+
+def _transparent_huge_pages() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            setting = f.read()
+    except OSError:
+        return False
+    return "[madvise]" in setting or "[always]" in setting
+
+
+@pytest.mark.skipif(
+    not _transparent_huge_pages(), reason="Linux with transparent huge pages (madvise or always)"
+)
+@pytest.mark.parametrize(("setting", "advised"), [(None, "True"), ("system", "False")])
+def test_table_memory_is_asked_for_in_huge_pages(setting: str | None, advised: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("PSFLOW_MALLOC", "LD_PRELOAD")}
+    if setting is not None:
+        env["PSFLOW_MALLOC"] = setting
+    out = subprocess.run(
+        [sys.executable, "-c", _HUGE_PROBE], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    values, state, empty, *rest = out.stdout.split()
+    assert (values, state, empty) == (advised, advised, advised)
+    # The state still holds Adagrad's initial accumulator in every row.
+    assert rest == ["[2048,", "1024]", "torch.float32", "0.5", "0.5"]
+
+
+def test_small_tensors_are_not_advised() -> None:
+    import torch
+
+    from psflow import allocator
+
+    assert not allocator.advise_huge_pages(torch.empty(1024))
+    assert not allocator.advise_huge_pages(torch.empty(3 << 20, dtype=torch.uint8))

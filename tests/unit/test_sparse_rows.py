@@ -85,6 +85,10 @@ def test_initial_rows_depend_on_seed_id_and_column_only(monkeypatch: pytest.Monk
     assert not torch.equal(initial_rows(4, ids, 7, std=1.0, dtype=F64), whole)
     half = initial_rows(3, ids, 7, std=0.5, dtype=torch.float32)
     assert torch.equal(half, (whole * 0.5).float())
+    # Written into a given tensor, the same rows.
+    out = torch.full((5, 7), float("nan"), dtype=F64)
+    assert initial_rows(3, ids, 7, std=1.0, dtype=F64, out=out) is out
+    assert torch.equal(out, whole)
 
 
 def test_initial_rows_are_standard_normal_and_padding_is_zero() -> None:
@@ -100,6 +104,8 @@ def test_initial_rows_are_standard_normal_and_padding_is_zero() -> None:
 def test_initial_rows_refuses_bad_ids() -> None:
     with pytest.raises(ValueError, match="1-D int64"):
         initial_rows(0, torch.tensor([1.0]), 2, std=1.0, dtype=F64)
+    with pytest.raises(ValueError, match=r"out is torch.float32 of shape \[2, 2\]"):
+        initial_rows(0, torch.tensor([1, 2]), 2, std=1.0, dtype=F64, out=torch.empty(2, 2))
 
 
 # -- partitions ----------------------------------------------------------------------------
