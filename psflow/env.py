@@ -109,8 +109,8 @@ every task (``psflow launch`` and the manifests pass the environment to all)."""
 
 PSFLOW_MALLOC = "PSFLOW_MALLOC"
 """``tuned`` (default): ps and worker processes keep freed memory in glibc's heap for reuse
-instead of returning it to the system (see :mod:`psflow.allocator`); ``system`` leaves the C
-allocator as it is."""
+instead of returning it to the system, and ask for embedding tables in transparent huge pages
+(see :mod:`psflow.allocator`); ``system`` leaves the C allocator and the pages as they are."""
 
 PSFLOW_GC_FREEZE = "PSFLOW_GC_FREEZE"
 """``1`` (default): once a worker is set up, the objects alive then are hidden from Python's cycle
