@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -74,14 +74,19 @@ class _Peer:
 class _Wait:
     """What one :meth:`Client.wait` collects: the requests still awaited, and the replies."""
 
-    __slots__ = ("into", "lane_views", "replies", "want")
+    __slots__ = ("into", "into_of", "lane_views", "replies", "want")
 
     def __init__(
-        self, rids: Iterable[int], into: dict[str, torch.Tensor] | None, lane_views: bool
+        self,
+        rids: Iterable[int],
+        into: dict[str, torch.Tensor] | None,
+        lane_views: bool,
+        into_of: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
     ) -> None:
         self.want = set(rids)
         self.replies: dict[int, Reply] = {}
         self.into = into
+        self.into_of = into_of
         self.lane_views = lane_views
 
 
@@ -265,10 +270,12 @@ class Client:
         *,
         into: dict[str, torch.Tensor] | None = None,
         lane_views: bool = False,
+        into_of: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
     ) -> dict[int, Reply]:
         """The replies to ``rids`` (header and tensors), keyed by request id.
 
-        Large tensors named in ``into`` are received straight into those tensors. With
+        Large tensors named in ``into`` are received straight into those tensors
+        (``into_of[rid]`` instead, for the reply to ``rid``, where given). With
         ``lane_views``, tensors that came through a lane are views of it instead: the server's
         next reply through that lane rewrites them in place (see :meth:`Server.reply`), and
         the callbacks given to :meth:`on_lane_retired` hear of a lane a late reply might still
@@ -280,7 +287,7 @@ class Client:
             PeerError: when a peer answered with an error (its :attr:`~PeerError.code` is the
                 reply's) or with a malformed message.
         """
-        w = _Wait(rids, into, lane_views)
+        w = _Wait(rids, into, lane_views, into_of)
         timeout = self.config.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while w.want:
@@ -390,7 +397,7 @@ class Client:
                 header,
                 frames,
                 max_bytes=self.config.max_message_bytes,
-                into=w.into,
+                into=w.into if w.into_of is None else w.into_of.get(rid, w.into),
                 area=None if lane is None else lane.request if in_request else lane.reply,
                 transient=w.lane_views and not in_request,
                 views=None if lane is None or in_request else lane.reply_views,

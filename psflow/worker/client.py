@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -81,10 +81,11 @@ class ShardedClient:
         into: dict[str, torch.Tensor] | None = None,
         lane_views: bool = False,
         layouts: dict[int, wire.Layout] | None = None,
+        into_of: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
     ) -> Replies:
         """One request per listed shard (its header, its tensors), sent at once; the replies
         (see :meth:`Client.send` for ``layouts``, :meth:`Client.wait` for ``into`` and
-        ``lane_views``).
+        ``lane_views``; ``into_of[shard]`` is ``into`` for that shard's reply).
 
         Raises:
             PeerLostError: when a shard lost the state the request was made against
@@ -94,10 +95,10 @@ class ShardedClient:
         m = self.metrics
         if not m.on:
             rids = self.send(headers, tensors, layouts=layouts)
-            return self.wait(rids, timeout, into=into, lane_views=lane_views)
+            return self.wait(rids, timeout, into=into, lane_views=lane_views, into_of=into_of)
         start = time.perf_counter()
         rids = self.send(headers, tensors, layouts=layouts)
-        replies = self.wait(rids, timeout, into=into, lane_views=lane_views)
+        replies = self.wait(rids, timeout, into=into, lane_views=lane_views, into_of=into_of)
         # Each shard's round trip ends when the last of the call's replies is in: the shards
         # answer in parallel, and a worker waits for them all.
         seconds = time.perf_counter() - start
@@ -134,10 +135,14 @@ class ShardedClient:
         *,
         into: dict[str, torch.Tensor] | None = None,
         lane_views: bool = False,
+        into_of: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
     ) -> Replies:
         """The second half of :meth:`call`: the replies to the requests :meth:`send` made."""
+        by_rid = None if into_of is None else {rids[s]: t for s, t in into_of.items() if s in rids}
         try:
-            replies = self._client.wait(rids.values(), timeout, into=into, lane_views=lane_views)
+            replies = self._client.wait(
+                rids.values(), timeout, into=into, lane_views=lane_views, into_of=by_rid
+            )
         except PeerError as e:
             if e.code in LOST_CODES:
                 raise PeerLostError(e.peer, e.detail, code=e.code) from None
@@ -355,9 +360,15 @@ class ShardedClient:
 
     # -- embedding tables -------------------------------------------------------------------
 
-    def lookup(self, ids: dict[int, Tensors]) -> Replies:
-        """The rows of each table's ids (``(table, ids)`` per listed shard), all shards at once."""
-        return self.call(self._headers(Op.LOOKUP, sorted(ids)), ids)
+    def lookup(
+        self,
+        ids: dict[int, Tensors],
+        into: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
+    ) -> Replies:
+        """The rows of each table's ids (``(table, ids)`` per listed shard), all shards at once;
+        a shard's rows that come through its lane are received into ``into[shard][table]``
+        where given (a tensor of their shape and dtype)."""
+        return self.call(self._headers(Op.LOOKUP, sorted(ids)), ids, into_of=into)
 
     def table_status(self) -> dict[int, Any]:
         """Each shard's counters per table."""

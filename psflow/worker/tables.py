@@ -180,12 +180,15 @@ class TableClient:
     def _fetch(self, name: str, unique: torch.Tensor, split: Split) -> torch.Tensor:
         """The rows of ``unique`` (grouped by shard as ``split`` says), shard after shard:
         prefetched with the last push when that asked for exactly these ids, else one request
-        per shard, all in flight at once."""
+        per shard, all in flight at once, each shard's rows received into their place."""
         cached = self._prefetched.pop(name, None)
         if cached is not None and torch.equal(cached[0], unique):
             return cached[1]
+        spec = self.specs[name]
+        values = torch.empty((unique.numel(), spec.embedding_dim), dtype=getattr(torch, spec.dtype))
         replies = self.client.lookup(
-            {s: [(name, shard_ids)] for s, (shard_ids, _) in split.items()}
+            {s: [(name, shard_ids)] for s, (shard_ids, _) in split.items()},
+            into={s: {name: values[at]} for s, (_, at) in split.items() if isinstance(at, slice)},
         )
         parts = {}
         for s, (_, shard_tensors) in replies.items():
@@ -194,7 +197,7 @@ class TableClient:
                     f"ps:{s} answered a lookup of {name!r} with {len(shard_tensors)} tensors"
                 )
             parts[s] = shard_tensors[0][1]
-        return self._joined(name, split, parts)
+        return self._joined(name, split, parts, values)
 
     def _looked(
         self, name: str, ids: torch.Tensor, values: torch.Tensor, split: Split, device: torch.device
@@ -235,9 +238,15 @@ class TableClient:
                 tables.setdefault(s, []).append(name)
         return tensors, tables
 
-    def _joined(self, name: str, split: Split, parts: dict[int, torch.Tensor]) -> torch.Tensor:
+    def _joined(
+        self,
+        name: str,
+        split: Split,
+        parts: dict[int, torch.Tensor],
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Each shard's rows of its share of the ids (``split``) in one tensor, shard after
-        shard.
+        shard: ``out`` (rows, dim) when given, where rows received into their place stay.
 
         Raises:
             ValueError: when a shard is missing or sent rows of the wrong shape or dtype.
@@ -253,9 +262,14 @@ class TableClient:
                     f"ps:{s} sent rows of {name!r} shaped {list(values.shape)} "
                     f"{values.dtype}; expected [{shard_ids.shape[0]}, {spec.embedding_dim}] {dtype}"
                 )
-        if len(parts) == 1:
-            return next(iter(parts.values()))
-        return torch.cat([parts[s] for s in split])
+        if out is None:
+            if len(parts) == 1:
+                return next(iter(parts.values()))
+            return torch.cat([parts[s] for s in split])
+        for s, (_, at) in split.items():
+            if not isinstance(at, slice) or parts[s].data_ptr() != out[at].data_ptr():
+                out[at] = parts[s]  # came by socket
+        return out
 
     def clear(self) -> None:
         """Forgets the lookups since the last step (``zero_grad``)."""
