@@ -152,8 +152,7 @@ def group_ids(
     positions = torch.empty(n, dtype=torch.int64)
     counts = torch.zeros(partition.num_shards, dtype=torch.int64)
     m = KERNELS.group_ids(
-        ids.data_ptr(), n, partition.kind == "div", partition.num_shards,
-        partition._q, partition._r, partition._boundary,
+        ids.data_ptr(), n, *partition.rule(),
         unique.data_ptr(), positions.data_ptr(), counts.data_ptr(),
     )  # fmt: skip
     return unique[:m], positions, counts.tolist()

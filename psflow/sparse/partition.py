@@ -34,6 +34,12 @@ class Partition:
         self._q, self._r = divmod(n, num_shards)
         self._boundary = self._r * (self._q + 1)  # div: ids below are in the longer shards
 
+    def rule(self) -> tuple[bool, int, int, int, int]:
+        """The rule as :mod:`psflow.sparse.kernels` takes it: ``(div, shards, q, r,
+        boundary)``, where ``q, r = divmod(num_embeddings, shards)`` and ids below ``boundary``
+        lie in the ``r`` shards of ``q + 1`` rows (``div``)."""
+        return self.kind == "div", self.num_shards, self._q, self._r, self._boundary
+
     def shard_of(self, ids: torch.Tensor) -> torch.Tensor:
         """The shard of each id (int64, like ``ids``)."""
         if self.num_shards == 1:

@@ -187,9 +187,10 @@ class Rows(ABC):
         with the same errors."""
         k, p, name, n = kernels.KERNELS, self.partition, self.spec.name, self.spec.num_embeddings
         assert k is not None
+        div, shards, q, r, boundary = p.rule()
         code, at = k.check_ids(
-            ids.data_ptr(), ids.numel(), -1 if n is None else n, p.kind == "div",
-            p.num_shards, self.shard, p._q, p._r, p._boundary,
+            ids.data_ptr(), ids.numel(), -1 if n is None else n, div, shards, self.shard, q, r,
+            boundary,
         )  # fmt: skip
         if code == 0:
             return
