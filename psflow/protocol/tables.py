@@ -178,6 +178,12 @@ class TableSpec:
     """Hashed tables: rows kept per shard; past it the least recently updated are evicted."""
     optimizer: RowOptimizerSpec | None = None
     """How the rows are updated; ``None``: the job's row-wise default."""
+    scheduled: bool = False
+    """The rows' learning rate follows the job's learning-rate schedule, when it has one. The
+    worker sets it for a table that names no optimizer: its ``optimizer`` is then the job's in
+    row-wise form, and the ps gives each update the schedule's learning rate at that step, as
+    one TensorFlow optimizer applies one decayed rate to dense and sparse updates alike. A table
+    with its own optimizer keeps its own learning rate."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -228,6 +234,8 @@ class TableSpec:
             raise ValueError(
                 f"{where} optimizer must be a RowOptimizerSpec or None, got {self.optimizer!r}"
             )
+        if not isinstance(self.scheduled, bool):
+            raise ValueError(f"{where} scheduled must be true or false, got {self.scheduled!r}")
 
     @property
     def hashed(self) -> bool:

@@ -212,9 +212,13 @@ class ShardStore:
             sparse = {n: r for n, r in rows.items() if n not in self.tables}
         self._apply_dense(grads, sparse, global_step)
         if rows:
+            # The schedule's rate now (moved by _apply_dense), for tables that follow it.
+            lr = None if self.schedule is None else self.schedule.lr
             for name, (ids, g) in rows.items():
                 table = self.tables.get(name)
                 if table is not None:
+                    if lr is not None and table.spec.scheduled:
+                        table.optimizer.lr = lr
                     table.apply(ids, g)
         self.step += 1
         return self.step

@@ -68,12 +68,13 @@ def tables_of(model: nn.Module) -> dict[str, TableModule]:
 
 def table_specs(modules: Mapping[str, TableModule], optimizer: OptimizerSpec) -> list[TableSpec]:
     """The tables' specs as the ps take them: a table that names no row-wise optimizer takes
-    the row-wise form of the job's ``optimizer`` (:func:`row_optimizer_for`)."""
+    the row-wise form of the job's ``optimizer`` (:func:`row_optimizer_for`), and its learning
+    rate schedule (``TableSpec.scheduled``)."""
     out = []
     for name, module in modules.items():
         spec = module.spec(name)
         if spec.optimizer is None:
-            spec = dataclasses.replace(spec, optimizer=row_optimizer_for(optimizer))
+            spec = dataclasses.replace(spec, optimizer=row_optimizer_for(optimizer), scheduled=True)
         out.append(spec)
     return out
 

@@ -133,6 +133,47 @@ def test_one_worker_matches_one_process_adagrad(two_ps: ClusterSpec) -> None:
         opt.close()
 
 
+def test_a_table_on_the_jobs_optimizer_follows_its_schedule(two_ps: ClusterSpec) -> None:
+    """A table that names no optimizer takes the job's, schedule included: one worker with
+    SGD and StepLR takes the steps of one process with torch.optim.SGD and the same scheduler
+    over the whole model (the dense head and the table's rows alike)."""
+    torch.manual_seed(0)
+    remote = torch.nn.ModuleDict(
+        {"emb": pnn.Embedding(VOCAB, DIM, seed=1), "head": torch.nn.Linear(DIM, 1)}
+    )
+    ref_items = torch.nn.Embedding(VOCAB, DIM)
+    ref_items.weight.data.copy_(remote["emb"].weight.data)
+    ref_head = torch.nn.Linear(DIM, 1)
+    ref_head.load_state_dict(remote["head"].state_dict())
+    schedule = ("StepLR", {"step_size": 2, "gamma": 0.25})
+    opt = DistributedOptimizer(
+        remote,
+        worker_ctx(two_ps),
+        optimizer="SGD",
+        lr=0.5,
+        lr_schedule=schedule,
+        config=TransportConfig(timeout=30),
+    )
+    try:
+        ref_opt = torch.optim.SGD([*ref_items.parameters(), *ref_head.parameters()], lr=0.5)
+        ref_schedule = torch.optim.lr_scheduler.StepLR(ref_opt, **schedule[1])
+        for step in range(7):
+            items, _, y = batch(step, 0, 8)
+            opt.zero_grad()
+            F.mse_loss(remote["head"](remote["emb"](items).mean(1)).squeeze(1), y).backward()
+            opt.step()
+            ref_opt.zero_grad()
+            F.mse_loss(ref_head(ref_items(items).mean(1)).squeeze(1), y).backward()
+            ref_opt.step()
+            ref_schedule.step()
+        assert ref_schedule.get_last_lr()[0] < 0.5 / 10  # the rate did move
+        got = table_rows(opt, "emb", torch.arange(VOCAB))
+        torch.testing.assert_close(got, ref_items.weight.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(remote["head"].weight.detach(), ref_head.weight.detach())
+    finally:
+        opt.close()
+
+
 def test_bad_ids_are_refused_and_the_ps_keeps_serving(two_ps: ClusterSpec) -> None:
     model = Recommender()
     opt = DistributedOptimizer(

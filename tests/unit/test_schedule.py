@@ -350,3 +350,50 @@ def test_piecewise_constant_as_tensorflow_defines_it() -> None:
         schedule.advance(step)
         want = 0.1 if step <= 40 else 0.05 if step <= 90 else 0.01
         assert schedule.lr == pytest.approx(want, rel=1e-12), step
+
+
+def test_tables_that_take_the_jobs_optimizer_follow_its_schedule() -> None:
+    """A table that names no optimizer (``scheduled``) updates its rows with the schedule's
+    learning rate at each step, as the dense variables; one with its own optimizer keeps its
+    own rate."""
+    from psflow.protocol import RowOptimizerSpec, TableSpec
+    from psflow.sparse import make_rows
+
+    torch.manual_seed(2)
+    sgd = RowOptimizerSpec.of("SGD", lr=0.5)
+    specs = {
+        name: TableSpec(
+            name=name,
+            embedding_dim=4,
+            num_embeddings=3,
+            dtype="float64",
+            optimizer=sgd,
+            scheduled=scheduled,
+        )  # fmt: skip
+        for name, scheduled in (("follows", True), ("own", False))
+    }
+    tables = {name: make_rows(spec, 0, 1) for name, spec in specs.items()}
+    start = {name: t.values.clone() for name, t in tables.items()}
+    store = ShardStore()
+    store.initialize(
+        [("w", torch.zeros(4, dtype=torch.float64))],
+        OptimizerSpec(kwargs={"lr": 0.5}),
+        schedule=STEP_LR,
+        tables=tables,
+    )
+    grads = [torch.randn(4, dtype=torch.float64) for _ in range(10)]
+    for g in grads:
+        one = g.unsqueeze(0)
+        store.apply(
+            [("w", g)], rows={"follows": (torch.tensor([1]), one), "own": (torch.tensor([1]), one)}
+        )
+    # The scheduled row moved exactly as the dense variable (plain SGD, the same gradients).
+    moved = tables["follows"].values[1] - start["follows"][1]
+    assert torch.allclose(moved, store.variables["w"], rtol=0, atol=1e-12)
+    expected, lrs = _reference(torch.zeros(4, dtype=torch.float64), {"lr": 0.5}, grads)
+    assert torch.allclose(moved, expected, rtol=0, atol=1e-12) and lrs[0] != lrs[-1]
+    # The other at a constant 0.5.
+    constant = -0.5 * torch.stack(grads).sum(0)
+    assert torch.allclose(tables["own"].values[1] - start["own"][1], constant, rtol=0, atol=1e-12)
+    # Rows the pushes did not touch did not move.
+    assert torch.equal(tables["follows"].values[0], start["follows"][0])

@@ -31,8 +31,13 @@ def test_table_spec_wire_round_trip() -> None:
     for spec in (
         fixed(partition="div", padding_idx=3, seed=7, init_std=0.1),
         hashed(min_count=3, max_rows=100, optimizer=RowOptimizerSpec.of("Adam", betas=(0.5, 0.9))),
+        fixed(optimizer=RowOptimizerSpec.of("SGD", lr=0.5), scheduled=True),
     ):
         assert TableSpec.from_wire(spec.to_wire()) == spec
+    # A spec from before ``scheduled`` existed (a checkpoint's manifest) reads as not scheduled.
+    old = fixed().to_wire()
+    del old["scheduled"]
+    assert TableSpec.from_wire(old) == fixed()
 
 
 @pytest.mark.parametrize(
@@ -51,6 +56,7 @@ def test_table_spec_wire_round_trip() -> None:
         ({"max_rows": 5}, "hashed tables"),
         ({"num_embeddings": None, "max_rows": 0}, "max_rows"),
         ({"optimizer": "SGD"}, "RowOptimizerSpec"),
+        ({"scheduled": 1}, "table 'emb': scheduled must be true or false, got 1"),
     ],
 )
 def test_table_spec_refuses(kwargs: dict, match: str) -> None:
