@@ -369,7 +369,7 @@ def test_tables_that_take_the_jobs_optimizer_follow_its_schedule() -> None:
             dtype="float64",
             optimizer=sgd,
             scheduled=scheduled,
-        )  # fmt: skip
+        )
         for name, scheduled in (("follows", True), ("own", False))
     }
     tables = {name: make_rows(spec, 0, 1) for name, spec in specs.items()}
