@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from psflow import allocator
 from psflow.sparse.init import splitmix64
 
 _EMPTY = -1
@@ -35,9 +36,10 @@ class IdMap:
         self._live = 0
 
     def _alloc(self, cells: int) -> None:
-        self.keys = torch.zeros(cells, dtype=torch.int64)
-        self.vals = torch.full((cells,), _EMPTY, dtype=torch.int64)
-        self._claim = torch.empty(cells, dtype=torch.int64)
+        # Probed at random, as a table's rows are read: in huge pages when large.
+        self.keys = allocator.table_empty((cells,), torch.int64).zero_()
+        self.vals = allocator.table_empty((cells,), torch.int64).fill_(_EMPTY)
+        self._claim = allocator.table_empty((cells,), torch.int64)
         self._gone = 0
         self._mask = cells - 1
 
