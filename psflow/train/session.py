@@ -557,7 +557,9 @@ class TrainingSession:
             self._client = ShardedClient(self.ctx, self.transport)
             if self.checkpointer is not None:
                 self.checkpointer.client = self._client
-            self._client.wait_ready(timeout, initialized=False)
+            self._client.wait_ready(
+                timeout, initialized=False, setting=envvars.PSFLOW_RECOVERY_TIMEOUT
+            )
             empty = [
                 self._client.shards[s]
                 for s, h in self._client.status().items()

@@ -224,10 +224,18 @@ class ShardedClient:
         replies = self.call(headers, values, timeout=timeout)
         return not any(h.get(Key.ALREADY) for h, _ in replies.values())
 
-    def wait_ready(self, timeout: float, *, initialized: bool = True) -> None:
+    def wait_ready(
+        self,
+        timeout: float,
+        *,
+        initialized: bool = True,
+        setting: str = envvars.PSFLOW_READY_TIMEOUT,
+    ) -> None:
         """Waits until every shard answers and (with ``initialized``) the chief has set it up.
 
-        ``timeout`` bounds the whole wait (``PSFLOW_READY_TIMEOUT`` where psflow calls it);
+        ``timeout`` bounds the whole wait (``PSFLOW_READY_TIMEOUT`` where psflow calls it,
+        ``PSFLOW_RECOVERY_TIMEOUT`` while a session waits for a lost ps: ``setting`` names the
+        one the error should name);
         each status request within it, the transport's timeout (``PSFLOW_TIMEOUT``). Every
         ``wait_log_seconds`` of the transport (``PSFLOW_WAIT_LOG_SECONDS``, 10 s) it logs who
         is still awaited and why (nothing listening, no answer, not initialised by the chief),
@@ -269,7 +277,7 @@ class ShardedClient:
                 return
             now = time.monotonic()
             if now >= deadline:
-                raise self._not_ready(pending, why, timeout, initialized)
+                raise self._not_ready(pending, why, timeout, initialized, setting)
             if now >= next_log:
                 log.info(
                     "%s is waiting for %s; waited %.0f s, gives up in %.0f s",
@@ -296,20 +304,21 @@ class ShardedClient:
         return link.problem or "no answer yet"
 
     def _not_ready(
-        self, pending: set[int], why: dict[int, str], timeout: float, initialized: bool
+        self,
+        pending: set[int],
+        why: dict[int, str],
+        timeout: float,
+        initialized: bool,
+        setting: str,
     ) -> TimeoutError:
         names = ", ".join(self.shards[s] for s in sorted(pending))
         chief = f"{self.ctx.cluster.chief} (the chief)"
+        kind = "recovery" if setting == envvars.PSFLOW_RECOVERY_TIMEOUT else "ready"
+        limit = f"within {timeout:g} s (the {kind} timeout, {setting})"
         if initialized and all(why.get(s, "").startswith("not initialised") for s in pending):
-            return TimeoutError(
-                f"{chief} did not initialise {names} within {timeout:g} s (the ready timeout, "
-                f"{envvars.PSFLOW_READY_TIMEOUT})"
-            )
+            return TimeoutError(f"{chief} did not initialise {names} {limit}")
         reasons = "; ".join(f"{self.shards[s]}: {why.get(s, 'no answer')}" for s in sorted(pending))
-        return TimeoutError(
-            f"{names} not ready within {timeout:g} s (the ready timeout, "
-            f"{envvars.PSFLOW_READY_TIMEOUT}): {reasons}"
-        )
+        return TimeoutError(f"{names} not ready {limit}: {reasons}")
 
     def done(self, timeout: float = 5.0) -> None:
         """Tells every shard this task has finished (best effort: a dead shard is logged)."""

@@ -90,6 +90,27 @@ def test_a_worker_gives_up_naming_the_ps_and_why() -> None:
         worker.wait()
 
 
+def test_a_wait_for_a_lost_ps_names_the_recovery_timeout() -> None:
+    """A session that lost a ps waits for it by PSFLOW_RECOVERY_TIMEOUT, and says so."""
+    from psflow.env import PSFLOW_RECOVERY_TIMEOUT
+    from psflow.transport import TransportConfig
+    from psflow.worker.client import ShardedClient
+
+    from .support import worker_ctx
+
+    cluster = local_cluster(1, 1)
+    client = ShardedClient(worker_ctx(cluster), TransportConfig(timeout=1))
+    try:
+        with pytest.raises(TimeoutError) as caught:
+            client.wait_ready(2, initialized=False, setting=PSFLOW_RECOVERY_TIMEOUT)
+    finally:
+        client.close()
+    # Why ps:0 is silent (nothing listening, as its connection tells) follows.
+    assert str(caught.value).startswith(
+        "ps:0 not ready within 2 s (the recovery timeout, PSFLOW_RECOVERY_TIMEOUT): ps:0: "
+    )
+
+
 def test_a_ps_with_keys_logs_the_clients_it_refuses(tmp_path: Path) -> None:
     job, other = generate_keys(tmp_path / "job"), generate_keys(tmp_path / "other")
     # The job's server key, but a client key the ps does not know.
