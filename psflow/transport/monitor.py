@@ -10,7 +10,9 @@ logs the clients that failed their handshake.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +39,9 @@ EVENTS = (
     | zmq.EVENT_MONITOR_STOPPED
 )
 """The events watched: no per-message event, so a busy socket reports nothing."""
+
+_endpoints = itertools.count()
+"""Numbers the monitors' inproc endpoints (see :meth:`Monitor.watch`)."""
 
 Event = dict[str, Any]
 """One report, as :func:`zmq.utils.monitor.recv_monitor_message` reads it: ``event``,
@@ -67,7 +72,12 @@ class Monitor:
     def watch(self, key: str, sock: zmq.Socket[bytes], events: int = EVENTS) -> None:
         """Reports of ``sock`` will reach the callback with ``key``."""
         assert self._thread is None, "watch every socket before start()"
-        self._pairs[sock.get_monitor_socket(events)] = key
+        # A name of its own: pyzmq's default names the endpoint by the socket's file
+        # descriptor, which a socket closed a moment ago may have had, its monitor's endpoint
+        # still bound until the context reaps it ("Address already in use" when a worker
+        # reconnects to a restarted ps).
+        addr = f"inproc://psflow-monitor-{os.getpid()}-{next(_endpoints)}"
+        self._pairs[sock.get_monitor_socket(events, addr)] = key
 
     def start(self) -> None:
         if self._thread is None and self._pairs:

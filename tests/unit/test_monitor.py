@@ -7,7 +7,7 @@ import logging
 import pytest
 import zmq
 
-from psflow.transport.monitor import Link, RateLimitedLog
+from psflow.transport.monitor import Link, Monitor, RateLimitedLog
 
 pytestmark = pytest.mark.unit
 
@@ -59,3 +59,27 @@ def test_a_recurring_warning_is_logged_once_per_interval(caplog: pytest.LogCaptu
         limited.warning("a", "client failed")
         limited.warning("a", "client failed")
     assert len(caplog.records) == 2
+
+
+def test_a_socket_is_watched_whatever_endpoint_its_file_descriptor_named_before() -> None:
+    """A socket closed a moment ago may leave its monitor's inproc endpoint bound, named (by
+    pyzmq's default) after its file descriptor; a new socket with that descriptor must still
+    be watched (a worker reconnecting to a restarted ps hit "Address already in use")."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    squatter = ctx.socket(zmq.PAIR)
+    try:
+        squatter.bind(f"inproc://monitor.s-{sock.FD}")  # what the old socket's monitor left
+        events: list[tuple[str, dict]] = []
+        mon = Monitor("test", lambda key, event: events.append((key, event)))
+        mon.watch("peer", sock)
+        mon.start()
+        sock.connect("tcp://127.0.0.1:1")  # nothing listens there: reports come
+        sock.close(linger=0)
+        assert mon._thread is not None
+        mon._thread.join(30)
+        assert not mon._thread.is_alive()  # stopped with its socket
+    finally:
+        sock.close(linger=0)
+        squatter.close(linger=0)
+        ctx.term()
