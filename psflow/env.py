@@ -121,6 +121,11 @@ PSFLOW_SHM = "PSFLOW_SHM"
 """``1`` (default): requests between a worker and a ps on the same host go through shared
 memory (:mod:`psflow.transport.shm`); ``0`` sends everything through the socket."""
 
+PSFLOW_SPIN_US = "PSFLOW_SPIN_US"
+"""Microseconds (default 2000) that a side of a shared-memory lane looks for the next message
+after its last one, yielding its core, before it sleeps on its FIFO (:mod:`psflow.transport.shm`,
+the doorbells); ``0`` sleeps at once. Looking spares both sides a wake-up per message."""
+
 PSFLOW_KERNELS = "PSFLOW_KERNELS"
 """``1`` (default): a ps applies the row-wise optimizers of embedding tables with psflow's fused
 C kernels when the install built them (:mod:`psflow.sparse.kernels`); ``0`` uses torch's index
@@ -156,3 +161,22 @@ def seconds(name: str, default: float) -> float:
     if not value > 0 or value == float("inf"):
         raise ValueError(f"{name} must be a number of seconds > 0, got {raw!r}")
     return value
+
+
+def micros(name: str, default: float) -> float:
+    """The number of microseconds (>= 0) the environment variable ``name`` holds, in seconds,
+    else ``default`` (seconds).
+
+    Raises:
+        ValueError: naming the variable, when it holds anything else.
+    """
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{name} must be a number of microseconds >= 0, got {raw!r}")
+    return value / 1e6

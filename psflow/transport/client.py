@@ -10,6 +10,7 @@ silent (:meth:`Client.link`).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,10 @@ _USE_SOCKET = Op.USE_SOCKET.value
 
 _POLLIN = int(zmq.POLLIN)
 """A poll event as a plain int: a test against pyzmq's enum costs a microsecond per request."""
+
+_NAP_SECONDS = 0.05
+"""A wait on several peers asleep looks at the lanes' counts again at least this often (see
+the doorbells in transport.shm)."""
 
 _MIN_LANE_BYTES = wire.INLINE_BYTES
 """Each lane area holds at least this much: a small model's tensors never need a new lane."""
@@ -305,6 +310,7 @@ class Client:
         Raises:
             PeerLostError: when a lane a request went through has been hung up.
         """
+        spin = self.config.spin_seconds
         if len(want) == 1:
             # One request (one ps shard): a blocking wait on its lane or its socket.
             (rid,) = want
@@ -312,7 +318,7 @@ class Client:
             if by_lane:
                 assert peer.lane is not None
                 try:
-                    rang = peer.lane.wait_reply(left)
+                    rang = peer.lane.wait_reply(left, spin)
                 except LaneError as e:
                     self._lost(peer, e)
                 return ((peer, None),) if rang else ()
@@ -322,28 +328,66 @@ class Client:
                 return ((peer, sock.recv_multipart(copy=False)),)
             except zmq.Again:
                 return ()
-        poller = zmq.Poller()
-        by_fd: dict[int, _Peer] = {}
+        lanes: dict[int, _Peer] = {}
         socks: dict[zmq.Socket[bytes], _Peer] = {}
         for rid in want:
             peer, by_lane = self._inflight[rid]
             if by_lane:
                 assert peer.lane is not None
-                by_fd[peer.lane.replies_fd] = peer
-                poller.register(peer.lane.replies_fd, zmq.POLLIN)
+                lanes[peer.lane.replies_fd] = peer
             elif peer.sock not in socks:
                 socks[peer.sock] = peer
-                poller.register(peer.sock, zmq.POLLIN)
+        arrivals = self._arrived(lanes, socks)
+        if arrivals:
+            return arrivals
+        # The doorbells (transport.shm): look at the lanes for a while, yielding the core, then
+        # sleep. Not at sockets: their messages come through ZeroMQ's I/O threads, which need
+        # the cores a look would take.
+        until = time.monotonic() + (min(spin, left) if not socks else 0.0)
+        while not arrivals and time.monotonic() < until:
+            os.sched_yield()
+            arrivals = self._arrived(lanes, socks)
+        if arrivals:
+            return arrivals
+        poller = zmq.Poller()
+        for fd in lanes:
+            poller.register(fd, zmq.POLLIN)
+        for sock in socks:
+            poller.register(sock, zmq.POLLIN)
+        for peer in lanes.values():
+            peer.lane.sleep_for_replies(True)  # type: ignore[union-attr]
+        try:
+            arrivals = self._arrived(lanes, {})
+            if arrivals:
+                return arrivals
+            for what, events in poller.poll(max(1, int(min(left, _NAP_SECONDS) * 1000))):
+                if isinstance(what, int):
+                    lane = lanes[what].lane
+                    assert lane is not None
+                    lane.drain_replies()
+                    if not events & _POLLIN and not lane.has_reply():  # hung up
+                        self._lost(lanes[what], LaneError("the other side hung up"))
+        finally:
+            for peer in lanes.values():
+                if peer.lane is not None:
+                    peer.lane.sleep_for_replies(False)
+        return self._arrived(lanes, socks)
+
+    @staticmethod
+    def _arrived(
+        lanes: Mapping[int, _Peer], socks: Mapping[zmq.Socket[bytes], _Peer]
+    ) -> list[tuple[_Peer, list[Any] | None]]:
+        """The replies that have come, without waiting: each lane's, and every message
+        waiting on the sockets."""
         arrivals: list[tuple[_Peer, list[Any] | None]] = []
-        for what, events in poller.poll(max(1, int(left * 1000))):
-            if isinstance(what, int):
-                if not events & _POLLIN:  # hung up
-                    self._lost(by_fd[what], LaneError("the other side hung up"))
-                arrivals.append((by_fd[what], None))
-                continue
+        for peer in lanes.values():
+            lane = peer.lane
+            if lane is not None and lane.has_reply():
+                arrivals.append((peer, None))
+        for sock, peer in socks.items():
             while True:
                 try:
-                    arrivals.append((socks[what], what.recv_multipart(zmq.NOBLOCK, copy=False)))
+                    arrivals.append((peer, sock.recv_multipart(zmq.NOBLOCK, copy=False)))
                 except zmq.Again:
                     break
         return arrivals

@@ -13,6 +13,7 @@ from psflow import env as envvars
 from psflow.cluster.spec import parse_address
 from psflow.transport import wire
 from psflow.transport.auth import CurveKeys
+from psflow.transport.shm import SPIN_SECONDS
 
 
 @dataclass(kw_only=True)
@@ -45,6 +46,12 @@ class TransportConfig:
     )
     """Move large tensors through a shared-memory lane when client and server share a host
     (:mod:`psflow.transport.shm`); the socket otherwise."""
+    spin_seconds: float = field(
+        default_factory=lambda: envvars.micros(envvars.PSFLOW_SPIN_US, SPIN_SECONDS)
+    )
+    """How long after its last message a side of a shared-memory lane looks for the next one
+    before it sleeps (``PSFLOW_SPIN_US``; 0: it sleeps at once). See the doorbells in
+    :mod:`psflow.transport.shm`."""
     wait_log_seconds: float = field(
         default_factory=lambda: float(os.environ.get(envvars.PSFLOW_WAIT_LOG_SECONDS, 10))
     )
@@ -58,6 +65,10 @@ class TransportConfig:
             raise ValueError(f"max_message_bytes must be > 0, got {self.max_message_bytes}")
         if self.chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes must be >= 4096, got {self.chunk_bytes}")
+        if self.spin_seconds < 0:
+            raise ValueError(
+                f"spin_seconds ({envvars.PSFLOW_SPIN_US}) must be >= 0, got {self.spin_seconds}"
+            )
         if self.wait_log_seconds <= 0:
             raise ValueError(
                 f"wait_log_seconds ({envvars.PSFLOW_WAIT_LOG_SECONDS}) must be > 0 seconds, "

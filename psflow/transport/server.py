@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import secrets
 import time
 from collections import OrderedDict, deque
@@ -122,6 +123,8 @@ class Server:
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
         self._ready: deque[Request] = deque()
+        self._last_request = 0.0
+        """When the last request was handed out (the doorbells' spin counts from it)."""
 
     def _on_event(self, address: str, event: Event) -> None:
         # The monitor's thread.
@@ -170,37 +173,92 @@ class Server:
             except zmq.Again:
                 return None
             return self._from_socket(parts)
-        # Events name file descriptors as they were when polled: handling one event may
-        # close a lane and open another under the same numbers.
-        lane_of_fd = dict(self._lane_of_fd)
-        for what, events in self._poller.poll(ms):
-            if what is self._sock:
-                try:
-                    parts = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                except zmq.Again:
+        if self._collect() or self._spin(timeout):
+            return self._ready.popleft()
+        # Asleep: each lane's client rings its FIFO (see the doorbells in transport.shm).
+        lanes = list(self._lanes.values())
+        for lane in lanes:
+            lane.sleep_for_requests(True)
+        try:
+            if self._collect_lanes():
+                return self._ready.popleft()
+            # Events name file descriptors as they were when polled: handling one event may
+            # close a lane and open another under the same numbers.
+            lane_of_fd = dict(self._lane_of_fd)
+            hung_up = []
+            for what, events in self._poller.poll(ms):
+                if what is self._sock:
+                    self._collect_socket()
                     continue
-                try:
-                    request = self._from_socket(parts)
-                except wire.WireError as e:
-                    if not self._ready:
-                        raise
-                    # Answered already; the requests collected so far are served first.
-                    self._refusals.warning("malformed", "rejected a malformed message: %s", e)
-                    continue
-                if request is not None:
-                    self._ready.append(request)
-            else:
                 identity, lane = lane_of_fd[what]
                 if lane.closed:
                     continue
                 if events & _POLLIN:
-                    request = self._from_lane(identity, lane)
-                    if request is not None:
-                        self._ready.append(request)
-                elif events & _POLLERR:
-                    log.debug("client %r has gone: dropping %s", identity, lane)
-                    self._drop_lane(identity)
-        return self._ready.popleft() if self._ready else None
+                    lane.drain_requests()
+                elif events & _POLLERR and not lane.has_request():
+                    hung_up.append(identity)
+            for identity in hung_up:
+                log.debug("client %r has gone: dropping its lane", identity)
+                self._drop_lane(identity)
+            self._collect_lanes()
+        finally:
+            for lane in lanes:
+                lane.sleep_for_requests(False)
+        if self._ready:
+            self._last_request = time.monotonic()
+            return self._ready.popleft()
+        return None
+
+    def _spin(self, timeout: float) -> bool:
+        """Looks for requests for at most the spin time after the last one (and ``timeout``),
+        yielding the core at every look; whether one came."""
+        spin = self.config.spin_seconds
+        if spin <= 0:
+            return False
+        now = time.monotonic()
+        until = min(self._last_request + spin, now + timeout)
+        while now < until:
+            os.sched_yield()
+            if self._collect():
+                return True
+            now = time.monotonic()
+        return False
+
+    def _collect(self) -> bool:
+        """Queues every request that has come (lanes, then the socket), without waiting;
+        whether any is queued."""
+        self._collect_lanes()
+        if self._sock.getsockopt(zmq.EVENTS) & _POLLIN:
+            self._collect_socket()
+        if self._ready:
+            self._last_request = time.monotonic()
+            return True
+        return False
+
+    def _collect_lanes(self) -> bool:
+        for identity, lane in list(self._lanes.items()):
+            if not lane.closed and lane.has_request():
+                request = self._from_lane(identity, lane)
+                if request is not None:
+                    self._ready.append(request)
+        return bool(self._ready)
+
+    def _collect_socket(self) -> None:
+        while True:
+            try:
+                parts = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                request = self._from_socket(parts)
+            except wire.WireError as e:
+                if not self._ready:
+                    raise
+                # Answered already; the requests collected so far are served first.
+                self._refusals.warning("malformed", "rejected a malformed message: %s", e)
+                continue
+            if request is not None:
+                self._ready.append(request)
 
     def _from_socket(self, parts: list[Any]) -> Request | None:
         identity = parts[0].bytes

@@ -23,9 +23,22 @@ whose they were: the launcher removes a task's once it has exited, and the next 
 make a lane removes those of dead processes. Any failure leaves the socket path, which always
 works.
 
-Segment layout: the token (64 bytes), the request header area and the reply header area
-(:data:`HEADER_BYTES` each: a 4-byte length, then the packed header), then the request data
-area and the reply data area, each tensor 64-byte aligned (see ``wire.lane_bytes``).
+Segment layout: the token (16 bytes) and the doorbells (four 8-byte words, see below) in the
+first 64 bytes, the request header area and the reply header area (:data:`HEADER_BYTES` each: a
+4-byte length, then the packed header), then the request data area and the reply data area,
+each tensor 64-byte aligned (see ``wire.lane_bytes``).
+
+**Doorbells.** A message is posted by writing it, then counting it in the segment (a request
+count that the client raises, a reply count that the server raises): a side knows a message
+has come when the count differs from the last one it took. A side that waits looks at the
+count for a short while first (``spin``: at most :data:`SPIN_SECONDS` after its last message,
+yielding its core to any other runnable task at every look), then says it sleeps (a flag in the
+segment) and blocks on its FIFO; the poster writes the FIFO's byte only to a sleeper. On these
+virtual machines a FIFO's wake-up costs each side tens of microseconds (a pipe round trip took
+55-76 us, a look at shared memory 1.2 us), and a step of a sparse job makes four round trips.
+The flag and the count are each written before the other side's is read, with a full memory
+barrier between (:func:`_fence`); a sleeper also looks again every :data:`_NAP_SECONDS`, so
+that even a wake-up lost on a platform with weaker barriers costs a nap, never a timeout.
 
 A lane carries one request at a time: the client uses it only when no other request to that
 server is in flight, and retires it when a request through it times out. The server drops a
@@ -42,6 +55,8 @@ import os
 import secrets
 import select
 import stat
+import threading
+import time
 import weakref
 from typing import Any
 
@@ -58,6 +73,14 @@ HEADER_BYTES = 1 << 16
 """Room for one packed header (with up to 16 KB of inline tensor data) in each direction."""
 _START = 64
 _SUFFIXES = ("", ".q", ".r")
+# The doorbells: four 8-byte words after the token.
+_REQUESTS, _REPLIES, _SERVER_ASLEEP, _CLIENT_ASLEEP = range(4)
+SPIN_SECONDS = 0.002
+"""Default of ``PSFLOW_SPIN_US``: how long after its last message a side looks at the counts
+before it sleeps. A sparse step's ps waits about 0.1-0.8 ms for its next request."""
+_NAP_SECONDS = 0.05
+"""A sleeper's longest nap before it looks at the count again (see the module docstring)."""
+_fence_lock = threading.Lock()
 _swept = False
 """Whether this process has removed the lane files of dead processes (once, at its first lane)."""
 
@@ -98,6 +121,9 @@ class Lane:
         self.requests_fd, self.replies_fd = fds
         """FIFOs (both ends open, non-blocking): one byte rings for each message."""
         whole = np.frombuffer(buf, dtype=np.uint8)
+        self._bells = memoryview(buf)[TOKEN_BYTES : TOKEN_BYTES + 32].cast("Q")
+        self._requests_seen = self._bells[_REQUESTS]
+        self._replies_seen = self._bells[_REPLIES]
         start = _START
         # Headers through memoryviews: for a small step, numpy's per-call cost would show.
         self._request_header = memoryview(buf)[start : start + HEADER_BYTES]
@@ -252,32 +278,108 @@ class Lane:
 
     def post_request(self, header: bytes) -> bool:
         """Writes a packed request header and rings; False when it does not fit or closed."""
-        return not self.closed and _post(self._request_header, header, self.requests_fd)
+        if self.closed or not _write(self._request_header, header):
+            return False
+        return self._ring(_REQUESTS, _SERVER_ASLEEP, self.requests_fd)
+
+    def has_request(self) -> bool:
+        """Whether a request has come that :meth:`take_request` has not taken."""
+        return self._bells[_REQUESTS] != self._requests_seen
 
     def take_request(self) -> bytes:
-        """The packed request header (after the requests FIFO became readable)."""
-        return _take(self._request_header, self.requests_fd)
+        """The packed request header (after :meth:`has_request`, or the FIFO rang)."""
+        self._requests_seen = self._bells[_REQUESTS]
+        _fence()
+        return _read(self._request_header)
 
     def post_reply(self, header: bytes) -> bool:
         """Writes a packed reply header and rings; False when it does not fit or closed."""
-        return not self.closed and _post(self._reply_header, header, self.replies_fd)
+        if self.closed or not _write(self._reply_header, header):
+            return False
+        return self._ring(_REPLIES, _CLIENT_ASLEEP, self.replies_fd)
+
+    def has_reply(self) -> bool:
+        """Whether a reply has come that :meth:`take_reply` has not taken."""
+        return self._bells[_REPLIES] != self._replies_seen
 
     def take_reply(self) -> bytes:
-        return _take(self._reply_header, self.replies_fd)
+        self._replies_seen = self._bells[_REPLIES]
+        _fence()
+        return _read(self._reply_header)
 
-    def wait_reply(self, timeout: float) -> bool:
-        """Waits up to ``timeout`` seconds for the replies FIFO to ring.
+    def _ring(self, count: int, asleep: int, fd: int) -> bool:
+        bells = self._bells
+        _fence()  # the message before its count
+        bells[count] = (bells[count] + 1) & 0xFFFFFFFFFFFFFFFF
+        _fence()  # the count before the sleeper's flag is read (the sleeper fences the other way)
+        if not bells[asleep]:
+            return True  # it is looking: no wake-up to pay
+        try:
+            os.write(fd, b"\x01")
+        except BlockingIOError:
+            pass  # a full FIFO already rings
+        except BrokenPipeError:
+            return False  # the other side has gone
+        return True
+
+    def sleep_for_requests(self, asleep: bool) -> None:
+        """The server says whether it sleeps on the requests FIFO (then a request rings it);
+        call :meth:`has_request` after saying so, before blocking."""
+        self._bells[_SERVER_ASLEEP] = int(asleep)
+        if asleep:
+            _fence()
+
+    def drain_requests(self) -> None:
+        """Empties the requests FIFO after it polled readable."""
+        _drain(self.requests_fd)
+
+    def wait_reply(self, timeout: float, spin: float = 0.0) -> bool:
+        """Waits up to ``timeout`` seconds for a reply: looking at the count for up to ``spin``
+        seconds (see the module docstring), then asleep on the replies FIFO.
 
         Raises:
             LaneError: when the other side has closed its end (it exited) with nothing to read.
         """
+        if self.has_reply():
+            return True
+        now = time.monotonic()
+        deadline = now + timeout
+        if spin > 0:
+            until = min(deadline, now + spin)
+            while time.monotonic() < until:
+                os.sched_yield()
+                if self.has_reply():
+                    return True
         if self._reply_poller is None:
             self._reply_poller = select.poll()
             self._reply_poller.register(self.replies_fd, select.POLLIN)
-        events = self._reply_poller.poll(max(0, int(timeout * 1000)))
-        if events and not events[0][1] & select.POLLIN:
-            raise LaneError("the other side hung up")
-        return bool(events)
+        bells = self._bells
+        bells[_CLIENT_ASLEEP] = 1
+        try:
+            while True:
+                _fence()
+                if self.has_reply():
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                events = self._reply_poller.poll(max(1, int(min(left, _NAP_SECONDS) * 1000)))
+                if events:
+                    _drain(self.replies_fd)
+                    if not events[0][1] & select.POLLIN and not self.has_reply():
+                        raise LaneError("the other side hung up")
+        finally:
+            bells[_CLIENT_ASLEEP] = 0
+
+    def sleep_for_replies(self, asleep: bool) -> None:
+        """The client says whether it sleeps on the replies FIFO (for a wait on several peers
+        at once; :meth:`wait_reply` says so itself)."""
+        self._bells[_CLIENT_ASLEEP] = int(asleep)
+        if asleep:
+            _fence()
+
+    def drain_replies(self) -> None:
+        _drain(self.replies_fd)
 
     def __repr__(self) -> str:
         return f"Lane({self.name}, request={self.request_bytes}, reply={self.reply_bytes})"
@@ -296,31 +398,35 @@ def _close_in_child() -> None:
 os.register_at_fork(after_in_child=_close_in_child)
 
 
-def _post(area: memoryview, header: bytes, fd: int) -> bool:
+def _fence() -> None:
+    """A full memory barrier: an uncontended lock is taken with an atomic read-modify-write
+    (``lock cmpxchg`` on x86), which no load or store crosses. Python has no other."""
+    _fence_lock.acquire()
+    _fence_lock.release()
+
+
+def _write(area: memoryview, header: bytes) -> bool:
     n = len(header)
     if n + 4 > len(area):
         return False
     area[:4] = n.to_bytes(4, "little")
     area[4 : 4 + n] = header
-    try:
-        os.write(fd, b"\x01")
-    except BlockingIOError:
-        pass  # a full FIFO already rings
-    except BrokenPipeError:
-        return False  # the other side has gone
     return True
 
 
-def _take(area: memoryview, fd: int) -> bytes:
+def _read(area: memoryview) -> bytes:
+    n = int.from_bytes(area[:4], "little")
+    if n > len(area) - 4:
+        raise LaneError(f"a lane message claims {n} bytes")
+    return area[4 : 4 + n].tobytes()
+
+
+def _drain(fd: int) -> None:
     # Not contextlib.suppress: three calls more per message, on the path of every small step.
     try:  # noqa: SIM105
         os.read(fd, 4096)
     except BlockingIOError:
         pass  # the ring was drained already
-    n = int.from_bytes(area[:4], "little")
-    if n > len(area) - 4:
-        raise LaneError(f"a lane message claims {n} bytes")
-    return area[4 : 4 + n].tobytes()
 
 
 def _open_private(path: str, flags: int, kind: str) -> int:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from psflow.transport import wire
-from psflow.transport.shm import HEADER_BYTES, SHM_DIR, Lane, LaneError
+from psflow.transport.shm import _REPLIES, HEADER_BYTES, SHM_DIR, Lane, LaneError
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
 
@@ -86,6 +86,82 @@ def test_headers_ring_across(lane: Lane) -> None:
     lane.close()
     server.close()
     assert not lane.post_request(b"late") and not server.post_reply(b"late")  # closed: nothing
+
+
+def _rang(fd: int) -> bool:
+    """Whether a byte waits in the FIFO ``fd`` (taking it)."""
+    try:
+        return bool(os.read(fd, 4096))
+    except BlockingIOError:
+        return False
+
+
+def test_a_looking_side_is_not_rung(lane: Lane) -> None:
+    server = Lane.attach(lane.name, lane.token, 65536, 8192)
+    assert not server.has_request()
+    assert lane.post_request(b"while it looks")
+    assert server.has_request() and not _rang(server.requests_fd)  # counted, no wake-up paid
+    assert server.take_request() == b"while it looks" and not server.has_request()
+    assert server.post_reply(b"answer")
+    assert lane.has_reply() and not _rang(lane.replies_fd)
+    assert lane.take_reply() == b"answer" and not lane.has_reply()
+    server.close()
+
+
+def test_a_sleeping_side_is_rung(lane: Lane) -> None:
+    server = Lane.attach(lane.name, lane.token, 65536, 8192)
+    server.sleep_for_requests(True)
+    assert lane.post_request(b"wake up")
+    assert _rang(server.requests_fd) and server.has_request()
+    server.sleep_for_requests(False)
+    assert server.take_request() == b"wake up"
+    lane.sleep_for_replies(True)
+    assert server.post_reply(b"awake")
+    assert _rang(lane.replies_fd) and lane.take_reply() == b"awake"
+    server.close()
+
+
+@pytest.mark.parametrize("spin", [0.0, 60.0])
+def test_wait_reply_finds_a_reply_posted_meanwhile(lane: Lane, spin: float) -> None:
+    """Asleep (no spin) the FIFO wakes the waiter; looking (a spin longer than the test), the
+    count alone does, and no byte is written."""
+    import threading
+
+    server = Lane.attach(lane.name, lane.token, 65536, 8192)
+    waiting = threading.Event()
+    got: list[bool] = []
+
+    def wait() -> None:
+        waiting.set()
+        got.append(lane.wait_reply(60, spin))
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    waiting.wait(10)
+    assert server.post_reply(b"meanwhile")
+    waiter.join(60)
+    assert got == [True] and lane.take_reply() == b"meanwhile"
+    server.close()
+
+
+def test_a_lost_wake_up_costs_a_nap_not_the_timeout(lane: Lane) -> None:
+    """A reply counted without its ring (a wake-up lost) is still found by a sleeper, which
+    looks at the count again after each nap."""
+    import threading
+
+    server = Lane.attach(lane.name, lane.token, 65536, 8192)
+    bells = server._bells  # counted as post_reply counts, but never rung
+
+    def silent_reply() -> None:
+        bells[_REPLIES] += 1
+
+    late = threading.Timer(0.2, silent_reply)
+    late.start()
+    try:
+        assert lane.wait_reply(60, 0.0)  # False only after 60 s, were there no naps
+    finally:
+        late.cancel()
+    server.close()
 
 
 def test_tensors_travel_in_the_lane(lane: Lane) -> None:
@@ -174,7 +250,9 @@ def test_a_gone_client_hangs_up_its_lane() -> None:
     assert poller.poll(0) == []
     client.close()  # as when the client exits or dies
     assert poller.poll(0) == [(server.requests_fd, zmq.POLLERR)]
-    assert not server.post_reply(b"nobody reads this")
+    # A reply posted now lands where nobody reads it: the server drops a lane whose FIFO polls
+    # hung up (Server.recv), and nothing is lost but the reply to a client that has gone.
+    server.post_reply(b"nobody reads this")
     server.close()
 
 
