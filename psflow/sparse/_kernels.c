@@ -20,6 +20,18 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The update loops in two builds, chosen when the module loads by what the CPU has: AVX2 (8
+ * floats a vector) and the x86-64 baseline (SSE2, 4). An update's sqrt and division are the
+ * step's arithmetic: a hot 2,048 x 64 float32 Adagrad update took 90 us with SSE2 and 48 us
+ * with AVX2 (AVX-512: 45). Every operation stays an IEEE one, correctly rounded, with no
+ * contraction into fused multiply-adds (-ffp-contract=off), so both builds give the same bits.
+ * Only where GCC and glibc make the choice at load time (an ifunc); one build elsewhere. */
+#if defined(__x86_64__) && defined(__GLIBC__) && defined(__GNUC__) && !defined(__clang__)
+#define CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define CLONES
+#endif
+
 /* -1 when every index is in [0, rows), else the position of the first that is not. */
 static Py_ssize_t first_bad(const int64_t *index, Py_ssize_t n, Py_ssize_t rows) {
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -42,6 +54,7 @@ static inline void prefetch_row(const void *row, Py_ssize_t bytes) {
 
 /* w -= lr * g */
 #define SGD(T)                                                                               \
+    CLONES                                                                                   \
     static void sgd_##T(T *w, const int64_t *index, const T *g, Py_ssize_t n, Py_ssize_t dim, \
                         T alpha) {                                                           \
         for (Py_ssize_t i = 0; i < n; i++) {                                                 \
@@ -54,6 +67,7 @@ static inline void prefetch_row(const void *row, Py_ssize_t bytes) {
 
 /* sum += g^2; w += (g / (sqrt(sum) + eps)) * -lr */
 #define ADAGRAD(T, SQRT)                                                                     \
+    CLONES                                                                                   \
     static void adagrad_##T(T *w, T *sum, const int64_t *index, const T *g, Py_ssize_t n,    \
                             Py_ssize_t dim, T neg_lr, T eps) {                               \
         for (Py_ssize_t i = 0; i < n; i++) {                                                 \
@@ -73,6 +87,7 @@ static inline void prefetch_row(const void *row, Py_ssize_t bytes) {
  * v += (g^2 - v)(1 - b2); w -= m / (sqrt(v) + eps) * (lr * sqrt(1 - b2^t) / (1 - b1^t)),
  * the step size in double as torch computes it, then rounded to T. */
 #define ADAM(T, SQRT)                                                                        \
+    CLONES                                                                                   \
     static void adam_##T(T *w, T *m, T *v, int64_t *step, const int64_t *index, const T *g,  \
                          Py_ssize_t n, Py_ssize_t dim, double lr, double b1, double b2,      \
                          T eps) {                                                            \
@@ -98,6 +113,7 @@ static inline void prefetch_row(const void *row, Py_ssize_t bytes) {
 
 /* TensorFlow's ApplyFtrl (training_ops.cc), per row, as psflow/sparse/optim.py's _ftrl. */
 #define FTRL(T, SQRT, POW, FABS)                                                             \
+    CLONES                                                                                   \
     static void ftrl_##T(T *w, T *accum, T *linear, const int64_t *index, const T *g,        \
                          Py_ssize_t n, Py_ssize_t dim, T lr, T l1, T two_l2, T neg_power,    \
                          int sqrt_power) {                                                   \
@@ -148,6 +164,7 @@ static void gather_rows(char *out, const char *src, const int64_t *index, Py_ssi
 
 /* out[index[i]] += src[i]: the gradient of a gather (rows used several times add up). */
 #define SCATTER_ADD(T)                                                                       \
+    CLONES                                                                                   \
     static void scatter_add_##T(T *out, const T *src, const int64_t *index, Py_ssize_t n,    \
                                 Py_ssize_t dim) {                                            \
         for (Py_ssize_t i = 0; i < n; i++) {                                                 \
