@@ -7,6 +7,7 @@ variable is prefixed `PSFLOW_`.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 TF_CONFIG = "TF_CONFIG"
 """The cluster and this task, as JSON: ``{"cluster": {...}, "task": {"type": ..., "index": ...}}``."""
@@ -151,16 +152,8 @@ def seconds(name: str, default: float) -> float:
     Raises:
         ValueError: naming the variable, when it holds anything else.
     """
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"{name} must be a number of seconds > 0, got {raw!r}")
-    return value
+    value = _number(name, "seconds > 0", lambda v: v > 0)
+    return default if value is None else value
 
 
 def micros(name: str, default: float) -> float:
@@ -170,13 +163,23 @@ def micros(name: str, default: float) -> float:
     Raises:
         ValueError: naming the variable, when it holds anything else.
     """
+    value = _number(name, "microseconds >= 0", lambda v: v >= 0)
+    return default if value is None else value / 1e6
+
+
+def _number(name: str, what: str, ok: Callable[[float], bool]) -> float | None:
+    """The finite number the environment variable ``name`` holds (``None``: unset or empty).
+
+    Raises:
+        ValueError: naming the variable and ``what`` it must be, when ``ok`` refuses it.
+    """
     raw = os.environ.get(name)
     if raw is None or raw == "":
-        return default
+        return None
     try:
         value = float(raw)
     except ValueError:
         value = float("nan")
-    if not value >= 0 or value == float("inf"):
-        raise ValueError(f"{name} must be a number of microseconds >= 0, got {raw!r}")
-    return value / 1e6
+    if not ok(value) or value == float("inf"):  # nan fails every comparison
+        raise ValueError(f"{name} must be a number of {what}, got {raw!r}")
+    return value

@@ -311,3 +311,21 @@ def test_attach_refuses_a_sparse_or_oversized_lane_before_mapping_it() -> None:
             Lane.attach(name, token, *sizes)
     finally:
         os.unlink(path)
+
+
+@pytest.mark.parametrize("raw", ["-1", "abc", "nan", "inf"])
+def test_a_bad_spin_names_its_variable(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    from psflow.transport.config import TransportConfig
+
+    monkeypatch.setenv("PSFLOW_SPIN_US", raw)
+    with pytest.raises(ValueError, match="PSFLOW_SPIN_US must be a number of microseconds >= 0"):
+        TransportConfig()
+
+
+def test_spin_is_given_in_microseconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    from psflow.transport.config import TransportConfig
+
+    monkeypatch.setenv("PSFLOW_SPIN_US", "500")
+    assert TransportConfig().spin_seconds == 0.0005
+    monkeypatch.setenv("PSFLOW_SPIN_US", "0")  # never look: sleep at once
+    assert TransportConfig().spin_seconds == 0.0
