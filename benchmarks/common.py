@@ -6,6 +6,7 @@ exit by themselves; TensorFlow's never do, so whatever is still running at the e
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from psflow import env as envvars
-from psflow.cluster.launcher import local_cluster
+from psflow.cluster.launcher import core_sets, host_cpus, local_cluster
 from psflow.cluster.spec import ClusterSpec, TaskSpec
 
 
@@ -32,6 +33,7 @@ def run_job(
     env: dict[str, str] | None = None,
     ps_exit_timeout: float | None = 10.0,
     share_cores: bool = True,
+    bind_cores: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Runs every task of ``cluster``; returns each worker's ``RESULT`` keyed by task name.
 
@@ -39,18 +41,27 @@ def run_job(
     done (a ps still running then is an error); ``None`` kills them (TensorFlow's never exit).
     ``share_cores``: each task gets ``OMP_NUM_THREADS`` as ``psflow launch`` gives it
     (``psflow.env.threads_per_task``), unless set; TensorFlow's tasks keep their own defaults.
+    ``bind_cores``: each task is bound to the cores ``psflow launch --bind-cores`` gives it
+    (``psflow.cluster.launcher.core_sets``).
     """
     procs: dict[TaskSpec, subprocess.Popen[str]] = {}
     base_env = {**envvars.TASK_DEFAULTS, **os.environ, **(env or {})}  # as psflow launch does
     if share_cores:  # as psflow launch does, unless set
         tasks_here = sum(1 for _ in cluster.tasks())
         base_env.setdefault(envvars.OMP_NUM_THREADS, envvars.threads_per_task(tasks_here))
+    cores = core_sets(cluster.tasks(), host_cpus()) if bind_cores else {}
     try:
         for task in sorted(cluster.tasks(), key=lambda t: t.job != "ps"):
             e = dict(base_env, TF_CONFIG=cluster.to_tf_config(task), PYTHONUNBUFFERED="1")
+            bound = cores.get(task)
+            if bound and envvars.OMP_NUM_THREADS not in os.environ:
+                e[envvars.OMP_NUM_THREADS] = str(len(bound))
             procs[task] = subprocess.Popen(
                 [python, *command(task)],
                 env=e,
+                preexec_fn=None
+                if bound is None
+                else functools.partial(os.sched_setaffinity, 0, bound),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,

@@ -9,14 +9,16 @@
   shared memory and through the socket (``PSFLOW_SHM=0``), and with ``--compare-tf`` the same
   workload on TensorFlow's ps runtime (``benchmarks/tf_embedding.py``: a partitioned variable,
   ``embedding_lookup``, sparse Adagrad) in the same run. The full preset adds
-  ``shm_prefetch``: each step's push brings the next step's rows (``prefetch``), one round
-  trip a step instead of two; with one worker its rows are those a lookup would get.
+  ``shm_bound`` and ``socket_bound``, each task bound to the cores ``psflow launch
+  --bind-cores`` deals it, and ``shm_prefetch``: each step's push brings the next step's rows
+  (``prefetch``), one round trip a step instead of two; with one worker its rows are those a
+  lookup would get.
 - ``ctr``: ``examples/ctr.py``'s DLRM end to end on a ``psflow data synth-ctr`` set (or
   ``--data``), 2 ps and 2 workers, Adagrad for the dense layers and row-wise for the table:
   samples/s summed over the workers, against the same model in TensorFlow 1.x style
   (``benchmarks/tf_embedding.py``: 26 partitioned tables, ``embedding_lookup``, sparse
   Adagrad on the ps) reading the same files, in the same run, through shared memory and the
-  socket.
+  socket, with and without the tasks bound to cores, and with prefetching.
 - ``memory``: the same job with tables of increasing size (up to 20M x 64 float32, 5 GB, in
   the full preset): the worker's peak resident memory (flat: no worker holds a table), the
   time the ps take to create the table, and how long a checkpoint's snapshot pauses a ps. Its
@@ -223,18 +225,21 @@ def run_ctr(args: argparse.Namespace, p: dict[str, Any], base: list[str]) -> dic
 
     tf_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf_embedding.py")
     out: dict[str, Any] = {"batch": p["batch"], "workers": 2, "ps": PS}
-    runs: dict[str, list[float]] = {"shm": [], "socket": [], "shm_prefetch": [], "tf": []}
+    runs: dict[str, list[float]] = {path: [] for path, *_ in _variants(p)}
+    runs["tf"] = []
     with tempfile.TemporaryDirectory(prefix="ctr-") as tmp:
         data = args.data or tmp
         if args.data is None:
             _synthesize(tmp, p)
         for _ in range(p["repeat"]):
-            variants = [("shm", "1", []), ("socket", "0", [])]
-            if p["prefetch"]:
-                variants.append(("shm_prefetch", "1", ["--prefetch"]))
-            for path, shm, extra in variants:
+            for path, shm, extra, bind in _variants(p):
                 cmd = [*base, "--data", data, *extra]
-                r = run_job(new_cluster(PS, 2), lambda _t, c=cmd: c, env={"PSFLOW_SHM": shm})
+                r = run_job(
+                    new_cluster(PS, 2),
+                    lambda _t, c=cmd: c,
+                    env={"PSFLOW_SHM": shm},
+                    bind_cores=bind,
+                )
                 runs[path].append(sum(x["samples"] / x["seconds"] for x in r.values()))
                 out["psflow_last_loss"] = round(max(x["last_loss"] for x in r.values()), 4)
             if args.compare_tf:
@@ -244,6 +249,20 @@ def run_ctr(args: argparse.Namespace, p: dict[str, Any], base: list[str]) -> dic
                 runs["tf"].append(sum(x["samples"] / x["seconds"] for x in r.values()))
                 out["tf_last_loss"] = round(max(x["last_loss"] for x in r.values()), 4)
     out.update(summarize(runs, "samples_per_s"))
+    return out
+
+
+def _variants(p: dict[str, Any]) -> list[tuple[str, str, list[str], bool]]:
+    """psflow's runs of a workload: ``(path, PSFLOW_SHM, extra flags, bind cores)``. The full
+    preset adds the tasks bound to cores (``psflow launch --bind-cores``) and ``prefetch``
+    (each step's push brings the next step's rows: one round trip a step)."""
+    out: list[tuple[str, str, list[str], bool]] = [
+        ("shm", "1", [], False),
+        ("socket", "0", [], False),
+    ]
+    if p["prefetch"]:
+        out += [("shm_bound", "1", [], True), ("socket_bound", "0", [], True)]
+        out.append(("shm_prefetch", "1", ["--prefetch"], False))
     return out
 
 
@@ -323,16 +342,19 @@ def main() -> None:
         emit(result)
         return
 
-    runs: dict[str, list[float]] = {"shm": [], "socket": [], "shm_prefetch": [], "tf": []}
+    runs: dict[str, list[float]] = {path: [] for path, *_ in _variants(p)}
+    runs["tf"] = []
     bytes_per_step = 0.0
-    variants = [("shm", "1", []), ("socket", "0", [])]
-    if p["prefetch"]:  # each step's push brings the next step's rows: one round trip a step
-        variants.append(("shm_prefetch", "1", ["--prefetch"]))
     for _ in range(p["repeat"]):
         # Side by side: alternate the runtimes so that all see the same machine conditions.
-        for path, shm, extra in variants:
+        for path, shm, extra, bind in _variants(p):
             cmd = [*base, "--rows", str(p["rows"]), *extra]
-            r = run_job(new_cluster(PS, 1), lambda _t, c=cmd: c, env={"PSFLOW_SHM": shm})
+            r = run_job(
+                new_cluster(PS, 1),
+                lambda _t, c=cmd: c,
+                env={"PSFLOW_SHM": shm},
+                bind_cores=bind,
+            )
             (only,) = r.values()
             runs[path].append(only["rows"] / only["seconds"] / PS)
             bytes_per_step = only["bytes_per_step"]

@@ -166,6 +166,12 @@ def _add_launch(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         help="run without CurveZMQ keys (by default each job gets fresh ones, unless "
         "PSFLOW_KEYS_DIR names your own)",
     )
+    p.add_argument(
+        "--bind-cores",
+        action="store_true",
+        help="bind each task to cores of its own (as mpirun --bind-to core): the trainers "
+        "first, then the ps; with more tasks than cores a ps shares a trainer's core",
+    )
     _add_launch_watching(p)
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")

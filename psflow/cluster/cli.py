@@ -29,5 +29,6 @@ def launch(args: argparse.Namespace) -> int:
         insecure=args.insecure,
         metrics=args.metrics,
         progress=args.progress,
+        bind_cores=args.bind_cores,
     )
     return Launcher(config).run()

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import random
@@ -114,6 +115,10 @@ class LaunchConfig:
     progress: bool | None = None
     """One live progress line below the tasks' output (step, rate, loss, ETA, tasks up), read
     from their metrics; ``None``: when standard output is a terminal."""
+    bind_cores: bool = False
+    """Bind each task to cores of its own (:func:`core_sets`), as ``mpirun --bind-to core``
+    does: the scheduler then neither moves a task between cores nor puts two ps that answer
+    the same step on one core while another idles."""
 
     def __post_init__(self) -> None:
         if self.ps < 0:
@@ -222,6 +227,52 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def core_sets(tasks: Sequence[TaskSpec], cpus: Sequence[int]) -> dict[TaskSpec, list[int]]:
+    """The cores each of ``tasks`` (all on this host) is bound to with ``--bind-cores``.
+
+    The trainers come first (chief, workers, evaluators), then the ps. With at least as many
+    ``cpus`` as tasks, each task gets a contiguous run of them of its own (the first ones one
+    core more where they do not divide evenly); with fewer, the tasks are dealt out over the
+    cores in that order, so that a ps shares a core with a trainer before two ps share one: a
+    ps works while its trainer waits for it, and the shards of one step work at once.
+
+    Example:
+        >>> from psflow.cluster.spec import TaskSpec
+        >>> tasks = [TaskSpec(job="ps", index=i) for i in (0, 1)] + [TaskSpec(job="worker")]
+        >>> {str(t): c for t, c in core_sets(tasks, [0, 1]).items()}
+        {'worker:0': [0], 'ps:0': [1], 'ps:1': [0]}
+    """
+    if not cpus:
+        raise ValueError("no cores to bind the tasks to")
+    rank = {"chief": 0, "worker": 1, "evaluator": 2}
+    order = sorted(tasks, key=lambda t: (rank.get(t.job, 3), t.index))
+    if len(order) > len(cpus):
+        return {t: [cpus[i % len(cpus)]] for i, t in enumerate(order)}
+    share, extra = divmod(len(cpus), len(order))
+    out: dict[TaskSpec, list[int]] = {}
+    start = 0
+    for i, task in enumerate(order):
+        end = start + share + (i < extra)
+        out[task] = list(cpus[start:end])
+        start = end
+    return out
+
+
+def host_cpus() -> list[int]:
+    """The cores this process may run on (a container's cpuset, ``taskset``), in order."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def _start_task(cores: Sequence[int] | None) -> None:
+    """Runs in each task's process before it executes the script."""
+    _die_with_parent()
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
+
+
 class Launcher:
     """Starts and supervises the processes of one local job.
 
@@ -238,6 +289,8 @@ class Launcher:
             host=config.host,
             evaluators=config.evaluators,
         )
+        self.cores = core_sets(self.cluster.tasks(), host_cpus()) if config.bind_cores else {}
+        """Task to the cores it is bound to (``--bind-cores``; empty: not bound)."""
         self.procs: dict[TaskSpec, subprocess.Popen[bytes]] = {}
         self._threads: list[threading.Thread] = []
         self._out_lock = threading.RLock()  # the signal handler may print too
@@ -274,7 +327,9 @@ class Launcher:
         env = {**envvars.TASK_DEFAULTS, **os.environ, **self.config.env}
         # All of them on this host: the cores shared out, as torchrun does (unless set).
         tasks_here = sum(1 for _ in self.cluster.tasks())
-        env.setdefault(envvars.OMP_NUM_THREADS, envvars.threads_per_task(tasks_here))
+        cores = self.cores.get(task)
+        threads = str(len(cores)) if cores else envvars.threads_per_task(tasks_here)
+        env.setdefault(envvars.OMP_NUM_THREADS, threads)
         env[envvars.TF_CONFIG] = self.cluster.to_tf_config(task)
         if self.config.mode is not None:
             env[envvars.PSFLOW_MODE] = self.config.mode
@@ -291,7 +346,7 @@ class Launcher:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,  # Ctrl-C reaches the launcher, which stops every task
-            preexec_fn=_die_with_parent,
+            preexec_fn=functools.partial(_start_task, cores),
         )
         for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
             assert stream is not None

@@ -58,3 +58,31 @@ def test_a_mistake_is_one_line_in_each_tasks_output(tmp_path: Path) -> None:
     rc, lines = launch(script, "--job_name", "wroker", env={"PSFLOW_LOG_LEVEL": "DEBUG"})
     assert rc != 0
     assert any("Traceback (most recent call last)" in line for line in lines), lines
+
+
+AFFINITY = """
+import os
+import psflow
+
+ctx, _ = psflow.resolve()
+print("cores", ctx.task, sorted(os.sched_getaffinity(0)), os.environ["OMP_NUM_THREADS"])
+"""
+
+
+def test_bind_cores_binds_each_task_to_the_cores_it_was_dealt(tmp_path: Path) -> None:
+    from psflow.cluster.launcher import core_sets, host_cpus
+    from psflow.cluster.spec import TaskSpec
+
+    script = tmp_path / "train.py"
+    script.write_text(AFFINITY)
+    cmd = launch_cmd(script, ps=2, workers=1)
+    cmd.insert(cmd.index(str(script)), "--bind-cores")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    proc = subprocess.run(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=100, env=env
+    )
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0, lines
+    tasks = [TaskSpec(job="ps", index=0), TaskSpec(job="ps", index=1), TaskSpec(job="worker")]
+    for task, cores in core_sets(tasks, host_cpus()).items():
+        assert f"[{task}] cores {task} {cores} {len(cores)}" in lines, lines

@@ -1,4 +1,4 @@
-"""``psflow launch``'s restarts and keys, without starting any task."""
+"""``psflow launch``'s restarts, keys and core binding, without starting any task."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 import psflow.cli
-from psflow.cluster.launcher import LaunchConfig, Launcher
+from psflow.cluster.launcher import LaunchConfig, Launcher, core_sets
+from psflow.cluster.spec import TaskSpec
 from psflow.transport import CurveKeys
 
 pytestmark = pytest.mark.unit
@@ -74,3 +75,49 @@ def test_the_launch_flags_and_their_defaults(script: str) -> None:
     assert args.max_restarts == 2 and args.insecure
     args = psflow.cli.build_parser().parse_args(["launch", script])
     assert args.max_restarts == 0 and not args.insecure
+
+
+def test_bind_cores_is_off_unless_asked(script: str) -> None:
+    assert not psflow.cli.build_parser().parse_args(["launch", script]).bind_cores
+    assert psflow.cli.build_parser().parse_args(["launch", "--bind-cores", script]).bind_cores
+    assert Launcher(LaunchConfig(script=script, ps=2, workers=1)).cores == {}
+
+
+def _named(cores: dict[TaskSpec, list[int]]) -> dict[str, list[int]]:
+    return {str(t): c for t, c in cores.items()}
+
+
+def test_core_sets_put_a_ps_beside_a_trainer_before_two_ps_share_a_core() -> None:
+    ps = [TaskSpec(job="ps", index=i) for i in range(2)]
+    workers = [TaskSpec(job="worker", index=i) for i in range(2)]
+    # 3 tasks, 2 cores: the worker alone with ps:1; ps:0 on the other core.
+    assert _named(core_sets([*ps, workers[0]], [0, 1])) == {
+        "worker:0": [0],
+        "ps:0": [1],
+        "ps:1": [0],
+    }
+    # 2 workers and 2 ps on 2 cores: one worker and one ps a core.
+    assert _named(core_sets([*ps, *workers], [4, 5])) == {
+        "worker:0": [4],
+        "worker:1": [5],
+        "ps:0": [4],
+        "ps:1": [5],
+    }
+    # A chief and an evaluator are trainers too, the chief first.
+    chief, evaluator = TaskSpec(job="chief"), TaskSpec(job="evaluator")
+    assert list(core_sets([ps[0], evaluator, workers[0], chief], [0])) == [
+        chief,
+        workers[0],
+        evaluator,
+        ps[0],
+    ]
+
+
+def test_core_sets_give_each_task_cores_of_its_own_when_there_are_enough() -> None:
+    ps = [TaskSpec(job="ps", index=i) for i in range(2)]
+    tasks = [*ps, TaskSpec(job="worker")]
+    cores = core_sets(tasks, list(range(8)))
+    assert _named(cores) == {"worker:0": [0, 1, 2], "ps:0": [3, 4, 5], "ps:1": [6, 7]}
+    assert _named(core_sets(tasks, [2, 3, 5])) == {"worker:0": [2], "ps:0": [3], "ps:1": [5]}
+    with pytest.raises(ValueError, match="no cores"):
+        core_sets(tasks, [])
