@@ -20,6 +20,10 @@ directory (mode 0700) that every task gets as ``PSFLOW_KEYS_DIR`` and that is re
 launcher exits: no other process on the host can reach the job's ps. ``--insecure`` runs
 without keys; a ``PSFLOW_KEYS_DIR`` of the user's own stands.
 
+Each task gets ``OMP_NUM_THREADS`` = this host's cores divided by its tasks (unless set);
+``--bind-cores`` binds each task to cores of its own (:func:`core_sets`), its
+``OMP_NUM_THREADS`` then their count.
+
 An evaluator task (``--evaluator``; outside the cluster in its ``TF_CONFIG``, as TensorFlow
 has it) scores checkpoints beside the job and exits by itself after the chief's final one; it
 may take up to ``eval_exit_timeout`` for that once the workers are done. Its failure does not
