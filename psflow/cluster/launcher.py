@@ -274,7 +274,14 @@ def _start_task(cores: Sequence[int] | None) -> None:
     """Runs in each task's process before it executes the script."""
     _die_with_parent()
     if cores is not None:
+        _bind(cores)
+
+
+def _bind(cores: Sequence[int]) -> None:
+    try:
         os.sched_setaffinity(0, cores)
+    except OSError as e:  # a core taken away since (a cgroup changed): run unbound
+        os.write(2, f"psflow launch: cannot bind this task to cores {list(cores)}: {e}\n".encode())
 
 
 class Launcher:

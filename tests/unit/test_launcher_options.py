@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import psflow.cli
-from psflow.cluster.launcher import LaunchConfig, Launcher, core_sets
+from psflow.cluster.launcher import LaunchConfig, Launcher, _bind, core_sets
 from psflow.cluster.spec import TaskSpec
 from psflow.transport import CurveKeys
 
@@ -121,3 +121,12 @@ def test_core_sets_give_each_task_cores_of_its_own_when_there_are_enough() -> No
     assert _named(core_sets(tasks, [2, 3, 5])) == {"worker:0": [2], "ps:0": [3], "ps:1": [5]}
     with pytest.raises(ValueError, match="no cores"):
         core_sets(tasks, [])
+
+
+def test_a_task_that_cannot_be_bound_says_so_and_runs_unbound(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    before = os.sched_getaffinity(0)
+    _bind([10_000])  # no such core
+    assert os.sched_getaffinity(0) == before
+    assert "cannot bind this task to cores [10000]" in capfd.readouterr().err
