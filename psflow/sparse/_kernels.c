@@ -286,6 +286,9 @@ static inline int64_t shard_of(int64_t id, int div, int64_t num_shards, int64_t 
                                int64_t boundary) {
     if (num_shards == 1) return 0;
     if (!div) {
+        /* A power of two: the low bits (also for a negative id: two's complement gives the
+         * non-negative remainder, as Python's %), without a 64-bit division's 20-40 cycles. */
+        if ((num_shards & (num_shards - 1)) == 0) return id & (num_shards - 1);
         int64_t s = id % num_shards;
         return s < 0 ? s + num_shards : s;
     }
@@ -403,12 +406,12 @@ static PyObject *py_group_ids(PyObject *self, PyObject *args) {
             break;
         }
         counts[s]++;
+        place[u] = s; /* its shard, for now: its place below */
     }
     if (bad < 0) {
         for (int64_t s = 0; s < num_shards; s++) start[s + 1] = start[s] + counts[s];
         for (Py_ssize_t u = 0; u < m; u++) {
-            int64_t s = shard_of(first[u], div, num_shards, q, r, boundary);
-            place[u] = start[s]++;
+            place[u] = start[place[u]]++;
             unique[place[u]] = first[u];
         }
         for (Py_ssize_t i = 0; i < n; i++) positions[i] = place[positions[i]];

@@ -498,7 +498,8 @@ def test_a_snapshot_keeps_its_moment_while_training_goes_on(
 
 
 @pytest.mark.parametrize(
-    ("kind", "n", "shards"), [("mod", 50, 3), ("div", 50, 3), ("mod", None, 4), ("div", 7, 1)]
+    ("kind", "n", "shards"),
+    [("mod", 50, 3), ("mod", 50, 2), ("div", 50, 3), ("mod", None, 4), ("div", 7, 1)],
 )
 def test_group_ids_groups_a_batch_by_shard(kind: str, n: int | None, shards: int) -> None:
     from psflow.sparse import kernels
