@@ -95,6 +95,10 @@ _OP, _STEP, _OK, _LR, _ROWS = Key.OP, Key.STEP, Op.OK, Key.LEARNING_RATE, Key.RO
 _PREFETCH = Key.PREFETCH
 _TASK = Key.TASK
 
+_LATE = frozenset({Op.DONE.value, Op.HEARTBEAT.value})
+"""Requests a finished worker may still have in flight: ``done`` again, and a heartbeat from its
+own sockets that its ``done`` overtook. Any other request from it is a new incarnation's."""
+
 _CHIEF_ONLY = frozenset({Op.INIT.value, Op.SAVE.value, Op.SAVE_STATUS.value})
 """Requests that act on the whole job, served to the chief alone: only the chief initialises
 (or, with ``replace``, restores) the shard and checkpoints it. The sender is whom the header names (:attr:`Key.TASK`): without
@@ -337,8 +341,11 @@ class ParameterServer:
                 if request is not None:
                     last_seen = now
                     sender = request.header.get(_TASK)
-                    if isinstance(sender, str) and liveness.heard(sender, now):
-                        self._back(sender)
+                    if isinstance(sender, str):
+                        if liveness.heard(sender, now):
+                            self._back(sender)
+                        elif sender in self.finished and request.header.get(_OP) not in _LATE:
+                            self._restarted(sender)
                     self._handle(request)
                     if self.finished >= self.trainers:
                         log.info("%s: every worker has finished; exiting", self.name)
@@ -382,6 +389,16 @@ class ParameterServer:
 
     def _back(self, worker: str) -> None:
         log.info("%s: %s, declared dead, is back: it rejoins", self.name, worker)
+        for service in self._services:
+            service.on_worker_back(worker)
+
+    def _restarted(self, worker: str) -> None:
+        # A session that fails says done on its way out; psflow launch --max-restarts (or a
+        # pod's restart policy) may then start the task again, whose requests must count: a
+        # synchronous step that needs its gradient would otherwise fail, "only 1 worker
+        # alive and unfinished", with the restarted worker pushing.
+        self.finished.discard(worker)
+        log.info("%s: %s, finished, speaks again (restarted): it rejoins", self.name, worker)
         for service in self._services:
             service.on_worker_back(worker)
 

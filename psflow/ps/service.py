@@ -160,7 +160,8 @@ class Service(ABC):
         what waits for it should go on without it, or be refused naming it (``reason``)."""
 
     def on_worker_back(self, worker: str) -> None:  # noqa: B027 - optional callback
-        """``worker``, declared dead, spoke again (a restart, or SIGCONT): it rejoins."""
+        """``worker``, declared dead or finished, spoke again (a restart, or SIGCONT): it
+        rejoins (it is out of :attr:`ServiceHost.dead` and :attr:`ServiceHost.finished`)."""
 
     def on_restored(self, reason: str) -> None:  # noqa: B027 - optional callback
         """The chief is replacing the shard's variables (a restore from a checkpoint): work in

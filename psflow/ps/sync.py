@@ -393,6 +393,7 @@ class SyncService(Service):
     def on_worker_back(self, worker: str) -> None:
         self._why_dead.pop(worker, None)
         self.clocks.dead = set(self.host.dead)
+        self.clocks.finished = set(self.host.finished)  # restarted after it said done
         self.clocks.rejoin(worker)
 
     def _fail_if_stuck(self) -> None:

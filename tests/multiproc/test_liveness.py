@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import psflow
-from psflow.protocol import Key
+from psflow.protocol import Key, Op
 from psflow.transport import PeerError, TransportConfig
 from psflow.worker.client import ShardedClient
 
@@ -195,3 +195,39 @@ def test_the_heartbeat_goes_on_while_a_ps_is_down() -> None:
     finally:
         beat.stop()
         server.close()
+
+
+def test_a_finished_worker_that_speaks_again_rejoins() -> None:
+    """A session that fails says done on its way out; restarted (``psflow launch
+    --max-restarts``), the same task asks again, and the ps must count it as live again: a
+    synchronous step that needs its gradient failed otherwise ("only 1 worker(s) are alive and
+    unfinished"), seen in a full run of the fault matrix. A heartbeat that its done overtook
+    (heartbeats have sockets of their own) does not bring it back."""
+    cluster = local_cluster(1, 2)
+    ps = start_ps(cluster)
+    config = TransportConfig(timeout=30)
+    probe = ShardedClient(worker_ctx(cluster, 0), config)
+    first = ShardedClient(worker_ctx(cluster, 1), config)
+    again = None
+    try:
+        probe.wait_ready(60, initialized=False)
+        first.wait_ready(60, initialized=False)
+        first.done()
+        assert probe.status()[0][Key.FINISHED] == ["worker:1"]
+        first.call({0: {Key.OP: Op.HEARTBEAT}})  # late: still finished
+        assert probe.status()[0][Key.FINISHED] == ["worker:1"]
+        first.close()
+        again = ShardedClient(worker_ctx(cluster, 1), config)  # the restarted task
+        again.wait_ready(60, initialized=False)
+        assert probe.status()[0][Key.FINISHED] == []
+        probe.done()
+        again.done()  # both finished: the ps exits by itself
+        code, err = stop(ps, timeout=60)
+        assert code == 0, err
+        assert "ps:0: worker:1, finished, speaks again (restarted): it rejoins" in err
+    finally:
+        for c in (probe, first, again):
+            if c is not None:
+                c.close()
+        ps.kill()
+        stop(ps)
