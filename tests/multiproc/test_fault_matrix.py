@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(300)]
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
 def test_the_job_survives_the_fault_or_names_the_task(scenario: Scenario, tmp_path: Path) -> None:
     result, out = run(scenario, tmp_path, timeout=240)
-    log = "\n".join(out[-80:])
+    log = "\n".join(out[-250:])  # enough to show a first failure before the last one
     assert result.fault_step is not None, f"the fault never struck:\n{log}"
     assert result.detected_s is not None, f"nothing named {scenario.task}:\n{log}"
     if scenario.role == "chief" and result.exit_code != 0:
