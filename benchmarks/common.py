@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from psflow import env as envvars
-from psflow.cluster.launcher import core_sets, host_cpus, local_cluster
+from psflow.cluster.launcher import bind, core_sets, host_cpus, local_cluster, task_threads
 from psflow.cluster.spec import ClusterSpec, TaskSpec
 
 
@@ -46,22 +46,18 @@ def run_job(
     """
     procs: dict[TaskSpec, subprocess.Popen[str]] = {}
     base_env = {**envvars.TASK_DEFAULTS, **os.environ, **(env or {})}  # as psflow launch does
-    if share_cores:  # as psflow launch does, unless set
-        tasks_here = sum(1 for _ in cluster.tasks())
-        base_env.setdefault(envvars.OMP_NUM_THREADS, envvars.threads_per_task(tasks_here))
+    tasks_here = sum(1 for _ in cluster.tasks())
     cores = core_sets(cluster.tasks(), host_cpus()) if bind_cores else {}
     try:
         for task in sorted(cluster.tasks(), key=lambda t: t.job != "ps"):
             e = dict(base_env, TF_CONFIG=cluster.to_tf_config(task), PYTHONUNBUFFERED="1")
             bound = cores.get(task)
-            if bound and envvars.OMP_NUM_THREADS not in os.environ:
-                e[envvars.OMP_NUM_THREADS] = str(len(bound))
+            if share_cores or bound:  # as psflow launch does, unless set
+                e.setdefault(envvars.OMP_NUM_THREADS, task_threads(bound, tasks_here))
             procs[task] = subprocess.Popen(
                 [python, *command(task)],
                 env=e,
-                preexec_fn=None
-                if bound is None
-                else functools.partial(os.sched_setaffinity, 0, bound),
+                preexec_fn=None if bound is None else functools.partial(bind, bound),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,

@@ -262,6 +262,12 @@ def core_sets(tasks: Sequence[TaskSpec], cpus: Sequence[int]) -> dict[TaskSpec, 
     return out
 
 
+def task_threads(cores: Sequence[int] | None, tasks_here: int) -> str:
+    """``OMP_NUM_THREADS`` for a task bound to ``cores`` (their count), or, unbound, for one of
+    ``tasks_here`` tasks sharing this host (:func:`psflow.env.threads_per_task`)."""
+    return str(len(cores)) if cores else envvars.threads_per_task(tasks_here)
+
+
 def host_cpus() -> list[int]:
     """The cores this process may run on (a container's cpuset, ``taskset``), in order."""
     try:
@@ -274,10 +280,12 @@ def _start_task(cores: Sequence[int] | None) -> None:
     """Runs in each task's process before it executes the script."""
     _die_with_parent()
     if cores is not None:
-        _bind(cores)
+        bind(cores)
 
 
-def _bind(cores: Sequence[int]) -> None:
+def bind(cores: Sequence[int]) -> None:
+    """Binds this process to ``cores``; where it cannot (a core taken away since), says so on
+    its stderr and leaves it unbound. Safe between fork and exec (``preexec_fn``)."""
     try:
         os.sched_setaffinity(0, cores)
     except OSError as e:  # a core taken away since (a cgroup changed): run unbound
@@ -339,8 +347,7 @@ class Launcher:
         # All of them on this host: the cores shared out, as torchrun does (unless set).
         tasks_here = sum(1 for _ in self.cluster.tasks())
         cores = self.cores.get(task)
-        threads = str(len(cores)) if cores else envvars.threads_per_task(tasks_here)
-        env.setdefault(envvars.OMP_NUM_THREADS, threads)
+        env.setdefault(envvars.OMP_NUM_THREADS, task_threads(cores, tasks_here))
         env[envvars.TF_CONFIG] = self.cluster.to_tf_config(task)
         if self.config.mode is not None:
             env[envvars.PSFLOW_MODE] = self.config.mode

@@ -343,9 +343,13 @@ class ParameterServer:
                     sender = request.header.get(_TASK)
                     if isinstance(sender, str):
                         if liveness.heard(sender, now):
-                            self._back(sender)
+                            self._back(sender, "declared dead, is back")
                         elif sender in self.finished and request.header.get(_OP) not in _LATE:
-                            self._restarted(sender)
+                            # A session that fails says done on its way out; psflow launch
+                            # --max-restarts (or a pod's restart policy) may then start the
+                            # task again, whose requests must count.
+                            self.finished.discard(sender)
+                            self._back(sender, "finished, speaks again (restarted)")
                     self._handle(request)
                     if self.finished >= self.trainers:
                         log.info("%s: every worker has finished; exiting", self.name)
@@ -387,18 +391,8 @@ class ParameterServer:
         for service in self._services:
             service.on_worker_dead(worker, reason)
 
-    def _back(self, worker: str) -> None:
-        log.info("%s: %s, declared dead, is back: it rejoins", self.name, worker)
-        for service in self._services:
-            service.on_worker_back(worker)
-
-    def _restarted(self, worker: str) -> None:
-        # A session that fails says done on its way out; psflow launch --max-restarts (or a
-        # pod's restart policy) may then start the task again, whose requests must count: a
-        # synchronous step that needs its gradient would otherwise fail, "only 1 worker
-        # alive and unfinished", with the restarted worker pushing.
-        self.finished.discard(worker)
-        log.info("%s: %s, finished, speaks again (restarted): it rejoins", self.name, worker)
+    def _back(self, worker: str, how: str) -> None:
+        log.info("%s: %s, %s: it rejoins", self.name, worker, how)
         for service in self._services:
             service.on_worker_back(worker)
 

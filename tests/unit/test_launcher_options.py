@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import psflow.cli
-from psflow.cluster.launcher import LaunchConfig, Launcher, _bind, core_sets
+from psflow.cluster.launcher import LaunchConfig, Launcher, bind, core_sets
 from psflow.cluster.spec import TaskSpec
 from psflow.transport import CurveKeys
 
@@ -127,6 +127,6 @@ def test_a_task_that_cannot_be_bound_says_so_and_runs_unbound(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
     before = os.sched_getaffinity(0)
-    _bind([10_000])  # no such core
+    bind([10_000])  # no such core
     assert os.sched_getaffinity(0) == before
     assert "cannot bind this task to cores [10000]" in capfd.readouterr().err
