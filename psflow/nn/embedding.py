@@ -23,18 +23,24 @@ _MODES = ("sum", "mean", "max")
 
 class _GatherRows(torch.autograd.Function):
     """``rows[index]`` and its gradient, with :func:`psflow.sparse.kernels.gather` and
-    :func:`~psflow.sparse.kernels.scatter_add`."""
+    :func:`~psflow.sparse.kernels.scatter_add`. With ``parts``, the values come from them
+    (their concatenation is ``rows``' values, which ``rows`` need not hold), read here and
+    never again: the gradient needs only ``index``."""
 
     @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any, rows: torch.Tensor, index: torch.Tensor, parts: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
         ctx.save_for_backward(index)
         ctx.rows = rows.shape[0]
+        if parts is not None:
+            return kernels.gather_parts(parts, index)
         return kernels.gather(rows.detach(), index)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (index,) = ctx.saved_tensors
-        return kernels.scatter_add(ctx.rows, grad.contiguous(), index), None
+        return kernels.scatter_add(ctx.rows, grad.contiguous(), index), None, None
 
 
 class Embedding(TableModule):
@@ -130,6 +136,12 @@ class Embedding(TableModule):
                 self.scale_grad_by_freq,
                 self.sparse,
             )
+        if self.padding_idx is None and not self.scale_grad_by_freq:
+            got = self._gather_parts(input)
+            if got is not None:  # the worker's rows, gathered where they came in
+                rows, parts, positions = got
+                flat = _GatherRows.apply(rows, positions.reshape(-1), parts)
+                return flat.view(*positions.shape, self.embedding_dim)
         positions, rows, padding = self._gather(input)
         if padding is None and not self.scale_grad_by_freq:
             # The same values and gradients as F.embedding (whose CPU backward sorts the ids

@@ -32,7 +32,9 @@ class RowSource(Protocol):
     The module asks once per forward pass, with the unique ids of the batch; the rows it gets
     back stand in for ``weight[ids]``. A source may also define ``batch_rows(table, ids)``,
     taking the batch's ids as they are and giving its rows in its own order (see
-    :func:`batch_rows`); the module then asks that instead.
+    :func:`batch_rows`); the module then asks that instead. And ``batch_parts(table, ids)``
+    (the worker's :meth:`~psflow.worker.tables.TableClient.batch_parts`), for a module that
+    gathers the rows at once: the rows left where they came in, in parts.
     """
 
     def rows(self, table: TableModule, ids: torch.Tensor) -> torch.Tensor:
@@ -360,6 +362,36 @@ class TableModule(nn.Module):
             if at.numel():
                 padding = int(positions[at[0, 0]])
         return positions.reshape(ids.shape), rows, padding
+
+    def _gather_parts(
+        self, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor] | None:
+        """For the ids of a batch on the CPU, when the row source keeps the rows where they
+        came in (``batch_parts``, the worker's): ``(rows, parts, positions)``, ``rows`` the leaf
+        that stands for the unique ids' rows in autograd (it holds no values), ``parts`` the
+        rows themselves in pieces, valid until the source's next request (gather from them at
+        once), ``positions`` as :meth:`_gather` gives them. ``None``: use :meth:`_gather`."""
+        parts_of = getattr(self._source, "batch_parts", None)
+        if parts_of is None or ids.device.type != "cpu":
+            return None
+        self._check_dtype(ids)
+        flat = ids.reshape(-1).to(torch.int64)
+        if not flat.numel():
+            return None
+        if self.num_embeddings is not None:
+            self._check_range(*torch.aminmax(flat))
+        rows, parts, positions = parts_of(self, flat)
+        held = sum(p.shape[0] for p in parts)
+        if rows.shape != (held, self.embedding_dim) or any(
+            p.shape[1:] != (self.embedding_dim,) for p in parts
+        ):
+            raise RuntimeError(
+                f"{self._label()}: the row source gave rows in parts of shapes "
+                f"{[list(p.shape) for p in parts]} for a leaf of shape {list(rows.shape)}, "
+                f"expected [*, {self.embedding_dim}] adding up to [{rows.shape[0]}, "
+                f"{self.embedding_dim}]"
+            )
+        return rows, parts, positions.reshape(ids.shape)
 
     def prefetch(self, ids: torch.Tensor) -> None:
         """Asks for the rows of a coming batch's ``ids`` (what its forward will be given) to

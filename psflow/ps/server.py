@@ -517,6 +517,14 @@ class ParameterServer:
             header.setdefault(_LR, self.store.learning_rate())
         self._server.reply(request, header, tensors)
 
+    def reply_tensors(
+        self, request: Request, specs: Sequence[tuple[torch.dtype, Sequence[int]]]
+    ) -> list[torch.Tensor] | None:
+        """Tensors to fill and answer ``request`` with, made where the reply goes (see
+        ``Server.reply_tensors``), or ``None``."""
+        assert self._server is not None
+        return self._server.reply_tensors(request, specs)
+
     def refuse(self, request: Request, message: str, code: Code) -> None:
         """Answers ``request`` with an error of kind ``code``."""
         assert self._server is not None

@@ -91,6 +91,14 @@ class ServiceHost(Protocol):
         """Answers ``request`` (op ``ok`` and the shard's step unless ``header`` says)."""
         ...
 
+    def reply_tensors(
+        self, request: Request, specs: Sequence[tuple[torch.dtype, Sequence[int]]]
+    ) -> list[torch.Tensor] | None:
+        """Tensors of these dtypes and shapes made where :meth:`reply` would copy them (the
+        request's lane), for a handler to fill and answer with; ``None``: answer with tensors
+        of its own. They overlay the request's tensors: take those without ``transient``."""
+        ...
+
     def refuse(self, request: Request, message: str, code: Code) -> None:
         """Answers a request that waited with an error (a handler refuses the request it is
         handling by raising instead)."""

@@ -174,9 +174,26 @@ def check_lookup(tables: Mapping[str, Rows], ids: Mapping[str, torch.Tensor]) ->
         table.check_ids(table_ids)
 
 
-def lookup_rows(tables: Mapping[str, Rows], ids: Mapping[str, torch.Tensor]) -> Tensors:
-    """The rows of ``ids`` (checked by :func:`check_lookup`) per table, as ``(table, rows)``."""
-    return [(name, tables[name].lookup(table_ids)) for name, table_ids in ids.items()]
+def lookup_rows(
+    tables: Mapping[str, Rows],
+    ids: Mapping[str, torch.Tensor],
+    out: Sequence[torch.Tensor] | None = None,
+) -> Tensors:
+    """The rows of ``ids`` (checked by :func:`check_lookup`) per table, as ``(table, rows)``;
+    into ``out`` (one tensor per table, as :func:`row_specs` describes them) when given."""
+    if out is None:
+        return [(name, tables[name].lookup(table_ids)) for name, table_ids in ids.items()]
+    return [
+        (name, tables[name].lookup(table_ids, rows))
+        for (name, table_ids), rows in zip(ids.items(), out, strict=True)
+    ]
+
+
+def row_specs(
+    tables: Mapping[str, Rows], ids: Mapping[str, torch.Tensor]
+) -> list[tuple[torch.dtype, tuple[int, int]]]:
+    """The dtype and shape of each table's rows that :func:`lookup_rows` gives for ``ids``."""
+    return [(tables[n].dtype, (t.numel(), tables[n].dim)) for n, t in ids.items()]
 
 
 def sum_rows(
@@ -273,9 +290,12 @@ class TableService(Service):
 
     def _lookup(self, request: Request) -> None:
         self.host.require_initialized()
-        ids = dict(self.host.tensors(request))
-        check_lookup(self.host.store.tables, ids)
-        self.host.reply(request, {}, lookup_rows(self.host.store.tables, ids))
+        ids = dict(self.host.tensors(request))  # copies: the rows may go where they were
+        tables = self.host.store.tables
+        check_lookup(tables, ids)
+        # Gathered straight into the lane that carries the reply, where there is one.
+        out = self.host.reply_tensors(request, row_specs(tables, ids))
+        self.host.reply(request, {}, lookup_rows(tables, ids, out))
         count_rows(self.host.metrics, ids, pushed=False)
 
     def _status(self, request: Request) -> None:

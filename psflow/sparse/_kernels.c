@@ -162,6 +162,24 @@ static void gather_rows(char *out, const char *src, const int64_t *index, Py_ssi
     }
 }
 
+/* out[i] = row index[i] of rows held in parts: part p holds rows [starts[p], starts[p + 1]) at
+ * srcs[p] (each shard's rows where they came in, a lane of shared memory: no copy joins them
+ * first). */
+static inline const char *part_row(const char *const *srcs, const int64_t *starts,
+                                   Py_ssize_t parts, int64_t row, Py_ssize_t bytes) {
+    Py_ssize_t p = parts - 1;
+    while (p > 0 && row < starts[p]) p--;
+    return srcs[p] + (row - starts[p]) * bytes;
+}
+
+static void gather_parts(char *out, const char *const *srcs, const int64_t *starts,
+                         Py_ssize_t parts, const int64_t *index, Py_ssize_t n, Py_ssize_t bytes) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) prefetch_row(part_row(srcs, starts, parts, index[i + AHEAD], bytes), bytes);
+        memcpy(out + i * bytes, part_row(srcs, starts, parts, index[i], bytes), (size_t)bytes);
+    }
+}
+
 /* out[index[i]] += src[i]: the gradient of a gather (rows used several times add up). */
 #define SCATTER_ADD(T)                                                                       \
     CLONES                                                                                   \
@@ -183,6 +201,21 @@ static PyObject *py_gather(PyObject *self, PyObject *args) {
     if (bad >= 0) return PyLong_FromSsize_t(bad);
     Py_BEGIN_ALLOW_THREADS
     gather_rows(PTR(char, out), PTR(const char, src), PTR(int64_t, index), n, bytes);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(-1);
+}
+
+/* (out, srcs: int64 pointers, starts: int64 first rows, parts, index, n, bytes, rows) */
+static PyObject *py_gather_parts(PyObject *self, PyObject *args) {
+    Py_ssize_t out, srcs, starts, parts, index, n, bytes, rows;
+    if (!PyArg_ParseTuple(args, "nnnnnnnn", &out, &srcs, &starts, &parts, &index, &n, &bytes,
+                          &rows))
+        return NULL;
+    Py_ssize_t bad = first_bad(PTR(int64_t, index), n, rows);
+    if (bad >= 0) return PyLong_FromSsize_t(bad);
+    Py_BEGIN_ALLOW_THREADS
+    gather_parts(PTR(char, out), PTR(const char *const, srcs), PTR(int64_t, starts), parts,
+                 PTR(int64_t, index), n, bytes);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(-1);
 }
@@ -434,6 +467,8 @@ static PyMethodDef methods[] = {
     {"group_ids", py_group_ids, METH_VARARGS, "A batch's unique ids grouped by shard; how many."},
     {"check_ids", py_check_ids, METH_VARARGS, "A request's ids: (0, -1) or (reason, position)."},
     {"gather", py_gather, METH_VARARGS, "out[i] = src[index[i]]; -1 or the first bad index."},
+    {"gather_parts", py_gather_parts, METH_VARARGS,
+     "out[i] = row index[i] of rows held in parts; -1 or the first bad index."},
     {"scatter_add", py_scatter_add, METH_VARARGS, "out[index[i]] += src[i]; -1 or the first bad."},
     {NULL, NULL, 0, NULL},
 };

@@ -22,8 +22,10 @@ float32 rows took 0.73 ms on 2 threads (OpenMP's waits passive, as psflow sets t
 from __future__ import annotations
 
 import importlib
+import itertools
 import logging
 import os
+from collections.abc import Sequence
 from types import ModuleType
 
 import torch
@@ -96,24 +98,69 @@ def _rows_ok(src: torch.Tensor, index: torch.Tensor) -> bool:
     )
 
 
-def gather(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``src.index_select(0, index)`` for a 2-D ``src`` (any dtype).
+def gather(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``src.index_select(0, index)`` for a 2-D ``src`` (any dtype), into ``out`` when given
+    (contiguous, ``[len(index), dim]``, ``src``'s dtype).
 
     Raises:
         IndexError: for an index outside ``src``'s rows.
     """
-    if not _rows_ok(src, index):
-        return src.index_select(0, index)
+    if not _rows_ok(src, index) or (out is not None and not out.is_contiguous()):
+        return (
+            src.index_select(0, index)
+            if out is None
+            else torch.index_select(src, 0, index, out=out)
+        )
     assert KERNELS is not None
     index = index.contiguous()
     rows, dim = src.shape
-    out = torch.empty((index.numel(), dim), dtype=src.dtype)
+    if out is None:
+        out = torch.empty((index.numel(), dim), dtype=src.dtype)
+    elif out.shape != (index.numel(), dim) or out.dtype != src.dtype or not out.is_cpu:
+        raise ValueError(
+            f"gather into {out.dtype} {list(out.shape)}: expected {src.dtype} "
+            f"{[index.numel(), dim]} on the CPU"
+        )
     n, row_bytes = index.numel(), dim * src.element_size()
     check(
         KERNELS.gather(out.data_ptr(), src.data_ptr(), index.data_ptr(), n, row_bytes, rows),
         index,
         rows,
     )
+    return out
+
+
+def gather_parts(parts: Sequence[torch.Tensor], index: torch.Tensor) -> torch.Tensor:
+    """``torch.cat(parts).index_select(0, index)`` without the ``cat``: rows that came in
+    pieces (each shard's where it arrived, a lane of shared memory) gathered where they lie.
+    The parts are 2-D with the same width and dtype.
+
+    Raises:
+        IndexError: for an index outside the parts' rows.
+    """
+    if len(parts) == 1:
+        return gather(parts[0], index)
+    rows = sum(p.shape[0] for p in parts)
+    first = parts[0]
+    if any(p.dim() != 2 or p.shape[1:] != first.shape[1:] or p.dtype != first.dtype for p in parts):
+        got = [(list(p.shape), p.dtype) for p in parts]
+        raise ValueError(f"parts of rows must be 2-D and share width and dtype, got {got}")
+    dim, dtype = first.shape[1], first.dtype
+    if not all(_rows_ok(p, index) for p in parts):
+        return torch.cat(list(parts)).index_select(0, index)
+    assert KERNELS is not None
+    index = index.contiguous()
+    out = torch.empty((index.numel(), dim), dtype=dtype)
+    srcs = torch.tensor([p.data_ptr() for p in parts], dtype=torch.int64)
+    starts = torch.tensor([0, *itertools.accumulate(p.shape[0] for p in parts[:-1])])
+    check(
+        KERNELS.gather_parts(
+            out.data_ptr(), srcs.data_ptr(), starts.data_ptr(), len(parts), index.data_ptr(),
+            index.numel(), dim * parts[0].element_size(), rows,
+        ),
+        index,
+        rows,
+    )  # fmt: skip
     return out
 
 

@@ -268,8 +268,9 @@ class Rows(ABC):
     # -- the interface -----------------------------------------------------------------------
 
     @abstractmethod
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """The rows of ``ids`` (unique, on this shard): a new ``[len(ids), dim]`` tensor."""
+    def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows of ``ids`` (unique, on this shard): a new ``[len(ids), dim]`` tensor, or
+        ``out`` (of that shape and the table's dtype) filled."""
 
     @abstractmethod
     def apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
@@ -335,8 +336,8 @@ class FixedRows(Rows):
         )
         self.state = self.optimizer.new_state(self._rows, self.dim, self.dtype)
 
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        return kernels.gather(self.values, self.partition.local_index(ids))
+    def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return kernels.gather(self.values, self.partition.local_index(ids), out)
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         self._check_grads(ids, grads)
@@ -531,11 +532,14 @@ class HashedRows(Rows):
 
     # -- the interface -----------------------------------------------------------------------
 
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+    def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         slots = self._slots(ids)
         known = slots >= 0
         if bool(known.all()):
-            return kernels.gather(self.values, slots)
+            return kernels.gather(self.values, slots, out)
+        if out is not None:
+            out.copy_(self.lookup(ids))
+            return out
         spec = self.spec
         out = initial_rows(
             spec.seed,

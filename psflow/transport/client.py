@@ -79,7 +79,7 @@ class _Peer:
 class _Wait:
     """What one :meth:`Client.wait` collects: the requests still awaited, and the replies."""
 
-    __slots__ = ("into", "into_of", "lane_views", "replies", "want")
+    __slots__ = ("into", "into_of", "lane_views", "replies", "request_views", "want")
 
     def __init__(
         self,
@@ -87,12 +87,14 @@ class _Wait:
         into: dict[str, torch.Tensor] | None,
         lane_views: bool,
         into_of: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
+        request_views: bool = False,
     ) -> None:
         self.want = set(rids)
         self.replies: dict[int, Reply] = {}
         self.into = into
         self.into_of = into_of
         self.lane_views = lane_views
+        self.request_views = request_views
 
 
 class Client:
@@ -276,6 +278,7 @@ class Client:
         into: dict[str, torch.Tensor] | None = None,
         lane_views: bool = False,
         into_of: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
+        request_views: bool = False,
     ) -> dict[int, Reply]:
         """The replies to ``rids`` (header and tensors), keyed by request id.
 
@@ -284,7 +287,9 @@ class Client:
         ``lane_views``, tensors that came through a lane are views of it instead: the server's
         next reply through that lane rewrites them in place (see :meth:`Server.reply`), and
         the callbacks given to :meth:`on_lane_retired` hear of a lane a late reply might still
-        write into.
+        write into. With ``request_views``, tensors a server wrote into a lane's request area
+        (a lookup's rows) are views of it, not copies: the client's next request through that
+        lane overwrites them, so the caller is done with them before it sends another.
 
         Raises:
             PeerTimeoutError: naming each peer that has not answered by the deadline.
@@ -292,7 +297,7 @@ class Client:
             PeerError: when a peer answered with an error (its :attr:`~PeerError.code` is the
                 reply's) or with a malformed message.
         """
-        w = _Wait(rids, into, lane_views, into_of)
+        w = _Wait(rids, into, lane_views, into_of, request_views)
         timeout = self.config.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while w.want:
@@ -433,8 +438,8 @@ class Client:
             code = header.get(Key.CODE)
             detail = str(header.get(Key.ERROR, "unknown error"))
             raise PeerError(peer.name, detail, code=code if isinstance(code, str) else None)
-        # Rows a server wrote into the request area are copied out: the next request overwrites
-        # them.
+        # Rows a server wrote into the request area are copied out unless the caller takes
+        # views: the next request overwrites them.
         in_request = lane is not None and header.get(Key.IN_LANE) == IN_REQUEST_AREA
         try:
             tensors = wire.decode_tensors(
@@ -443,7 +448,7 @@ class Client:
                 max_bytes=self.config.max_message_bytes,
                 into=w.into if w.into_of is None else w.into_of.get(rid, w.into),
                 area=None if lane is None else lane.request if in_request else lane.reply,
-                transient=w.lane_views and not in_request,
+                transient=w.request_views if in_request else w.lane_views,
                 views=None if lane is None or in_request else lane.reply_views,
             )
         except wire.WireError as e:

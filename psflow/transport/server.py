@@ -373,14 +373,21 @@ class Server:
                 frames = wire.encode(dict(header), tensors, area=lane.reply if whole_set else None)
                 if len(frames) == 1 and lane.post_reply(frames[0]):
                     return
-            elif not isinstance(tensors, wire.TensorSet) and _outside(tensors, lane.request):
-                # The request's area: its tensors are done with, and the client copies these
-                # out before its next request. (A lookup's rows, in a lane.)
-                frames = wire.encode(
-                    dict(header), tensors, area=lane.request, in_lane=IN_REQUEST_AREA
-                )
-                if len(frames) == 1 and lane.post_reply(frames[0]):
-                    return
+            elif not isinstance(tensors, wire.TensorSet):
+                # The request's area: its tensors are done with, and the client takes these
+                # before its next request. (A lookup's rows, in a lane; made there by
+                # reply_tensors, they are not copied again.)
+                placed = wire.placed_in(tensors, lane.request)
+                if placed or _outside(tensors, lane.request):
+                    frames = wire.encode(
+                        dict(header),
+                        tensors,
+                        area=lane.request,
+                        in_lane=IN_REQUEST_AREA,
+                        placed=placed,
+                    )
+                    if len(frames) == 1 and lane.post_reply(frames[0]):
+                        return
             need = wire.lane_bytes_of(tensors) if fixed else 0
             note: dict[str, Any] = {Key.OP: Op.USE_SOCKET, Key.ID: rid, Key.NEED: need}
             self._post(lane, request.identity, wire.encode(note))
@@ -391,6 +398,19 @@ class Server:
             self._sock.send_multipart(msg, copy=True)
         else:
             self._pending.append(self._sock.send_multipart(msg, copy=False, track=True))
+
+    def reply_tensors(
+        self, request: Request, specs: Sequence[tuple[torch.dtype, Sequence[int]]]
+    ) -> list[torch.Tensor] | None:
+        """Tensors of these dtypes and shapes made where :meth:`reply` would copy a list of
+        them (``request``'s lane, its request area), for a handler to fill and answer with:
+        the copy is spared. ``None`` when the request did not come by lane or they do not fit
+        (answer with tensors of its own). They overlay the request's own tensors: take those
+        as copies first (:meth:`tensors` without ``transient``)."""
+        lane = request.lane
+        if lane is None or lane.closed:
+            return None
+        return wire.lane_tensors(lane.request, specs)
 
     def send_error(self, request: Request, message: str, code: str | None = Code.REFUSED) -> None:
         """Answers ``request`` with an error: ``message`` for people, ``code`` (a

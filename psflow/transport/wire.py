@@ -207,12 +207,14 @@ def encode(
     area: np.ndarray[Any, Any] | None = None,
     layout: Layout | None = None,
     in_lane: int = 1,
+    placed: bool = False,
 ) -> list[Any]:
     """The frames of one message: the packed header, then each tensor's bytes in chunks.
 
     With ``area`` (a lane's uint8 area), the tensors are copied into it when they fit, and the
     message is the header alone (its :attr:`~Key.IN_LANE` is then set, to ``in_lane``: which area
-    it is). ``layout``, when the tensors follow it, spares describing them again.
+    it is). ``layout``, when the tensors follow it, spares describing them again. ``placed``:
+    the tensors already lie in ``area`` where they go (:func:`placed_in`): nothing is copied.
 
     Small messages (at most :data:`INLINE_BYTES` of tensor data) travel as one frame, the
     bytes inside the header: each frame costs a wake-up of ZeroMQ's I/O thread, which is what
@@ -254,8 +256,9 @@ def encode(
             if need <= len(area):
                 dst = area.data  # a memoryview: its copies are plain memcpy, faster than numpy's
         if dst is not None:
-            for off, raw in zip(offsets, raws, strict=True):
-                dst[off : off + len(raw)] = raw
+            if not placed:
+                for off, raw in zip(offsets, raws, strict=True):
+                    dst[off : off + len(raw)] = raw
             header[_IN_LANE] = in_lane
         elif nbytes <= INLINE_BYTES:
             # Each tensor starts 8-byte aligned, so the receiver can view it in place.
@@ -290,6 +293,33 @@ def _lane_layout(sizes: Iterable[int]) -> tuple[list[int], int]:
         offsets.append(off)
         off = _lane_aligned(off + n)
     return offsets, off
+
+
+def lane_tensors(
+    area: np.ndarray[Any, Any], specs: Sequence[tuple[torch.dtype, Sequence[int]]]
+) -> list[torch.Tensor] | None:
+    """Tensors of these dtypes and shapes laid out in a lane's ``area`` as :func:`encode` lays
+    them out (a sender that fills them spares encode's copy), or ``None`` when they do not fit."""
+    sizes = [math.prod(shape) * dtype.itemsize for dtype, shape in specs]
+    offsets, need = _lane_layout(sizes)
+    if need > len(area):
+        return None
+    return [
+        torch.from_numpy(area[off : off + n]).view(dtype).view(*shape)
+        for off, n, (dtype, shape) in zip(offsets, sizes, specs, strict=True)
+    ]
+
+
+def placed_in(tensors: Sequence[tuple[str, torch.Tensor]], area: np.ndarray[Any, Any]) -> bool:
+    """Whether ``tensors`` lie in ``area`` exactly where :func:`encode` would copy them (as
+    :func:`lane_tensors` made them), so ``encode(..., placed=True)`` may skip the copy."""
+    if not tensors or not all(t.is_contiguous() and t.is_cpu for _, t in tensors):
+        return False
+    offsets, need = _lane_layout(t.nbytes for _, t in tensors)
+    base = area.ctypes.data
+    return need <= len(area) and all(
+        t.data_ptr() == base + off for off, (_, t) in zip(offsets, tensors, strict=True)
+    )
 
 
 def lane_bytes(sizes: Iterable[int]) -> int:

@@ -82,10 +82,12 @@ class ShardedClient:
         lane_views: bool = False,
         layouts: dict[int, wire.Layout] | None = None,
         into_of: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
+        request_views: bool = False,
     ) -> Replies:
         """One request per listed shard (its header, its tensors), sent at once; the replies
-        (see :meth:`Client.send` for ``layouts``, :meth:`Client.wait` for ``into`` and
-        ``lane_views``; ``into_of[shard]`` is ``into`` for that shard's reply).
+        (see :meth:`Client.send` for ``layouts``, :meth:`Client.wait` for ``into``,
+        ``lane_views`` and ``request_views``; ``into_of[shard]`` is ``into`` for that shard's
+        reply).
 
         Raises:
             PeerLostError: when a shard lost the state the request was made against
@@ -93,12 +95,18 @@ class ShardedClient:
             PeerError: when a shard refused the request or did not answer.
         """
         m = self.metrics
-        if not m.on:
-            rids = self.send(headers, tensors, layouts=layouts)
-            return self.wait(rids, timeout, into=into, lane_views=lane_views, into_of=into_of)
-        start = time.perf_counter()
+        start = time.perf_counter() if m.on else 0.0
         rids = self.send(headers, tensors, layouts=layouts)
-        replies = self.wait(rids, timeout, into=into, lane_views=lane_views, into_of=into_of)
+        replies = self.wait(
+            rids,
+            timeout,
+            into=into,
+            lane_views=lane_views,
+            into_of=into_of,
+            request_views=request_views,
+        )
+        if not m.on:
+            return replies
         # Each shard's round trip ends when the last of the call's replies is in: the shards
         # answer in parallel, and a worker waits for them all.
         seconds = time.perf_counter() - start
@@ -136,12 +144,18 @@ class ShardedClient:
         into: dict[str, torch.Tensor] | None = None,
         lane_views: bool = False,
         into_of: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
+        request_views: bool = False,
     ) -> Replies:
         """The second half of :meth:`call`: the replies to the requests :meth:`send` made."""
         by_rid = None if into_of is None else {rids[s]: t for s, t in into_of.items() if s in rids}
         try:
             replies = self._client.wait(
-                rids.values(), timeout, into=into, lane_views=lane_views, into_of=by_rid
+                rids.values(),
+                timeout,
+                into=into,
+                lane_views=lane_views,
+                into_of=by_rid,
+                request_views=request_views,
             )
         except PeerError as e:
             if e.code in LOST_CODES:
@@ -373,11 +387,16 @@ class ShardedClient:
         self,
         ids: dict[int, Tensors],
         into: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
+        *,
+        views: bool = False,
     ) -> Replies:
         """The rows of each table's ids (``(table, ids)`` per listed shard), all shards at once;
         a shard's rows that come through its lane are received into ``into[shard][table]``
-        where given (a tensor of their shape and dtype)."""
-        return self.call(self._headers(Op.LOOKUP, sorted(ids)), ids, into_of=into)
+        where given (a tensor of their shape and dtype), or with ``views`` are left there:
+        views of the lane, valid until the next request to that shard."""
+        return self.call(
+            self._headers(Op.LOOKUP, sorted(ids)), ids, into_of=into, request_views=views
+        )
 
     def table_status(self) -> dict[int, Any]:
         """Each shard's counters per table."""

@@ -126,7 +126,7 @@ class TableClient:
         hold them: a leaf tensor whose gradient :meth:`gradients` pushes at the next step."""
         name, flat = self._name_and_ids(table, ids)
         unique, positions, split = self._group(name, flat)
-        values = self._fetch(name, unique, split)
+        (values,) = self._fetch(name, unique, split)
         aligned = values[positions]  # into the ids' order; the split follows them there
         order = torch.empty_like(positions)
         order[positions] = torch.arange(positions.numel())
@@ -142,8 +142,24 @@ class TableClient:
         which row each id is (see :func:`psflow.nn.table.batch_rows`)."""
         name, flat = self._name_and_ids(table, ids)
         unique, positions, split = self._group(name, flat)
-        values = self._fetch(name, unique, split)
+        (values,) = self._fetch(name, unique, split)
         return self._looked(name, unique, values, split, ids.device), positions.to(ids.device)
+
+    def batch_parts(
+        self, table: TableModule, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """:meth:`batch_rows` for a caller that gathers the batch's rows at once (CPU only):
+        ``(leaf, parts, positions)``. The rows stay where they came in: ``parts``, whose
+        concatenation is the unique ids' rows (each shard's, a view of its lane), valid only
+        until the next request to that shard. ``leaf`` stands for those rows in autograd (its
+        gradient is what :meth:`gradients` pushes) and holds no values: a 1 MB copy out of the
+        lanes a step saved (see :func:`psflow.sparse.kernels.gather_parts`)."""
+        name, flat = self._name_and_ids(table, ids)
+        unique, positions, split = self._group(name, flat)
+        parts = self._fetch(name, unique, split, views=True)
+        spec = self.specs[name]
+        leaf = torch.empty((unique.numel(), spec.embedding_dim), dtype=getattr(torch, spec.dtype))
+        return self._looked(name, unique, leaf, split, ids.device), parts, positions
 
     def _name_and_ids(self, table: TableModule, ids: torch.Tensor) -> tuple[str, torch.Tensor]:
         name = self._name_of.get(id(table))
@@ -178,18 +194,26 @@ class TableClient:
                 start += count
         return unique, positions, out
 
-    def _fetch(self, name: str, unique: torch.Tensor, split: Split) -> torch.Tensor:
-        """The rows of ``unique`` (grouped by shard as ``split`` says), shard after shard:
-        prefetched with the last push when that asked for exactly these ids, else one request
-        per shard, all in flight at once, each shard's rows received into their place."""
+    def _fetch(
+        self, name: str, unique: torch.Tensor, split: Split, *, views: bool = False
+    ) -> list[torch.Tensor]:
+        """The rows of ``unique`` (grouped by shard as ``split`` says), shard after shard, in
+        parts whose concatenation they are: prefetched with the last push when that asked for
+        exactly these ids, else one request per shard, all in flight at once, each shard's rows
+        received into their place in one tensor, or with ``views`` left where they came in
+        (views of its lane, valid until the next request to it), a part each."""
         cached = self._prefetched.pop(name, None)
         if cached is not None and torch.equal(cached[0], unique):
-            return cached[1]
+            return [cached[1]]
         spec = self.specs[name]
-        values = torch.empty((unique.numel(), spec.embedding_dim), dtype=getattr(torch, spec.dtype))
+        values = None
+        into = None
+        if not views:
+            dtype = getattr(torch, spec.dtype)
+            values = torch.empty((unique.numel(), spec.embedding_dim), dtype=dtype)
+            into = {s: {name: values[at]} for s, (_, at) in split.items() if isinstance(at, slice)}
         replies = self.client.lookup(
-            {s: [(name, shard_ids)] for s, (shard_ids, _) in split.items()},
-            into={s: {name: values[at]} for s, (_, at) in split.items() if isinstance(at, slice)},
+            {s: [(name, shard_ids)] for s, (shard_ids, _) in split.items()}, into, views=views
         )
         parts = {}
         for s, (_, shard_tensors) in replies.items():
@@ -198,7 +222,10 @@ class TableClient:
                     f"ps:{s} answered a lookup of {name!r} with {len(shard_tensors)} tensors"
                 )
             parts[s] = shard_tensors[0][1]
-        return self._joined(name, split, parts, values)
+        if values is None:
+            self._check_parts(name, split, parts)
+            return [parts[s] for s in split]
+        return [self._joined(name, split, parts, values)]
 
     def _looked(
         self, name: str, ids: torch.Tensor, values: torch.Tensor, split: Split, device: torch.device
@@ -252,6 +279,19 @@ class TableClient:
         Raises:
             ValueError: when a shard is missing or sent rows of the wrong shape or dtype.
         """
+        self._check_parts(name, split, parts)
+        if out is None:
+            if len(parts) == 1:
+                return next(iter(parts.values()))
+            return torch.cat([parts[s] for s in split])
+        for s, (_, at) in split.items():
+            if not isinstance(at, slice) or parts[s].data_ptr() != out[at].data_ptr():
+                out[at] = parts[s]  # came by socket
+        return out
+
+    def _check_parts(self, name: str, split: Split, parts: dict[int, torch.Tensor]) -> None:
+        """Raises ``ValueError`` when a shard of ``split`` is missing from ``parts`` or sent
+        rows of the wrong shape or dtype."""
         spec = self.specs[name]
         dtype = getattr(torch, spec.dtype)
         if set(parts) != set(split):
@@ -263,14 +303,6 @@ class TableClient:
                     f"ps:{s} sent rows of {name!r} shaped {list(values.shape)} "
                     f"{values.dtype}; expected [{shard_ids.shape[0]}, {spec.embedding_dim}] {dtype}"
                 )
-        if out is None:
-            if len(parts) == 1:
-                return next(iter(parts.values()))
-            return torch.cat([parts[s] for s in split])
-        for s, (_, at) in split.items():
-            if not isinstance(at, slice) or parts[s].data_ptr() != out[at].data_ptr():
-                out[at] = parts[s]  # came by socket
-        return out
 
     def clear(self) -> None:
         """Forgets the lookups since the last step (``zero_grad``)."""

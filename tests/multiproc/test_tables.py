@@ -435,9 +435,9 @@ def test_prefetched_rows_ride_the_step_and_train_the_same() -> None:
         lookups: list[dict[int, list[tuple[str, torch.Tensor]]]] = []
         real_lookup = client.lookup
 
-        def counting(ids, into=None, real=real_lookup, seen=lookups):  # type: ignore[no-untyped-def]
+        def counting(ids, into=None, *, views=False, real=real_lookup, seen=lookups):  # type: ignore[no-untyped-def]
             seen.append(ids)
-            return real(ids, into)
+            return real(ids, into, views=views)
 
         client.lookup = counting  # type: ignore[method-assign]
         try:
@@ -468,8 +468,9 @@ def test_large_lookups_come_back_through_the_lane(
     shm: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rows too large for a header come back in the lane's request area (the reply area may
-    hold the model's parameters, still in use); through the socket when the ps takes no lanes.
-    Either way they are the table's rows, and training goes on over them."""
+    hold the model's parameters, still in use), where the forward gathers them (views, not
+    copies); through the socket when the ps takes no lanes. Either way they are the table's
+    rows, and training goes on over them."""
     from psflow.protocol.messages import IN_REQUEST_AREA
     from psflow.transport import wire
 
@@ -478,7 +479,11 @@ def test_large_lookups_come_back_through_the_lane(
 
     def spy(header, frames, **kwargs):  # type: ignore[no-untyped-def]
         seen.append(header.get(Key.IN_LANE))
+        if header.get(Key.IN_LANE) == IN_REQUEST_AREA:
+            viewed.append(kwargs["transient"])
         return decode(header, frames, **kwargs)
+
+    viewed: list[bool] = []
 
     monkeypatch.setattr(wire, "decode_tensors", spy)
     cluster = local_cluster(1, 1)
@@ -491,11 +496,16 @@ def test_large_lookups_come_back_through_the_lane(
         ids = torch.randperm(5000, generator=torch.Generator().manual_seed(0))[:512]
         with DistributedOptimizer(remote, worker_ctx(cluster), lr=0.1) as opt:
             for step in range(3):
+                now = table_rows(opt, "0", ids)  # rows copied out of the lane
                 seen.clear()
+                viewed.clear()
                 opt.zero_grad()
-                out = remote[0](ids)  # 512 x 64 float32: 128 KB of rows
+                out = remote[0](ids)  # 512 x 64 float32: 128 KB of rows, gathered in the lane
+                torch.testing.assert_close(out, now, rtol=0, atol=0)
                 if step == 0:
                     torch.testing.assert_close(out, local(ids), rtol=0, atol=0)
+                else:
+                    assert viewed == ([True] if shm == "1" else []), viewed
                 remote[1](out).square().mean().backward()
                 opt.step()
                 # From the second step: the first push made the lane's request area as large.

@@ -151,6 +151,50 @@ def _serve(server: Server, answer: Callable[[Request], None], stop: threading.Ev
             answer(request)
 
 
+def test_rows_made_in_the_request_area_come_back_as_views_when_asked() -> None:
+    """A lookup's rows, gathered by the server where its reply goes (``reply_tensors``: the
+    lane's request area), cross without a copy; the client takes them as views of the lane
+    (``request_views``) or as copies. Without a lane the server makes no such tensors."""
+    config = TransportConfig(timeout=10, shared_memory=True)
+    (port,) = free_ports(1)
+    server = Server(f"127.0.0.1:{port}", config)
+    client = Client({"ps:0": f"127.0.0.1:{port}"}, config)
+    made: list[bool] = []
+
+    def answer(request: Request) -> None:
+        ids = dict(server.tensors(request))["ids"]  # a copy: the rows overlay it
+        rows = server.reply_tensors(request, [(torch.float32, (ids.numel(), 16))])
+        made.append(rows is not None)
+        (out,) = rows if rows is not None else [torch.empty(ids.numel(), 16)]
+        out.copy_(ids.float()[:, None].expand(-1, 16))
+        server.reply(request, {"op": "ok"}, [("rows", out)])
+
+    stop = threading.Event()
+    thread = threading.Thread(target=_serve, args=(server, answer, stop))
+    thread.start()
+    try:
+        # 256 KB of rows (no header holds them); the padding makes the lane's request area as
+        # large (a worker's pushes do that).
+        ids = [("ids", torch.arange(4096, dtype=torch.int64)), ("pad", torch.zeros(1 << 16))]
+        client.request("ps:0", {"op": "lookup"}, ids, timeout=10)  # by socket: no lane yet
+        assert client.lane("ps:0") is None and made == [False]
+        want = torch.arange(4096, dtype=torch.float32)[:, None].expand(-1, 16)
+        for views in (True, False):
+            rid = client.send("ps:0", {"op": "lookup"}, ids)
+            ((_, rows),) = client.wait([rid], 10, request_views=views)[rid][1]
+            lane = client.lane("ps:0")
+            assert lane is not None
+            inside = range(lane.request.ctypes.data, lane.request.ctypes.data + lane.request.nbytes)
+            assert torch.equal(rows, want)
+            assert (rows.data_ptr() in inside) == views
+        assert made == [False, True, True]
+    finally:
+        stop.set()
+        thread.join(10)  # before closing: the server's socket belongs to that thread now
+        client.close()
+        server.close()
+
+
 @pytest.mark.parametrize("shared_memory", [False, True])
 def test_an_error_reply_raises_a_peer_error_with_the_peers_code(shared_memory: bool) -> None:
     """The transport hands a refusal up as it came: which codes mean a lost peer is for the

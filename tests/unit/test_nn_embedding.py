@@ -67,6 +67,23 @@ class GroupedSource(DenseSource):
         return self.rows(table, unique[order]), where[positions]
 
 
+class PartsSource(GroupedSource):
+    """As the worker's source through lanes (``batch_parts``): the grouped rows left in two
+    parts (even ids', odd ids'), and a leaf that holds no values (NaN here: a forward that read
+    them would show it)."""
+
+    def batch_parts(
+        self, table: TableModule, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        self.given_parts = True
+        rows, positions = self.batch_rows(table, ids)
+        evens = int((self.asked[-1] % 2 == 0).sum())
+        parts = [rows[:evens].detach().clone(), rows[evens:].detach().clone()]
+        with torch.no_grad():
+            rows.fill_(float("nan"))
+        return rows, parts, positions
+
+
 def random_ids(
     gen: torch.Generator, shape: tuple[int, ...], padding_idx: int | None
 ) -> torch.Tensor:
@@ -95,12 +112,15 @@ def check_grads(module: TableModule, source: DenseSource | None, ref: torch.nn.M
 def attach_or_not(module: TableModule, attached: bool | str) -> DenseSource | None:
     if not attached:
         return None
-    source = GroupedSource(module.weight) if attached == "grouped" else DenseSource(module.weight)
+    kinds = {"grouped": GroupedSource, "parts": PartsSource}
+    source = kinds.get(str(attached), DenseSource)(module.weight)
     module.attach(source)
     return source
 
 
-@pytest.mark.parametrize("attached", [False, True, "grouped"], ids=["local", "attached", "grouped"])
+@pytest.mark.parametrize(
+    "attached", [False, True, "grouped", "parts"], ids=["local", "attached", "grouped", "parts"]
+)
 @pytest.mark.parametrize("padding_idx", [None, 3, -1])
 @pytest.mark.parametrize("shape", [(7,), (4, 6), ()], ids=["1d", "2d", "0d"])
 @pytest.mark.parametrize("seed", SEEDS)
@@ -116,6 +136,8 @@ def test_embedding_matches_torch(
 
     out, want = emb(ids), ref(ids)
     torch.testing.assert_close(out, want, **TOL)
+    if isinstance(source, PartsSource):  # gathered from the parts, unless padding_idx is set
+        assert getattr(source, "given_parts", False) == (padding_idx is None)
     grad_out = torch.randn(want.shape, generator=gen)
     out.backward(grad_out)
     want.backward(grad_out)

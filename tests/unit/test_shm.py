@@ -182,6 +182,28 @@ def test_tensors_travel_in_the_lane(lane: Lane) -> None:
     assert views["big"].data_ptr() % 64 == 0
 
 
+def test_tensors_made_in_the_lane_are_sent_without_a_copy(lane: Lane) -> None:
+    """``lane_tensors`` lays tensors out where ``encode`` would copy them; filled there and
+    encoded with ``placed``, they are not copied, and the receiver reads what was written."""
+    made = wire.lane_tensors(lane.request, [(torch.float32, (100, 16)), (torch.int64, (3,))])
+    assert made is not None
+    rows, ids = made
+    rows.copy_(torch.arange(1600, dtype=torch.float32).view(100, 16))
+    ids.copy_(torch.tensor([7, 8, 9]))
+    tensors = [("rows", rows), ("ids", ids)]
+    assert wire.placed_in(tensors, lane.request)
+    assert not wire.placed_in(tensors[::-1], lane.request)  # not where encode puts them
+    assert not wire.placed_in([("rows", rows.clone())], lane.request)
+    header: dict[str, object] = {"op": "lookup", "id": 1}
+    frames = wire.encode(header, tensors, area=lane.request, placed=True)
+    assert len(frames) == 1 and header["s"] == 1
+    got = dict(
+        wire.decode_tensors(wire.decode_header(frames[0]), [], max_bytes=1 << 20, area=lane.request)
+    )
+    assert torch.equal(got["rows"], rows) and torch.equal(got["ids"], torch.tensor([7, 8, 9]))
+    assert wire.lane_tensors(lane.request, [(torch.float32, (20000,))]) is None  # 80 KB > 64 KB
+
+
 def test_small_tensors_use_the_lane_and_their_views_are_made_once(lane: Lane) -> None:
     w, b = torch.tensor([[2.0]]), torch.tensor([0.3])
     header: dict[str, object] = {"op": "push", "id": 1}

@@ -346,6 +346,33 @@ def test_gather_and_scatter_add_refuse_a_bad_index() -> None:
         kernels.scatter_add(5, torch.ones(2, 2), torch.tensor([-1, 0]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
+def test_gather_parts_is_a_gather_of_the_parts_joined(dtype: torch.dtype) -> None:
+    """Rows in pieces (each shard's where it arrived) gather as if joined first; an empty
+    piece (a shard with none of the batch's ids) holds no row."""
+    need_kernels()
+    gen = torch.Generator().manual_seed(5)
+    parts = [(torch.randn(n, 9, generator=gen) * 100).to(dtype) for n in (40, 0, 1, 75, 0)]
+    joined = torch.cat(parts)
+    index = torch.randint(0, joined.shape[0], (600,), generator=gen)
+    assert torch.equal(kernels.gather_parts(parts, index), joined.index_select(0, index))
+    assert torch.equal(kernels.gather_parts(parts[:1], index % 40), parts[0][index % 40])
+    with pytest.raises(IndexError, match="row index 116 is out of range"):
+        kernels.gather_parts(parts, torch.tensor([0, 116]))
+    with pytest.raises(ValueError, match="share width and dtype"):
+        kernels.gather_parts([parts[0], parts[3][:, :5]], index % 40)
+
+
+def test_gather_into_a_given_tensor() -> None:
+    need_kernels()
+    src = torch.randn(50, 4)
+    index = torch.tensor([3, 49, 0, 3])
+    out = torch.empty(4, 4)
+    assert kernels.gather(src, index, out) is out and torch.equal(out, src[index])
+    with pytest.raises(ValueError, match=r"expected torch.float32 \[4, 4\]"):
+        kernels.gather(src, index, torch.empty(3, 4))
+
+
 def test_a_state_of_the_wrong_shape_never_reaches_the_kernels() -> None:
     """A state tensor with fewer rows than the values (a damaged restore) goes to torch's path,
     which raises, instead of to a kernel that would write past its end."""
