@@ -184,6 +184,18 @@ def scatter_add(rows: int, src: torch.Tensor, index: torch.Tensor) -> torch.Tens
     return out
 
 
+def local_index(ids: torch.Tensor, partition: Partition) -> torch.Tensor:
+    """:meth:`Partition.local_index` (each id's row in its shard's storage, fixed tables) in one
+    pass, where the kernels are built and ``ids`` is 1-D int64 on the CPU."""
+    if KERNELS is None or ids.device.type != "cpu" or ids.dtype != torch.int64 or ids.dim() != 1:
+        return partition.local_index(ids)
+    ids = ids.contiguous()
+    out = torch.empty_like(ids)
+    div, shards, q, r, boundary = partition.rule()
+    KERNELS.local_index(ids.data_ptr(), ids.numel(), div, shards, q, r, boundary, out.data_ptr())
+    return out
+
+
 def group_ids(
     ids: torch.Tensor, partition: Partition
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:

@@ -337,12 +337,12 @@ class FixedRows(Rows):
         self.state = self.optimizer.new_state(self._rows, self.dim, self.dtype)
 
     def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return kernels.gather(self.values, self.partition.local_index(ids), out)
+        return kernels.gather(self.values, kernels.local_index(ids, self.partition), out)
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         self._check_grads(ids, grads)
         ids, grads = self._without_padding(ids, grads)
-        local = self.partition.local_index(ids)
+        local = kernels.local_index(ids, self.partition)
         self._preserve(local)
         self.optimizer.apply(self.values, self.state, local, grads)
         self.updates += 1
@@ -365,7 +365,7 @@ class FixedRows(Rows):
 
     def load(self, ids: torch.Tensor, values: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
         ids, values, state = self._snapshot_rows(ids, values, state)
-        local = self.partition.local_index(ids)
+        local = kernels.local_index(ids, self.partition)
         self._preserve(local)
         self.values.index_copy_(0, local, values)
         for key, tensor in state.items():

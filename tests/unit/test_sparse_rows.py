@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from psflow.protocol import RowOptimizerSpec, TableSpec
-from psflow.sparse import FixedRows, HashedRows, Partition, Rows, initial_rows, make_rows
+from psflow.sparse import FixedRows, HashedRows, Partition, Rows, initial_rows, kernels, make_rows
 from psflow.sparse import init as init_module
 
 pytestmark = pytest.mark.unit
@@ -124,7 +124,7 @@ def tf_div_shard(i: int, n: int, shards: int) -> int:
 
 
 @pytest.mark.parametrize("kind", ["mod", "div"])
-@pytest.mark.parametrize(("n", "shards"), [(10, 1), (10, 3), (7, 2), (12, 4), (3, 5)])
+@pytest.mark.parametrize(("n", "shards"), [(10, 1), (10, 3), (7, 2), (12, 4), (3, 5), (1003, 8)])
 def test_partition_covers_every_id_once(kind: str, n: int, shards: int) -> None:
     p = Partition(kind, n, shards)
     ids = torch.arange(n)
@@ -142,6 +142,8 @@ def test_partition_covers_every_id_once(kind: str, n: int, shards: int) -> None:
         assert mine.numel() == p.rows_on(s)
         assert (p.shard_of(mine) == s).all()
         assert p.local_index(mine).tolist() == list(range(p.rows_on(s)))
+        if kernels.KERNELS is not None:  # the kernel's one pass agrees
+            assert kernels.local_index(mine, p).tolist() == list(range(p.rows_on(s)))
     order = torch.randperm(n)
     parts = p.split(ids[order])
     back = torch.empty(n, dtype=torch.int64)
