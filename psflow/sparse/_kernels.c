@@ -180,16 +180,27 @@ static void gather_parts(char *out, const char *const *srcs, const int64_t *star
     }
 }
 
-/* out[index[i]] += src[i]: the gradient of a gather (rows used several times add up). */
+/* out = zeros(rows, dim), then out[index[i]] += src[i]: the gradient of a gather (rows used
+ * several times add up). `out` comes uninitialised: a row's first use writes it (0 + src, so
+ * a -0.0 comes out 0.0, as the sum into zeros gives), later uses add, and only rows no index
+ * names are zeroed at the end: no pass over the whole output before the scatter (a lookup's
+ * 4,096 x 64 float32 gradient: 1 MB of memset saved). `seen`: `rows` zeroed bytes. */
 #define SCATTER_ADD(T)                                                                       \
     CLONES                                                                                   \
     static void scatter_add_##T(T *out, const T *src, const int64_t *index, Py_ssize_t n,    \
-                                Py_ssize_t dim) {                                            \
+                                Py_ssize_t dim, Py_ssize_t rows, unsigned char *seen) {      \
         for (Py_ssize_t i = 0; i < n; i++) {                                                 \
             T *o = out + index[i] * dim;                                                     \
             const T *r = src + i * dim;                                                      \
-            for (Py_ssize_t j = 0; j < dim; j++) o[j] += r[j];                               \
+            if (seen[index[i]]) {                                                            \
+                for (Py_ssize_t j = 0; j < dim; j++) o[j] += r[j];                           \
+            } else {                                                                         \
+                seen[index[i]] = 1;                                                          \
+                for (Py_ssize_t j = 0; j < dim; j++) o[j] = (T)0 + r[j];                     \
+            }                                                                                \
         }                                                                                    \
+        for (Py_ssize_t u = 0; u < rows; u++)                                                \
+            if (!seen[u]) memset(out + u * dim, 0, (size_t)dim * sizeof(T));                 \
     }
 SCATTER_ADD(f32)
 SCATTER_ADD(f64)
@@ -227,10 +238,13 @@ static PyObject *py_scatter_add(PyObject *self, PyObject *args) {
         return NULL;
     Py_ssize_t bad = first_bad(PTR(int64_t, index), n, rows);
     if (bad >= 0) return PyLong_FromSsize_t(bad);
+    unsigned char *seen = calloc(rows > 0 ? (size_t)rows : 1, 1);
+    if (seen == NULL) return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS
-    if (f64_) scatter_add_f64(PTR(f64, out), PTR(f64, src), PTR(int64_t, index), n, dim);
-    else scatter_add_f32(PTR(f32, out), PTR(f32, src), PTR(int64_t, index), n, dim);
+    if (f64_) scatter_add_f64(PTR(f64, out), PTR(f64, src), PTR(int64_t, index), n, dim, rows, seen);
+    else scatter_add_f32(PTR(f32, out), PTR(f32, src), PTR(int64_t, index), n, dim, rows, seen);
     Py_END_ALLOW_THREADS
+    free(seen);
     return PyLong_FromLong(-1);
 }
 

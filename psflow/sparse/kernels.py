@@ -170,10 +170,10 @@ def scatter_add(rows: int, src: torch.Tensor, index: torch.Tensor) -> torch.Tens
     Raises:
         IndexError: for an index outside ``[0, rows)``.
     """
-    out = src.new_zeros((rows, src.shape[1]))
     if not _rows_ok(src, index) or src.dtype not in _FLOATS:
-        return out.index_add_(0, index, src)
+        return src.new_zeros((rows, src.shape[1])).index_add_(0, index, src)
     assert KERNELS is not None
+    out = torch.empty((rows, src.shape[1]), dtype=src.dtype)  # the kernel writes every row
     index = index.contiguous()
     double, n, dim = _FLOATS[src.dtype], index.numel(), src.shape[1]
     check(

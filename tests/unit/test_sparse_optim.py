@@ -335,7 +335,15 @@ def test_gather_and_scatter_add_match_torch(dtype: torch.dtype) -> None:
     if dtype != torch.int64:
         grad = torch.randn(1000, 7, generator=gen).to(dtype)
         want = torch.zeros(300, 7, dtype=dtype).index_add_(0, index, grad)
-        torch.testing.assert_close(kernels.scatter_add(300, grad, index), want)
+        got = kernels.scatter_add(300, grad, index)
+        torch.testing.assert_close(got, want)
+        unused = torch.ones(300, dtype=torch.bool)
+        unused[index] = False
+        assert unused.any() and (got[unused] == 0).all()  # rows no index names: zeros
+        # A row used once is 0 + its gradient, as in the sum into zeros: -0.0 comes out 0.0.
+        once = kernels.scatter_add(2, torch.tensor([[-0.0, 1.0]], dtype=dtype), torch.tensor([1]))
+        assert torch.equal(once, torch.tensor([[0.0, 0.0], [0.0, 1.0]], dtype=dtype))
+        assert not once[1, 0].signbit()
 
 
 def test_gather_and_scatter_add_refuse_a_bad_index() -> None:
