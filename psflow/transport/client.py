@@ -173,11 +173,16 @@ class Client:
         header: dict[str, Any],
         tensors: Sequence[tuple[str, torch.Tensor]] | wire.TensorSet = (),
         layout: wire.Layout | None = None,
+        *,
+        block: float | None = None,
     ) -> int:
         """Sends one request to ``peer`` and returns its id, without waiting for the reply.
 
         The tensors must stay unchanged until the reply has arrived. ``layout``: what they
-        usually look like (a step's gradients), to spare describing them again.
+        usually look like (a step's gradients), to spare describing them again. ``block``:
+        how long the send may wait for a connection that can take it (the peer down, or its
+        handshake failing) before :class:`PeerTimeoutError`; the transport's timeout when
+        ``None``.
         """
         p = self._peers[peer]
         lane = None
@@ -194,20 +199,26 @@ class Client:
                 p.inflight.add(rid)
                 return rid
         frames = wire.encode(header, tensors, chunk=self.config.chunk_bytes)
-        self._send(p, frames)
+        self._send(p, frames, block)
         self._inflight[rid] = (p, False)
         p.inflight.add(rid)
         return rid
 
-    def _send(self, peer: _Peer, frames: list[Any]) -> None:
+    def _send(self, peer: _Peer, frames: list[Any], block: float | None = None) -> None:
         size = sum(len(f) for f in frames[1:])
+        sock = peer.sock
+        if block is not None:
+            sock.sndtimeo = max(1, int(block * 1000))
         try:
-            peer.sock.send_multipart(frames, copy=size < ZERO_COPY_ABOVE)
+            sock.send_multipart(frames, copy=size < ZERO_COPY_ABOVE)
         except zmq.Again:
+            waited = self.config.timeout if block is None else block
             raise PeerTimeoutError(
-                str(peer),
-                f"could not send within {self.config.timeout:g} s (down, or not authorised?)",
+                str(peer), f"could not send within {waited:g} s (down, or not authorised?)"
             ) from None
+        finally:
+            if block is not None:
+                sock.sndtimeo = int(self.config.timeout * 1000)
 
     def _lane_for(self, peer: _Peer, need: int) -> Lane | None:
         """The lane for a request to ``peer`` with ``need`` bytes of tensors, attached or grown

@@ -124,15 +124,21 @@ class ShardedClient:
         tensors: dict[int, Tensors] | None = None,
         *,
         layouts: dict[int, wire.Layout] | None = None,
+        block: float | None = None,
     ) -> dict[int, int]:
-        """The first half of :meth:`call`: sends the requests; returns their ids by shard."""
+        """The first half of :meth:`call`: sends the requests; returns their ids by shard
+        (``block``: see :meth:`Client.send`)."""
         rids = {}
         tensors = tensors or {}
         layouts = layouts or {}
         for shard, header in headers.items():
             header[Key.TASK] = self.me
             rids[shard] = self._client.send(
-                self.shards[shard], header, tensors.get(shard, []), layouts.get(shard)
+                self.shards[shard],
+                header,
+                tensors.get(shard, []),
+                layouts.get(shard),
+                block=block,
             )
         return rids
 
@@ -271,7 +277,17 @@ class ShardedClient:
         while True:
             # One round: every pending shard asked at once; the round ends by the next log line.
             round_end = min(deadline, next_log, time.monotonic() + self.config.timeout)
-            for s, rid in self.send(self._headers(Op.STATUS, sorted(pending))).items():
+            rids = {}
+            for s in sorted(pending):
+                # A shard whose connection cannot take a request yet (down, or its handshake
+                # failing) blocks the send: for this round at most, so that the wait goes on
+                # saying why.
+                try:
+                    block = max(0.05, round_end - time.monotonic())
+                    rids[s] = self.send(self._headers(Op.STATUS, [s]), block=block)[s]
+                except PeerTimeoutError:
+                    why[s] = self._silence(s)
+            for s, rid in rids.items():
                 # A reply already here is taken even when the round is over.
                 left = max(0.05, round_end - time.monotonic())
                 try:

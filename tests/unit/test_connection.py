@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -17,6 +18,7 @@ from psflow.transport import (
     Client,
     PeerError,
     PeerLostError,
+    PeerTimeoutError,
     Request,
     Server,
     TransportConfig,
@@ -193,6 +195,27 @@ def test_rows_made_in_the_request_area_come_back_as_views_when_asked() -> None:
         thread.join(10)  # before closing: the server's socket belongs to that thread now
         client.close()
         server.close()
+
+
+def test_a_send_that_cannot_leave_blocks_only_as_long_as_asked() -> None:
+    """A peer whose connection cannot take a request (here: nobody listens, and ZeroMQ's queue
+    of 1,000 messages is full; a failing handshake does the same) blocks a send for ``block``
+    seconds, not the transport's timeout, and says how long it waited."""
+    (port,) = free_ports(1)  # nothing listens there
+    config = TransportConfig(timeout=60, shared_memory=False)
+    client = Client({"ps:0": f"127.0.0.1:{port}"}, config)
+    try:
+        sent = 0
+        start = time.monotonic()
+        with pytest.raises(PeerTimeoutError, match=r"could not send within 0\.2 s"):
+            while sent < 5000:  # the queue holds 1,000
+                client.send("ps:0", {"op": "status"}, block=0.2)
+                sent += 1
+        assert 0 < sent < 5000 and time.monotonic() - start < 30  # not the 60 s timeout
+        with pytest.raises(PeerTimeoutError, match=r"within 0\.1 s"):
+            client.send("ps:0", {"op": "status"}, block=0.1)
+    finally:
+        client.close()
 
 
 @pytest.mark.parametrize("shared_memory", [False, True])
