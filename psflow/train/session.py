@@ -632,7 +632,9 @@ class TrainingSession:
     # -- end --------------------------------------------------------------------------------
 
     def close(self, error: BaseException | None = None) -> None:
-        """Ends the session: on the chief, a final checkpoint (unless ``error``); then ``done``."""
+        """Ends the session: on the chief, a final checkpoint (unless ``error``); then ``done``,
+        unless ``error``: a task that failed has not finished (a restart may follow, and the ps
+        must not end the job as if it had); the ps declare it dead if it does not come back."""
         try:
             if error is None:
                 for hook in self.hooks:
@@ -658,7 +660,7 @@ class TrainingSession:
                 self._summary.close()
             if self._client is not None:
                 self._client.close()
-            self.opt.close()
+            self.opt.close(finished=error is None)
 
     def _wait_for_workers(self) -> None:
         """The chief waits (bounded) for the other workers to finish (or die), so the final

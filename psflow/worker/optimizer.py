@@ -185,7 +185,9 @@ class DistributedOptimizer:
         """Tells the ps this worker has finished (the ps exit after the last one) and disconnects.
 
         With ``finished=False`` it only disconnects: the worker goes on with a new optimizer
-        (after a ps came back from a crash).
+        (after a ps came back from a crash), or it failed (leaving a ``with`` block by an
+        exception does that): a restart may follow, and the ps, told ``done``, would end the
+        job without it.
         """
         if self._closed:
             return
@@ -198,8 +200,9 @@ class DistributedOptimizer:
     def __enter__(self) -> DistributedOptimizer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # A failure is not the end of this worker's training: no ``done`` (see close).
+        self.close(finished=exc_type is None)
 
 
 def _engine(

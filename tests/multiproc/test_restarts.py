@@ -81,3 +81,39 @@ def test_the_job_stops_once_its_restarts_are_used(tmp_path: Path) -> None:
     assert proc.stderr.count("restarting it with the same address and TF_CONFIG") == 2
     assert "no restart left (--max-restarts 2, all used)" in proc.stderr
     assert "task worker:0 failed with exit code 3; stopping the other tasks" in proc.stderr
+
+
+def test_a_worker_that_fails_is_restarted_into_a_job_that_waited_for_it(tmp_path: Path) -> None:
+    """A worker whose session fails (an exception, not a kill) does not tell the ps it has
+    finished: the only worker of a job, it used to, the ps ended the job, and its restart
+    found no ps."""
+    script = tmp_path / "fails_once.py"
+    marker = tmp_path / "failed"
+    script.write_text(
+        "import os, sys, torch, psflow\n"
+        "ctx, _ = psflow.resolve([])\n"
+        "if ctx.job == 'ps':\n"
+        "    psflow.ParameterServer(ctx).join()\n"
+        "    sys.exit(0)\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "with psflow.TrainingSession(model, ctx, optimizer='SGD', lr=0.1) as sess:\n"
+        "    for step in range(30):\n"
+        f"        if step == 10 and not os.path.exists({str(marker)!r}):\n"
+        f"            open({str(marker)!r}, 'w').close()\n"
+        "            raise RuntimeError('planned failure')\n"
+        "        model(torch.randn(8, 4)).pow(2).mean().backward()\n"
+        "        sess.step()\n"
+        "    print('finished at global step', sess.global_step, flush=True)\n"
+    )
+    cmd = launch_cmd(script, ps=1, workers=1)
+    cmd.insert(cmd.index("launch") + 1, "--max-restarts")
+    cmd.insert(cmd.index("--max-restarts") + 1, "1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170)
+    err = proc.stderr
+    assert proc.returncode == 0, err[-4000:]
+    assert "RuntimeError: planned failure" in proc.stdout + err
+    assert "task worker:0 failed with exit code 1; restarting it" in err, err[-4000:]
+    assert "worker:0 finished (1/1)" in err  # once: after the restart, not at the failure
+    assert err.count("worker:0 finished") == 1, err[-4000:]
+    m = re.search(r"\[worker:0\] finished at global step (\d+)", proc.stdout)
+    assert m is not None and int(m.group(1)) >= 30, proc.stdout[-2000:]
