@@ -334,21 +334,26 @@ class TableModule(nn.Module):
         if self.num_embeddings is not None and ids.numel() and ids.device.type == "cpu":
             self._check_range(*torch.aminmax(ids))
 
+    def _batch_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """A batch's ids (any shape) checked (dtype; range, when there are some) and flat."""
+        self._check_dtype(ids)
+        flat = ids.reshape(-1).to(torch.int64)
+        if flat.numel() and self.num_embeddings is not None:
+            self._check_range(*torch.aminmax(flat))
+        return flat
+
     def _gather(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
         """For the ids of a batch (any shape): ``(positions, rows, padding position)``, where
         ``rows`` holds the rows of the batch's unique ids, ``positions`` (shaped as ``ids``)
         says which row each id is, and the padding position is the row of ``padding_idx`` if
         the batch uses it. ``F.embedding(positions, rows)`` is then ``F.embedding(ids, weight)``.
         """
-        self._check_dtype(ids)
-        flat = ids.reshape(-1).to(torch.int64)
+        flat = self._batch_ids(ids)
         if not flat.numel():  # nothing to ask for
             rows = torch.zeros(
                 0, self.embedding_dim, dtype=self._dtype, device=ids.device, requires_grad=True
             )
             return flat.reshape(ids.shape), rows, None
-        if self.num_embeddings is not None:
-            self._check_range(*torch.aminmax(flat))
         rows, positions = batch_rows(self._row_source(), self, flat)
         unique = int(positions.max()) + 1
         if rows.shape != (unique, self.embedding_dim):
@@ -374,12 +379,9 @@ class TableModule(nn.Module):
         parts_of = getattr(self._source, "batch_parts", None)
         if parts_of is None or ids.device.type != "cpu":
             return None
-        self._check_dtype(ids)
-        flat = ids.reshape(-1).to(torch.int64)
+        flat = self._batch_ids(ids)
         if not flat.numel():
             return None
-        if self.num_embeddings is not None:
-            self._check_range(*torch.aminmax(flat))
         rows, parts, positions = parts_of(self, flat)
         held = sum(p.shape[0] for p in parts)
         if rows.shape != (held, self.embedding_dim) or any(
@@ -410,11 +412,8 @@ class TableModule(nn.Module):
         fetch = getattr(self._source, "prefetch", None)
         if fetch is None:
             return
-        self._check_dtype(ids)
-        flat = ids.reshape(-1).to(torch.int64)
+        flat = self._batch_ids(ids)
         if flat.numel():
-            if self.num_embeddings is not None:
-                self._check_range(*torch.aminmax(flat))
             fetch(self, flat)
 
     def _row_source(self) -> RowSource:

@@ -537,11 +537,8 @@ class HashedRows(Rows):
         known = slots >= 0
         if bool(known.all()):
             return kernels.gather(self.values, slots, out)
-        if out is not None:
-            out.copy_(self.lookup(ids))
-            return out
         spec = self.spec
-        out = initial_rows(
+        rows = initial_rows(
             spec.seed,
             ids,
             self.dim,
@@ -551,8 +548,10 @@ class HashedRows(Rows):
         )
         if bool(known.any()):
             where = known.nonzero().squeeze(1)
-            out.index_copy_(0, where, kernels.gather(self.values, slots[where]))
-        return out
+            rows.index_copy_(0, where, kernels.gather(self.values, slots[where]))
+        if out is None:
+            return rows
+        return out.copy_(rows)
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         self._check_grads(ids, grads)
