@@ -340,22 +340,27 @@ class ParameterServer:
                 now = time.monotonic()
                 if request is not None:
                     last_seen = now
+                    self._heard(request, now)
+                    self._handle(request)
                     sender = request.header.get(_TASK)
                     if isinstance(sender, str):
-                        if liveness.heard(sender, now):
-                            self._back(sender, "declared dead, is back")
-                        elif sender in self.finished and request.header.get(_OP) not in _LATE:
-                            # A session that fails says done on its way out; psflow launch
-                            # --max-restarts (or a pod's restart policy) may then start the
-                            # task again, whose requests must count.
-                            self.finished.discard(sender)
-                            self._back(sender, "finished, speaks again (restarted)")
-                    self._handle(request)
+                        # Its request had this ps's attention until now: a long one (an init
+                        # allocating the tables) is no silence of the sender's.
+                        now = time.monotonic()
+                        liveness.heard(sender, now)
                     if self.finished >= self.trainers:
                         log.info("%s: every worker has finished; exiting", self.name)
                         break
                 if now >= next_check:
                     next_check = now + check_every
+                    # What came while this ps was busy (or stalled) is no silence either.
+                    try:
+                        for waiting in server.waiting():
+                            self._heard(waiting, now)
+                    except wire.WireError as e:  # answered already, as recv would have
+                        self._bad_log.warning(
+                            "malformed", "%s: rejected a malformed message: %s", self.name, e
+                        )
                     for worker in liveness.check(now, self.finished):
                         self._declare_dead(worker, now)
                     if self._over_without_the_dead(now):
@@ -380,6 +385,19 @@ class ParameterServer:
             with contextlib.suppress(TimeoutError):
                 server.flush(self.config.timeout)
             server.close(linger=2.0)  # let the last replies ('done') reach the workers
+
+    def _heard(self, request: Request, now: float) -> None:
+        """Notes ``request``'s sender as alive (a dead or finished one rejoins)."""
+        sender = request.header.get(_TASK)
+        if not isinstance(sender, str):
+            return
+        if self.liveness.heard(sender, now):
+            self._back(sender, "declared dead, is back")
+        elif sender in self.finished and request.header.get(_OP) not in _LATE:
+            # A task that said done and is started again (psflow launch --max-restarts, or a
+            # pod's restart policy): its requests must count.
+            self.finished.discard(sender)
+            self._back(sender, "finished, speaks again (restarted)")
 
     def _declare_dead(self, worker: str, now: float) -> None:
         silence = self.liveness.silence(worker, now)

@@ -153,6 +153,16 @@ class Server:
         """Requests received and not yet handed out by :meth:`recv`."""
         return len(self._ready)
 
+    def waiting(self) -> list[Request]:
+        """The requests that have come and wait to be taken by :meth:`recv` (collected from
+        the lanes and the socket now, without waiting), in the order it hands them out.
+
+        Raises:
+            wire.WireError: as :meth:`recv`, for a malformed message on the socket.
+        """
+        self._collect()
+        return list(self._ready)
+
     def recv(self, timeout: float) -> Request | None:
         """The next request, or ``None`` after ``timeout`` seconds without one.
 

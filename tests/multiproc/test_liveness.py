@@ -7,10 +7,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import psflow
 from psflow.protocol import Key, Op
@@ -198,11 +200,11 @@ def test_the_heartbeat_goes_on_while_a_ps_is_down() -> None:
 
 
 def test_a_finished_worker_that_speaks_again_rejoins() -> None:
-    """A session that fails says done on its way out; restarted (``psflow launch
-    --max-restarts``), the same task asks again, and the ps must count it as live again: a
-    synchronous step that needs its gradient failed otherwise ("only 1 worker(s) are alive and
-    unfinished"), seen in a full run of the fault matrix. A heartbeat that its done overtook
-    (heartbeats have sockets of their own) does not bring it back."""
+    """A task that said done and is started again (``psflow launch --max-restarts``) asks
+    again, and the ps must count it as live again: a synchronous step that needs its gradient
+    failed otherwise ("only 1 worker(s) are alive and unfinished"), seen in a full run of the
+    fault matrix. A heartbeat that its done overtook (heartbeats have sockets of their own)
+    does not bring it back."""
     cluster = local_cluster(1, 2)
     ps = start_ps(cluster)
     config = TransportConfig(timeout=30)
@@ -229,5 +231,41 @@ def test_a_finished_worker_that_speaks_again_rejoins() -> None:
         for c in (probe, first, again):
             if c is not None:
                 c.close()
+        ps.kill()
+        stop(ps)
+
+
+def test_a_worker_is_not_dead_while_the_ps_works_on_its_request() -> None:
+    """The chief's init allocates the tables before the ps answers: seconds for a large one,
+    longer than a short worker timeout. Meanwhile the chief waits for the answer and the other
+    worker's requests wait in the queue: neither is silent. (A full run of the fault matrix saw
+    both declared dead after an init on a loaded machine, and a synchronous step then fail.)"""
+    import psflow.nn as pnn
+
+    cluster = local_cluster(1, 2)
+    ps = start_ps(cluster, env={"PSFLOW_WORKER_TIMEOUT": "1"})
+    other = ShardedClient(worker_ctx(cluster, 1), TransportConfig(timeout=60))
+    try:
+        other.wait_ready(60, initialized=False)  # worker:1 has joined
+        # ... and waits for the chief's init, asking (as a worker does before its heartbeat).
+        waiting = threading.Thread(target=other.wait_ready, args=(60,))
+        waiting.start()
+        # 4M x 64 float32 rows (1 GB): making them takes the ps well over a second.
+        table = pnn.Embedding(4_000_000, 64, optimizer="SGD", device="meta")
+        start = time.monotonic()
+        with psflow.DistributedOptimizer(table, worker_ctx(cluster, 0), lr=0.1) as opt:
+            took = time.monotonic() - start
+            waiting.join(60)
+            assert not waiting.is_alive()
+            opt.zero_grad()
+            table(torch.tensor([1, 2, 3])).sum().backward()
+            opt.step()
+            other.done()
+        code, err = stop(ps, timeout=60)
+        assert code == 0, err
+        assert took > 1.0, f"the init took {took:.2f} s: too short to show anything"
+        assert "is dead" not in err, err
+    finally:
+        other.close()
         ps.kill()
         stop(ps)
