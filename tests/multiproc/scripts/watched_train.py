@@ -41,13 +41,17 @@ else:
         save_checkpoint_steps=10,
         last_step=args.steps,
     ) as sess:
-        while not sess.should_stop():
+        # At least one step each: a worker that starts after the chief has reached last_step
+        # (a loaded machine) trains once too, so that it has a loss to show.
+        while True:
             x = torch.randn(args.batch, 32)
             sess.zero_grad()
             loss = torch.nn.functional.mse_loss(model(x), x)
             loss.backward()
             step = sess.step(loss=loss, examples=args.batch)
             steps += 1
+            if sess.should_stop():
+                break
         trained = {"global_step": step, "loss": loss.item(), "steps": steps}
         path = os.path.join(args.hold, f"{ctx.task}.trained")
         with open(path + ".tmp", "w") as f:
