@@ -458,9 +458,14 @@ class Client:
                 frames,
                 max_bytes=self.config.max_message_bytes,
                 into=w.into if w.into_of is None else w.into_of.get(rid, w.into),
-                area=None if lane is None else lane.request if in_request else lane.reply,
+                area=None
+                if lane is None
+                else lane.request_views
+                if in_request
+                else lane.reply_views,
                 transient=w.request_views if in_request else w.lane_views,
-                views=None if lane is None or in_request else lane.reply_views,
+                # A lookup's rows differ every time: no use keeping their views.
+                keep=not in_request,
             )
         except wire.WireError as e:
             raise PeerError(peer.name, f"malformed reply: {e}") from None

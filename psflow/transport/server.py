@@ -349,9 +349,8 @@ class Server:
             request.frames,
             max_bytes=self.config.max_message_bytes,
             into=into,
-            area=lane.request if lane is not None else None,
+            area=lane.request_views if lane is not None else None,
             transient=transient,
-            views=lane.request_views if lane is not None else None,
         )
 
     def reply(
@@ -420,7 +419,7 @@ class Server:
         lane = request.lane
         if lane is None or lane.closed:
             return None
-        return wire.lane_tensors(lane.request, specs)
+        return wire.lane_tensors(lane.request_views, specs)
 
     def send_error(self, request: Request, message: str, code: str | None = Code.REFUSED) -> None:
         """Answers ``request`` with an error: ``message`` for people, ``code`` (a

@@ -64,7 +64,7 @@ import numpy as np
 
 from psflow.cluster import shmfiles
 from psflow.cluster.shmfiles import SHM_DIR
-from psflow.transport.wire import lane_bytes
+from psflow.transport.wire import AreaViews, lane_bytes
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +135,9 @@ class Lane:
         self.reply = whole[start : start + reply_bytes]
         self._linked = False
         self._reply_poller: select.poll | None = None
-        self.request_views: dict[int, Any] = {}
-        self.reply_views: dict[int, Any] = {}
-        """Tensor views of the areas, made once per description (``wire.decode_tensors``)."""
+        self.request_views = AreaViews(self.request)
+        self.reply_views = AreaViews(self.reply)
+        """Tensors laid out in the areas (``wire.decode_tensors``, ``wire.lane_tensors``)."""
         self.closed = False
         """Closed lanes carry nothing (their FIFO numbers may belong to new files by now)."""
         self._finalizer = weakref.finalize(self, _close, fds)

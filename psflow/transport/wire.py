@@ -295,18 +295,60 @@ def _lane_layout(sizes: Iterable[int]) -> tuple[list[int], int]:
     return offsets, off
 
 
+class AreaViews:
+    """Tensors laid out in one lane area (a uint8 array), cheaply.
+
+    A view of the area as each dtype is made once: a tensor at an offset is then one call
+    (``as_strided``) instead of four (slice, ``from_numpy``, two ``view``), and a message's
+    tensors are made anew every time their shapes change (a lookup's ids, each step). The
+    views of the last few descriptions are kept too (:attr:`recent`, see
+    :func:`decode_tensors`).
+    """
+
+    __slots__ = ("_typed", "area", "recent")
+
+    def __init__(self, area: np.ndarray[Any, Any]) -> None:
+        self.area = area
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self.recent: dict[int, tuple[list[TensorMeta], list[tuple[str, torch.Tensor]]]] = {}
+        """Views by the ``id`` of the :func:`tensor_metas` list they were made for."""
+
+    def tensor(self, dtype: torch.dtype, shape: Sequence[int], offset: int) -> torch.Tensor:
+        """A contiguous tensor of ``dtype`` and ``shape`` at byte ``offset`` of the area (a
+        multiple of :data:`LANE_ALIGN`; the caller has checked that it fits)."""
+        typed = self._typed.get(dtype)
+        if typed is None:
+            area = self.area
+            whole = len(area) - len(area) % dtype.itemsize
+            typed = self._typed[dtype] = torch.from_numpy(area[:whole]).view(dtype)
+        return typed.as_strided(shape, _contiguous_strides(shape), offset // dtype.itemsize)
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    if len(shape) == 1:
+        return (1,)
+    if len(shape) == 2:
+        return (max(shape[1], 1), 1)
+    strides = []
+    step = 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
+
+
 def lane_tensors(
-    area: np.ndarray[Any, Any], specs: Sequence[tuple[torch.dtype, Sequence[int]]]
+    views: AreaViews, specs: Sequence[tuple[torch.dtype, Sequence[int]]]
 ) -> list[torch.Tensor] | None:
-    """Tensors of these dtypes and shapes laid out in a lane's ``area`` as :func:`encode` lays
-    them out (a sender that fills them spares encode's copy), or ``None`` when they do not fit."""
+    """Tensors of these dtypes and shapes laid out in a lane's area (``views``) as
+    :func:`encode` lays them out (a sender that fills them spares encode's copy), or ``None``
+    when they do not fit."""
     sizes = [math.prod(shape) * dtype.itemsize for dtype, shape in specs]
     offsets, need = _lane_layout(sizes)
-    if need > len(area):
+    if need > len(views.area):
         return None
     return [
-        torch.from_numpy(area[off : off + n]).view(dtype).view(*shape)
-        for off, n, (dtype, shape) in zip(offsets, sizes, specs, strict=True)
+        views.tensor(dtype, shape, off) for off, (dtype, shape) in zip(offsets, specs, strict=True)
     ]
 
 
@@ -480,18 +522,18 @@ def decode_tensors(
     *,
     max_bytes: int,
     into: Mapping[str, torch.Tensor] | None = None,
-    area: np.ndarray[Any, Any] | None = None,
+    area: AreaViews | None = None,
     transient: bool = False,
-    views: dict[int, Any] | None = None,
+    keep: bool = True,
 ) -> list[tuple[str, torch.Tensor]]:
     """The tensors of a message whose header was decoded by :func:`decode_header`.
 
     A tensor that arrived in one frame is a zero-copy view of that frame; one that arrived in
     several is assembled into ``into[name]`` when that is a contiguous tensor of the same dtype
     and shape (the caller's own buffer: no allocation, no second copy), else into fresh memory.
-    Tensors in a shared-memory lane (``area``, the lane's area the message used) are copied into
-    ``into[name]`` or fresh memory, or, with ``transient`` (the caller is done with them before
-    it answers), are views of the lane, kept in ``views`` (a cache that the lane owns).
+    Tensors in a shared-memory lane (``area``, the views of the lane's area the message used)
+    are copied into ``into[name]`` or fresh memory, or, with ``transient`` (the caller is done
+    with them before it answers), are views of the lane, kept in ``area.recent`` with ``keep``.
 
     Raises:
         WireError: when the frames do not match the header (count, sizes) or exceed ``max_bytes``.
@@ -505,7 +547,7 @@ def decode_tensors(
         return _decode_inline(metas, header[_INLINE], frames)
     if _IN_LANE in header:
         return _decode_lane(
-            metas, area, frames, max_bytes=max_bytes, into=into, view=transient, views=views
+            metas, area, frames, max_bytes=max_bytes, into=into, view=transient, keep=keep
         )
     out = []
     for m, parts in frame_views(header, frames, max_bytes=max_bytes):
@@ -528,85 +570,67 @@ def decode_tensors(
 
 def _destination(m: TensorMeta, into: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
     t = into.get(m.name) if into is not None else None
-    # Bytes are written through numpy: only a CPU tensor can take them (a GPU model's
-    # parameters are filled from the received copy by the caller).
-    if (
-        t is not None
-        and t.dtype == m.dtype
-        and t.shape == m.shape
-        and t.is_contiguous()
-        and t.device.type == "cpu"
-    ):
+    if t is not None and _fits(t, m):
         return t
     return torch.empty(m.shape, dtype=m.dtype)
 
 
+def _fits(t: torch.Tensor, m: TensorMeta) -> bool:
+    """Whether ``t`` can take ``m``'s bytes as they are. Only a CPU tensor can: a GPU model's
+    parameters are filled from the received copy by the caller."""
+    return (
+        t.dtype == m.dtype and t.shape == m.shape and t.is_contiguous() and t.device.type == "cpu"
+    )
+
+
 def _decode_lane(
     metas: list[TensorMeta],
-    area: np.ndarray[Any, Any] | None,
+    area: AreaViews | None,
     frames: Sequence[Any],
     *,
     max_bytes: int,
     into: Mapping[str, torch.Tensor] | None,
     view: bool,
-    views: dict[int, Any] | None,
+    keep: bool,
 ) -> list[tuple[str, torch.Tensor]]:
     if area is None:
         raise WireError("tensors in a shared-memory lane, but no lane is attached")
     if frames:
         raise WireError("a message with tensors in a lane carries no data frames")
-    if view and views is not None:
-        hit = views.get(id(metas))
+    if view and keep:
+        hit = area.recent.get(id(metas))
         if hit is not None and hit[0] is metas:
             return list(hit[1])  # made, and checked against this area, before
     need = lane_bytes(m.nbytes for m in metas)
     if need > max_bytes:
         raise WireError(f"message carries {need} tensor bytes, over the {max_bytes}-byte limit")
-    if need > len(area):
-        raise WireError(f"tensors need {need} bytes of lane, it holds {len(area)}")
-    if view:
-        return _lane_views(metas, area, views)
+    if need > len(area.area):
+        raise WireError(f"tensors need {need} bytes of lane, it holds {len(area.area)}")
     out = []
     off = 0
     for m in metas:
-        src = area[off : off + m.nbytes]
-        off = _lane_aligned(off + m.nbytes)
         if m.nbytes == 0:
             t = torch.empty(m.shape, dtype=m.dtype)
         else:
-            t = _destination(m, into)
-            t.view(-1).view(torch.uint8).numpy()[:] = src
+            t = area.tensor(m.dtype, m.shape, off)
+            if not view:
+                dst = into.get(m.name) if into is not None else None
+                t = dst.copy_(t) if dst is not None and _fits(dst, m) else t.clone()
+        off = _lane_aligned(off + m.nbytes)
         out.append((m.name, t))
+    if view and keep:
+        # A lane carries the same tensors at the same places step after step, and
+        # tensor_metas hands out the same list for the same description: an entry is used
+        # only for the very list it was made for.
+        recent = area.recent
+        if len(recent) >= _LANE_VIEWS:
+            recent.clear()
+        recent[id(metas)] = (metas, out)
+        return list(out)
     return out
 
 
 _LANE_VIEWS = 16
-
-
-def _lane_views(
-    metas: list[TensorMeta], area: np.ndarray[Any, Any], cache: dict[int, Any] | None
-) -> list[tuple[str, torch.Tensor]]:
-    """Views of ``area`` laid out as ``metas`` says, kept in ``cache`` (the lane's own).
-
-    A lane carries the same tensors at the same places step after step, and
-    :func:`tensor_metas` hands out the same list for the same description: the views are made
-    once (see :func:`_decode_lane`), and an entry is used only for the very list it was made
-    for.
-    """
-    out = []
-    off = 0
-    for m in metas:
-        if m.nbytes == 0:
-            t = torch.empty(m.shape, dtype=m.dtype)
-        else:
-            t = torch.from_numpy(area[off : off + m.nbytes]).view(m.dtype).view(m.shape)
-        off = _lane_aligned(off + m.nbytes)
-        out.append((m.name, t))
-    if cache is not None:
-        if len(cache) >= _LANE_VIEWS:
-            cache.clear()
-        cache[id(metas)] = (metas, out)
-    return list(out)
 
 
 def _decode_inline(

@@ -173,10 +173,12 @@ def test_tensors_travel_in_the_lane(lane: Lane) -> None:
     assert len(frames) == 1 and header["s"] == 1 and "c" not in header and "b" not in header
     got = wire.decode_header(frames[0])
     into = {"a": torch.empty(30, 10)}
-    out = dict(wire.decode_tensors(got, [], max_bytes=1 << 20, area=lane.request, into=into))
+    out = dict(wire.decode_tensors(got, [], max_bytes=1 << 20, area=lane.request_views, into=into))
     assert out["a"] is into["a"] and torch.equal(out["a"], a)
     assert torch.equal(out["b"], b) and torch.equal(out["big"], big)
-    views = dict(wire.decode_tensors(got, [], max_bytes=1 << 20, area=lane.request, transient=True))
+    views = dict(
+        wire.decode_tensors(got, [], max_bytes=1 << 20, area=lane.request_views, transient=True)
+    )
     lane.request[:4] = 0  # a view sees the lane change; the copies above do not
     assert views["a"][0, 0] == 0 and out["a"][0, 0] == 0 and torch.equal(out["big"], big)
     assert views["big"].data_ptr() % 64 == 0
@@ -185,7 +187,7 @@ def test_tensors_travel_in_the_lane(lane: Lane) -> None:
 def test_tensors_made_in_the_lane_are_sent_without_a_copy(lane: Lane) -> None:
     """``lane_tensors`` lays tensors out where ``encode`` would copy them; filled there and
     encoded with ``placed``, they are not copied, and the receiver reads what was written."""
-    made = wire.lane_tensors(lane.request, [(torch.float32, (100, 16)), (torch.int64, (3,))])
+    made = wire.lane_tensors(lane.request_views, [(torch.float32, (100, 16)), (torch.int64, (3,))])
     assert made is not None
     rows, ids = made
     rows.copy_(torch.arange(1600, dtype=torch.float32).view(100, 16))
@@ -198,10 +200,14 @@ def test_tensors_made_in_the_lane_are_sent_without_a_copy(lane: Lane) -> None:
     frames = wire.encode(header, tensors, area=lane.request, placed=True)
     assert len(frames) == 1 and header["s"] == 1
     got = dict(
-        wire.decode_tensors(wire.decode_header(frames[0]), [], max_bytes=1 << 20, area=lane.request)
+        wire.decode_tensors(
+            wire.decode_header(frames[0]), [], max_bytes=1 << 20, area=lane.request_views
+        )
     )
     assert torch.equal(got["rows"], rows) and torch.equal(got["ids"], torch.tensor([7, 8, 9]))
-    assert wire.lane_tensors(lane.request, [(torch.float32, (20000,))]) is None  # 80 KB > 64 KB
+    assert (
+        wire.lane_tensors(lane.request_views, [(torch.float32, (20000,))]) is None
+    )  # 80 KB > 64 KB
 
 
 def test_small_tensors_use_the_lane_and_their_views_are_made_once(lane: Lane) -> None:
@@ -210,17 +216,14 @@ def test_small_tensors_use_the_lane_and_their_views_are_made_once(lane: Lane) ->
     frames = wire.encode(header, [("w", w), ("b", b)], area=lane.request)
     assert len(frames) == 1 and header["s"] == 1 and "b" not in header  # not inline
     got = wire.decode_header(frames[0])
-    cache: dict[int, object] = {}
-    first = wire.decode_tensors(
-        got, [], max_bytes=1 << 20, area=lane.request, transient=True, views=cache
-    )
+    views = wire.AreaViews(lane.request)
+    first = wire.decode_tensors(got, [], max_bytes=1 << 20, area=views, transient=True)
     again = wire.decode_tensors(
         wire.decode_header(frames[0]),
         [],
         max_bytes=1 << 20,
-        area=lane.request,
+        area=views,
         transient=True,
-        views=cache,
     )
     # The same views, from the lane's cache.
     assert all(x is y for (_, x), (_, y) in zip(first, again, strict=True))
@@ -232,9 +235,8 @@ def test_small_tensors_use_the_lane_and_their_views_are_made_once(lane: Lane) ->
         wire.decode_header(other[0]),
         [],
         max_bytes=1 << 20,
-        area=lane.request,
+        area=views,
         transient=True,
-        views=cache,
     )
     assert only_b[1] is not first[1][1] and torch.equal(only_b[1], b)  # a new description
 
@@ -258,7 +260,9 @@ def test_bad_lane_messages(
 ) -> None:
     header = {"v": wire.PROTOCOL_VERSION, "op": "push", "id": 1, "t": t, "s": 1}
     with pytest.raises(wire.WireError, match=message):
-        wire.decode_tensors(header, frames, max_bytes=1 << 20, area=lane.request if area else None)
+        wire.decode_tensors(
+            header, frames, max_bytes=1 << 20, area=lane.request_views if area else None
+        )
 
 
 def test_a_gone_client_hangs_up_its_lane() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import msgpack
 import numpy as np
 import pytest
@@ -77,7 +79,7 @@ def test_a_layout_describes_only_tensors_that_follow_it(
     frames = wire.encode({"op": "push", "id": 2}, tensors, area=area, layout=layout)
     header = wire.decode_header(frames[0])
     assert header["s"] == 1
-    back = wire.decode_tensors(header, [], max_bytes=1 << 20, area=area)
+    back = wire.decode_tensors(header, [], max_bytes=1 << 20, area=wire.AreaViews(area))
     assert all(torch.equal(x, y) for (_, x), (_, y) in zip(back, tensors, strict=True))
 
 
@@ -176,7 +178,9 @@ def test_shapes_past_the_bound_are_refused_before_torch_sees_them(shape: list[in
     for fields, frames in (({"c": 1 << 20}, [b""]), ({"b": b""}, []), ({"l": 1}, [])):
         header = _push_header(shape, **fields)
         with pytest.raises(wire.WireError, match="exceeds"):
-            wire.decode_tensors(header, frames, max_bytes=1 << 33, area=np.zeros(64, np.uint8))
+            wire.decode_tensors(
+                header, frames, max_bytes=1 << 33, area=wire.AreaViews(np.zeros(64, np.uint8))
+            )
 
 
 @pytest.mark.parametrize("depth", [33, 999, 1100, 100000])
@@ -197,3 +201,31 @@ def test_errors_quote_hostile_values_briefly() -> None:
     with pytest.raises(wire.WireError) as e:
         wire.tensor_metas(header)
     assert len(str(e.value)) < 200
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape"),
+    [
+        (torch.float32, (5, 3)),
+        (torch.float64, (7,)),
+        (torch.int64, ()),
+        (torch.bfloat16, (2, 3, 4)),
+        (torch.bool, (9,)),
+    ],
+)
+def test_area_views_lay_tensors_out_where_the_bytes_are(
+    dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
+    """A tensor made by ``AreaViews`` at an offset is the area's bytes there, read as the dtype
+    (an area whose length no itemsize divides, as a lane's may be)."""
+    area = np.zeros(64 * 9 + 5, dtype=np.uint8)
+    views = wire.AreaViews(area)
+    value = torch.arange(math.prod(shape), dtype=torch.float64).to(dtype).view(shape)
+    raw = value.reshape(-1).view(torch.uint8).numpy()
+    area[128 : 128 + len(raw)] = raw
+    got = views.tensor(dtype, shape, 128)
+    assert got.shape == shape and got.dtype == dtype and got.is_contiguous()
+    assert torch.equal(got, value)
+    assert got.data_ptr() == area.ctypes.data + 128  # a view: no copy
+    area[128 : 128 + len(raw)] = 0
+    assert not got.any() or not value.any()  # it sees the area change
