@@ -409,8 +409,12 @@ def decode_header(frame: bytes | memoryview) -> dict[str, Any]:
         raise WireError(f"header has no integer {_ID!r}")
     if len(frame) > MAX_DEPTH:  # a shorter frame cannot nest deeper
         for key, value in header.items():
-            if isinstance(value, (list, dict)) and key != _INLINE:
+            if isinstance(value, (list, dict)) and key != _INLINE and key != _TENSORS:
                 _check_depth(value, key)
+        if _TENSORS in header:
+            # Checked entry by entry (three levels at most), and the check is kept for the
+            # decoding of the tensors: cheaper than walking it here.
+            tensor_metas(header)
     return header
 
 
@@ -453,33 +457,38 @@ def tensor_metas(header: Mapping[str, Any]) -> list[TensorMeta]:
 
 
 def _validate_metas(raw: Any) -> list[TensorMeta]:
-    if not isinstance(raw, list) or len(raw) > MAX_TENSORS:
+    # type() is, not isinstance: msgpack gives plain types, and a bool is no dimension.
+    if type(raw) is not list or len(raw) > MAX_TENSORS:
         raise WireError(
             f"{_TENSORS!r} must be a list of at most {MAX_TENSORS} [name, dtype, shape] entries"
         )
     out = []
     for entry in raw:
-        if not (isinstance(entry, list) and len(entry) == 3):
+        if type(entry) is not list or len(entry) != 3:
             raise WireError(f"tensor entry {brief(entry)} is not [name, dtype, shape]")
         name, dtype, shape = entry
-        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LEN:
+        if type(name) is not str or not 0 < len(name) <= MAX_NAME_LEN:
             raise WireError(f"tensor name {brief(name)} is not a string of 1..{MAX_NAME_LEN} chars")
-        if not isinstance(dtype, str) or dtype not in DTYPES:
+        t = DTYPES.get(dtype) if type(dtype) is str else None
+        if t is None:
             raise WireError(f"tensor {name!r} has unknown dtype {brief(dtype)}")
-        if (
-            not isinstance(shape, list)
-            or len(shape) > MAX_DIMS
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-        ):
+        if type(shape) is not list or len(shape) > MAX_DIMS:
             raise WireError(f"tensor {name!r} has a bad shape {brief(shape)}")
-        t = DTYPES[dtype]
+        count = 1
+        bound = 1  # a zero dimension counted as one
+        for d in shape:
+            if type(d) is not int or d < 0:
+                raise WireError(f"tensor {name!r} has a bad shape {brief(shape)}")
+            count *= d
+            if d > 1:
+                bound *= d
         itemsize = ITEMSIZE[t]
         # Python integers: no overflow here, whatever the dimensions.
-        if math.prod(max(d, 1) for d in shape) * itemsize > MAX_TENSOR_BYTES:
+        if bound * itemsize > MAX_TENSOR_BYTES:
             raise WireError(
                 f"tensor {name!r} of shape {brief(shape)} exceeds {MAX_TENSOR_BYTES} bytes"
             )
-        out.append(TensorMeta(name, t, tuple(shape), math.prod(shape) * itemsize))
+        out.append(TensorMeta(name, t, tuple(shape), count * itemsize))
     return out
 
 
