@@ -69,6 +69,7 @@ from psflow.ps.tables import (
     count_rows,
     lookup_rows,
     restore_tables,
+    row_specs,
     split_prefetch,
     split_rows,
     table_specs,
@@ -657,19 +658,19 @@ class ParameterServer:
         self.reply(request, {}, tensors)
 
     def _push(self, request: Request) -> None:
-        step, fetched = self._apply_push(request)
-        self.reply(request, {_STEP: step}, fetched)
+        step, prefetch = self._apply_push(request)
+        self._reply_with_rows(request, step, [], prefetch)
 
     def _push_pull(self, request: Request) -> None:
-        step, fetched = self._apply_push(request)
-        if not fetched:
+        step, prefetch = self._apply_push(request)
+        if not prefetch:
             self.reply(request, {_STEP: step}, self.store.wire_set)
             return
-        self.reply(request, {_STEP: step}, [*self.store.variables.items(), *fetched])
+        self._reply_with_rows(request, step, list(self.store.variables.items()), prefetch)
 
-    def _apply_push(self, request: Request) -> tuple[int, list[tuple[str, torch.Tensor]]]:
-        """Applies a push; returns the new step and the rows it asks to prefetch, read after
-        the update (named ``<table>#rows``)."""
+    def _apply_push(self, request: Request) -> tuple[int, dict[str, torch.Tensor]]:
+        """Applies a push; returns the new step and the ids per table whose rows it asks to
+        prefetch (copies: the rows may be made where they were)."""
         self.require_initialized()
         # Applied before the reply: gradients in a shared-memory lane need no copy.
         grads = self.tensors(request, into=self.store.grad_buffers, transient=True)
@@ -679,6 +680,7 @@ class ParameterServer:
         if _PREFETCH in header:
             grads, prefetch = split_prefetch(header, grads)
             check_lookup(self.store.tables, prefetch)  # before anything changes
+            prefetch = {name: ids.clone() for name, ids in prefetch.items()}
         if _ROWS in header:
             grads, rows = split_rows(header, grads)
         self.flush()
@@ -691,10 +693,32 @@ class ParameterServer:
         self.metrics.apply_seconds.observe(time.perf_counter() - start)
         if rows:
             count_rows(self.metrics, rows, pushed=True)
-        fetched = lookup_rows(self.store.tables, prefetch) if prefetch else []
+        return step, prefetch
+
+    def _reply_with_rows(
+        self,
+        request: Request,
+        step: int,
+        dense: list[tuple[str, torch.Tensor]],
+        prefetch: dict[str, torch.Tensor],
+    ) -> None:
+        """Answers a push with ``dense`` and the rows of the ``prefetch`` ids (named
+        ``<table>#rows``), read after its update: gathered straight into the lane that
+        carries the reply, where there is one."""
+        tables = self.store.tables
+        names = [prefetch_tensor_names(n)[1] for n in prefetch]
+        specs = [(t.dtype, tuple(t.shape)) for _, t in dense] + row_specs(tables, prefetch)
+        out = self.reply_tensors(request, specs) if prefetch else None
+        if out is None:
+            fetched = [t for _, t in lookup_rows(tables, prefetch)]
+        else:
+            for (_, value), place in zip(dense, out, strict=False):
+                place.copy_(value)
+            dense = [(name, place) for (name, _), place in zip(dense, out, strict=False)]
+            fetched = [t for _, t in lookup_rows(tables, prefetch, out[len(dense) :])]
         if prefetch:
             count_rows(self.metrics, prefetch, pushed=False)
-        return step, [(prefetch_tensor_names(n)[1], t) for n, t in fetched]
+        self.reply(request, {_STEP: step}, [*dense, *zip(names, fetched, strict=True)])
 
     def _heartbeat(self, request: Request) -> None:
         # Heard already (the serving loop notes every sender); the reply tells the worker its

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -62,6 +62,13 @@ class ShardedClient:
             config,
         )
         self.metrics = metrics.for_task(self.me, ctx.host).worker(len(self.shards))
+        self._held: dict[int, list[Callable[[], None]]] = {}
+
+    def hold(self, shard: int, move_out: Callable[[], None]) -> None:
+        """Says that views of ``shard``'s lane (a reply's rows, taken with
+        ``request_views``) are kept beyond this request: ``move_out`` is called before the
+        next request to ``shard``, which overwrites them, to copy what is still needed."""
+        self._held.setdefault(shard, []).append(move_out)
 
     @property
     def transport(self) -> Client:
@@ -131,6 +138,10 @@ class ShardedClient:
         rids = {}
         tensors = tensors or {}
         layouts = layouts or {}
+        if self._held:
+            for shard in headers:
+                for move_out in self._held.pop(shard, ()):
+                    move_out()
         for shard, header in headers.items():
             header[Key.TASK] = self.me
             rids[shard] = self._client.send(
@@ -376,13 +387,15 @@ class ShardedClient:
         global_step: int | None = None,
         rows: dict[int, list[str]] | None = None,
         prefetch: dict[int, list[str]] | None = None,
+        request_views: bool = False,
     ) -> Replies:
         """Pushes each shard's gradients (always including shard 0) in one round trip each.
 
         ``global_step``, the last one this worker saw, goes to the shards other than 0: with
         a learning-rate schedule, they follow the global step by it. ``rows[s]``: the tables
         whose row gradients shard ``s``'s tensors carry; ``prefetch[s]``, the tables whose rows
-        of the ids they carry the reply brings back (read after the update).
+        of the ids they carry the reply brings back (read after the update), as views of the
+        lanes with ``request_views`` (see :meth:`Client.wait`).
         """
         op = Op.PUSH_PULL if pull else Op.PUSH
         headers: dict[int, dict[str, Any]] = {s: {Key.OP: op} for s in grads}
@@ -395,7 +408,14 @@ class ShardedClient:
             for s, h in headers.items():
                 if s:
                     h[Key.STEP] = global_step
-        return self.call(headers, grads, into=into, lane_views=lane_views, layouts=layouts)
+        return self.call(
+            headers,
+            grads,
+            into=into,
+            lane_views=lane_views,
+            layouts=layouts,
+            request_views=request_views,
+        )
 
     # -- embedding tables -------------------------------------------------------------------
 

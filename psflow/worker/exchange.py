@@ -18,7 +18,7 @@ from torch import nn
 
 from psflow.cluster.spec import TaskContext
 from psflow.protocol import Key, OptimizerSpec, ScheduleSpec
-from psflow.protocol.messages import row_tensor_names
+from psflow.protocol.messages import IN_REQUEST_AREA, row_tensor_names
 from psflow.transport import TransportConfig, wire
 from psflow.worker.client import Replies, ShardedClient, Tensors, group_by_shard
 from psflow.worker.heartbeat import Heartbeat
@@ -289,10 +289,17 @@ class ParameterExchange:
             global_step=self.global_step,
             rows=rows,
             prefetch=prefetch,
+            # The rows stay where they came until used (TableClient.put_prefetched).
+            request_views=bool(prefetch),
         )
         if prefetch:
             rest = self.tables.put_prefetched({s: t for s, (_, t) in replies.items()})
-            replies = {s: (h, rest[s]) for s, (h, _) in replies.items()}
+            # Values that came beside the rows, in a lane's request area, are copied out: the
+            # next request overwrites that area.
+            replies = {
+                s: (h, [(n, t.clone()) for n, t in rest[s]] if _in_request_area(h) else rest[s])
+                for s, (h, _) in replies.items()
+            }
         before = self.global_step
         step = self.load(replies)
         # The other workers' updates applied between this worker's last pull and its push.
@@ -322,6 +329,10 @@ def _sparse_rows(var: str, grad: torch.Tensor, part: tuple[int, int] | None) -> 
         ids, values = ids[keep] - part[0], values[keep]
     ids_name, grads_name = row_tensor_names(var)
     return [(ids_name, ids.to("cpu")), (grads_name, values.to("cpu").contiguous())]
+
+
+def _in_request_area(header: dict[str, Any]) -> bool:
+    return header.get(Key.IN_LANE) == IN_REQUEST_AREA
 
 
 def _rows(t: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:

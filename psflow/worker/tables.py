@@ -13,9 +13,10 @@ row-wise optimizer in the same update.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -28,6 +29,16 @@ from psflow.sparse import Partition, coalesce
 from psflow.worker.client import ShardedClient, Tensors
 
 log = logging.getLogger(__name__)
+
+
+class _Grouped(NamedTuple):
+    """A batch's ids (flat) and their grouping by shard (:meth:`TableClient._group`)."""
+
+    ids: torch.Tensor
+    unique: torch.Tensor
+    positions: torch.Tensor
+    split: Split
+
 
 Split = dict[int, tuple[torch.Tensor, Any]]
 """Ids by shard: each shard's ids and where they are among all: their positions
@@ -105,10 +116,11 @@ class TableClient:
         self._looked_up: list[tuple[str, torch.Tensor, torch.Tensor, Split]] = []
         self._to_prefetch: dict[str, torch.Tensor] = {}
         """Per table, a coming batch's ids, whose rows the next push brings back."""
-        self._sent_prefetch: dict[str, tuple[torch.Tensor, Split]] = {}
-        self._prefetched: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        """Per table, rows that came with the last push: used by the forward that asks for
-        exactly those ids."""
+        self._sent_prefetch: dict[str, _Grouped] = {}
+        self._prefetched: dict[str, tuple[_Grouped, dict[int, torch.Tensor]]] = {}
+        """Per table, rows that came with the last push (each shard's, where it came: its
+        lane, until the next request to that shard moves it out): used by the forward that
+        asks for exactly those ids."""
         for module in self.modules.values():
             module.attach(self)
 
@@ -125,8 +137,7 @@ class TableClient:
         """The rows of ``ids`` (1-D, unique) of ``table``, in their order, from the shards that
         hold them: a leaf tensor whose gradient :meth:`gradients` pushes at the next step."""
         name, flat = self._name_and_ids(table, ids)
-        unique, positions, split = self._group(name, flat)
-        (values,) = self._fetch(name, unique, split)
+        _, positions, split, (values,) = self._rows_of(name, flat, views=False)
         aligned = values[positions]  # into the ids' order; the split follows them there
         order = torch.empty_like(positions)
         order[positions] = torch.arange(positions.numel())
@@ -141,8 +152,7 @@ class TableClient:
         gradient :meth:`gradients` pushes at the next step, each shard's a slice of it) and
         which row each id is (see :func:`psflow.nn.table.batch_rows`)."""
         name, flat = self._name_and_ids(table, ids)
-        unique, positions, split = self._group(name, flat)
-        (values,) = self._fetch(name, unique, split)
+        unique, positions, split, (values,) = self._rows_of(name, flat, views=False)
         return self._looked(name, unique, values, split, ids.device), positions.to(ids.device)
 
     def batch_parts(
@@ -155,8 +165,7 @@ class TableClient:
         gradient is what :meth:`gradients` pushes) and holds no values: a 1 MB copy out of the
         lanes a step saved (see :func:`psflow.sparse.kernels.gather_parts`)."""
         name, flat = self._name_and_ids(table, ids)
-        unique, positions, split = self._group(name, flat)
-        parts = self._fetch(name, unique, split, views=True)
+        unique, positions, split, parts = self._rows_of(name, flat, views=True)
         spec = self.specs[name]
         leaf = torch.empty((unique.numel(), spec.embedding_dim), dtype=getattr(torch, spec.dtype))
         return self._looked(name, unique, leaf, split, ids.device), parts, positions
@@ -166,6 +175,21 @@ class TableClient:
         if name is None:
             raise ValueError(f"{type(table).__name__} is not one of this model's tables")
         return name, ids.detach().to("cpu", torch.int64)
+
+    def _rows_of(
+        self, name: str, flat: torch.Tensor, *, views: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, Split, list[torch.Tensor]]:
+        """A batch's ids grouped (see :meth:`_group`) and their rows (see :meth:`_fetch`):
+        those that came with the last push when it asked for exactly these ids (grouped
+        then), else one request per shard."""
+        hit = self._prefetched.pop(name, None)
+        if hit is not None and torch.equal(hit[0].ids, flat):
+            (_, unique, positions, split), parts = hit
+            if views:  # each where it came; the caller gathers before any other request
+                return unique, positions, split, [parts[s] for s in split]
+            return unique, positions, split, [torch.cat([parts[s] for s in split])]
+        unique, positions, split = self._group(name, flat)
+        return unique, positions, split, self._fetch(name, unique, split, views=views)
 
     def _group(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Split]:
         """``ids``' unique ids grouped by shard, where each id is among them, and each shard's
@@ -198,13 +222,9 @@ class TableClient:
         self, name: str, unique: torch.Tensor, split: Split, *, views: bool = False
     ) -> list[torch.Tensor]:
         """The rows of ``unique`` (grouped by shard as ``split`` says), shard after shard, in
-        parts whose concatenation they are: prefetched with the last push when that asked for
-        exactly these ids, else one request per shard, all in flight at once, each shard's rows
-        received into their place in one tensor, or with ``views`` left where they came in
-        (views of its lane, valid until the next request to it), a part each."""
-        cached = self._prefetched.pop(name, None)
-        if cached is not None and torch.equal(cached[0], unique):
-            return [cached[1]]
+        parts whose concatenation they are: one request per shard, all in flight at once, each
+        shard's rows received into their place in one tensor, or with ``views`` left where
+        they came in (views of its lane, valid until the next request to it), a part each."""
         spec = self.specs[name]
         values = None
         into = None
@@ -324,8 +344,8 @@ class TableClient:
         tensors: dict[int, Tensors] = {}
         tables: dict[int, list[str]] = {}
         for name, ids in asked.items():
-            unique, _, split = self._group(name, ids)
-            self._sent_prefetch[name] = (unique, split)
+            unique, positions, split = self._group(name, ids)
+            self._sent_prefetch[name] = _Grouped(ids, unique, positions, split)
             ids_name = prefetch_tensor_names(name)[0]
             for s, (shard_ids, _) in split.items():
                 tensors.setdefault(s, []).append((ids_name, shard_ids))
@@ -334,7 +354,8 @@ class TableClient:
 
     def put_prefetched(self, tensors: dict[int, Tensors]) -> dict[int, Tensors]:
         """Takes the prefetched rows out of each shard's reply tensors (keeps them for the next
-        forward); returns the rest."""
+        forward, where they came: a shard's lane until the next request to it, when they
+        are moved out); returns the rest."""
         if not self._sent_prefetch:
             return tensors
         rows_of = {prefetch_tensor_names(n)[1]: n for n in self._sent_prefetch}
@@ -349,10 +370,21 @@ class TableClient:
                 else:
                     got.setdefault(table, {})[s] = value
             rest[s] = kept
-        for name, (unique, split) in self._sent_prefetch.items():
-            self._prefetched[name] = (unique, self._joined(name, split, got.get(name, {})))
+        for name, grouped in self._sent_prefetch.items():
+            parts = got.get(name, {})
+            self._check_parts(name, grouped.split, parts)
+            self._prefetched[name] = (grouped, parts)
+        for s in {s for _, parts in self._prefetched.values() for s in parts}:
+            self.client.hold(s, functools.partial(self._move_out, s))
         self._sent_prefetch = {}
         return rest
+
+    def _move_out(self, shard: int) -> None:
+        """Copies the prefetched rows that still lie in ``shard``'s lane into memory of their
+        own (a request to it is about to overwrite them)."""
+        for _, parts in self._prefetched.values():
+            if shard in parts:
+                parts[shard] = parts[shard].clone()
 
     def status(self) -> dict[int, Mapping[str, Any]]:
         """Each shard's counters per table: rows held, bytes, admissions, evictions."""

@@ -463,6 +463,65 @@ def test_prefetched_rows_ride_the_step_and_train_the_same() -> None:
     assert (asked_a, asked_b) == (2 * 6, 2), (asked_a, asked_b)
 
 
+def test_prefetched_rows_stay_in_the_lanes_until_a_request_would_overwrite_them() -> None:
+    """Prefetched rows large enough for the lanes come back in each shard's request area and
+    are used there by the next forward; a request to a shard in between (another table's
+    lookup, made first in the forward) first moves them out. The dense values that came with
+    them are copied out at once. Either way one worker trains exactly as without prefetch."""
+    rows, dim, n = 4000, 64, 600
+    g = torch.Generator().manual_seed(5)
+    data = [torch.randint(0, rows, (2, n), generator=g) for _ in range(5)]
+    results = []
+    for mode in ("plain", "prefetch", "prefetch, other table first"):
+        cluster = local_cluster(2, 1)
+        procs = _ps(cluster)
+        model = torch.nn.ModuleDict(
+            {
+                "a": pnn.Embedding(rows, dim, seed=3, init_std=0.1, optimizer="Adagrad"),
+                "b": pnn.Embedding(rows, dim, seed=4, init_std=0.1, optimizer="Adagrad"),
+                "head": torch.nn.Linear(dim, 1),  # dense values come back with the rows
+            }
+        )
+        torch.nn.init.constant_(model["head"].weight, 0.5)
+        torch.nn.init.constant_(model["head"].bias, 0.1)
+        opt = DistributedOptimizer(model, worker_ctx(cluster), optimizer="SGD", lr=0.01)
+        moved: list[int] = []  # the shards whose lanes held rows that were moved out
+        client = tables(opt)
+        real_move = client._move_out
+
+        def move_out(shard: int, real=real_move, client=client, moved=moved) -> None:  # type: ignore[no-untyped-def]
+            if any(shard in parts for _, parts in client._prefetched.values()):
+                moved.append(shard)
+            real(shard)
+
+        client._move_out = move_out  # type: ignore[method-assign]
+        try:
+            for step, ids in enumerate(data):
+                opt.zero_grad()
+                head = model["head"]
+                if mode == "prefetch, other table first":
+                    b = model["b"](ids[1])  # its lookup goes to the lanes that hold a's rows
+                    loss = head(model["a"](ids[0])).pow(2).sum() + (b**2).sum()
+                else:
+                    loss = head(model["a"](ids[0])).pow(2).sum() + (model["b"](ids[1]) ** 2).sum()
+                loss.backward()
+                if mode != "plain" and step + 1 < len(data):
+                    model["a"].prefetch(data[step + 1][0])
+                opt.step()
+            opt.pull()
+            got = [table_rows(opt, name, torch.arange(rows)) for name in sorted(client.modules)]
+            results.append(([*got, model["head"].weight.detach().clone()], moved))
+        finally:
+            opt.close()
+            for p in procs:
+                stop(p, timeout=5)
+    (plain, _), (fetched, moved_none), (other_first, moved_some) = results
+    assert moved_none == [] and sorted(set(moved_some)) == [0, 1], (moved_none, moved_some)
+    for got in (fetched, other_first):
+        for x, y in zip(got, plain, strict=True):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("shm", ["1", "0"], ids=["lane", "socket"])
 def test_large_lookups_come_back_through_the_lane(
     shm: str, monkeypatch: pytest.MonkeyPatch
