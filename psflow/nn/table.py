@@ -34,7 +34,8 @@ class RowSource(Protocol):
     taking the batch's ids as they are and giving its rows in its own order (see
     :func:`batch_rows`); the module then asks that instead. And ``batch_parts(table, ids)``
     (the worker's :meth:`~psflow.worker.tables.TableClient.batch_parts`), for a module that
-    gathers the rows at once: the rows left where they came in, in parts.
+    gathers the rows at once: the rows left where they came in, in parts; its ids are not yet
+    checked for range (the source does, :meth:`TableModule.check_range`, as it groups them).
     """
 
     def rows(self, table: TableModule, ids: torch.Tensor) -> torch.Tensor:
@@ -314,8 +315,9 @@ class TableModule(nn.Module):
         if ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"{self._label()}: ids must be int64 or int32, got {ids.dtype}")
 
-    def _check_range(self, low: torch.Tensor, high: torch.Tensor) -> None:
-        """Refuse ids outside ``[0, num_embeddings)``, given the smallest and largest."""
+    def check_range(self, low: torch.Tensor | int, high: torch.Tensor | int) -> None:
+        """Refuses ids outside ``[0, num_embeddings)``, given the smallest and largest
+        (``IndexError`` naming the table and the id; a hashed table takes any id)."""
         n = self.num_embeddings
         if n is None:
             return
@@ -332,14 +334,15 @@ class TableModule(nn.Module):
         # pass of a module meant to cost what torch's costs; there torch's own (asynchronous)
         # index check reports a bad id, without the table's name.
         if self.num_embeddings is not None and ids.numel() and ids.device.type == "cpu":
-            self._check_range(*torch.aminmax(ids))
+            self.check_range(*torch.aminmax(ids))
 
-    def _batch_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """A batch's ids (any shape) checked (dtype; range, when there are some) and flat."""
+    def _batch_ids(self, ids: torch.Tensor, *, check_range: bool = True) -> torch.Tensor:
+        """A batch's ids (any shape) checked (dtype; range, when there are some, unless the
+        caller leaves that to the row source) and flat."""
         self._check_dtype(ids)
         flat = ids.reshape(-1).to(torch.int64)
-        if flat.numel() and self.num_embeddings is not None:
-            self._check_range(*torch.aminmax(flat))
+        if check_range and flat.numel() and self.num_embeddings is not None:
+            self.check_range(*torch.aminmax(flat))
         return flat
 
     def _gather(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
@@ -379,7 +382,7 @@ class TableModule(nn.Module):
         parts_of = getattr(self._source, "batch_parts", None)
         if parts_of is None or ids.device.type != "cpu":
             return None
-        flat = self._batch_ids(ids)
+        flat = self._batch_ids(ids, check_range=False)  # the source checks, as it groups them
         if not flat.numel():
             return None
         rows, parts, positions = parts_of(self, flat)

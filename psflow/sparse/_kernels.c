@@ -447,14 +447,16 @@ static PyObject *py_check_ids(PyObject *self, PyObject *args) {
  * batch is among them (`positions`), and how many each shard has (`counts`). One pass with an
  * open-addressing map id -> first-appearance number, then the numbers are placed by shard:
  * what torch.unique, then a split by shard (remainder, a stable argsort, a count, a gather per
- * shard) does in seven operations. An id no shard holds (outside a div table) raises
- * IndexError (the outputs are then left half-written: scratch the caller drops). */
+ * shard) does in seven operations. With `limit` >= 0 (a fixed table's size), an id outside
+ * [0, limit) stops it: returns (-1, that id), for the caller to name its table. Else returns
+ * (how many unique ids, 0). An id no shard holds (outside a div table) raises IndexError (the
+ * outputs are then left half-written: scratch the caller drops). */
 static PyObject *py_group_ids(PyObject *self, PyObject *args) {
     Py_ssize_t ids_, n, unique_, positions_, counts_;
     int div;
-    long long num_shards, q, r, boundary;
-    if (!PyArg_ParseTuple(args, "nnpLLLLnnn", &ids_, &n, &div, &num_shards, &q, &r, &boundary,
-                          &unique_, &positions_, &counts_))
+    long long num_shards, q, r, boundary, limit;
+    if (!PyArg_ParseTuple(args, "nnpLLLLLnnn", &ids_, &n, &div, &num_shards, &q, &r, &boundary,
+                          &limit, &unique_, &positions_, &counts_))
         return NULL;
     const int64_t *ids = PTR(int64_t, ids_);
     int64_t *unique = PTR(int64_t, unique_), *positions = PTR(int64_t, positions_);
@@ -471,11 +473,17 @@ static PyObject *py_group_ids(PyObject *self, PyObject *args) {
         return PyErr_NoMemory();
     }
     Py_ssize_t m = 0, bad = -1;
-    int64_t bad_id = 0;
+    int64_t bad_id = 0, outside = 0;
+    int out_of_range = 0;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t k = 0; k < slots; k++) vals[k] = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
         const int64_t id = ids[i];
+        if (limit >= 0 && (id < 0 || id >= limit)) {
+            out_of_range = 1;
+            outside = id;
+            break;
+        }
         uint64_t h = ((uint64_t)id * 0x9E3779B97F4A7C15ull) >> 20;
         Py_ssize_t k = (Py_ssize_t)(h & (uint64_t)(slots - 1));
         while (vals[k] >= 0 && keys[k] != id) k = (k + 1) & (slots - 1);
@@ -486,7 +494,7 @@ static PyObject *py_group_ids(PyObject *self, PyObject *args) {
         }
         positions[i] = vals[k];
     }
-    for (Py_ssize_t u = 0; u < m; u++) {
+    for (Py_ssize_t u = 0; u < m && !out_of_range; u++) {
         int64_t s = shard_of(first[u], div, num_shards, q, r, boundary);
         if (s < 0 || s >= num_shards) { /* an id outside a div table's range */
             bad = u;
@@ -495,7 +503,7 @@ static PyObject *py_group_ids(PyObject *self, PyObject *args) {
         counts[s]++;
         place[u] = s; /* its shard, for now: its place below */
     }
-    if (bad < 0) {
+    if (bad < 0 && !out_of_range) {
         for (int64_t s = 0; s < num_shards; s++) start[s + 1] = start[s] + counts[s];
         for (Py_ssize_t u = 0; u < m; u++) {
             place[u] = start[place[u]]++;
@@ -510,7 +518,8 @@ static PyObject *py_group_ids(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_IndexError, "id %lld is outside the table's shards", (long long)bad_id);
         return NULL;
     }
-    return PyLong_FromSsize_t(m);
+    if (out_of_range) return Py_BuildValue("nL", (Py_ssize_t)-1, (long long)outside);
+    return Py_BuildValue("nL", m, 0LL);
 }
 
 static PyMethodDef methods[] = {

@@ -197,12 +197,14 @@ def local_index(ids: torch.Tensor, partition: Partition) -> torch.Tensor:
 
 
 def group_ids(
-    ids: torch.Tensor, partition: Partition
-) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
+    ids: torch.Tensor, partition: Partition, limit: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, list[int]] | int | None:
     """A batch's ids (1-D int64 on the CPU, repeats allowed) as ``(unique, positions,
     counts)``: its unique ids grouped by ``partition``'s shard (shard 0's first, each shard's in
     the order they first appear), where each id is among them, and how many each shard has.
-    ``None`` where the kernels are not built (``torch.unique`` and ``Partition.split`` then)."""
+    With ``limit`` (a fixed table's size), the first id outside ``[0, limit)`` instead, for the
+    caller to name its table (the range checked in the same pass). ``None`` where the kernels
+    are not built (``torch.unique`` and ``Partition.split`` then)."""
     if KERNELS is None or ids.device.type != "cpu" or ids.dtype != torch.int64:
         return None
     ids = ids.contiguous()
@@ -210,8 +212,10 @@ def group_ids(
     unique = torch.empty(n, dtype=torch.int64)
     positions = torch.empty(n, dtype=torch.int64)
     counts = torch.zeros(partition.num_shards, dtype=torch.int64)
-    m = KERNELS.group_ids(
-        ids.data_ptr(), n, *partition.rule(),
+    m, outside = KERNELS.group_ids(
+        ids.data_ptr(), n, *partition.rule(), -1 if limit is None else limit,
         unique.data_ptr(), positions.data_ptr(), counts.data_ptr(),
     )  # fmt: skip
+    if m < 0:
+        return int(outside)
     return unique[:m], positions, counts.tolist()

@@ -165,7 +165,7 @@ class TableClient:
         gradient is what :meth:`gradients` pushes) and holds no values: a 1 MB copy out of the
         lanes a step saved (see :func:`psflow.sparse.kernels.gather_parts`)."""
         name, flat = self._name_and_ids(table, ids)
-        unique, positions, split, parts = self._rows_of(name, flat, views=True)
+        unique, positions, split, parts = self._rows_of(name, flat, views=True, check=table)
         spec = self.specs[name]
         leaf = torch.empty((unique.numel(), spec.embedding_dim), dtype=getattr(torch, spec.dtype))
         return self._looked(name, unique, leaf, split, ids.device), parts, positions
@@ -177,29 +177,39 @@ class TableClient:
         return name, ids.detach().to("cpu", torch.int64)
 
     def _rows_of(
-        self, name: str, flat: torch.Tensor, *, views: bool
+        self, name: str, flat: torch.Tensor, *, views: bool, check: TableModule | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, Split, list[torch.Tensor]]:
         """A batch's ids grouped (see :meth:`_group`) and their rows (see :meth:`_fetch`):
-        those that came with the last push when it asked for exactly these ids (grouped
-        then), else one request per shard."""
+        those that came with the last push when it asked for exactly these ids (grouped, and
+        checked, then), else one request per shard."""
         hit = self._prefetched.pop(name, None)
         if hit is not None and torch.equal(hit[0].ids, flat):
             (_, unique, positions, split), parts = hit
             if views:  # each where it came; the caller gathers before any other request
                 return unique, positions, split, [parts[s] for s in split]
             return unique, positions, split, [torch.cat([parts[s] for s in split])]
-        unique, positions, split = self._group(name, flat)
+        unique, positions, split = self._group(name, flat, check)
         return unique, positions, split, self._fetch(name, unique, split, views=views)
 
-    def _group(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Split]:
+    def _group(
+        self, name: str, ids: torch.Tensor, check: TableModule | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, Split]:
         """``ids``' unique ids grouped by shard, where each id is among them, and each shard's
         share as a slice of them: one pass of :func:`psflow.sparse.kernels.group_ids`, or
-        ``torch.unique`` and :meth:`Partition.split`."""
+        ``torch.unique`` and :meth:`Partition.split`. With ``check`` (the table), their range
+        is checked too (:meth:`TableModule.check_range`), in the same pass."""
         partition = self.partitions[name]
-        grouped = kernels.group_ids(ids, partition)
+        limit = self.specs[name].num_embeddings if check is not None else None
+        grouped = kernels.group_ids(ids, partition, limit)
+        if isinstance(grouped, int):  # outside the table
+            assert check is not None
+            check.check_range(grouped, grouped)
+            raise AssertionError(f"id {grouped} is in range")  # check_range raised
         if grouped is not None:
             unique, positions, counts = grouped
         else:
+            if check is not None and ids.numel():
+                check.check_range(*torch.aminmax(ids))
             unique, positions = torch.unique(ids, return_inverse=True)
             split = partition.split(unique)
             if len(split) > 1:  # shard after shard: where each unique id went

@@ -174,6 +174,26 @@ def test_a_table_on_the_jobs_optimizer_follows_its_schedule(two_ps: ClusterSpec)
         opt.close()
 
 
+@pytest.mark.parametrize("bad", [VOCAB, -1, 2**62])
+def test_an_id_out_of_range_is_named_by_the_worker_before_any_request(
+    two_ps: ClusterSpec, bad: int
+) -> None:
+    """Checked as the worker groups the batch's ids (one pass with their grouping)."""
+    table = pnn.Embedding(VOCAB, DIM, seed=1)
+    opt = DistributedOptimizer(table, worker_ctx(two_ps), lr=0.1)
+    try:
+        client = tables(opt).client
+        sent = client.send
+        asked: list[object] = []
+        client.send = lambda *a, **k: (asked.append(a), sent(*a, **k))[1]  # type: ignore[method-assign]
+        with pytest.raises(IndexError, match=rf"table .*id {bad} is out of range.*\[0, {VOCAB}\)"):
+            table(torch.tensor([[1, 2], [bad, 3]]))
+        assert asked == []
+        assert table(torch.tensor([1, VOCAB - 1])).shape == (2, DIM)  # and it goes on
+    finally:
+        opt.close()
+
+
 def test_bad_ids_are_refused_and_the_ps_keeps_serving(two_ps: ClusterSpec) -> None:
     model = Recommender()
     opt = DistributedOptimizer(

@@ -516,14 +516,26 @@ def test_group_ids_groups_a_batch_by_shard(kind: str, n: int | None, shards: int
         ids = torch.randint(low, high, (size,), generator=gen)
         if size > 3:
             ids[3] = ids[0]  # a repeat
-        grouped = kernels.group_ids(ids, partition)
-        assert grouped is not None
+        grouped = kernels.group_ids(ids, partition, n)  # in range: checked, and grouped
+        assert isinstance(grouped, tuple)
         unique, positions, counts = grouped
         assert torch.equal(unique[positions], ids)  # each id finds its row
         assert sorted(unique.tolist()) == torch.unique(ids).tolist()  # each id once
         shard = partition.shard_of(unique)
         assert counts == torch.bincount(shard, minlength=shards).tolist()
         assert torch.equal(shard, shard.sort().values)  # shard 0's first, and so on
+
+
+@pytest.mark.parametrize("bad", [50, -1, 2**62])
+def test_group_ids_gives_the_first_id_outside_the_limit(bad: int) -> None:
+    import psflow.sparse.kernels as kernels
+    from tests.kernels import need_kernels
+
+    need_kernels()
+    for kind in ("mod", "div"):
+        ids = torch.tensor([3, 7, bad, 4, 99])
+        assert kernels.group_ids(ids, Partition(kind, 50, 3), 50) == bad
+        assert isinstance(kernels.group_ids(ids[:2], Partition(kind, 50, 3), 50), tuple)
 
 
 def test_group_ids_refuses_an_id_no_shard_holds() -> None:
