@@ -414,8 +414,8 @@ class Server:
                 # The request's area: its tensors are done with, and the client takes these
                 # before its next request. (A lookup's rows, in a lane; made there by
                 # reply_tensors, they are not copied again.)
-                placed = wire.placed_in(tensors, lane.request)
-                if placed or _outside(tensors, lane.request):
+                placed = wire.placed_in(tensors, lane.request_views)
+                if placed or _outside(tensors, lane.request_views):
                     frames = wire.encode(
                         dict(header),
                         tensors,
@@ -528,11 +528,11 @@ def _sent(tracker: zmq.MessageTracker, timeout: float) -> bool:
     return True
 
 
-def _outside(tensors: Sequence[tuple[str, torch.Tensor]], area: Any) -> bool:
+def _outside(tensors: Sequence[tuple[str, torch.Tensor]], area: wire.AreaViews) -> bool:
     """Whether no tensor's memory lies in ``area`` (the lane's request area): a handler may
     answer with views of what it was sent, which a copy into that area would overwrite."""
-    start = area.ctypes.data
-    end = start + area.nbytes
+    start = area.address
+    end = start + area.area.nbytes
     for _, t in tensors:
         p = t.data_ptr()
         if p < end and p + t.nbytes > start:

@@ -193,9 +193,9 @@ def test_tensors_made_in_the_lane_are_sent_without_a_copy(lane: Lane) -> None:
     rows.copy_(torch.arange(1600, dtype=torch.float32).view(100, 16))
     ids.copy_(torch.tensor([7, 8, 9]))
     tensors = [("rows", rows), ("ids", ids)]
-    assert wire.placed_in(tensors, lane.request)
-    assert not wire.placed_in(tensors[::-1], lane.request)  # not where encode puts them
-    assert not wire.placed_in([("rows", rows.clone())], lane.request)
+    assert wire.placed_in(tensors, lane.request_views)
+    assert not wire.placed_in(tensors[::-1], lane.request_views)  # not where encode puts them
+    assert not wire.placed_in([("rows", rows.clone())], lane.request_views)
     header: dict[str, object] = {"op": "lookup", "id": 1}
     frames = wire.encode(header, tensors, area=lane.request, placed=True)
     assert len(frames) == 1 and header["s"] == 1
