@@ -659,6 +659,9 @@ class ParameterServer:
 
     def _push(self, request: Request) -> None:
         step, prefetch = self._apply_push(request)
+        if not prefetch:
+            self.reply(request, {_STEP: step})
+            return
         self._reply_with_rows(request, step, [], prefetch)
 
     def _push_pull(self, request: Request) -> None:
@@ -708,17 +711,18 @@ class ParameterServer:
         tables = self.store.tables
         names = [prefetch_tensor_names(n)[1] for n in prefetch]
         specs = [(t.dtype, tuple(t.shape)) for _, t in dense] + row_specs(tables, prefetch)
-        out = self.reply_tensors(request, specs) if prefetch else None
+        out = self.reply_tensors(request, specs)
         if out is None:
-            fetched = [t for _, t in lookup_rows(tables, prefetch)]
+            fetched = lookup_rows(tables, prefetch)
         else:
-            for (_, value), place in zip(dense, out, strict=False):
+            placed = out[: len(dense)]
+            for (_, value), place in zip(dense, placed, strict=True):
                 place.copy_(value)
-            dense = [(name, place) for (name, _), place in zip(dense, out, strict=False)]
-            fetched = [t for _, t in lookup_rows(tables, prefetch, out[len(dense) :])]
-        if prefetch:
-            count_rows(self.metrics, prefetch, pushed=False)
-        self.reply(request, {_STEP: step}, [*dense, *zip(names, fetched, strict=True)])
+            dense = [(name, place) for (name, _), place in zip(dense, placed, strict=True)]
+            fetched = lookup_rows(tables, prefetch, out[len(dense) :])
+        count_rows(self.metrics, prefetch, pushed=False)
+        rows = [(name, t) for name, (_, t) in zip(names, fetched, strict=True)]
+        self.reply(request, {_STEP: step}, [*dense, *rows])
 
     def _heartbeat(self, request: Request) -> None:
         # Heard already (the serving loop notes every sender); the reply tells the worker its

@@ -452,17 +452,14 @@ class Client:
         # Rows a server wrote into the request area are copied out unless the caller takes
         # views: the next request overwrites them.
         in_request = lane is not None and header.get(Key.IN_LANE) == IN_REQUEST_AREA
+        area = None if lane is None else lane.request_views if in_request else lane.reply_views
         try:
             tensors = wire.decode_tensors(
                 header,
                 frames,
                 max_bytes=self.config.max_message_bytes,
                 into=w.into if w.into_of is None else w.into_of.get(rid, w.into),
-                area=None
-                if lane is None
-                else lane.request_views
-                if in_request
-                else lane.reply_views,
+                area=area,
                 transient=w.request_views if in_request else w.lane_views,
                 # A lookup's rows differ every time: no use keeping their views.
                 keep=not in_request,

@@ -31,6 +31,11 @@ from psflow.worker.client import ShardedClient, Tensors
 log = logging.getLogger(__name__)
 
 
+Split = dict[int, tuple[torch.Tensor, Any]]
+"""Ids by shard: each shard's ids and where they are among all: their positions
+(``Partition.split``), or a slice when the rows are grouped by shard (:meth:`TableClient._group`)."""
+
+
 class _Grouped(NamedTuple):
     """A batch's ids (flat) and their grouping by shard (:meth:`TableClient._group`)."""
 
@@ -39,10 +44,6 @@ class _Grouped(NamedTuple):
     positions: torch.Tensor
     split: Split
 
-
-Split = dict[int, tuple[torch.Tensor, Any]]
-"""Ids by shard: each shard's ids and where they are among all: their positions
-(``Partition.split``), or a slice when the rows are grouped by shard (:meth:`TableClient._group`)."""
 
 _ROW_WISE = {"SGD": "SGD", "Adagrad": "Adagrad", "Adam": "Adam", "SparseAdam": "Adam"}
 """The row-wise optimizer a table takes when it names none: the dense optimizer's own."""
