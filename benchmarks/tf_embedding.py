@@ -143,10 +143,13 @@ def sparse_task(p: dict[str, Any]) -> dict[str, Any]:
         )
         ids = tf.compat.v1.placeholder(tf.int64, [UNIQUE_IDS])
         rows = tf.compat.v1.nn.embedding_lookup(table, ids, partition_strategy="mod")
-        loss = 0.5 * tf.reduce_sum(tf.square(rows))  # gradient per row: the row itself
         global_step = tf.compat.v1.train.get_or_create_global_step()
         opt = tf.compat.v1.train.AdagradOptimizer(0.01, initial_accumulator_value=0.1)
-        train_op = opt.minimize(loss, global_step=global_step)
+        # Each row's gradient is the row itself (the gradient of 0.5 * sum(rows ** 2)), given
+        # as grad_loss, as psflow's side hands it to its backward: no loss arithmetic on either.
+        train_op = opt.minimize(
+            rows, global_step=global_step, grad_loss=tf.stop_gradient(rows)
+        )
     with _session(server, index) as sess:
         for i, batch in enumerate(batches):
             if i == p["warmup"]:
