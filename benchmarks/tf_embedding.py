@@ -147,9 +147,7 @@ def sparse_task(p: dict[str, Any]) -> dict[str, Any]:
         opt = tf.compat.v1.train.AdagradOptimizer(0.01, initial_accumulator_value=0.1)
         # Each row's gradient is the row itself (the gradient of 0.5 * sum(rows ** 2)), given
         # as grad_loss, as psflow's side hands it to its backward: no loss arithmetic on either.
-        train_op = opt.minimize(
-            rows, global_step=global_step, grad_loss=tf.stop_gradient(rows)
-        )
+        train_op = opt.minimize(rows, global_step=global_step, grad_loss=tf.stop_gradient(rows))
     with _session(server, index) as sess:
         for i, batch in enumerate(batches):
             if i == p["warmup"]:

@@ -170,8 +170,13 @@ class Embedding(TableModule):
         norm_type: float = 2.0,
         scale_grad_by_freq: bool = False,
         sparse: bool = False,
+        *,
+        partition: str = "mod",
+        optimizer: str | RowOptimizerSpec | None = None,
     ) -> Embedding:
-        """A table holding ``embeddings`` (2-D), as ``torch.nn.Embedding.from_pretrained``."""
+        """A table holding ``embeddings`` (2-D), as ``torch.nn.Embedding.from_pretrained``;
+        ``partition`` and ``optimizer`` as for the constructor. Given to a job unfrozen, it
+        trains on the ps from these rows: the chief's init sends them (each shard its part)."""
         if embeddings.dim() != 2:
             raise ValueError(f"embeddings must be 2-D, got shape {list(embeddings.shape)}")
         rows, cols = embeddings.shape
@@ -183,6 +188,8 @@ class Embedding(TableModule):
             norm_type=norm_type,
             scale_grad_by_freq=scale_grad_by_freq,
             sparse=sparse,
+            partition=partition,
+            optimizer=optimizer,
             _weight=embeddings,
             _freeze=freeze,
         )
@@ -344,8 +351,13 @@ class EmbeddingBag(TableModule):
         sparse: bool = False,
         include_last_offset: bool = False,
         padding_idx: int | None = None,
+        *,
+        partition: str = "mod",
+        optimizer: str | RowOptimizerSpec | None = None,
     ) -> EmbeddingBag:
-        """A table holding ``embeddings`` (2-D), as ``torch.nn.EmbeddingBag.from_pretrained``."""
+        """A table holding ``embeddings`` (2-D), as ``torch.nn.EmbeddingBag.from_pretrained``;
+        ``partition`` and ``optimizer`` as for the constructor (see
+        :meth:`Embedding.from_pretrained`)."""
         if embeddings.dim() != 2:
             raise ValueError(f"embeddings must be 2-D, got shape {list(embeddings.shape)}")
         rows, cols = embeddings.shape
@@ -360,6 +372,8 @@ class EmbeddingBag(TableModule):
             _weight=embeddings,
             include_last_offset=include_last_offset,
             padding_idx=padding_idx,
+            partition=partition,
+            optimizer=optimizer,
         )
         bag.weight.requires_grad = not freeze
         return bag

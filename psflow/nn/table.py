@@ -268,7 +268,7 @@ class TableModule(nn.Module):
         if not isinstance(source, RowSource):
             raise TypeError(f"{self._label()}: {source!r} has no rows(table, ids) method")
         weight = self._parameters.get("weight")
-        if weight is not None and not weight.requires_grad:
+        if self.frozen:
             raise ValueError(
                 f"{self._label()} is frozen (weight.requires_grad=False): a frozen table is "
                 "not trained, so it stays on the worker as a plain weight; attach only "
@@ -279,6 +279,21 @@ class TableModule(nn.Module):
             del self._parameters["weight"]
         self._fused = None
         self._source = source
+
+    @property
+    def frozen(self) -> bool:
+        """Whether the module holds a weight that does not train (``requires_grad=False``,
+        ``from_pretrained``'s default): a job leaves it on each worker as a plain weight."""
+        weight = self._parameters.get("weight")
+        return weight is not None and not weight.requires_grad
+
+    def held_rows(self) -> torch.Tensor | None:
+        """The rows this module holds itself, detached: a fixed table's weight, unless it is on
+        the meta device; ``None`` for a hashed or attached table, or one on the meta device."""
+        weight = self._parameters.get("weight")
+        if weight is None or weight.is_meta:
+            return None
+        return weight.detach()
 
     @property
     def attached(self) -> bool:

@@ -56,12 +56,19 @@ ROW_GRADS = "#grad"
 ROW_NEXT = "#next"
 """Suffix of the tensor that carries the ids of a table to prefetch with a push (``emb#next``)."""
 ROW_VALUES = "#rows"
-"""Suffix of the tensor of their rows in the push's reply (``emb#rows``)."""
+"""Suffix of the tensor of their rows in the push's reply (``emb#rows``), and of a shard's first
+rows of a table in an init (:func:`initial_rows_tensor_name`)."""
 
 
 def prefetch_tensor_names(table: str) -> tuple[str, str]:
     """The names of the ids a push asks ``table``'s rows of, and of those rows in the reply."""
     return table + ROW_NEXT, table + ROW_VALUES
+
+
+def initial_rows_tensor_name(table: str) -> str:
+    """The name of the tensor of a shard's first rows of ``table`` in an init (all its rows, in
+    the shard's storage order): the rows the chief's model held, instead of the seeded ones."""
+    return table + ROW_VALUES
 
 
 def row_tensor_names(table: str) -> tuple[str, str]:
@@ -214,7 +221,8 @@ class Key(StrEnum):
     a table_status reply: each table's counters."""
     ROWS = "rows"
     """A push: the tables whose row gradients it carries (tensors named by
-    :func:`row_tensor_names`)."""
+    :func:`row_tensor_names`). An init: the tables whose first rows it carries
+    (:func:`initial_rows_tensor_name`), the chief's instead of the seeded ones."""
     PREFETCH = "prefetch"
     """A push: the tables whose rows of the ids it carries (:func:`prefetch_tensor_names`) the
     reply brings back, read after the push is applied: the next batch's rows ride the step."""

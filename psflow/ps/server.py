@@ -70,6 +70,8 @@ from psflow.ps.tables import (
     lookup_rows,
     restore_tables,
     row_specs,
+    set_initial_rows,
+    split_initial_rows,
     split_prefetch,
     split_rows,
     table_specs,
@@ -598,10 +600,12 @@ class ParameterServer:
         step = request.header.get(Key.STEP, 0)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"bad initial step {step!r}")
+        tensors, first_rows = split_initial_rows(request.header, tensors)
         tensors, opt_tensors, opt_plain = split_init_tensors(request.header, tensors)
         specs = table_specs(request.header)
         tables_from = self._tables_from(request)
         tables = build_tables(specs, self.shard, self.ctx.cluster.num_tasks("ps"))
+        set_initial_rows(tables, first_rows)  # the chief's model held them
         self.store.initialize(tensors, spec, step=step, schedule=schedule, tables=tables)
         try:
             if opt_tensors or opt_plain:
@@ -617,7 +621,7 @@ class ParameterServer:
             self.sender(request),
             len(tensors),
             len(tables),
-            " (restored)" if tables_from else "",
+            " (restored)" if tables_from else _given(first_rows),
             self.store.nbytes() / 1e6,
             spec.name,
             "" if schedule is None else f", lr_schedule {schedule.describe()} at step {step}",
@@ -747,3 +751,8 @@ class ParameterServer:
         self.reply(request, {})
         for service in self._services:
             service.on_worker_finished(name)
+
+
+def _given(first_rows: Mapping[str, torch.Tensor]) -> str:
+    """The init's log note on tables whose first rows the chief's model gave."""
+    return f" ({', '.join(sorted(first_rows))} with the chief's rows)" if first_rows else ""

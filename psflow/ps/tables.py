@@ -8,14 +8,15 @@ asks for the rows of its batch's ids (:attr:`~psflow.protocol.Op.LOOKUP`) and pu
 gradients with its dense ones (:attr:`~psflow.protocol.Key.ROWS`), applied in the same update.
 
 Ops (:class:`TableService`): ``lookup`` and ``table_status``. The chief creates the tables with
-its ``init`` (:func:`build_tables`); a restore reads each shard's rows from every file of the
+its ``init`` (:func:`build_tables`; a fixed table starts from the rows the chief's model held,
+when it held them: :func:`set_initial_rows`); a restore reads each shard's rows from every file of the
 checkpoint (:func:`restore_tables`), so a checkpoint restores into any number of ps.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,13 +26,14 @@ from psflow.protocol import Key, Op, TableSpec
 from psflow.protocol.messages import (
     ROW_GRADS,
     ROW_IDS,
+    initial_rows_tensor_name,
     prefetch_tensor_names,
     row_tensor_names,
 )
 from psflow.ps import safefile
 from psflow.ps.service import Handler, Service, ServiceHost
 from psflow.ps.store import RowGrads
-from psflow.sparse import Rows, coalesce, make_rows
+from psflow.sparse import FixedRows, Rows, coalesce, make_rows
 from psflow.sparse.rows import RowSnapshot
 from psflow.transport import Request
 
@@ -147,22 +149,78 @@ def split_prefetch(
     Raises:
         ValueError: when a named table's ids are missing, or ``prefetch`` is not a list of names.
     """
-    tables = _table_names(header, Key.PREFETCH)
+    return _split_per_table(
+        header, Key.PREFETCH, tensors, lambda t: prefetch_tensor_names(t)[0], "push", "ids"
+    )
+
+
+def split_initial_rows(
+    header: Mapping[str, Any], tensors: Sequence[tuple[str, torch.Tensor]]
+) -> tuple[Tensors, dict[str, torch.Tensor]]:
+    """Splits an init's tensors into the rest and this shard's first rows per table
+    (:attr:`Key.ROWS` names the tables: the chief's model held their rows).
+
+    Raises:
+        ValueError: when a named table's rows are missing, or ``rows`` is not a list of names.
+    """
+    return _split_per_table(header, Key.ROWS, tensors, initial_rows_tensor_name, "init", "rows")
+
+
+def _split_per_table(
+    header: Mapping[str, Any],
+    key: Key,
+    tensors: Sequence[tuple[str, torch.Tensor]],
+    name_of: Callable[[str], str],
+    message: str,
+    what: str,
+) -> tuple[Tensors, dict[str, torch.Tensor]]:
+    """The tensors of the tables ``header[key]`` names (one each, called ``name_of(table)``)
+    per table, and the rest."""
+    tables = _table_names(header, key)
     if not tables:
         return list(tensors), {}
-    wanted = {prefetch_tensor_names(t)[0]: t for t in tables}
+    wanted = {name_of(t): t for t in tables}
     rest: Tensors = []
-    ids: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     for name, t in tensors:
         table = wanted.get(name)
         if table is None:
             rest.append((name, t))
+        elif table in out:
+            raise ValueError(f"{name!r} appears twice in one {message}")
         else:
-            ids[table] = t
-    missing = sorted(set(tables) - set(ids))
+            out[table] = t
+    missing = sorted(set(tables) - set(out))
     if missing:
-        raise ValueError(f"the push names tables {missing} to prefetch but lacks their ids")
-    return rest, ids
+        raise ValueError(f"the {message} names tables {missing} but lacks their {what}")
+    return rest, out
+
+
+def set_initial_rows(tables: Mapping[str, Rows], first: Mapping[str, torch.Tensor]) -> None:
+    """Makes ``first`` (this shard's rows per table, in its storage order) the tables' rows:
+    the chief's model held them (a pretrained table, a loaded state dict). Checks every one
+    before any changes.
+
+    Raises:
+        ValueError: for a table the init does not create, a hashed one, or rows of the wrong
+            shape or dtype.
+    """
+    for name, values in first.items():
+        table = tables.get(name)
+        if table is None:
+            raise ValueError(f"the init carries first rows of {name!r}, which it does not create")
+        if not isinstance(table, FixedRows):
+            raise ValueError(f"table {name!r} is hashed: its rows are made by id, not given")
+        want = (table.num_rows, table.dim)
+        if tuple(values.shape) != want or values.dtype != table.dtype:
+            raise ValueError(
+                f"the first rows of table {name!r} are {list(values.shape)} {values.dtype}; "
+                f"this shard holds {list(want)} {table.dtype}"
+            )
+    for name, values in first.items():
+        table = tables[name]
+        assert isinstance(table, FixedRows)
+        table.values.copy_(values)
 
 
 def check_lookup(tables: Mapping[str, Rows], ids: Mapping[str, torch.Tensor]) -> None:

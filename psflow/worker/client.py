@@ -197,11 +197,14 @@ class ShardedClient:
         *,
         schedule: ScheduleSpec | None = None,
         tables: list[dict[str, Any]] | None = None,
+        initial_rows: list[str] | None = None,
         timeout: float | None = None,
     ) -> bool:
         """Sends the initial values, the optimizer, the learning-rate schedule and the
         embedding tables' specs (each shard creates its rows); returns False when the shards
-        were already initialised. ``timeout``: for the replies (default: the transport's)."""
+        were already initialised. ``initial_rows``: the tables whose first rows ``values``
+        carries (each shard's part, :func:`~psflow.protocol.messages.initial_rows_tensor_name`)
+        instead of the seeded ones. ``timeout``: for the replies (default: the transport's)."""
         headers = self._headers(Op.INIT)
         for h in headers.values():
             h.update({Key.OPTIMIZER: spec.to_wire(), Key.STEP: step})
@@ -209,6 +212,8 @@ class ShardedClient:
                 h[Key.LR_SCHEDULE] = schedule.to_wire()
             if tables:
                 h[Key.TABLES] = tables
+            if initial_rows:
+                h[Key.ROWS] = initial_rows
         replies = self.call(headers, values, timeout=timeout)
         already = [s for s, (h, _) in replies.items() if h.get(Key.ALREADY)]
         if already and len(already) != self.num_shards:

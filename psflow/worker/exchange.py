@@ -117,10 +117,19 @@ class ParameterExchange:
             self.client.wait_ready(ready_timeout, initialized=False)
             values = {s: self._values(pieces) for s, pieces in self._by_shard.items()}
             tables = self.tables.wire_specs(spec) if self.tables else None
+            held = list(self.tables.initial)
+            if held:  # tables this model holds rows of: they start from those, not the seed
+                for s in range(self.num_shards):
+                    values.setdefault(s, []).extend(self.tables.initial_rows(s))
             # A ps allocates the model and its tables' rows before it answers (20M rows take it
             # seconds; more on a loaded machine): more than one request's timeout may pass.
             initialized = self.client.initialize(
-                values, spec, schedule=self.lr_schedule, tables=tables, timeout=ready_timeout
+                values,
+                spec,
+                schedule=self.lr_schedule,
+                tables=tables,
+                initial_rows=held,
+                timeout=ready_timeout,
             )
             if initialized:
                 log.info("%s initialised the ps", self.ctx.task)
@@ -130,6 +139,7 @@ class ParameterExchange:
                 )
         else:
             self.client.wait_ready(ready_timeout)
+        self.tables.forget_initial()
         # From now on the ps expect to hear from this task (psflow.ps.liveness).
         self._heartbeat = Heartbeat(self.ctx, self.client.config).start()
 

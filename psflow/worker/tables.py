@@ -24,7 +24,11 @@ from torch import nn
 import psflow.sparse.kernels as kernels
 from psflow.nn import TableModule
 from psflow.protocol import OptimizerSpec, RowOptimizerSpec, TableSpec
-from psflow.protocol.messages import prefetch_tensor_names, row_tensor_names
+from psflow.protocol.messages import (
+    initial_rows_tensor_name,
+    prefetch_tensor_names,
+    row_tensor_names,
+)
 from psflow.sparse import Partition, coalesce
 from psflow.worker.client import ShardedClient, Tensors
 
@@ -74,8 +78,14 @@ def row_optimizer_for(spec: OptimizerSpec) -> RowOptimizerSpec:
 
 
 def tables_of(model: nn.Module) -> dict[str, TableModule]:
-    """``model``'s embedding tables by their path in it (``"table"`` for the model itself)."""
-    return {name or "table": m for name, m in model.named_modules() if isinstance(m, TableModule)}
+    """``model``'s embedding tables that train, by their path in it (``"table"`` for the model
+    itself). A frozen one (:attr:`TableModule.frozen`) is left out: it stays on each worker as
+    a plain weight, neither on the ps nor in checkpoints (it is built again from its source)."""
+    return {
+        name or "table": m
+        for name, m in model.named_modules()
+        if isinstance(m, TableModule) and not m.frozen
+    }
 
 
 def table_specs(modules: Mapping[str, TableModule], optimizer: OptimizerSpec) -> list[TableSpec]:
@@ -107,8 +117,16 @@ class TableClient:
         self.specs: dict[str, TableSpec] = {}
         self.partitions: dict[str, Partition] = {}
         self._name_of: dict[int, str] = {}
+        self.initial: dict[str, torch.Tensor] = {}
+        """Per fixed table, the rows the model held when it was given to the job (a weight not
+        on the meta device: pretrained, loaded from a state dict, or the seeded start): the
+        chief's init makes them the table's first rows (:meth:`initial_rows`). Dropped when
+        the job starts (:meth:`forget_initial`)."""
         for name, module in self.modules.items():
             spec = module.spec(name)
+            held = module.held_rows()  # before attach() drops it
+            if held is not None:
+                self.initial[spec.name] = held
             self.specs[spec.name] = spec
             self.partitions[spec.name] = Partition(
                 spec.partition, spec.num_embeddings, client.num_shards
@@ -127,6 +145,19 @@ class TableClient:
 
     def __bool__(self) -> bool:
         return bool(self.modules)
+
+    def initial_rows(self, shard: int) -> Tensors:
+        """``shard``'s part of each table in :attr:`initial`, in its storage order, as an
+        init carries it (:func:`~psflow.protocol.messages.initial_rows_tensor_name`)."""
+        out: Tensors = []
+        for name, held in self.initial.items():
+            ids = self.partitions[name].ids_on(shard).to(held.device)
+            out.append((initial_rows_tensor_name(name), held.index_select(0, ids).cpu()))
+        return out
+
+    def forget_initial(self) -> None:
+        """Drops :attr:`initial`: the ps hold the tables now."""
+        self.initial = {}
 
     def wire_specs(self, optimizer: OptimizerSpec) -> list[dict[str, Any]]:
         """The tables as an ``init`` carries them (see :func:`table_specs`)."""

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 import psflow.nn as pnn
 from psflow.cluster.spec import ClusterSpec
-from psflow.protocol import Key, Op
+from psflow.protocol import Key, Op, RowOptimizerSpec
 from psflow.train import CheckpointDir, Evaluator, TrainingSession, load_checkpoint
 from psflow.transport import PeerError, TransportConfig
 from psflow.worker import DistributedOptimizer
@@ -421,6 +421,108 @@ def test_a_plain_torch_sparse_embedding_pushes_rows(two_ps: ClusterSpec, optimiz
         torch.testing.assert_close(remote.weight.detach(), local.weight.detach())
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("partition", ["mod", "div"])
+def test_a_table_given_rows_trains_on_the_ps_from_them(two_ps: ClusterSpec, partition: str) -> None:
+    """A table whose rows the model holds when it is given to the job (``from_pretrained``, a
+    loaded state dict) starts there on the ps, not from its seed: the chief's init sends each
+    shard its part. The job then takes the steps torch takes from the same rows."""
+    g = torch.Generator().manual_seed(5)
+    pretrained = torch.randn(VOCAB, DIM, generator=g)
+    loaded = torch.randn(VOCAB, DIM, generator=g)
+    sgd = RowOptimizerSpec.of("SGD", lr=0.5)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bag = pnn.EmbeddingBag.from_pretrained(
+                pretrained.clone(), freeze=False, mode="sum", partition=partition, optimizer=sgd
+            )
+            self.items = pnn.Embedding(VOCAB, DIM, partition=partition, optimizer=sgd)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return (self.bag(ids) * self.items(ids[:, 0])).sum()
+
+    remote = Model()
+    remote.load_state_dict({"bag.weight": pretrained, "items.weight": loaded})
+    ref_bag = torch.nn.EmbeddingBag.from_pretrained(pretrained.clone(), freeze=False, mode="sum")
+    ref_items = torch.nn.Embedding.from_pretrained(loaded.clone(), freeze=False)
+    opt = DistributedOptimizer(
+        remote, worker_ctx(two_ps), optimizer="SGD", lr=0.5, config=TransportConfig(timeout=30)
+    )
+    try:
+        assert remote.bag.attached and remote.items.attached
+        assert tables(opt).initial == {}  # the worker holds no table once the job has started
+        every = torch.arange(VOCAB)
+        assert torch.equal(table_rows(opt, "bag", every), pretrained)
+        assert torch.equal(table_rows(opt, "items", every), loaded)
+        ref = torch.optim.SGD([*ref_bag.parameters(), *ref_items.parameters()], lr=0.5)
+        for step in range(4):
+            ids = torch.randint(0, VOCAB, (6, 3), generator=torch.Generator().manual_seed(step))
+            opt.zero_grad()
+            remote(ids).backward()
+            opt.step()
+            ref.zero_grad()
+            (ref_bag(ids) * ref_items(ids[:, 0])).sum().backward()
+            ref.step()
+        torch.testing.assert_close(table_rows(opt, "bag", every), ref_bag.weight.detach())
+        torch.testing.assert_close(table_rows(opt, "items", every), ref_items.weight.detach())
+        assert not torch.equal(ref_bag.weight.detach(), pretrained)  # it did train
+    finally:
+        opt.close()
+
+
+def test_a_frozen_table_stays_on_the_worker(two_ps: ClusterSpec) -> None:
+    """A frozen table (``from_pretrained``'s default, as in torch) does not train: the job
+    leaves it on the worker as a plain weight, and trains the rest of the model around it."""
+    pretrained = torch.randn(VOCAB, DIM, generator=torch.Generator().manual_seed(6))
+    model = torch.nn.Sequential()
+    model.add_module("frozen", pnn.Embedding.from_pretrained(pretrained.clone()))
+    model.add_module("head", torch.nn.Linear(DIM, 1))
+    opt = DistributedOptimizer(
+        model, worker_ctx(two_ps), optimizer="SGD", lr=0.5, config=TransportConfig(timeout=30)
+    )
+    try:
+        assert not model.frozen.attached and not tables(opt)
+        assert sorted(opt.engine.exchange.params) == ["head.bias", "head.weight"]
+        before = model.head.weight.detach().clone()
+        for step in range(2):
+            opt.zero_grad()
+            model(torch.tensor([step, 3])).sum().backward()
+            opt.step()
+        assert torch.equal(model.frozen.weight, pretrained)
+        assert not torch.equal(model.head.weight.detach(), before)
+    finally:
+        opt.close()
+
+
+def test_an_init_with_first_rows_of_the_wrong_shape_is_refused(two_ps: ClusterSpec) -> None:
+    """The ps checks the rows an init gives a table before it creates anything: an error reply
+    names the table, the ps stays uninitialised, and the chief's good init then succeeds."""
+    from psflow.protocol import OptimizerSpec, RowOptimizerSpec, TableSpec
+    from psflow.worker.client import ShardedClient
+
+    spec = TableSpec(
+        name="emb", embedding_dim=DIM, num_embeddings=VOCAB, optimizer=RowOptimizerSpec.of("SGD")
+    )
+    client = ShardedClient(worker_ctx(two_ps), TransportConfig(timeout=30))
+    try:
+        client.wait_ready(60, initialized=False)
+        wrong = {s: [("emb#rows", torch.zeros(VOCAB // 2, DIM + 1))] for s in range(2)}
+        with pytest.raises(PeerError, match=r"first rows of table 'emb' are \[25, 5\]"):
+            client.initialize(
+                wrong, OptimizerSpec.of("SGD"), tables=[spec.to_wire()], initial_rows=["emb"]
+            )
+        assert not any(h[Key.INITIALIZED] for h in client.status().values())
+        right = {s: [("emb#rows", torch.full((VOCAB // 2, DIM), float(s)))] for s in range(2)}
+        assert client.initialize(
+            right, OptimizerSpec.of("SGD"), tables=[spec.to_wire()], initial_rows=["emb"]
+        )
+        ((_, got),) = client.lookup({1: [("emb", torch.tensor([3, 7]))]})[1][1]
+        assert torch.equal(got, torch.ones(2, DIM))
+    finally:
+        client.close()
 
 
 def test_adam_names_what_to_use_for_a_sparse_gradient(two_ps: ClusterSpec) -> None:

@@ -545,3 +545,51 @@ def test_group_ids_refuses_an_id_no_shard_holds() -> None:
     need_kernels()
     with pytest.raises(IndexError, match="id 60 is outside the table's shards"):
         kernels.group_ids(torch.tensor([3, 60, 4]), Partition("div", 50, 3))
+
+
+# -- an init's first rows (the chief's model held them) ------------------------------------
+
+
+def test_an_init_gives_a_fixed_table_its_first_rows() -> None:
+    from psflow.protocol import Key
+    from psflow.ps.tables import build_tables, set_initial_rows, split_initial_rows
+
+    spec = fixed(n=7, optimizer=RowOptimizerSpec.of("SGD", lr=0.1))
+    rows = torch.arange(7 * 4, dtype=F64).reshape(7, 4)
+    tables = build_tables([spec], shard=1, num_shards=2)
+    mine = rows[1::2]  # mod: ids 1, 3, 5
+    tensors = [("w", torch.ones(2)), ("emb#rows", mine)]
+    rest, first = split_initial_rows({Key.ROWS: ["emb"]}, tensors)
+    assert [n for n, _ in rest] == ["w"] and list(first) == ["emb"]
+    set_initial_rows(tables, first)
+    assert torch.equal(tables["emb"].lookup(torch.tensor([5, 1])), rows[[5, 1]])
+    # An init that names no table's rows leaves the seeded ones.
+    rest, first = split_initial_rows({}, tensors)
+    assert len(rest) == 2 and first == {}
+
+
+def test_an_init_with_bad_first_rows_is_refused_and_changes_nothing() -> None:
+    from psflow.protocol import Key
+    from psflow.ps.tables import build_tables, set_initial_rows, split_initial_rows
+
+    sgd = RowOptimizerSpec.of("SGD", lr=0.1)
+    tables = build_tables([fixed(n=6, optimizer=sgd), hashed(optimizer=sgd)], shard=0, num_shards=2)
+    seeded = tables["emb"].lookup(torch.tensor([0, 2, 4])).clone()
+    with pytest.raises(ValueError, match=r"names tables \['emb'\] but lacks their rows"):
+        split_initial_rows({Key.ROWS: ["emb"]}, [("w", torch.ones(1))])
+    with pytest.raises(ValueError, match="'emb#rows' appears twice"):
+        split_initial_rows({Key.ROWS: ["emb"]}, [("emb#rows", torch.ones(3, 4))] * 2)
+    with pytest.raises(ValueError, match="'rows' must be a list of table names"):
+        split_initial_rows({Key.ROWS: "emb"}, [])
+    good = torch.zeros(3, 4, dtype=F64)
+    bad = [
+        ({"emb": good, "nothing": good}, "'nothing', which it does not create"),
+        ({"emb": good, "ids": good}, "table 'ids' is hashed"),
+        ({"emb": torch.zeros(3, 5, dtype=F64)}, r"'emb' are \[3, 5\].*holds \[3, 4\]"),
+        ({"emb": torch.zeros(3, 4)}, r"torch.float32; this shard holds \[3, 4\] torch.float64"),
+    ]
+    for first, match in bad:
+        with pytest.raises(ValueError, match=match):
+            set_initial_rows(tables, first)
+        # Checked before anything changes: the good table's rows are still the seeded ones.
+        assert torch.equal(tables["emb"].lookup(torch.tensor([0, 2, 4])), seeded)
