@@ -240,14 +240,26 @@ def _add_checkpoint(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     parser = subparsers.add_parser("checkpoint", help="inspect or export a checkpoint")
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     inspect = _command(sub, "inspect", help="step, variables, shapes and shards")
-    inspect.add_argument("dir", help="checkpoint directory (path or fsspec URL)")
+    inspect.add_argument(
+        "dir", help="checkpoint directory (path or fsspec URL), or a TensorFlow checkpoint's prefix"
+    )
     inspect.add_argument("--name", help="a ckpt-<step> (default: the latest)")
     inspect.add_argument("--json", action="store_true", help="print the manifest as JSON")
     inspect.set_defaults(func=_runs("psflow.train.cli", "inspect"))
     export = _command(sub, "export", help="a plain state dict for model.load_state_dict")
-    export.add_argument("dir", help="checkpoint directory (path or fsspec URL)")
+    export.add_argument(
+        "dir", help="checkpoint directory (path or fsspec URL), or a TensorFlow checkpoint's prefix"
+    )
     export.add_argument("out", help="output .safetensors file")
     export.add_argument("--name", help="a ckpt-<step> (default: the latest)")
+    export.add_argument(
+        "--table",
+        action="append",
+        default=[],
+        metavar="NAME=mod|div",
+        help="TensorFlow checkpoints: write this partitioned embedding table's rows in id order, "
+        "for the partition_strategy it was trained with (repeatable)",
+    )
     export.set_defaults(func=_runs("psflow.train.cli", "export"))
 
 

@@ -1,4 +1,5 @@
-"""``psflow checkpoint inspect DIR`` and ``psflow checkpoint export DIR OUT.safetensors``.
+"""``psflow checkpoint inspect DIR`` and ``psflow checkpoint export DIR OUT.safetensors``; DIR
+may also be a TensorFlow checkpoint's prefix (:mod:`psflow.train.tf_checkpoint`).
 
 Their flags are in :mod:`psflow.cli`.
 """
@@ -8,10 +9,26 @@ from __future__ import annotations
 import argparse
 import json
 
+import fsspec
+
+
+def _tf_prefix(path: str) -> str | None:
+    """``path`` as a TensorFlow checkpoint's prefix: itself, or the latest in a directory that
+    TensorFlow wrote checkpoints into; ``None`` when it is neither."""
+    from psflow.train.tf_checkpoint import TFCheckpoint
+
+    fs, local = fsspec.core.url_to_fs(path)
+    if fs.exists(local + ".index"):
+        return path
+    return TFCheckpoint.latest(path) if fs.isdir(local) else None
+
 
 def inspect(args: argparse.Namespace) -> int:
     from psflow.train.manifest import CheckpointDir
 
+    prefix = _tf_prefix(args.dir)
+    if prefix is not None:
+        return _inspect_tf(prefix)
     d = CheckpointDir(args.dir)
     name = args.name or d.latest()
     if name is None:
@@ -55,9 +72,38 @@ def inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect_tf(prefix: str) -> int:
+    from psflow.train.tf_checkpoint import TFCheckpoint
+
+    ckpt = TFCheckpoint(prefix)
+    shards = ckpt.num_shards
+    print(f"TensorFlow checkpoint: {prefix} ({shards} data file{'s' if shards > 1 else ''})")
+    print("tensors:")
+    names = ckpt.names()
+    width = max((len(n) for n in names), default=0)
+    for name in names:
+        dtype = ckpt.dtype(name)
+        kind = "string" if dtype is None else str(dtype).removeprefix("torch.")
+        parts = ckpt.partitions(name)
+        where = (
+            f"  {len(parts)} partitions: rows "
+            + ", ".join(f"{start}:{start + rows}" for start, rows in parts)
+            if parts
+            else ""
+        )
+        line = f"  {name:<{width}}  {kind:<8} {json.dumps(list(ckpt.shape(name))):<16}{where}"
+        print(line.rstrip())
+    return 0
+
+
 def export(args: argparse.Namespace) -> int:
     from psflow.train.checkpoint import export_state_dict
 
+    prefix = _tf_prefix(args.dir)
+    if prefix is not None:
+        return _export_tf(prefix, args.out, args.table)
+    if args.table:
+        raise ValueError("--table is for a TensorFlow checkpoint's prefix")
     ckpt = export_state_dict(args.dir, args.out, args.name)
     tables = ckpt.manifest.tables
     fixed = [t for t, e in tables.items() if e["spec"].get("num_embeddings") is not None]
@@ -66,5 +112,43 @@ def export(args: argparse.Namespace) -> int:
         f"wrote {len(ckpt.params)} parameters and {len(fixed)} embedding tables of {ckpt.name} "
         f"(global step {ckpt.global_step}) to {args.out}"
         + (f"; hashed tables not exported: {', '.join(hashed)}" if hashed else "")
+    )
+    return 0
+
+
+def _export_tf(prefix: str, out: str, tables: list[str]) -> int:
+    """A TensorFlow checkpoint's numeric tensors, partitioned ones whole, into a safetensors
+    file under their TensorFlow names; each ``--table NAME=mod|div`` in id order."""
+    from safetensors.torch import save_file
+
+    from psflow.train.tf_checkpoint import TFCheckpoint
+
+    ckpt = TFCheckpoint(prefix)
+    strategy: dict[str, str] = {}
+    for item in tables:
+        name, sep, how = item.rpartition("=")
+        if not sep or not name:
+            raise ValueError(f"--table takes NAME=mod or NAME=div, got {item!r}")
+        if name not in ckpt:
+            raise ValueError(f"--table {item}: {prefix} holds no tensor {name!r}")
+        strategy[name] = how
+    tensors = {}
+    skipped = []
+    for name in ckpt.names():
+        if ckpt.dtype(name) is None:
+            skipped.append(name)
+        elif name in strategy:
+            tensors[name] = ckpt.embedding(name, strategy[name])
+        else:
+            tensors[name] = ckpt.tensor(name)
+    save_file(tensors, out)
+    print(
+        f"wrote {len(tensors)} tensors of {prefix} to {out}"
+        + (
+            f" (in id order: {', '.join(f'{n} by {s}' for n, s in strategy.items())})"
+            if strategy
+            else ""
+        )
+        + (f"; string tensors not exported: {', '.join(skipped)}" if skipped else "")
     )
     return 0

@@ -1,0 +1,499 @@
+"""TensorFlow's checkpoints, read without TensorFlow: a trained model's tables and variables for
+a job that goes on from them in psflow.
+
+The V2 format that ``tf.compat.v1.train.Saver`` and ``tf.train.Checkpoint`` write is a prefix:
+
+- ``<prefix>.index``, a sorted table in LevelDB's format (blocks of prefix-compressed keys, each
+  block checked by a masked CRC32C, a footer naming the index block). The empty key holds a
+  ``BundleHeaderProto`` (shard count, byte order); every other key a ``BundleEntryProto``: a
+  tensor's dtype, shape, data shard, offset, size and CRC32C.
+- ``<prefix>.data-<i>-of-<n>``: the tensors' bytes.
+
+A partitioned variable (``partitioner=fixed_size_partitioner(S)``) is saved under its own name
+with the slices it was saved in (``slices``), each slice an entry of its own under a key that
+encodes the name and the slice (TensorFlow's ``OrderedCode``, order-preserving). Its slices
+are read back in key order and placed where the whole entry says: :meth:`TFCheckpoint.tensor`
+is the variable whole, as ``tf.train.load_checkpoint(prefix).get_tensor(name)`` gives it.
+
+A partitioned embedding table saved whole is in *partition* order, which is id order only for
+``partition_strategy="div"``: with ``"mod"`` (``embedding_lookup``'s default) partition ``p``
+holds ids ``p, p + S, p + 2S, ...``. :meth:`TFCheckpoint.embedding` puts the rows in id order
+for the strategy the model was trained with (the checkpoint does not record it), ready for
+``psflow.nn.Embedding.from_pretrained(rows, freeze=False)``.
+
+Everything read is checked (block and tensor CRC32Cs, bounds, shapes); a file that fails a
+check raises ``ValueError`` naming it. Nothing is evaluated or unpickled; string tensors are
+listed but not read.
+
+Example:
+    >>> # ckpt = TFCheckpoint("/ckpt/model.ckpt-100000")
+    >>> # rows = ckpt.embedding("items", partition_strategy="mod")
+    >>> # table = psflow.nn.Embedding.from_pretrained(rows, freeze=False, partition="mod")
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import fsspec
+import google_crc32c
+import numpy as np
+import torch
+
+__all__ = ["TFCheckpoint"]
+
+_TABLE_MAGIC = 0xDB4775248B80FB57
+_FOOTER_BYTES = 48
+_BLOCK_TRAILER_BYTES = 5  # a compression type byte and a masked CRC32C
+_MASK_DELTA = 0xA282EAD8
+
+# TensorFlow's DataType enum (types.proto) for what a numeric tensor can be.
+_DTYPES: dict[int, tuple[torch.dtype, str]] = {
+    1: (torch.float32, "<f4"),
+    2: (torch.float64, "<f8"),
+    3: (torch.int32, "<i4"),
+    4: (torch.uint8, "u1"),
+    5: (torch.int16, "<i2"),
+    6: (torch.int8, "i1"),
+    9: (torch.int64, "<i8"),
+    10: (torch.bool, "?"),
+    14: (torch.bfloat16, "<u2"),
+    19: (torch.float16, "<f2"),
+}
+_DT_STRING = 7
+
+
+def _unmask(crc: int) -> int:
+    rot = (crc - _MASK_DELTA) & 0xFFFFFFFF
+    return ((rot >> 17) | (rot << 15)) & 0xFFFFFFFF
+
+
+# -- protobuf's wire format, the few messages a bundle uses --------------------------------
+
+
+def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= end or shift > 63:
+            raise ValueError("a varint runs past its message")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _fields(buf: bytes) -> Iterator[tuple[int, int | bytes]]:
+    """``(field number, value)`` of a message: an int, or the bytes of a length-delimited one."""
+    pos, end = 0, len(buf)
+    while pos < end:
+        tag, pos = _varint(buf, pos, end)
+        number, kind = tag >> 3, tag & 7
+        if kind == 0:
+            value, pos = _varint(buf, pos, end)
+            yield number, value
+        elif kind in (1, 5):
+            size = 8 if kind == 1 else 4
+            if pos + size > end:
+                raise ValueError("a fixed-size field runs past its message")
+            yield number, int.from_bytes(buf[pos : pos + size], "little")
+            pos += size
+        elif kind == 2:
+            size, pos = _varint(buf, pos, end)
+            if pos + size > end:
+                raise ValueError("a length-delimited field runs past its message")
+            yield number, buf[pos : pos + size]
+            pos += size
+        else:
+            raise ValueError(f"unexpected wire type {kind} in field {number}")
+
+
+def _int(value: int | bytes) -> int:
+    if not isinstance(value, int):
+        raise ValueError("a number field holds bytes")
+    return value - (1 << 64) if value >= 1 << 63 else value  # int64 as two's complement
+
+
+def _message(value: int | bytes) -> bytes:
+    if not isinstance(value, bytes):
+        raise ValueError("a message field holds a number")
+    return value
+
+
+@dataclass
+class _Entry:
+    """A ``BundleEntryProto``: where one tensor (or one slice of one) lies."""
+
+    dtype: int = 0
+    shape: tuple[int, ...] = ()
+    shard: int = 0
+    offset: int = 0
+    size: int = 0
+    crc32c: int = 0
+    slices: list[tuple[tuple[int, int], ...]] = field(default_factory=list)
+    """Per saved slice, ``(start, length)`` per dimension (length -1: the whole dimension)."""
+
+
+def _shape(buf: bytes) -> tuple[int, ...]:
+    dims = []
+    for number, value in _fields(buf):
+        if number == 2:
+            size = 0
+            for n, v in _fields(_message(value)):
+                if n == 1:
+                    size = _int(v)
+            dims.append(size)
+        elif number == 3 and value:
+            raise ValueError("a tensor of unknown rank")
+    if any(d < 0 for d in dims):
+        raise ValueError(f"a tensor of shape {dims}")
+    return tuple(dims)
+
+
+def _slice(buf: bytes) -> tuple[tuple[int, int], ...]:
+    extents = []
+    for number, value in _fields(buf):
+        if number == 1:
+            start, length = 0, -1
+            for n, v in _fields(_message(value)):
+                if n == 1:
+                    start = _int(v)
+                elif n == 2:
+                    length = _int(v)
+            extents.append((start, length))
+    return tuple(extents)
+
+
+def _entry(buf: bytes) -> _Entry:
+    e = _Entry()
+    for number, value in _fields(buf):
+        if number == 1:
+            e.dtype = _int(value)
+        elif number == 2:
+            e.shape = _shape(_message(value))
+        elif number == 3:
+            e.shard = _int(value)
+        elif number == 4:
+            e.offset = _int(value)
+        elif number == 5:
+            e.size = _int(value)
+        elif number == 6:
+            e.crc32c = _int(value)
+        elif number == 7:
+            e.slices.append(_slice(_message(value)))
+    return e
+
+
+# -- LevelDB's table format ----------------------------------------------------------------
+
+
+def _block(data: bytes, handle: bytes, what: str) -> bytes:
+    """The contents of the block ``handle`` (offset, size) names, its CRC checked."""
+    offset, pos = _varint(handle, 0, len(handle))
+    size, _ = _varint(handle, pos, len(handle))
+    end = offset + size
+    if end + _BLOCK_TRAILER_BYTES > len(data):
+        raise ValueError(f"{what}: a block runs past the end of the file (truncated?)")
+    kind = data[end]
+    (crc,) = struct.unpack_from("<I", data, end + 1)
+    if google_crc32c.value(data[offset : end + 1]) != _unmask(crc):
+        raise ValueError(f"{what}: a block's CRC32C does not match (corrupted)")
+    if kind != 0:
+        raise ValueError(f"{what}: a block compressed with type {kind}; only uncompressed ones")
+    return data[offset:end]
+
+
+def _block_entries(block: bytes, what: str) -> Iterator[tuple[bytes, bytes]]:
+    if len(block) < 4:
+        raise ValueError(f"{what}: a block too short for its restart count")
+    (restarts,) = struct.unpack_from("<I", block, len(block) - 4)
+    end = len(block) - 4 - 4 * restarts
+    if end < 0:
+        raise ValueError(f"{what}: a block's restart count ({restarts}) exceeds it")
+    key = b""
+    pos = 0
+    while pos < end:
+        shared, pos = _varint(block, pos, end)
+        own, pos = _varint(block, pos, end)
+        size, pos = _varint(block, pos, end)
+        if shared > len(key) or pos + own + size > end:
+            raise ValueError(f"{what}: a malformed block entry")
+        key = key[:shared] + block[pos : pos + own]
+        pos += own
+        yield key, block[pos : pos + size]
+        pos += size
+
+
+def _table(data: bytes, what: str) -> Iterator[tuple[bytes, bytes]]:
+    """Every ``(key, value)`` of a table file's contents, in key order."""
+    if len(data) < _FOOTER_BYTES:
+        raise ValueError(f"{what}: too short for a table footer ({len(data)} bytes)")
+    footer = data[-_FOOTER_BYTES:]
+    (magic,) = struct.unpack_from("<Q", footer, _FOOTER_BYTES - 8)
+    if magic != _TABLE_MAGIC:
+        raise ValueError(f"{what}: not a TensorFlow checkpoint index (bad magic number)")
+    _, pos = _varint(footer, 0, 40)  # the metaindex block: none that matters here
+    _, pos = _varint(footer, pos, 40)
+    index = _block(data, footer[pos:40], what)
+    for _, handle in _block_entries(index, what):
+        yield from _block_entries(_block(data, handle, what), what)
+
+
+def _slice_name(key: bytes) -> str:
+    """The tensor a slice's key names (``OrderedCode``: a number 0, then the name with 0x00 and
+    0xff escaped, ended by 0x00 0x01, then the slice)."""
+    out = bytearray()
+    pos = 1  # after the leading number 0
+    while pos + 1 < len(key):
+        byte = key[pos]
+        if byte == 0x00:
+            if key[pos + 1] == 0x01:
+                return out.decode()
+            out.append(0x00)  # 0x00 0xff
+        elif byte == 0xFF:
+            out.append(0xFF)  # 0xff 0x00
+        else:
+            out.append(byte)
+            pos += 1
+            continue
+        pos += 2
+    raise ValueError(f"a slice key {key!r} that names no tensor")
+
+
+def _order(extents: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    """A slice's place among its variable's keys: by start then length, dimension by dimension
+    (the key's encoding preserves that order)."""
+    return tuple(x for extent in extents for x in extent)
+
+
+class TFCheckpoint:
+    """A TensorFlow V2 checkpoint, read (see the module docstring).
+
+    Args:
+        prefix: the checkpoint's prefix, ``<dir>/model.ckpt-<step>`` (what
+            ``tf.train.latest_checkpoint`` returns); a local path or an fsspec URL.
+
+    Raises:
+        FileNotFoundError: when the index is missing.
+        ValueError: when the index is not a checkpoint's or fails a check.
+    """
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._fs, self._path = fsspec.core.url_to_fs(prefix)
+        what = f"{prefix}.index"
+        with self._fs.open(self._path + ".index", "rb") as f:
+            data = f.read()
+        self._sizes: dict[str, int] = {}
+        self._entries: dict[str, _Entry] = {}
+        self._slices: dict[str, list[_Entry]] = {}
+        header = None
+        try:
+            for key, value in _table(data, what):
+                if key == b"":
+                    header = dict(_fields(value))
+                elif key[:1] == b"\x00":
+                    self._slices.setdefault(_slice_name(key), []).append(_entry(value))
+                else:
+                    self._entries[key.decode()] = _entry(value)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{what}: {e}" if not str(e).startswith(what) else str(e)) from None
+        if header is None:
+            raise ValueError(f"{what}: no bundle header (not a V2 checkpoint's index)")
+        self.num_shards = _int(header.get(1, 1))
+        if _int(header.get(2, 0)) != 0:
+            raise ValueError(f"{what}: a big-endian checkpoint; only little-endian ones are read")
+        if self.num_shards < 1:
+            raise ValueError(f"{what}: {self.num_shards} data shards")
+
+    @staticmethod
+    def latest(directory: str) -> str | None:
+        """The prefix of the latest checkpoint in ``directory``, as
+        ``tf.train.latest_checkpoint`` finds it (the ``checkpoint`` state file's
+        ``model_checkpoint_path``); ``None`` without that file."""
+        fs, path = fsspec.core.url_to_fs(directory)
+        state = path.rstrip("/") + "/checkpoint"
+        if not fs.exists(state):
+            return None
+        with fs.open(state, "rb") as f:
+            text = f.read(1 << 20).decode(errors="replace")
+        found = re.search(r'^model_checkpoint_path:\s*"((?:[^"\\]|\\.)*)"', text, re.MULTILINE)
+        if found is None:
+            raise ValueError(f"{state}: no model_checkpoint_path")
+        # The text format's C escapes (octal bytes of a UTF-8 name included) back to the name.
+        raw = found.group(1).encode().decode("unicode_escape").encode("latin-1")
+        prefix = raw.decode(errors="replace")
+        here = f"{directory.rstrip('/')}/{prefix.rsplit('/', 1)[-1]}"
+        if not (prefix.startswith("/") or "://" in prefix):
+            return f"{directory.rstrip('/')}/{prefix}"
+        # An absolute path TensorFlow wrote: the directory may have moved since.
+        moved = not fs.exists(fsspec.core.url_to_fs(prefix)[1] + ".index")
+        return here if moved and fs.exists(fsspec.core.url_to_fs(here)[1] + ".index") else prefix
+
+    def names(self) -> list[str]:
+        """The tensors' names, sorted (slots such as ``<var>/Adagrad`` included)."""
+        return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entry_of(name).shape
+
+    def dtype(self, name: str) -> torch.dtype | None:
+        """The tensor's dtype; ``None`` for a string tensor (listed, not read)."""
+        kind = self._entry_of(name).dtype
+        return _DTYPES[kind][0] if kind in _DTYPES else None
+
+    def partitions(self, name: str) -> list[tuple[int, int]]:
+        """``(start, rows)`` of each partition of a variable saved in slices along its first
+        dimension, in order; ``[]`` for one saved whole."""
+        entry = self._entry_of(name)
+        if not entry.slices:
+            return []
+        out = []
+        for extents in sorted(entry.slices, key=_order):
+            if not entry.shape or len(extents) != len(entry.shape):
+                raise ValueError(
+                    f"{self.prefix}: a slice of {name!r} has {len(extents)} dimensions, the "
+                    f"variable {len(entry.shape)}"
+                )
+            start, length = extents[0]
+            whole = entry.shape[0]
+            rest = zip(extents[1:], entry.shape[1:], strict=True)
+            if any(e != (0, -1) and e != (0, d) for e, d in rest):
+                raise ValueError(f"{self.prefix}: {name!r} is partitioned along another dimension")
+            out.append((start, whole - start if length < 0 else length))
+        return out
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` whole (a partitioned variable's slices put together), as
+        ``tf.train.load_checkpoint(prefix).get_tensor(name)`` gives it."""
+        entry = self._entry_of(name)
+        if not entry.slices:
+            return self._read(name, entry)
+        pieces = self._slices.get(name, [])
+        wanted = sorted(entry.slices, key=_order)
+        if len(pieces) != len(wanted):
+            raise ValueError(
+                f"{self.prefix}: {name!r} was saved in {len(wanted)} slices; the index holds "
+                f"{len(pieces)}"
+            )
+        dtype = self._torch_dtype(name, entry)
+        nbytes = math.prod(entry.shape) * torch.empty((), dtype=dtype).element_size()
+        if sum(piece.size for piece in pieces) != nbytes:
+            raise ValueError(f"{self.prefix}: the slices of {name!r} do not add up to it")
+        for piece in pieces:  # before the whole is allocated: a claim the files do not back
+            self._data_file(name, piece)
+        out = torch.empty(entry.shape, dtype=dtype)
+        covered = 0
+        for extents, piece in zip(wanted, pieces, strict=True):
+            if len(extents) != len(entry.shape):
+                raise ValueError(f"{self.prefix}: a slice of {name!r} of another rank")
+            index = []
+            for (start, length), dim in zip(extents, entry.shape, strict=True):
+                stop = dim if length < 0 else start + length
+                if not 0 <= start <= stop <= dim:
+                    raise ValueError(f"{self.prefix}: a slice of {name!r} outside its shape")
+                index.append(slice(start, stop))
+            target = out[tuple(index)]
+            if tuple(target.shape) != piece.shape or piece.dtype != entry.dtype:
+                raise ValueError(
+                    f"{self.prefix}: a slice of {name!r} holds {list(piece.shape)}, its place "
+                    f"{list(target.shape)}"
+                )
+            target.copy_(self._read(name, piece))
+            covered += target.numel()
+        if covered != out.numel():
+            raise ValueError(f"{self.prefix}: the slices of {name!r} do not cover it")
+        return out
+
+    def embedding(self, name: str, partition_strategy: str = "mod") -> torch.Tensor:
+        """A (partitioned) embedding table's rows in id order: row ``i`` is what
+        ``embedding_lookup(table, i, partition_strategy=...)`` returned in TensorFlow.
+
+        Raises:
+            ValueError: for a tensor that is not 2-D, a strategy other than ``"mod"`` or
+                ``"div"``, or partitions that are not the ones ``embedding_lookup`` assumes.
+        """
+        if partition_strategy not in ("mod", "div"):
+            raise ValueError(
+                f"partition_strategy must be 'mod' or 'div', got {partition_strategy!r}"
+            )
+        whole = self.tensor(name)
+        if whole.dim() != 2:
+            raise ValueError(f"{name!r} has shape {list(whole.shape)}: not an embedding table")
+        parts = self.partitions(name)
+        if len(parts) <= 1:
+            return whole
+        n, shards = whole.shape[0], len(parts)
+        # embedding_lookup's layout for both strategies: the first n % S partitions hold one more.
+        expected = [len(range(p, n, shards)) for p in range(shards)]
+        if [rows for _, rows in parts] != expected:
+            raise ValueError(
+                f"{name!r} is saved in partitions of {[rows for _, rows in parts]} rows; "
+                f"embedding_lookup over {shards} partitions assumes {expected}"
+            )
+        if partition_strategy == "div":
+            return whole
+        out = torch.empty_like(whole)
+        for p, (start, rows) in enumerate(parts):
+            out[p::shards] = whole[start : start + rows]
+        return out
+
+    # -- reading --------------------------------------------------------------------------
+
+    def _entry_of(self, name: str) -> _Entry:
+        entry = self._entries.get(name)
+        if entry is None:
+            raise KeyError(f"{self.prefix} holds no tensor {name!r}")
+        return entry
+
+    def _torch_dtype(self, name: str, entry: _Entry) -> torch.dtype:
+        if entry.dtype == _DT_STRING:
+            raise ValueError(f"{self.prefix}: {name!r} is a string tensor; they are not read")
+        if entry.dtype not in _DTYPES:
+            raise ValueError(f"{self.prefix}: {name!r} has TensorFlow dtype {entry.dtype}")
+        return _DTYPES[entry.dtype][0]
+
+    def _data_file(self, name: str, entry: _Entry) -> str:
+        """The data file that holds ``entry``, checked to hold all of it."""
+        if not 0 <= entry.shard < self.num_shards:
+            raise ValueError(
+                f"{self.prefix}: {name!r} is in data shard {entry.shard} of {self.num_shards}"
+            )
+        path = f"{self._path}.data-{entry.shard:05d}-of-{self.num_shards:05d}"
+        size = self._sizes.get(path)
+        if size is None:
+            size = self._sizes[path] = int(self._fs.size(path))
+        if entry.offset < 0 or entry.size < 0 or entry.offset + entry.size > size:
+            raise ValueError(
+                f"{path}: {name!r} lies at bytes {entry.offset}..{entry.offset + entry.size}, "
+                f"past the file's {size} (truncated?)"
+            )
+        return path
+
+    def _read(self, name: str, entry: _Entry) -> torch.Tensor:
+        dtype = self._torch_dtype(name, entry)
+        np_dtype = np.dtype(_DTYPES[entry.dtype][1])
+        if entry.size != math.prod(entry.shape) * np_dtype.itemsize:
+            raise ValueError(
+                f"{self.prefix}: {name!r} is {list(entry.shape)} {dtype} but its entry says "
+                f"{entry.size} bytes"
+            )
+        path = self._data_file(name, entry)
+        with self._fs.open(path, "rb") as f:
+            f.seek(entry.offset)
+            raw = f.read(entry.size)
+        if len(raw) != entry.size:
+            raise ValueError(f"{path}: {name!r} runs past the end of the file (truncated?)")
+        if google_crc32c.value(raw) != _unmask(entry.crc32c):
+            raise ValueError(f"{path}: the CRC32C of {name!r} does not match (corrupted)")
+        values = np.frombuffer(raw, dtype=np_dtype).reshape(entry.shape)
+        tensor = torch.from_numpy(values.copy())
+        return tensor.view(torch.bfloat16) if dtype == torch.bfloat16 else tensor

@@ -1,0 +1,197 @@
+"""TensorFlow checkpoints read without TensorFlow, against files TensorFlow wrote
+(``tests/fixtures/make_tf_checkpoint.py``) and what its own reader gives for them."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import psflow.nn as pnn
+from psflow.train.tf_checkpoint import TFCheckpoint
+
+pytestmark = pytest.mark.unit
+
+FIXTURE = Path(__file__).parent.parent / "fixtures" / "tf_checkpoint"
+EXPECTED: dict[str, Any] = json.loads((FIXTURE / "expected.json").read_text())
+PREFIX = str(FIXTURE / EXPECTED["prefix"])
+INDEX = EXPECTED["prefix"] + ".index"
+DATA = EXPECTED["prefix"] + ".data-00000-of-00001"
+
+
+def copy(tmp_path: Path) -> str:
+    for f in (INDEX, DATA):
+        shutil.copy(FIXTURE / f, tmp_path / f)
+    return str(tmp_path / EXPECTED["prefix"])
+
+
+def test_every_tensor_is_what_tensorflows_reader_gives() -> None:
+    ckpt = TFCheckpoint(PREFIX)
+    assert ckpt.names() == sorted(EXPECTED["tensors"])
+    for name, want in EXPECTED["tensors"].items():
+        got = ckpt.tensor(name)
+        assert str(got.dtype) == f"torch.{want['dtype']}", name
+        assert list(got.shape) == want["shape"] == list(ckpt.shape(name)), name
+        assert ckpt.dtype(name) == got.dtype
+        assert torch.equal(got, torch.tensor(want["values"], dtype=got.dtype).reshape(got.shape))
+    # The partitioned variables and their Adagrad slots were saved in slices.
+    assert ckpt.partitions("items") == ckpt.partitions("items/Adagrad") == [(0, 4), (4, 4), (8, 3)]
+    assert ckpt.partitions("users") == [(0, 4), (4, 3)]
+    assert ckpt.partitions("dense/kernel") == []
+
+
+def test_a_table_comes_in_id_order_for_the_strategy_it_was_trained_with() -> None:
+    ckpt = TFCheckpoint(PREFIX)
+    for name, want in EXPECTED["rows_in_id_order"].items():
+        rows = torch.tensor(want["values"])
+        strategy = want["partition_strategy"]
+        assert torch.equal(ckpt.embedding(name, strategy), rows), name
+        # The saved order is partition order: id order only for "div".
+        other = "div" if strategy == "mod" else "mod"
+        assert not torch.equal(ckpt.embedding(name, other), rows), name
+        # What a psflow job starts from: the rows TensorFlow's lookups returned, by id.
+        table = pnn.Embedding.from_pretrained(ckpt.embedding(name, strategy), freeze=False)
+        ids = torch.tensor([3, 0, 3, len(rows) - 1])
+        assert torch.equal(table(ids), rows[ids])
+    assert torch.equal(ckpt.embedding("dense/kernel"), ckpt.tensor("dense/kernel"))  # whole
+    with pytest.raises(ValueError, match="not an embedding table"):
+        ckpt.embedding("scale")
+    with pytest.raises(ValueError, match="partition_strategy must be 'mod' or 'div'"):
+        ckpt.embedding("items", "hash")
+
+
+@pytest.mark.parametrize(
+    ("damage", "error", "match"),
+    [
+        ("data byte", ValueError, r"CRC32C of '.*' does not match"),
+        ("data truncated", ValueError, r"past the file's \d+ (bytes )?\(truncated\?\)"),
+        ("data missing", FileNotFoundError, "data-00000-of-00001"),
+        ("index byte", ValueError, r"\.index: a block's CRC32C does not match"),
+        ("index truncated", ValueError, r"\.index: (not a TensorFlow checkpoint index|too short)"),
+        ("index missing", FileNotFoundError, r"\.index"),
+    ],
+)
+def test_a_damaged_checkpoint_is_named(
+    tmp_path: Path, damage: str, error: type[Exception], match: str
+) -> None:
+    prefix = copy(tmp_path)
+    what, how = damage.split()
+    path = tmp_path / (INDEX if what == "index" else DATA)
+    raw = bytearray(path.read_bytes())
+    if how == "byte":
+        raw[len(raw) // 3] ^= 0x40
+        path.write_bytes(bytes(raw))
+    elif how == "truncated":
+        path.write_bytes(bytes(raw[: len(raw) - 20]))
+    else:
+        path.unlink()
+    with pytest.raises(error, match=match):
+        ckpt = TFCheckpoint(prefix)
+        for name in ckpt.names():
+            ckpt.tensor(name)
+
+
+def test_an_unknown_name_is_named() -> None:
+    with pytest.raises(KeyError, match="no tensor 'nothing'"):
+        TFCheckpoint(PREFIX).tensor("nothing")
+
+
+def test_any_damage_to_the_index_raises_a_clear_error_or_reads_right(tmp_path: Path) -> None:
+    """Random single-byte changes anywhere in the index: each either fails with ValueError (or
+    KeyError for a name it changed) or reads the tensors TensorFlow wrote; nothing else."""
+    prefix = copy(tmp_path)
+    index = tmp_path / INDEX
+    good = (FIXTURE / INDEX).read_bytes()
+    rng = random.Random(7)
+    outcomes = {"refused": 0, "read": 0}
+    for _ in range(300):
+        raw = bytearray(good)
+        raw[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
+        index.write_bytes(bytes(raw))
+        try:
+            ckpt = TFCheckpoint(prefix)
+            for name, want in EXPECTED["tensors"].items():
+                got = ckpt.tensor(name)
+                assert got.flatten().tolist() == want["values"], name
+        except (ValueError, KeyError):
+            outcomes["refused"] += 1
+        else:
+            outcomes["read"] += 1  # a byte nothing reads (the footer's padding)
+    assert outcomes["refused"] > 250, outcomes
+
+
+# -- psflow checkpoint inspect / export on a TensorFlow checkpoint's prefix -----------------
+
+
+def _psflow(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "psflow.cli", *argv], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_the_cli_lists_a_tensorflow_checkpoint() -> None:
+    proc = _psflow("checkpoint", "inspect", PREFIX)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"TensorFlow checkpoint: {PREFIX} (1 data file)"
+    items = next(line.split() for line in lines if line.split()[:1] == ["items"])
+    assert items == [
+        "items",
+        "float32",
+        "[11,",
+        "4]",
+        "3",
+        "partitions:",
+        "rows",
+        "0:4,",
+        "4:8,",
+        "8:11",
+    ]
+    assert {line.split()[0] for line in lines[2:]} == set(EXPECTED["tensors"])
+
+
+def test_the_cli_exports_a_tensorflow_checkpoint_with_its_tables_in_id_order(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "tf.safetensors"
+    proc = _psflow("checkpoint", "export", PREFIX, str(out), "--table", "items=mod")
+    assert proc.returncode == 0, proc.stderr
+    assert "(in id order: items by mod)" in proc.stdout
+    state = load_file(out)
+    assert sorted(state) == sorted(EXPECTED["tensors"])
+    want = EXPECTED["rows_in_id_order"]["items"]
+    assert torch.equal(state["items"], torch.tensor(want["values"]))
+    assert torch.equal(state["users"], TFCheckpoint(PREFIX).tensor("users"))  # saved order
+    # What torch loads, as from_pretrained's rows: TensorFlow's lookups by id.
+    emb = torch.nn.Embedding.from_pretrained(state["items"])
+    assert torch.equal(emb(torch.tensor([2, 9])), torch.tensor(want["values"])[[2, 9]])
+    bad = _psflow("checkpoint", "export", PREFIX, str(out), "--table", "itemz=mod")
+    assert bad.returncode == 2 and "holds no tensor 'itemz'" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_directory_gives_its_latest_checkpoint_as_tensorflow_finds_it(tmp_path: Path) -> None:
+    prefix = copy(tmp_path)
+    assert TFCheckpoint.latest(str(tmp_path)) is None  # no state file
+    state = tmp_path / "checkpoint"
+    name = EXPECTED["prefix"]
+    state.write_text(f'model_checkpoint_path: "{name}"\nall_model_checkpoint_paths: "{name}"\n')
+    assert TFCheckpoint.latest(str(tmp_path)) == prefix
+    # TensorFlow writes the absolute path it saved to; a directory copied elsewhere still works.
+    state.write_text(f'model_checkpoint_path: "/elsewhere/gone/{name}"\n')
+    assert TFCheckpoint.latest(str(tmp_path)) == prefix
+    state.write_text(f'model_checkpoint_path: "{prefix}"\n')
+    assert TFCheckpoint.latest(str(tmp_path)) == prefix
+    proc = _psflow("checkpoint", "inspect", str(tmp_path))
+    assert proc.returncode == 0 and proc.stdout.startswith(f"TensorFlow checkpoint: {prefix} ")
+    state.write_text("nothing useful\n")
+    with pytest.raises(ValueError, match="no model_checkpoint_path"):
+        TFCheckpoint.latest(str(tmp_path))
