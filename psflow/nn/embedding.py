@@ -173,14 +173,19 @@ class Embedding(TableModule):
         *,
         partition: str = "mod",
         optimizer: str | RowOptimizerSpec | None = None,
+        optimizer_state: dict[str, torch.Tensor] | None = None,
     ) -> Embedding:
         """A table holding ``embeddings`` (2-D), as ``torch.nn.Embedding.from_pretrained``;
         ``partition`` and ``optimizer`` as for the constructor. Given to a job unfrozen, it
-        trains on the ps from these rows: the chief's init sends them (each shard its part)."""
+        trains on the ps from these rows: the chief's init sends them (each shard its part).
+        ``optimizer_state``: the row-wise optimizer's state for every row, sent with them, for
+        a table that goes on from another's training (TensorFlow's Adagrad accumulator as
+        ``{"sum": ...}``: see :meth:`psflow.train.tf_checkpoint.TFCheckpoint.table_state`);
+        the keys :meth:`TableModule.give_optimizer_state` lists."""
         if embeddings.dim() != 2:
             raise ValueError(f"embeddings must be 2-D, got shape {list(embeddings.shape)}")
         rows, cols = embeddings.shape
-        return cls(
+        table = cls(
             rows,
             cols,
             padding_idx=padding_idx,
@@ -193,6 +198,9 @@ class Embedding(TableModule):
             _weight=embeddings,
             _freeze=freeze,
         )
+        if optimizer_state is not None:
+            table.give_optimizer_state(optimizer_state)
+        return table
 
 
 class EmbeddingBag(TableModule):
@@ -354,10 +362,11 @@ class EmbeddingBag(TableModule):
         *,
         partition: str = "mod",
         optimizer: str | RowOptimizerSpec | None = None,
+        optimizer_state: dict[str, torch.Tensor] | None = None,
     ) -> EmbeddingBag:
         """A table holding ``embeddings`` (2-D), as ``torch.nn.EmbeddingBag.from_pretrained``;
-        ``partition`` and ``optimizer`` as for the constructor (see
-        :meth:`Embedding.from_pretrained`)."""
+        ``partition``, ``optimizer`` and ``optimizer_state`` as for
+        :meth:`Embedding.from_pretrained`."""
         if embeddings.dim() != 2:
             raise ValueError(f"embeddings must be 2-D, got shape {list(embeddings.shape)}")
         rows, cols = embeddings.shape
@@ -376,4 +385,6 @@ class EmbeddingBag(TableModule):
             optimizer=optimizer,
         )
         bag.weight.requires_grad = not freeze
+        if optimizer_state is not None:
+            bag.give_optimizer_state(optimizer_state)
         return bag

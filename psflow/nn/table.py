@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from psflow.protocol import RowOptimizerSpec, TableSpec
-from psflow.sparse import Rows, initial_rows, make_rows
+from psflow.sparse import RowOptimizer, Rows, initial_rows, make_rows
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
 """The dtypes a table may hold, with their names in a :class:`TableSpec`."""
@@ -210,6 +210,7 @@ class TableModule(nn.Module):
         self._dtype = dtype
         self._name: str | None = None
         self._source: RowSource | None = None
+        self._held_state: dict[str, torch.Tensor] = {}
         self._fused: _FusedRows | None = None
         # Checked now, so that a bad argument is named where the model is built rather than
         # where a worker first places the table.
@@ -277,8 +278,47 @@ class TableModule(nn.Module):
         if weight is not None:
             self._dtype = weight.dtype  # the rows the source gives will have it
             del self._parameters["weight"]
+        self._held_state = {}
         self._fused = None
         self._source = source
+
+    def give_optimizer_state(self, state: dict[str, torch.Tensor]) -> None:
+        """The row-wise optimizer's state for every row, kept with the weight for a job to
+        start the table from (see :meth:`Embedding.from_pretrained`): the keys and shapes of
+        the table's ``optimizer`` (``"Adagrad"``: ``sum``; ``"Ftrl"``: ``accum`` and
+        ``linear``; ``"Adam"``: ``exp_avg``, ``exp_avg_sq`` and ``step``, one count a row).
+
+        Raises:
+            ValueError: without a weight or a named optimizer, or for state that is not the
+                optimizer's.
+        """
+        weight = self._parameters.get("weight")
+        spec = self._spec.optimizer
+        if weight is None or weight.is_meta:
+            raise ValueError(f"{self._label()}: optimizer state goes with rows it holds")
+        if spec is None:
+            raise ValueError(
+                f"{self._label()}: optimizer state needs the table's optimizer named "
+                "(the state is that optimizer's)"
+            )
+        fresh = RowOptimizer(spec).new_state(1, self.embedding_dim, weight.dtype)
+        if set(state) != set(fresh):
+            raise ValueError(
+                f"{self._label()}: {spec.name} keeps state {sorted(fresh)}, got {sorted(state)}"
+            )
+        for key, t in state.items():
+            want = (weight.shape[0], *fresh[key].shape[1:])
+            if tuple(t.shape) != want or t.dtype != fresh[key].dtype:
+                raise ValueError(
+                    f"{self._label()}: optimizer state {key!r} is {list(t.shape)} {t.dtype}, "
+                    f"expected {list(want)} {fresh[key].dtype}"
+                )
+        self._held_state = {k: t.detach() for k, t in state.items()}
+
+    def held_state(self) -> dict[str, torch.Tensor]:
+        """The optimizer state given with the rows (:meth:`give_optimizer_state`); empty
+        when none was."""
+        return dict(self._held_state) if self.held_rows() is not None else {}
 
     @property
     def frozen(self) -> bool:

@@ -65,10 +65,20 @@ def prefetch_tensor_names(table: str) -> tuple[str, str]:
     return table + ROW_NEXT, table + ROW_VALUES
 
 
+ROW_STATE = "#state/"
+"""Infix of the tensors of a table's row-wise optimizer state in an init (``emb#state/sum``)."""
+
+
 def initial_rows_tensor_name(table: str) -> str:
     """The name of the tensor of a shard's first rows of ``table`` in an init (all its rows, in
     the shard's storage order): the rows the chief's model held, instead of the seeded ones."""
     return table + ROW_VALUES
+
+
+def initial_state_tensor_name(table: str, key: str) -> str:
+    """The name of the tensor of a shard's first row-wise optimizer state ``key`` of ``table``
+    in an init (beside its first rows: a model that goes on from another's training)."""
+    return table + ROW_STATE + key
 
 
 def row_tensor_names(table: str) -> tuple[str, str]:
@@ -222,7 +232,8 @@ class Key(StrEnum):
     ROWS = "rows"
     """A push: the tables whose row gradients it carries (tensors named by
     :func:`row_tensor_names`). An init: the tables whose first rows it carries
-    (:func:`initial_rows_tensor_name`), the chief's instead of the seeded ones."""
+    (:func:`initial_rows_tensor_name`), the chief's instead of the seeded ones, and maybe their
+    row-wise optimizer state (:func:`initial_state_tensor_name`)."""
     PREFETCH = "prefetch"
     """A push: the tables whose rows of the ids it carries (:func:`prefetch_tensor_names`) the
     reply brings back, read after the push is applied: the next batch's rows ride the step."""

@@ -63,6 +63,7 @@ from psflow.ps.service import Handler, NotInitializedError, RequestError, Servic
 from psflow.ps.store import ShardStore
 from psflow.ps.sync import SyncService
 from psflow.ps.tables import (
+    FirstRows,
     TableService,
     build_tables,
     check_lookup,
@@ -753,6 +754,7 @@ class ParameterServer:
             service.on_worker_finished(name)
 
 
-def _given(first_rows: Mapping[str, torch.Tensor]) -> str:
-    """The init's log note on tables whose first rows the chief's model gave."""
-    return f" ({', '.join(sorted(first_rows))} with the chief's rows)" if first_rows else ""
+def _given(first_rows: Mapping[str, FirstRows]) -> str:
+    """The init's log note on tables whose first rows (and optimizer state) the chief gave."""
+    named = [n + (" and its optimizer state" if r.state else "") for n, r in first_rows.items()]
+    return f" ({', '.join(sorted(named))} with the chief's rows)" if named else ""

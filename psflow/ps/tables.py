@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -26,6 +26,7 @@ from psflow.protocol import Key, Op, TableSpec
 from psflow.protocol.messages import (
     ROW_GRADS,
     ROW_IDS,
+    ROW_STATE,
     initial_rows_tensor_name,
     prefetch_tensor_names,
     row_tensor_names,
@@ -154,16 +155,40 @@ def split_prefetch(
     )
 
 
+class FirstRows(NamedTuple):
+    """A shard's first rows of a table, given by an init, and maybe its optimizer state."""
+
+    values: torch.Tensor
+    state: dict[str, torch.Tensor]
+
+
 def split_initial_rows(
     header: Mapping[str, Any], tensors: Sequence[tuple[str, torch.Tensor]]
-) -> tuple[Tensors, dict[str, torch.Tensor]]:
-    """Splits an init's tensors into the rest and this shard's first rows per table
-    (:attr:`Key.ROWS` names the tables: the chief's model held their rows).
+) -> tuple[Tensors, dict[str, FirstRows]]:
+    """Splits an init's tensors into the rest and this shard's first rows per table, with
+    their row-wise optimizer state where the init carries it (:attr:`Key.ROWS` names the
+    tables: the chief's model held their rows).
 
     Raises:
-        ValueError: when a named table's rows are missing, or ``rows`` is not a list of names.
+        ValueError: when a named table's rows are missing, state comes for a table not named,
+            or ``rows`` is not a list of names.
     """
-    return _split_per_table(header, Key.ROWS, tensors, initial_rows_tensor_name, "init", "rows")
+    rest, values = _split_per_table(
+        header, Key.ROWS, tensors, initial_rows_tensor_name, "init", "rows"
+    )
+    out = {table: FirstRows(v, {}) for table, v in values.items()}
+    others: Tensors = []
+    for name, t in rest:
+        table, infix, key = name.partition(ROW_STATE)
+        if not infix:
+            others.append((name, t))
+        elif table not in out:
+            raise ValueError(f"the init carries {name!r} but not the first rows of {table!r}")
+        elif key in out[table].state:
+            raise ValueError(f"{name!r} appears twice in one init")
+        else:
+            out[table].state[key] = t
+    return others, out
 
 
 def _split_per_table(
@@ -196,16 +221,16 @@ def _split_per_table(
     return rest, out
 
 
-def set_initial_rows(tables: Mapping[str, Rows], first: Mapping[str, torch.Tensor]) -> None:
-    """Makes ``first`` (this shard's rows per table, in its storage order) the tables' rows:
-    the chief's model held them (a pretrained table, a loaded state dict). Checks every one
-    before any changes.
+def set_initial_rows(tables: Mapping[str, Rows], first: Mapping[str, FirstRows]) -> None:
+    """Makes ``first`` (this shard's rows per table, in its storage order, and maybe their
+    optimizer state) the tables' rows: the chief's model held them (a pretrained table, a
+    loaded state dict, a model trained elsewhere). Checks every one before any changes.
 
     Raises:
-        ValueError: for a table the init does not create, a hashed one, or rows of the wrong
-            shape or dtype.
+        ValueError: for a table the init does not create, a hashed one, rows of the wrong
+            shape or dtype, or state that is not the table's optimizer's.
     """
-    for name, values in first.items():
+    for name, (values, state) in first.items():
         table = tables.get(name)
         if table is None:
             raise ValueError(f"the init carries first rows of {name!r}, which it does not create")
@@ -217,10 +242,24 @@ def set_initial_rows(tables: Mapping[str, Rows], first: Mapping[str, torch.Tenso
                 f"the first rows of table {name!r} are {list(values.shape)} {values.dtype}; "
                 f"this shard holds {list(want)} {table.dtype}"
             )
-    for name, values in first.items():
+        if state and set(state) != set(table.state):
+            raise ValueError(
+                f"the init gives table {name!r} optimizer state {sorted(state)}; its "
+                f"{table.optimizer.spec.name} keeps {sorted(table.state)}"
+            )
+        for key, t in state.items():
+            mine = table.state[key]
+            if t.shape != mine.shape or t.dtype != mine.dtype:
+                raise ValueError(
+                    f"the optimizer state {key!r} of table {name!r} is {list(t.shape)} "
+                    f"{t.dtype}; this shard holds {list(mine.shape)} {mine.dtype}"
+                )
+    for name, (values, state) in first.items():
         table = tables[name]
         assert isinstance(table, FixedRows)
         table.values.copy_(values)
+        for key, t in state.items():
+            table.state[key].copy_(t)
 
 
 def check_lookup(tables: Mapping[str, Rows], ids: Mapping[str, torch.Tensor]) -> None:

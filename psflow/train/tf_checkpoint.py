@@ -66,6 +66,10 @@ _DTYPES: dict[int, tuple[torch.dtype, str]] = {
 }
 _DT_STRING = 7
 
+_SLOTS = {"Adagrad": {"sum": "Adagrad"}, "Ftrl": {"accum": "Ftrl", "linear": "Ftrl_1"}}
+"""TensorFlow's slot names for a variable's optimizer state (``<var>/<slot>``), by psflow's
+row-wise optimizer and its state key."""
+
 
 def _unmask(crc: int) -> int:
     rot = (crc - _MASK_DELTA) & 0xFFFFFFFF
@@ -445,6 +449,32 @@ class TFCheckpoint:
         for p, (start, rows) in enumerate(parts):
             out[p::shards] = whole[start : start + rows]
         return out
+
+    def table_state(
+        self, name: str, optimizer: str, partition_strategy: str = "mod"
+    ) -> dict[str, torch.Tensor]:
+        """The slots TensorFlow's ``optimizer`` kept for table ``name``, in id order, as
+        psflow's row-wise form of it keeps them: ``Adagrad``'s accumulator (``<name>/Adagrad``)
+        as ``sum``; ``Ftrl``'s (``<name>/Ftrl``, ``<name>/Ftrl_1``) as ``accum`` and
+        ``linear``. For ``from_pretrained(rows, optimizer=..., optimizer_state=...)``: the
+        table goes on from TensorFlow's training, not from fresh state.
+
+        Raises:
+            ValueError: for another optimizer (lazy Adam's step counts are per row in psflow,
+                global in TensorFlow), or slots the checkpoint lacks.
+        """
+        slots = _SLOTS.get(optimizer)
+        if slots is None:
+            raise ValueError(
+                f"optimizer state is read for {sorted(_SLOTS)}, not {optimizer!r} (lazy Adam "
+                "counts steps per row in psflow, globally in TensorFlow)"
+            )
+        missing = [f"{name}/{slot}" for slot in slots.values() if f"{name}/{slot}" not in self]
+        if missing:
+            raise ValueError(f"{self.prefix} holds no {optimizer} slot {missing} for {name!r}")
+        return {
+            key: self.embedding(f"{name}/{slot}", partition_strategy) for key, slot in slots.items()
+        }
 
     # -- reading --------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from psflow.nn import TableModule
 from psflow.protocol import OptimizerSpec, RowOptimizerSpec, TableSpec
 from psflow.protocol.messages import (
     initial_rows_tensor_name,
+    initial_state_tensor_name,
     prefetch_tensor_names,
     row_tensor_names,
 )
@@ -117,6 +118,9 @@ class TableClient:
         self.specs: dict[str, TableSpec] = {}
         self.partitions: dict[str, Partition] = {}
         self._name_of: dict[int, str] = {}
+        self.initial_state: dict[str, dict[str, torch.Tensor]] = {}
+        """Per table in :attr:`initial`, the row-wise optimizer state given with its rows
+        (``from_pretrained(optimizer_state=...)``), sent with them; empty for most."""
         self.initial: dict[str, torch.Tensor] = {}
         """Per fixed table, the rows the model held when it was given to the job (a weight not
         on the meta device: pretrained, loaded from a state dict, or the seeded start): the
@@ -127,6 +131,7 @@ class TableClient:
             held = module.held_rows()  # before attach() drops it
             if held is not None:
                 self.initial[spec.name] = held
+                self.initial_state[spec.name] = module.held_state()
             self.specs[spec.name] = spec
             self.partitions[spec.name] = Partition(
                 spec.partition, spec.num_embeddings, client.num_shards
@@ -153,11 +158,15 @@ class TableClient:
         for name, held in self.initial.items():
             ids = self.partitions[name].ids_on(shard).to(held.device)
             out.append((initial_rows_tensor_name(name), held.index_select(0, ids).cpu()))
+            for key, state in self.initial_state.get(name, {}).items():
+                mine = state.index_select(0, ids.to(state.device)).cpu()
+                out.append((initial_state_tensor_name(name, key), mine))
         return out
 
     def forget_initial(self) -> None:
-        """Drops :attr:`initial`: the ps hold the tables now."""
+        """Drops :attr:`initial` and :attr:`initial_state`: the ps hold the tables now."""
         self.initial = {}
+        self.initial_state = {}
 
     def wire_specs(self, optimizer: OptimizerSpec) -> list[dict[str, Any]]:
         """The tables as an ``init`` carries them (see :func:`table_specs`)."""

@@ -4,6 +4,7 @@ number of ps, and bad ids refused while the ps keeps serving."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -469,6 +470,63 @@ def test_a_table_given_rows_trains_on_the_ps_from_them(two_ps: ClusterSpec, part
         torch.testing.assert_close(table_rows(opt, "bag", every), ref_bag.weight.detach())
         torch.testing.assert_close(table_rows(opt, "items", every), ref_items.weight.detach())
         assert not torch.equal(ref_bag.weight.detach(), pretrained)  # it did train
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("with_state", [True, False])
+def test_a_tensorflow_trained_model_takes_its_next_step_in_psflow(
+    two_ps: ClusterSpec, with_state: bool
+) -> None:
+    """A model trained in TensorFlow goes on in psflow from its checkpoint
+    (``tests/fixtures/tf_checkpoint``): its partitioned tables' rows in id order, and their
+    Adagrad accumulators, sent by the chief's init; its dense kernel loaded. One psflow step on
+    the batch TensorFlow's next step used gives the tables TensorFlow gave. Without the
+    accumulators (a fresh optimizer) the step is another one."""
+    from psflow.train.tf_checkpoint import TFCheckpoint
+
+    fixture = Path(__file__).parent.parent / "fixtures" / "tf_checkpoint"
+    expected = json.loads((fixture / "expected.json").read_text())
+    ckpt = TFCheckpoint(str(fixture / expected["prefix"]))
+    adagrad = RowOptimizerSpec.of("Adagrad", lr=0.1, initial_accumulator_value=0.1)
+
+    def table(name: str, strategy: str) -> pnn.Embedding:
+        state = ckpt.table_state(name, "Adagrad", strategy) if with_state else None
+        return pnn.Embedding.from_pretrained(
+            ckpt.embedding(name, strategy),
+            freeze=False,
+            partition=strategy,
+            optimizer=adagrad,
+            optimizer_state=state,
+        )
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.items = table("items", "mod")
+            self.users = table("users", "div")
+            self.kernel = torch.nn.Parameter(ckpt.tensor("dense/kernel"))
+
+        def forward(self, item_ids: torch.Tensor, user_ids: torch.Tensor) -> torch.Tensor:
+            x = torch.cat([self.items(item_ids), self.users(user_ids)], dim=1)
+            return ((x @ self.kernel) ** 2).sum()
+
+    model = Model()
+    opt = DistributedOptimizer(
+        model, worker_ctx(two_ps), optimizer="SGD", lr=0.1, config=TransportConfig(timeout=30)
+    )
+    try:
+        step = expected["step"]
+        opt.zero_grad()
+        model(torch.tensor(step["item_ids"]), torch.tensor(step["user_ids"])).backward()
+        opt.step()
+        for name in ("items", "users"):
+            want = torch.tensor(expected["rows_in_id_order"][name]["after_next_step"])
+            got = table_rows(opt, name, torch.arange(want.shape[0]))
+            if with_state:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            else:
+                assert not torch.allclose(got, want, rtol=1e-3, atol=1e-4), name
     finally:
         opt.close()
 

@@ -429,3 +429,37 @@ def test_psflow_nn_is_a_subpackage_of_psflow() -> None:
 def test_the_docstring_examples_run(module: Any) -> None:
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0
+
+
+def test_optimizer_state_given_with_pretrained_rows_is_the_optimizers() -> None:
+    rows = torch.randn(6, 3)
+    sums = torch.rand(6, 3)
+    emb = Embedding.from_pretrained(
+        rows, freeze=False, optimizer="Adagrad", optimizer_state={"sum": sums}
+    )
+    assert torch.equal(emb.held_state()["sum"], sums)
+    bag = EmbeddingBag.from_pretrained(
+        rows,
+        freeze=False,
+        optimizer="Ftrl",
+        optimizer_state={"accum": sums, "linear": -sums},
+    )
+    assert sorted(bag.held_state()) == ["accum", "linear"]
+    bad = [
+        ({"optimizer_state": {"sum": sums}}, "needs the table's optimizer named"),
+        ({"optimizer": "Adagrad", "optimizer_state": {"accum": sums}}, r"keeps state \['sum'\]"),
+        (
+            {"optimizer": "Adagrad", "optimizer_state": {"sum": sums[:5]}},
+            r"'sum' is \[5, 3\] torch.float32, expected \[6, 3\]",
+        ),
+        (
+            {"optimizer": "Adagrad", "optimizer_state": {"sum": sums.double()}},
+            "torch.float64, expected",
+        ),
+    ]
+    for kwargs, match in bad:
+        with pytest.raises(ValueError, match=match):
+            Embedding.from_pretrained(rows, freeze=False, **kwargs)  # type: ignore[arg-type]
+    # Attached (the job has the rows), the module holds no state either.
+    emb.attach(DenseSource(rows))
+    assert emb.held_state() == {}

@@ -554,26 +554,40 @@ def test_an_init_gives_a_fixed_table_its_first_rows() -> None:
     from psflow.protocol import Key
     from psflow.ps.tables import build_tables, set_initial_rows, split_initial_rows
 
-    spec = fixed(n=7, optimizer=RowOptimizerSpec.of("SGD", lr=0.1))
+    spec = fixed(n=7, optimizer=RowOptimizerSpec.of("Adagrad", lr=0.1))
     rows = torch.arange(7 * 4, dtype=F64).reshape(7, 4)
     tables = build_tables([spec], shard=1, num_shards=2)
     mine = rows[1::2]  # mod: ids 1, 3, 5
-    tensors = [("w", torch.ones(2)), ("emb#rows", mine)]
+    tensors = [("w", torch.ones(2)), ("emb#rows", mine), ("emb#state/sum", mine + 100)]
     rest, first = split_initial_rows({Key.ROWS: ["emb"]}, tensors)
     assert [n for n, _ in rest] == ["w"] and list(first) == ["emb"]
+    assert list(first["emb"].state) == ["sum"]
     set_initial_rows(tables, first)
     assert torch.equal(tables["emb"].lookup(torch.tensor([5, 1])), rows[[5, 1]])
-    # An init that names no table's rows leaves the seeded ones.
-    rest, first = split_initial_rows({}, tensors)
+    table = tables["emb"]
+    assert isinstance(table, FixedRows) and torch.equal(table.state["sum"], mine + 100)
+    # Without state the optimizer's starts fresh.
+    fresh = build_tables([spec], shard=1, num_shards=2)
+    set_initial_rows(fresh, split_initial_rows({Key.ROWS: ["emb"]}, tensors[:2])[1])
+    assert isinstance(fresh["emb"], FixedRows)
+    assert torch.equal(fresh["emb"].state["sum"], torch.full((3, 4), 0.1, dtype=F64))
+    # An init that names no table's rows leaves the seeded ones (and state alone is refused).
+    rest, first = split_initial_rows({}, tensors[:2])
     assert len(rest) == 2 and first == {}
+    with pytest.raises(ValueError, match="'emb#state/sum' but not the first rows of 'emb'"):
+        split_initial_rows({}, tensors)
 
 
 def test_an_init_with_bad_first_rows_is_refused_and_changes_nothing() -> None:
     from psflow.protocol import Key
-    from psflow.ps.tables import build_tables, set_initial_rows, split_initial_rows
+    from psflow.ps.tables import FirstRows, build_tables, set_initial_rows, split_initial_rows
 
     sgd = RowOptimizerSpec.of("SGD", lr=0.1)
-    tables = build_tables([fixed(n=6, optimizer=sgd), hashed(optimizer=sgd)], shard=0, num_shards=2)
+    tables = build_tables(
+        [fixed(n=6, optimizer=RowOptimizerSpec.of("Adagrad")), hashed(optimizer=sgd)],
+        shard=0,
+        num_shards=2,
+    )
     seeded = tables["emb"].lookup(torch.tensor([0, 2, 4])).clone()
     with pytest.raises(ValueError, match=r"names tables \['emb'\] but lacks their rows"):
         split_initial_rows({Key.ROWS: ["emb"]}, [("w", torch.ones(1))])
@@ -581,12 +595,31 @@ def test_an_init_with_bad_first_rows_is_refused_and_changes_nothing() -> None:
         split_initial_rows({Key.ROWS: ["emb"]}, [("emb#rows", torch.ones(3, 4))] * 2)
     with pytest.raises(ValueError, match="'rows' must be a list of table names"):
         split_initial_rows({Key.ROWS: "emb"}, [])
-    good = torch.zeros(3, 4, dtype=F64)
+    with pytest.raises(ValueError, match="carries 'ids#state/sum' but not the first rows of 'ids'"):
+        split_initial_rows(
+            {Key.ROWS: ["emb"]},
+            [("emb#rows", torch.ones(3, 4)), ("ids#state/sum", torch.ones(3, 4))],
+        )
+    good = FirstRows(torch.zeros(3, 4, dtype=F64), {})
     bad = [
         ({"emb": good, "nothing": good}, "'nothing', which it does not create"),
         ({"emb": good, "ids": good}, "table 'ids' is hashed"),
-        ({"emb": torch.zeros(3, 5, dtype=F64)}, r"'emb' are \[3, 5\].*holds \[3, 4\]"),
-        ({"emb": torch.zeros(3, 4)}, r"torch.float32; this shard holds \[3, 4\] torch.float64"),
+        (
+            {"emb": FirstRows(torch.zeros(3, 5, dtype=F64), {})},
+            r"'emb' are \[3, 5\].*holds \[3, 4\]",
+        ),
+        (
+            {"emb": FirstRows(torch.zeros(3, 4), {})},
+            r"torch.float32; this shard holds \[3, 4\] torch.float64",
+        ),
+        (
+            {"emb": FirstRows(good.values, {"exp_avg": good.values})},
+            r"state \['exp_avg'\]; its Adagrad keeps \['sum'\]",
+        ),
+        (
+            {"emb": FirstRows(good.values, {"sum": torch.zeros(3, 4)})},
+            r"state 'sum' of table 'emb' is \[3, 4\] torch.float32",
+        ),
     ]
     for first, match in bad:
         with pytest.raises(ValueError, match=match):

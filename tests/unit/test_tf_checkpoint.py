@@ -195,3 +195,18 @@ def test_a_directory_gives_its_latest_checkpoint_as_tensorflow_finds_it(tmp_path
     state.write_text("nothing useful\n")
     with pytest.raises(ValueError, match="no model_checkpoint_path"):
         TFCheckpoint.latest(str(tmp_path))
+
+
+def test_a_tables_adagrad_slot_is_its_row_wise_state_in_id_order() -> None:
+    ckpt = TFCheckpoint(PREFIX)
+    state = ckpt.table_state("items", "Adagrad", "mod")
+    assert list(state) == ["sum"]
+    assert torch.equal(state["sum"], ckpt.embedding("items/Adagrad", "mod"))
+    # Rows the three steps touched grew their accumulator; the rest kept TensorFlow's 0.1.
+    touched = sorted(set(EXPECTED["step"]["item_ids"]))
+    grown = (state["sum"] > 0.1 + 1e-6).all(dim=1).nonzero().flatten().tolist()
+    assert grown == touched
+    with pytest.raises(ValueError, match="holds no Ftrl slot"):
+        ckpt.table_state("items", "Ftrl")
+    with pytest.raises(ValueError, match="not 'Adam'"):
+        ckpt.table_state("items", "Adam")
