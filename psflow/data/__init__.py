@@ -18,6 +18,10 @@ No TensorFlow at run time. Where things live:
 - ``text.py``: text classification data: tab-separated (label, text) files to TFRecord shards
   of token ids with a vocabulary from the training split (:func:`~psflow.data.text.prepare_text`,
   ``psflow data text``), and their reader (:func:`~psflow.data.text.text_batches`)
+- ``hashing.py``: TensorFlow's hashed ids: :func:`to_hash_bucket_fast` (FarmHash's
+  ``Fingerprint64`` modulo the buckets, as ``tf.strings.to_hash_bucket_fast``),
+  :func:`hash_bucket_of_ints` (``categorical_column_with_hash_bucket`` on int64),
+  :func:`fingerprint64`
 - ``schema.py``: :func:`infer_schema`, :func:`format_schema`
 - ``pipeline.py``: file/record sharding, interleave, shuffle buffer, rebatching, prefetch
 - ``dataset.py``: :class:`TFRecordDataset` (a torch ``IterableDataset``), :class:`DatasetConfig`
@@ -38,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from psflow.data.encode import serialize_examples
 from psflow.data.features import FixedLenFeature, Ragged, VarLenFeature, parse_examples
 from psflow.data.fs import expand_paths
+from psflow.data.hashing import fingerprint64, hash_bucket_of_ints, to_hash_bucket_fast
 from psflow.data.proto import (
     Example,
     Feature,
@@ -81,8 +86,10 @@ __all__ = [
     "bytes_feature",
     "example_to_dict",
     "expand_paths",
+    "fingerprint64",
     "float_feature",
     "format_schema",
+    "hash_bucket_of_ints",
     "infer_schema",
     "int64_feature",
     "make_example",
@@ -93,6 +100,7 @@ __all__ = [
     "sequence_example_to_dict",
     "serialize_example",
     "serialize_examples",
+    "to_hash_bucket_fast",
     "write_dataframe",
     "write_records",
 ]
