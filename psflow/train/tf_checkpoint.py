@@ -394,6 +394,8 @@ class TFCheckpoint:
             raise ValueError(f"{self.prefix}: the slices of {name!r} do not add up to it")
         for piece in pieces:  # before the whole is allocated: a claim the files do not back
             self._data_file(name, piece)
+        if nbytes > sum(self._sizes.values()):  # slices that repeat one region of a file
+            raise ValueError(f"{self.prefix}: {name!r} claims more bytes than its data files hold")
         out = torch.empty(entry.shape, dtype=dtype)
         covered = 0
         for extents, piece in zip(wanted, pieces, strict=True):

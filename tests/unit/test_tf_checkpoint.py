@@ -210,3 +210,71 @@ def test_a_tables_adagrad_slot_is_its_row_wise_state_in_id_order() -> None:
         ckpt.table_state("items", "Ftrl")
     with pytest.raises(ValueError, match="not 'Adam'"):
         ckpt.table_state("items", "Adam")
+
+
+# -- a crafted checkpoint: an index that claims more than its files hold --------------------
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _field(number: int, value: int | bytes) -> bytes:
+    if isinstance(value, bytes):
+        return _varint(number << 3 | 2) + _varint(len(value)) + value
+    return _varint(number << 3) + _varint(value)
+
+
+def _block(entries: list[tuple[bytes, bytes]]) -> bytes:
+    """A LevelDB table block, no key sharing, with its trailer (type 0, masked CRC32C)."""
+    import google_crc32c
+
+    body = b"".join(_varint(0) + _varint(len(k)) + _varint(len(v)) + k + v for k, v in entries)
+    body += (0).to_bytes(4, "little") + (1).to_bytes(4, "little")  # one restart, at 0
+    crc = google_crc32c.value(body + b"\0")
+    masked = (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+    return body + b"\0" + masked.to_bytes(4, "little")
+
+
+def _index_file(entries: list[tuple[bytes, bytes]]) -> bytes:
+    data = _block(entries)
+    handle = _varint(0) + _varint(len(data) - 5)
+    index = _block([(entries[-1][0], handle)])
+    footer = _varint(0) + _varint(0) + _varint(len(data)) + _varint(len(index) - 5)
+    footer = footer.ljust(40, b"\0") + (0xDB4775248B80FB57).to_bytes(8, "little")
+    return data + index + footer
+
+
+def test_slices_that_repeat_one_region_of_a_file_are_refused(tmp_path: Path) -> None:
+    """A hostile index: a 1000 x 1000 float32 variable (4 MB) in 1000 one-row slices that all
+    point at the same 4,000 bytes of a 4 KB data file. Refused before anything is allocated."""
+    import google_crc32c
+
+    row = bytes(4000)
+    crc = google_crc32c.value(row)
+    masked = (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+    shape = _field(2, _field(2, _field(1, 1000)) + _field(2, _field(1, 1000)))
+    extents = [_field(1, _field(1, i) + _field(2, 1)) + _field(1, b"") for i in range(1000)]
+    whole = _field(1, 1) + shape + b"".join(_field(7, e) for e in extents)
+    piece = (
+        _field(1, 1)
+        + _field(2, _field(2, _field(1, 1)) + _field(2, _field(1, 1000)))
+        + _field(4, 0)
+        + _field(5, 4000)
+        + b"\x35"
+        + masked.to_bytes(4, "little")
+    )
+    entries = [(b"", _field(1, 1)), (b"t", whole)]
+    entries += [(b"\x00t\x00\x01" + i.to_bytes(4, "big"), piece) for i in range(1000)]
+    entries.sort()
+    (tmp_path / "m.index").write_bytes(_index_file(entries))
+    (tmp_path / "m.data-00000-of-00001").write_bytes(row)
+    ckpt = TFCheckpoint(str(tmp_path / "m"))
+    assert ckpt.names() == ["t"] and ckpt.shape("t") == (1000, 1000)
+    with pytest.raises(ValueError, match="'t' claims more bytes than its data files hold"):
+        ckpt.tensor("t")
