@@ -66,6 +66,29 @@ class Request:
     """The shared-memory lane it came through (its reply goes back the same way)."""
 
 
+_BIND_RETRY_SECONDS = 2.0
+"""How long a server tries again to bind a port that is in use: another process may hold it
+for a moment (a launcher on the same machine trying ports as it picks free ones)."""
+
+
+def _bind(sock: zmq.Socket[bytes], endpoint_: str) -> None:
+    """Binds ``sock``, trying again for :data:`_BIND_RETRY_SECONDS` while the port is in use.
+
+    Raises:
+        zmq.ZMQError: when it is still in use then, or for any other reason at once.
+    """
+    deadline = time.monotonic() + _BIND_RETRY_SECONDS
+    while True:
+        try:
+            sock.bind(endpoint_)
+            return
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+            log.debug("%s is in use; trying again", endpoint_)
+            time.sleep(0.02)
+
+
 class Server:
     """A ROUTER socket bound to one address, answering requests one at a time.
 
@@ -108,7 +131,7 @@ class Server:
             self._auth.start()
             configure_server(sock, config.keys)
         try:
-            sock.bind(bind_to)
+            _bind(sock, bind_to)
         except zmq.ZMQError as e:
             sock.close()
             if self._auth is not None:

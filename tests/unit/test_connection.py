@@ -323,3 +323,40 @@ def test_replies_from_several_peers_are_collected_in_one_wait() -> None:
         client.close()
         for server in servers:
             server.close()
+
+
+def test_a_port_held_for_a_moment_is_bound_once_free_and_one_held_on_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another process may hold a task's port for a moment (a launcher trying ports as it picks
+    free ones): the server tries again for a while, then names the port."""
+    import socket
+
+    import psflow.transport.server as server_module
+
+    monkeypatch.setattr(server_module, "_BIND_RETRY_SECONDS", 60.0)  # far past the release
+    config = TransportConfig(timeout=10, shared_memory=False)
+    (port,) = free_ports(1)
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    released = threading.Event()
+
+    def release() -> None:
+        time.sleep(0.3)
+        holder.close()
+        released.set()
+
+    threading.Thread(target=release, daemon=True).start()
+    server = Server(f"127.0.0.1:{port}", config)  # waits out the holder
+    try:
+        assert released.is_set()
+    finally:
+        server.close()
+    monkeypatch.setattr(server_module, "_BIND_RETRY_SECONDS", 0.2)
+    (port,) = free_ports(1)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", port))
+        held.listen()
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}.*in use"):
+            Server(f"127.0.0.1:{port}", config)
