@@ -389,7 +389,7 @@ class TFCheckpoint:
                 f"{len(pieces)}"
             )
         dtype = self._torch_dtype(name, entry)
-        nbytes = math.prod(entry.shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(entry.shape) * dtype.itemsize
         if sum(piece.size for piece in pieces) != nbytes:
             raise ValueError(f"{self.prefix}: the slices of {name!r} do not add up to it")
         for piece in pieces:  # before the whole is allocated: a claim the files do not back
