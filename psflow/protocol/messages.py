@@ -81,6 +81,16 @@ def initial_state_tensor_name(table: str, key: str) -> str:
     return table + ROW_STATE + key
 
 
+OPT_SEP = "/opt/"
+"""Separates a variable's name from its optimizer-state key, in an init (the state the chief
+gives the ps, restored or given by the script) and in a shard file (``fc.weight/opt/exp_avg``)."""
+
+
+def optimizer_state_tensor_name(var: str, key: str) -> str:
+    """The name of the tensor of variable ``var``'s optimizer state ``key`` (``exp_avg``)."""
+    return var + OPT_SEP + key
+
+
 def row_tensor_names(table: str) -> tuple[str, str]:
     """The names of the two tensors that carry ``table``'s row gradients in a push: its ids
     (int64, unique) and their gradients (one row per id, summed over the batch)."""

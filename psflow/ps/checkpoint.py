@@ -40,6 +40,7 @@ from safetensors.torch import save as st_save
 from psflow.env import PSFLOW_CHECKPOINT_DIR
 from psflow.metrics import PsMetrics
 from psflow.protocol import Key, Op, OptimizerSpec, SaveState
+from psflow.protocol.messages import OPT_SEP, optimizer_state_tensor_name
 from psflow.ps import safefile
 from psflow.ps.files import atomic_write, join, url_to_fs  # psflow.train imports them from here
 from psflow.ps.service import Handler, Service, ServiceHost
@@ -49,9 +50,6 @@ from psflow.sparse.rows import RowSnapshot
 from psflow.transport import Request, wire
 
 log = logging.getLogger(__name__)
-
-OPT_SEP = "/opt/"
-"""Separates a variable's name from its optimizer-state key in a shard file."""
 
 CKPT_DIR_RE = re.compile(r"^ckpt-(\d+)$")
 """A checkpoint directory's name: ``ckpt-<global step>``."""
@@ -80,7 +78,7 @@ def flatten_optimizer_state(
         var = names[index]
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{var}{OPT_SEP}{key}"] = value
+                tensors[optimizer_state_tensor_name(var, key)] = value
             else:
                 plain.setdefault(var, {})[key] = _json_value(value, f"{var}/{key}")
     groups = [

@@ -25,8 +25,8 @@ from safetensors.torch import save as st_save
 
 from psflow.metrics import WorkerMetrics
 from psflow.protocol import Key, OptimizerSpec, SaveState, ScheduleSpec, TableSpec
+from psflow.protocol.messages import optimizer_state_tensor_name
 from psflow.ps.checkpoint import (
-    OPT_SEP,
     ShardFile,
     atomic_write,
     read_shard,
@@ -118,7 +118,7 @@ class Checkpoint:
             out.append((p.var, _rows(full, p.rows)))
             for key, t in self.opt_tensors.get(p.param, {}).items():
                 part = _rows(t, p.rows) if t.shape == full.shape else t.clone()
-                out.append((f"{p.var}{OPT_SEP}{key}", part))
+                out.append((optimizer_state_tensor_name(p.var, key), part))
             if p.param in self.opt_plain:
                 plain.setdefault(p.shard, {})[p.var] = self.opt_plain[p.param]
         return values, plain

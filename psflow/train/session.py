@@ -152,6 +152,10 @@ class TrainingSession:
         mode, replicas_to_aggregate, total_num_replicas, max_staleness, sync_timeout: the
             training mode, as for ``DistributedOptimizer`` (or ``mode`` a
             :class:`~psflow.worker.ModeConfig`).
+        optimizer_state: the optimizer's first state by parameter name, as for
+            ``DistributedOptimizer`` (a TensorFlow model's:
+            :meth:`~psflow.train.tf_checkpoint.TFCheckpoint.optimizer_state`). A checkpoint
+            restored from ``checkpoint_dir`` wins.
         config: a :class:`SessionConfig`; or give its fields as keyword arguments.
 
     Example:
@@ -183,6 +187,7 @@ class TrainingSession:
         total_num_replicas: int | None = None,
         max_staleness: int | None = None,
         sync_timeout: float | None = None,
+        optimizer_state: Mapping[str, Mapping[str, Any]] | None = None,
         config: SessionConfig | None = None,
         **kwargs: Any,
     ) -> None:
@@ -210,6 +215,9 @@ class TrainingSession:
         )
         self.metrics = metrics.for_task(str(ctx.task), ctx.host).worker(ctx.cluster.num_tasks("ps"))
         """This task's Prometheus metrics (:mod:`psflow.metrics`)."""
+        self._optimizer_state = optimizer_state
+        """For the first optimizer only: one built after a lost ps came back goes on from the
+        ps (restored), not from the start."""
         self.global_step = 0
         self.checkpointer: Checkpointer | None = None
         self.restored_from: str | None = None
@@ -288,6 +296,7 @@ class TrainingSession:
         return hooks
 
     def _optimizer(self, ready_timeout: float) -> DistributedOptimizer:
+        state, self._optimizer_state = self._optimizer_state, None
         return DistributedOptimizer(
             self.model,
             self.ctx,
@@ -297,6 +306,7 @@ class TrainingSession:
             mode=self.mode_config,
             config=self.transport,
             ready_timeout=ready_timeout,
+            optimizer_state=state,
         )
 
     def _checkpointer(self, checkpoint_dir: str) -> Checkpointer:

@@ -70,6 +70,16 @@ _SLOTS = {"Adagrad": {"sum": "Adagrad"}, "Ftrl": {"accum": "Ftrl", "linear": "Ft
 """TensorFlow's slot names for a variable's optimizer state (``<var>/<slot>``), by psflow's
 row-wise optimizer and its state key."""
 
+_DENSE_SLOTS = {
+    "Adagrad": {"sum": "Adagrad"},
+    "Momentum": {"momentum_buffer": "Momentum"},
+    "Adam": {"exp_avg": "Adam", "exp_avg_sq": "Adam_1"},
+}
+"""TensorFlow 1.x's slot names for a dense variable's optimizer state, by the TensorFlow
+optimizer (``AdagradOptimizer``, ``MomentumOptimizer``, ``AdamOptimizer``) and the state key of
+the ``torch.optim`` optimizer that computes the same update (``Adagrad``, ``SGD`` with
+``momentum``, ``Adam``)."""
+
 
 def _unmask(crc: int) -> int:
     rot = (crc - _MASK_DELTA) & 0xFFFFFFFF
@@ -477,6 +487,128 @@ class TFCheckpoint:
         return {
             key: self.embedding(f"{name}/{slot}", partition_strategy) for key, slot in slots.items()
         }
+
+    def optimizer_state(
+        self,
+        name: str,
+        optimizer: str,
+        *,
+        transpose: bool = False,
+        slot_prefix: str | None = None,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        beta_powers: tuple[str, str] = ("beta1_power", "beta2_power"),
+    ) -> dict[str, torch.Tensor]:
+        """The slots TensorFlow 1.x's ``optimizer`` kept for the dense variable ``name``, as
+        the state of the ``torch.optim`` optimizer that takes the same step: for
+        ``DistributedOptimizer(..., optimizer_state={param: ...})`` (or ``TrainingSession``), so
+        that training goes on from TensorFlow's, not from fresh state.
+
+        - ``"Adagrad"`` (``AdagradOptimizer``, for ``torch.optim.Adagrad``): ``<name>/Adagrad``
+          as ``sum``, and ``step`` (the checkpoint's ``global_step``, else 0; only
+          ``lr_decay`` reads it).
+        - ``"Momentum"`` (``MomentumOptimizer``, for ``torch.optim.SGD(momentum=...)``, with
+          ``nesterov`` as ``use_nesterov``): ``<name>/Momentum`` as ``momentum_buffer``.
+        - ``"Adam"`` (``AdamOptimizer``, for ``torch.optim.Adam``): ``<name>/Adam`` and
+          ``<name>/Adam_1`` as ``exp_avg`` and ``exp_avg_sq``, and ``step``: the steps taken,
+          from the optimizer's ``beta2_power`` (``beta2 ** (steps + 1)``; ``beta1_power`` when
+          that one has run out of float32's range, the ``global_step`` when both have, by
+          which point both bias corrections are 1). TensorFlow adds ``epsilon`` to
+          ``sqrt(v)`` before the bias correction, torch after it: the steps differ by less
+          than ``epsilon`` in the denominator.
+
+        Args:
+            name: the variable, as saved (``dense/kernel``).
+            optimizer: ``"Adagrad"``, ``"Momentum"`` or ``"Adam"``.
+            transpose: transpose 2-D slots, as for a TensorFlow kernel (``[in, out]``) that
+                becomes a ``torch.nn.Linear`` weight (``[out, in]``).
+            slot_prefix: the optimizer's name when it was given one (``AdamOptimizer(name=
+                "Adam2")`` keeps ``<var>/Adam2`` and ``<var>/Adam2_1``); default the class's.
+            beta1, beta2: ``AdamOptimizer``'s, to count its steps.
+            beta_powers: the names of Adam's ``beta1_power`` and ``beta2_power`` (TensorFlow
+                numbers them ``beta1_power_1``, ... when a graph has several Adam optimizers).
+
+        Raises:
+            ValueError: for another optimizer, slots or beta powers the checkpoint lacks, or a
+                slot whose shape is not the variable's.
+        """
+        slots = _DENSE_SLOTS.get(optimizer)
+        if slots is None:
+            raise ValueError(
+                f"a dense variable's optimizer state is read for {sorted(_DENSE_SLOTS)}, not "
+                f"{optimizer!r}"
+            )
+        if slot_prefix is not None:
+            slots = {key: slot.replace(optimizer, slot_prefix, 1) for key, slot in slots.items()}
+        missing = [f"{name}/{slot}" for slot in slots.values() if f"{name}/{slot}" not in self]
+        if missing:
+            raise ValueError(f"{self.prefix} holds no {optimizer} slot {missing} for {name!r}")
+        shape = self.shape(name)
+        state = {}
+        for key, slot in slots.items():
+            value = self.tensor(f"{name}/{slot}")
+            if tuple(value.shape) != shape:
+                raise ValueError(
+                    f"{self.prefix}: slot {name}/{slot} has shape {list(value.shape)}, the "
+                    f"variable {list(shape)}"
+                )
+            if transpose:
+                if value.dim() != 2:
+                    raise ValueError(f"transpose: {name!r} has shape {list(shape)}, not 2-D")
+                value = value.T.contiguous()
+            state[key] = value
+        if optimizer == "Adagrad":
+            state["step"] = torch.tensor(float(self._global_step() or 0))
+        elif optimizer == "Adam":
+            state["step"] = torch.tensor(float(self._adam_steps(beta1, beta2, beta_powers)))
+        return state
+
+    def _global_step(self) -> int | None:
+        if "global_step" not in self:
+            return None
+        step = self.tensor("global_step")
+        if step.numel() != 1 or step.dtype.is_floating_point:
+            raise ValueError(f"{self.prefix}: global_step is {step.dtype} {list(step.shape)}")
+        return int(step.reshape(()).item())
+
+    def _adam_steps(self, beta1: float, beta2: float, names: tuple[str, str]) -> int:
+        """The steps an ``AdamOptimizer`` took: its ``beta_power`` variables hold
+        ``beta ** (steps + 1)`` (the power its next step uses)."""
+        missing = [n for n in names if n not in self]
+        if missing:
+            raise ValueError(
+                f"{self.prefix} holds no {missing} (AdamOptimizer's beta powers; name them with "
+                "beta_powers=)"
+            )
+        for beta in (beta1, beta2):
+            if not 0.0 < beta < 1.0:
+                raise ValueError(f"beta {beta} must lie in (0, 1)")
+        # beta1's power counts exactly while it is a normal float32 (about 800 steps); then
+        # beta2's (about 87,000), to within a few steps: its float32 products drift by about
+        # 6e-8 each, a step's worth being 1e-3. By then bias correction hardly moves.
+        for power_name, beta, exact in ((names[0], beta1, True), (names[1], beta2, False)):
+            power = self.tensor(power_name)
+            if power.numel() != 1 or not power.dtype.is_floating_point:
+                raise ValueError(
+                    f"{self.prefix}: {power_name} is {power.dtype} {list(power.shape)}"
+                )
+            value = float(power.reshape(()).item())
+            if not value >= torch.finfo(torch.float32).tiny:
+                continue
+            steps = math.log(value) / math.log(beta) - 1
+            if value > 1.0 or (exact and abs(steps - round(steps)) > 0.01):
+                raise ValueError(
+                    f"{self.prefix}: {power_name} = {value} is no power of beta {beta} "
+                    "(give AdamOptimizer's beta1 and beta2)"
+                )
+            return max(0, round(steps))
+        step = self._global_step()
+        if step is None:
+            raise ValueError(
+                f"{self.prefix}: Adam's beta powers have reached 0 and there is no global_step "
+                "to count its steps"
+            )
+        return step
 
     # -- reading --------------------------------------------------------------------------
 

@@ -35,6 +35,7 @@ from psflow.cluster.spec import TaskContext, parse_address
 from psflow.protocol import OptimizerSpec, ScheduleSpec
 from psflow.transport import TransportConfig
 from psflow.worker.modes import Engine, ModeConfig
+from psflow.worker.opt_state import State, load_optimizer_state
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class AllReduceEngine(Engine):
         *,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         lr_schedule: ScheduleSpec | None = None,
+        optimizer_state: State | None = None,
     ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
@@ -111,6 +113,10 @@ class AllReduceEngine(Engine):
                     self._unflatten(flat, params, grads=False)
                     bucket.zero_()
             self.optimizer = spec.build(self.params)
+            if optimizer_state:  # the same on every rank, as the model's first values
+                load_optimizer_state(
+                    self.optimizer, dict(model.named_parameters()), optimizer_state
+                )
             # Every rank steps alike: the schedule follows the step here as on a ps.
             self.schedule = lr_schedule.build(self.optimizer) if lr_schedule else None
         except BaseException:

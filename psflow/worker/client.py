@@ -198,15 +198,21 @@ class ShardedClient:
         schedule: ScheduleSpec | None = None,
         tables: list[dict[str, Any]] | None = None,
         initial_rows: list[str] | None = None,
+        opt_state: Mapping[int, dict[str, dict[str, Any]]] | None = None,
         timeout: float | None = None,
     ) -> bool:
         """Sends the initial values, the optimizer, the learning-rate schedule and the
         embedding tables' specs (each shard creates its rows); returns False when the shards
         were already initialised. ``initial_rows``: the tables whose first rows ``values``
         carries (each shard's part, :func:`~psflow.protocol.messages.initial_rows_tensor_name`)
-        instead of the seeded ones. ``timeout``: for the replies (default: the transport's)."""
+        instead of the seeded ones. ``opt_state``: per shard, the variables whose optimizer
+        state ``values`` carries too
+        (:func:`~psflow.protocol.messages.optimizer_state_tensor_name`), each with its
+        non-tensor state. ``timeout``: for the replies (default: the transport's)."""
         headers = self._headers(Op.INIT)
-        for h in headers.values():
+        for s, h in headers.items():
+            if opt_state and s in opt_state:
+                h[Key.OPT_STATE] = opt_state[s]
             h.update({Key.OPTIMIZER: spec.to_wire(), Key.STEP: step})
             if schedule is not None:
                 h[Key.LR_SCHEDULE] = schedule.to_wire()

@@ -22,6 +22,7 @@ from psflow.protocol.messages import IN_REQUEST_AREA, row_tensor_names
 from psflow.transport import TransportConfig, wire
 from psflow.worker.client import Replies, ShardedClient, Tensors, group_by_shard
 from psflow.worker.heartbeat import Heartbeat
+from psflow.worker.opt_state import State, place_optimizer_state
 from psflow.worker.placement import Piece, dense_parameters
 from psflow.worker.tables import TableClient
 
@@ -40,6 +41,8 @@ class ParameterExchange:
             worker.
         transport: transport settings.
         lr_schedule: the learning-rate schedule the chief sends the ps with the optimizer.
+        optimizer_state: the optimizer's first state the chief sends the ps (checked:
+            :func:`~psflow.worker.opt_state.check_optimizer_state`).
 
     Example:
         >>> # ex = ParameterExchange(model, ctx, pieces=place(...), transport=TransportConfig())
@@ -56,9 +59,11 @@ class ParameterExchange:
         pieces: Sequence[Piece],
         transport: TransportConfig,
         lr_schedule: ScheduleSpec | None = None,
+        optimizer_state: State | None = None,
     ) -> None:
         self.ctx = ctx
         self.lr_schedule = lr_schedule
+        self.optimizer_state = optimizer_state or {}
         self.params: dict[str, nn.Parameter] = dense_parameters(model)
         self.pieces = list(pieces)
         unknown = sorted({p.param for p in self.pieces} - set(self.params))
@@ -121,6 +126,9 @@ class ParameterExchange:
             if held:  # tables this model holds rows of: they start from those, not the seed
                 for s in range(self.num_shards):
                     values.setdefault(s, []).extend(self.tables.initial_rows(s))
+            state, opt_vars = place_optimizer_state(self.pieces, self.optimizer_state)
+            for s, tensors in state.items():
+                values.setdefault(s, []).extend(tensors)
             # A ps allocates the model and its tables' rows before it answers (20M rows take it
             # seconds; more on a loaded machine): more than one request's timeout may pass.
             initialized = self.client.initialize(
@@ -129,6 +137,7 @@ class ParameterExchange:
                 schedule=self.lr_schedule,
                 tables=tables,
                 initial_rows=held,
+                opt_state=opt_vars,
                 timeout=ready_timeout,
             )
             if initialized:
@@ -140,6 +149,7 @@ class ParameterExchange:
         else:
             self.client.wait_ready(ready_timeout)
         self.tables.forget_initial()
+        self.optimizer_state = {}  # sent (or the ps had theirs): not held for the whole run
         # From now on the ps expect to hear from this task (psflow.ps.liveness).
         self._heartbeat = Heartbeat(self.ctx, self.client.config).start()
 

@@ -22,7 +22,8 @@ from psflow.transport import TransportConfig
 from psflow.worker.engine import AsyncEngine, ExchangeEngine
 from psflow.worker.exchange import ParameterExchange
 from psflow.worker.modes import Engine, ModeConfig
-from psflow.worker.placement import Piece, Placement
+from psflow.worker.opt_state import State, check_optimizer_state
+from psflow.worker.placement import Piece, Placement, dense_parameters
 from psflow.worker.staleness import StalenessEngine
 from psflow.worker.sync import SyncEngine
 from psflow.worker.tables import tables_of
@@ -61,6 +62,13 @@ class DistributedOptimizer:
             slowest (it waits).
         sync_timeout: seconds a worker waits for its synchronous step (or for the slowest
             worker) before it fails with :class:`~psflow.worker.SyncTimeoutError`.
+        optimizer_state: the optimizer's first state, by parameter name, each a map of the
+            optimizer's own state keys (``{"fc.weight": {"step": 3, "exp_avg": ...,
+            "exp_avg_sq": ...}}``): training goes on from another's, a TensorFlow model's
+            (:meth:`~psflow.train.tf_checkpoint.TFCheckpoint.optimizer_state`) or a torch
+            run's. Checked here against what the optimizer keeps; the chief sends it with the
+            model's values, and ps restored from a checkpoint keep theirs. See
+            :mod:`psflow.worker.opt_state`.
         **optimizer_kwargs: the optimizer's arguments (``lr=0.01``, ``momentum=0.9``, ...).
 
     Example:
@@ -89,6 +97,7 @@ class DistributedOptimizer:
         total_num_replicas: int | None = None,
         max_staleness: int | None = None,
         sync_timeout: float | None = None,
+        optimizer_state: Mapping[str, Mapping[str, Any]] | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if ctx is None:
@@ -115,6 +124,11 @@ class DistributedOptimizer:
             placement = Placement.of(placement, partition_bytes=partition_bytes)
         elif partition_bytes != Placement.partition_bytes:
             raise ValueError("partition_bytes applies to a placement strategy, not to pieces")
+        given: State = {}
+        if optimizer_state:
+            given = check_optimizer_state(
+                self.spec, dense_parameters(model), optimizer_state, tables=list(tables_of(model))
+            )
         self.engine = _engine(
             model,
             ctx,
@@ -124,6 +138,7 @@ class DistributedOptimizer:
             placement,
             config,
             ready_timeout,
+            given,
         )
         self.metrics = metrics.for_task(str(ctx.task), ctx.host).worker(ctx.cluster.num_tasks("ps"))
         self._closed = False
@@ -214,6 +229,7 @@ def _engine(
     placement: Placement | Sequence[Piece],
     transport: TransportConfig | None,
     ready_timeout: float,
+    optimizer_state: State,
 ) -> Engine:
     """The mode's engine, started: the ps initialised (or restored) and the model pulled."""
     if mode.mode == "allreduce":
@@ -226,7 +242,9 @@ def _engine(
                 "train them with mode='async' or 'sync'"
             )
 
-        return AllReduceEngine(model, ctx, spec, mode, lr_schedule=lr_schedule)
+        return AllReduceEngine(
+            model, ctx, spec, mode, lr_schedule=lr_schedule, optimizer_state=optimizer_state
+        )
     exchange = ParameterExchange(
         model,
         ctx,
@@ -237,6 +255,7 @@ def _engine(
         ),
         transport=transport or TransportConfig.from_env(),
         lr_schedule=lr_schedule,
+        optimizer_state=optimizer_state,
     )
     try:
         engine: ExchangeEngine

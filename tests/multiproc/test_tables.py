@@ -480,9 +480,10 @@ def test_a_tensorflow_trained_model_takes_its_next_step_in_psflow(
 ) -> None:
     """A model trained in TensorFlow goes on in psflow from its checkpoint
     (``tests/fixtures/tf_checkpoint``): its partitioned tables' rows in id order, and their
-    Adagrad accumulators, sent by the chief's init; its dense kernel loaded. One psflow step on
-    the batch TensorFlow's next step used gives the tables TensorFlow gave. Without the
-    accumulators (a fresh optimizer) the step is another one."""
+    Adagrad accumulators, sent by the chief's init; its dense kernel loaded, and its
+    accumulator given as ``optimizer_state``. One psflow step on the batch TensorFlow's next
+    step used gives the tables and the kernel TensorFlow gave. Without the accumulators (a
+    fresh optimizer) the step is another one."""
     from psflow.train.tf_checkpoint import TFCheckpoint
 
     fixture = Path(__file__).parent.parent / "fixtures" / "tf_checkpoint"
@@ -513,13 +514,27 @@ def test_a_tensorflow_trained_model_takes_its_next_step_in_psflow(
 
     model = Model()
     opt = DistributedOptimizer(
-        model, worker_ctx(two_ps), optimizer="SGD", lr=0.1, config=TransportConfig(timeout=30)
+        model,
+        worker_ctx(two_ps),
+        optimizer="Adagrad",
+        lr=0.1,
+        initial_accumulator_value=0.1,
+        optimizer_state=(
+            {"kernel": ckpt.optimizer_state("dense/kernel", "Adagrad")} if with_state else None
+        ),
+        config=TransportConfig(timeout=30),
     )
     try:
         step = expected["step"]
         opt.zero_grad()
         model(torch.tensor(step["item_ids"]), torch.tensor(step["user_ids"])).backward()
         opt.step()
+        kernel = torch.tensor(expected["dense_after_next_step"]["dense/kernel"])
+        got_kernel = model.kernel.detach()  # the step's pull brought the ps's value back
+        if with_state:
+            torch.testing.assert_close(got_kernel, kernel, rtol=1e-5, atol=1e-6)
+        else:
+            assert not torch.allclose(got_kernel, kernel, rtol=1e-3, atol=1e-4)
         for name in ("items", "users"):
             want = torch.tensor(expected["rows_in_id_order"][name]["after_next_step"])
             got = table_rows(opt, name, torch.arange(want.shape[0]))

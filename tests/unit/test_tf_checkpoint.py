@@ -278,3 +278,106 @@ def test_slices_that_repeat_one_region_of_a_file_are_refused(tmp_path: Path) -> 
     assert ckpt.names() == ["t"] and ckpt.shape("t") == (1000, 1000)
     with pytest.raises(ValueError, match="'t' claims more bytes than its data files hold"):
         ckpt.tensor("t")
+
+
+# -- a dense variable's optimizer state ------------------------------------------------------
+
+DENSE = Path(__file__).parent.parent / "fixtures" / "tf_dense_state"
+DENSE_EXPECTED = json.loads((DENSE / "expected.json").read_text())
+
+
+def _torch_optimizer(name: str, settings: dict[str, float], param: torch.Tensor) -> Any:
+    """The torch optimizer that takes TensorFlow's ``name`` step with its ``settings``."""
+    if name == "Adam":
+        betas = (settings["beta1"], settings["beta2"])
+        return torch.optim.Adam([param], lr=settings["lr"], betas=betas, eps=settings["epsilon"])
+    if name == "Momentum":
+        return torch.optim.SGD([param], lr=settings["lr"], momentum=settings["momentum"])
+    return torch.optim.Adagrad(
+        [param], lr=settings["lr"], initial_accumulator_value=settings["initial_accumulator_value"]
+    )
+
+
+def _next_step(with_state: bool) -> dict[str, torch.Tensor]:
+    """One torch step of the fixture's model from its checkpoint, each variable under the
+    torch form of its TensorFlow optimizer, started from the checkpoint's slots (or fresh)."""
+    ckpt = TFCheckpoint(str(DENSE / DENSE_EXPECTED["prefix"]))
+    params = {n: torch.nn.Parameter(ckpt.tensor(n)) for n in DENSE_EXPECTED["optimizers"]}
+    optimizers = []
+    for name, (kind, settings) in DENSE_EXPECTED["optimizers"].items():
+        opt = _torch_optimizer(kind, settings, params[name])
+        if with_state:
+            state = ckpt.optimizer_state(name, kind)
+            opt.load_state_dict(
+                {"state": {0: state}, "param_groups": opt.state_dict()["param_groups"]}
+            )
+        optimizers.append(opt)
+    x, y = torch.tensor(DENSE_EXPECTED["x"]), torch.tensor(DENSE_EXPECTED["y"])
+    h = torch.tanh(x @ params["hidden/kernel"] + params["hidden/bias"])
+    ((h @ params["out/kernel"] - y) ** 2).mean().backward()
+    for opt in optimizers:
+        opt.step()
+    return {n: p.detach() for n, p in params.items()}
+
+
+def test_dense_slots_give_torch_optimizers_tensorflows_next_step() -> None:
+    """TensorFlow trained three variables for three steps under Adam, Momentum and Adagrad;
+    torch's Adam, SGD(momentum) and Adagrad started from the slots ``optimizer_state`` reads
+    take the step TensorFlow took next. Fresh ones take another (Adam's is 0.05 away)."""
+    got = _next_step(with_state=True)
+    fresh = _next_step(with_state=False)
+    for name, (kind, _) in DENSE_EXPECTED["optimizers"].items():
+        want = torch.tensor(DENSE_EXPECTED["after_next_step"][name])
+        # Adam: TensorFlow adds epsilon before the bias correction, torch after (2e-6 here).
+        atol = 5e-6 if kind == "Adam" else 1e-6
+        torch.testing.assert_close(got[name], want, rtol=0, atol=atol)
+        assert (fresh[name] - want).abs().max() > 100 * atol, name
+
+
+def test_adams_steps_are_counted_from_its_beta_powers() -> None:
+    ckpt = TFCheckpoint(str(DENSE / DENSE_EXPECTED["prefix"]))
+    state = ckpt.optimizer_state("hidden/kernel", "Adam")
+    assert sorted(state) == ["exp_avg", "exp_avg_sq", "step"]
+    assert state["step"].item() == 3 and state["step"].dim() == 0
+    assert torch.equal(state["exp_avg_sq"], ckpt.tensor("hidden/kernel/Adam_1"))
+    # Counted with the wrong beta1, the power is no power of it: named, not guessed.
+    with pytest.raises(ValueError, match=r"beta1_power = .* is no power of beta 0\.8"):
+        ckpt.optimizer_state("hidden/kernel", "Adam", beta1=0.8)
+    assert ckpt.optimizer_state("out/kernel", "Adagrad")["step"].item() == 3  # global_step
+    transposed = ckpt.optimizer_state("out/kernel", "Adagrad", transpose=True)["sum"]
+    assert torch.equal(transposed, ckpt.tensor("out/kernel/Adagrad").T)
+
+
+def test_adam_after_beta1s_power_ran_out_counts_from_beta2s() -> None:
+    """1,000 Adam steps: ``beta1_power`` is 0 in float32, ``beta2_power`` 0.367. The steps
+    come from the latter, and torch's Adam takes TensorFlow's 1,001st step."""
+    long = DENSE_EXPECTED["long"]
+    assert long["beta_powers"][0] == 0.0
+    ckpt = TFCheckpoint(str(DENSE / long["prefix"]))
+    assert "global_step" not in ckpt
+    state = ckpt.optimizer_state("hidden/kernel", "Adam")
+    assert state["step"].item() == long["steps"]
+    kernel = torch.nn.Parameter(ckpt.tensor("hidden/kernel"))
+    opt = torch.optim.Adam([kernel], lr=long["lr"], eps=1e-8)
+    opt.load_state_dict({"state": {0: state}, "param_groups": opt.state_dict()["param_groups"]})
+    x, y = torch.tensor(DENSE_EXPECTED["x"]), torch.tensor(DENSE_EXPECTED["y"])
+    h = torch.tanh(x @ kernel + ckpt.tensor("hidden/bias"))
+    ((h @ ckpt.tensor("out/kernel") - y) ** 2).mean().backward()
+    opt.step()
+    torch.testing.assert_close(
+        kernel.detach(), torch.tensor(long["after_next_step"]), rtol=0, atol=1e-6
+    )
+
+
+def test_dense_state_that_cannot_be_read_is_named() -> None:
+    ckpt = TFCheckpoint(str(DENSE / DENSE_EXPECTED["prefix"]))
+    with pytest.raises(ValueError, match="not 'RMSProp'"):
+        ckpt.optimizer_state("hidden/kernel", "RMSProp")
+    with pytest.raises(ValueError, match=r"holds no Adagrad slot \['hidden/kernel/Adagrad'\]"):
+        ckpt.optimizer_state("hidden/kernel", "Adagrad")
+    with pytest.raises(ValueError, match="holds no Adam slot"):
+        ckpt.optimizer_state("hidden/kernel", "Adam", slot_prefix="Adam_2")
+    with pytest.raises(ValueError, match="not 2-D"):
+        ckpt.optimizer_state("hidden/bias", "Momentum", transpose=True)
+    with pytest.raises(ValueError, match=r"holds no \['b1', 'b2'\]"):
+        ckpt.optimizer_state("hidden/kernel", "Adam", beta_powers=("b1", "b2"))

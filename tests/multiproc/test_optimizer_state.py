@@ -1,0 +1,149 @@
+"""A dense optimizer's first state given by the script (``optimizer_state=``), on real ps
+processes: the job's next step is the one the run that kept the state takes; a checkpoint
+restored from the session's directory wins over it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from psflow.train import TrainingSession, load_checkpoint
+from psflow.transport import TransportConfig
+from psflow.worker import DistributedOptimizer
+
+from .support import ROOT, local_cluster, start_ps, stop, worker_ctx
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
+
+PROBE = ROOT / "tests" / "multiproc" / "scripts" / "opt_state_probe.py"
+
+
+def _loss(model: torch.nn.Module, step: int) -> torch.Tensor:
+    x = torch.randn(16, 24, generator=torch.Generator().manual_seed(step))
+    return (model(x) - 1.0).square().mean()
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [{}, {"mode": "sync", "replicas_to_aggregate": 1, "total_num_replicas": 1}],
+    ids=["async", "sync"],
+)
+def test_a_partitioned_model_goes_on_from_a_torch_runs_adam_state(mode: dict[str, object]) -> None:
+    """A single-process torch run trains three steps with Adam; the job starts from its
+    values and its optimizer's state, the first layer's weight split over 2 ps by rows (each
+    ps its rows of ``exp_avg`` and ``exp_avg_sq``, each its copy of ``step``). One step of the
+    job is the run's fourth."""
+    torch.manual_seed(3)
+    reference = torch.nn.Sequential(
+        torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 1)
+    )
+    adam = torch.optim.Adam(reference.parameters(), lr=0.05)
+    for step in range(3):
+        adam.zero_grad()
+        _loss(reference, step).backward()
+        adam.step()
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 1))
+    model.load_state_dict(reference.state_dict())
+    names = {id(p): n for n, p in reference.named_parameters()}
+    state = {names[id(p)]: dict(s) for p, s in adam.state.items()}
+
+    cluster = local_cluster(2, 1)
+    procs = [start_ps(cluster, i) for i in range(2)]
+    try:
+        opt = DistributedOptimizer(
+            model,
+            worker_ctx(cluster),
+            optimizer="Adam",
+            lr=0.05,
+            partition_bytes=2048,  # 0.weight (3,840 bytes) in two pieces
+            optimizer_state=state,
+            config=TransportConfig(timeout=30),
+            sync_timeout=30.0,
+            **mode,  # type: ignore[arg-type]
+        )
+        try:
+            split = [p for p in opt.pieces if p.param == "0.weight"]
+            assert len(split) == 2 and {p.shard for p in split} == {0, 1}
+            opt.zero_grad()
+            _loss(model, 3).backward()
+            opt.step()
+        finally:
+            opt.close()
+        adam.zero_grad()
+        _loss(reference, 3).backward()
+        adam.step()
+        for (name, want), got in zip(reference.named_parameters(), model.parameters(), strict=True):
+            torch.testing.assert_close(got.detach(), want.detach(), rtol=0, atol=1e-6, msg=name)
+        for p in procs:
+            code, err = stop(p)
+            assert code == 0, err[-3000:]
+    finally:
+        for p in procs:
+            stop(p, timeout=1)
+
+
+def test_a_checkpoint_restored_wins_over_the_given_state(tmp_path: Path) -> None:
+    """The second session is given state far from the first one's (``exp_avg`` of 1,000) and
+    restores the first one's checkpoint: the ps keep the restored state, as they keep the
+    restored values."""
+    url = str(tmp_path / "ckpt")
+    cluster = local_cluster(1, 1)
+    bogus = {
+        "weight": {
+            "step": 1,
+            "exp_avg": torch.full((1, 24), 1000.0),
+            "exp_avg_sq": torch.ones(1, 24),
+        },
+    }
+    for run in range(2):
+        ps = start_ps(cluster)
+        try:
+            model = torch.nn.Linear(24, 1)
+            with TrainingSession(
+                model,
+                worker_ctx(cluster),
+                optimizer="Adam",
+                lr=0.01,
+                optimizer_state=bogus if run == 1 else None,
+                checkpoint_dir=url,
+                save_checkpoint_secs=3600,
+                log_step_count_steps=None,
+                save_summaries_steps=None,
+                transport=TransportConfig(timeout=20),
+                end_timeout=1,
+            ) as sess:
+                assert sess.restored_from == ("ckpt-2" if run == 1 else None)
+                for step in range(2):
+                    sess.zero_grad()
+                    loss = _loss(model, step)
+                    loss.backward()
+                    sess.step(loss=loss)
+            code, err = stop(ps)
+            assert code == 0, err[-3000:]
+        finally:
+            stop(ps, timeout=1)
+    saved = load_checkpoint(url)
+    assert saved is not None and saved.name == "ckpt-4"
+    exp_avg = saved.opt_tensors["weight"]["exp_avg"]
+    assert exp_avg.abs().max() < 10, exp_avg  # (0.9^2 * 1000 = 810 had the given state won)
+    assert saved.opt_tensors["weight"]["step"].item() == 4
+
+
+@pytest.mark.parametrize(
+    "mode", [["--mode", "allreduce"], ["--ps", "1", "--mode", "sync"]], ids=["allreduce", "sync"]
+)
+def test_a_launched_job_goes_on_from_the_given_state(mode: list[str]) -> None:
+    """``psflow launch --workers 2``: each worker's ``TrainingSession`` starts from a torch
+    run's Adam state (in all-reduce mode every rank loads it into its own optimizer; in sync
+    mode the chief sends it to the ps) and its first step is the run's fourth, on both."""
+    cmd = [sys.executable, "-m", "psflow.cli", "launch", *mode, "--workers", "2", str(PROBE)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    diffs = dict(re.findall(r"\[(worker:\d)\] max diff (\S+)", proc.stdout))
+    assert sorted(diffs) == ["worker:0", "worker:1"], proc.stdout[-2000:]
+    assert all(float(d) < 1e-6 for d in diffs.values()), diffs
