@@ -66,7 +66,11 @@ _DTYPES: dict[int, tuple[torch.dtype, str]] = {
 }
 _DT_STRING = 7
 
-_SLOTS = {"Adagrad": {"sum": "Adagrad"}, "Ftrl": {"accum": "Ftrl", "linear": "Ftrl_1"}}
+_SLOTS = {
+    "Adagrad": {"sum": "Adagrad"},
+    "Ftrl": {"accum": "Ftrl", "linear": "Ftrl_1"},
+    "Adam": {"exp_avg": "Adam", "exp_avg_sq": "Adam_1"},
+}
 """TensorFlow's slot names for a variable's optimizer state (``<var>/<slot>``), by psflow's
 row-wise optimizer and its state key."""
 
@@ -463,30 +467,48 @@ class TFCheckpoint:
         return out
 
     def table_state(
-        self, name: str, optimizer: str, partition_strategy: str = "mod"
+        self,
+        name: str,
+        optimizer: str,
+        partition_strategy: str = "mod",
+        *,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        beta_powers: tuple[str, str] = ("beta1_power", "beta2_power"),
     ) -> dict[str, torch.Tensor]:
         """The slots TensorFlow's ``optimizer`` kept for table ``name``, in id order, as
         psflow's row-wise form of it keeps them: ``Adagrad``'s accumulator (``<name>/Adagrad``)
         as ``sum``; ``Ftrl``'s (``<name>/Ftrl``, ``<name>/Ftrl_1``) as ``accum`` and
-        ``linear``. For ``from_pretrained(rows, optimizer=..., optimizer_state=...)``: the
-        table goes on from TensorFlow's training, not from fresh state.
+        ``linear``; ``Adam``'s (``<name>/Adam``, ``<name>/Adam_1``) as ``exp_avg`` and
+        ``exp_avg_sq``, with every row's ``step`` the optimizer's global count (from its beta
+        powers, as for :meth:`optimizer_state`; ``beta1``, ``beta2``, ``beta_powers`` as
+        there). For ``from_pretrained(rows, optimizer=..., optimizer_state=...)``: the table
+        goes on from TensorFlow's training, not from fresh state.
+
+        psflow's row-wise Adam is lazy (``LazyAdamOptimizer``'s update, TensorFlow's bias
+        correction by the global step): from this state its next step of a row is the one
+        TensorFlow took. ``tf.compat.v1.train.AdamOptimizer`` itself is not lazy on a table:
+        it also decays the moments of rows a step does not touch, and moves them.
 
         Raises:
-            ValueError: for another optimizer (lazy Adam's step counts are per row in psflow,
-                global in TensorFlow), or slots the checkpoint lacks.
+            ValueError: for another optimizer, or slots the checkpoint lacks.
         """
         slots = _SLOTS.get(optimizer)
         if slots is None:
             raise ValueError(
-                f"optimizer state is read for {sorted(_SLOTS)}, not {optimizer!r} (lazy Adam "
-                "counts steps per row in psflow, globally in TensorFlow)"
+                f"a table's optimizer state is read for {sorted(_SLOTS)}, not {optimizer!r}"
             )
         missing = [f"{name}/{slot}" for slot in slots.values() if f"{name}/{slot}" not in self]
         if missing:
             raise ValueError(f"{self.prefix} holds no {optimizer} slot {missing} for {name!r}")
-        return {
+        state = {
             key: self.embedding(f"{name}/{slot}", partition_strategy) for key, slot in slots.items()
         }
+        if optimizer == "Adam":
+            steps = self._adam_steps(beta1, beta2, beta_powers)
+            rows = state["exp_avg"].shape[0]
+            state["step"] = torch.full((rows,), steps, dtype=torch.int64)
+        return state
 
     def optimizer_state(
         self,

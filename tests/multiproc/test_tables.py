@@ -546,6 +546,66 @@ def test_a_tensorflow_trained_model_takes_its_next_step_in_psflow(
         opt.close()
 
 
+def test_a_tensorflow_model_trained_with_adam_goes_on_in_psflow(two_ps: ClusterSpec) -> None:
+    """``tests/fixtures/tf_dense_state``: TensorFlow's ``AdamOptimizer`` trained a dense kernel
+    and a table partitioned ``mod`` for three steps. The job starts the table from its rows
+    and moments in id order with every row at the optimizer's step (``table_state``), and the
+    kernel from its moments and step (``optimizer_state``, the job's torch ``Adam``). One step
+    on 2 ps gives the table TensorFlow's next step gave (every row) and the kernel within
+    Adam's epsilon placement (TensorFlow adds it before the bias correction, torch after)."""
+    from psflow.train.tf_checkpoint import TFCheckpoint
+
+    fixture = Path(__file__).parent.parent / "fixtures" / "tf_dense_state"
+    expected = json.loads((fixture / "expected.json").read_text())
+    ckpt = TFCheckpoint(str(fixture / expected["prefix"]))
+    settings = expected["optimizers"]["emb"][1]
+    betas = (settings["beta1"], settings["beta2"])
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = pnn.Embedding.from_pretrained(
+                ckpt.embedding("emb", "mod"),
+                freeze=False,
+                partition="mod",
+                optimizer=RowOptimizerSpec.of(
+                    "Adam", lr=settings["lr"], betas=betas, eps=settings["epsilon"]
+                ),
+                optimizer_state=ckpt.table_state("emb", "Adam", "mod"),
+            )
+            self.kernel = torch.nn.Parameter(ckpt.tensor("hidden/kernel"))
+            self.bias = torch.nn.Parameter(ckpt.tensor("hidden/bias"), requires_grad=False)
+            self.out = torch.nn.Parameter(ckpt.tensor("out/kernel"), requires_grad=False)
+
+        def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(x @ self.kernel + self.bias + self.emb(ids)) @ self.out
+
+    model = Model()
+    opt = DistributedOptimizer(
+        model,
+        worker_ctx(two_ps),
+        optimizer="Adam",
+        lr=settings["lr"],
+        betas=betas,
+        eps=settings["epsilon"],
+        optimizer_state={"kernel": ckpt.optimizer_state("hidden/kernel", "Adam")},
+        config=TransportConfig(timeout=30),
+    )
+    try:
+        x, y = torch.tensor(expected["x"]), torch.tensor(expected["y"])
+        opt.zero_grad()
+        ((model(x, torch.tensor(expected["ids"])) - y) ** 2).mean().backward()
+        opt.step()
+        after = expected["after_next_step"]
+        torch.testing.assert_close(
+            model.kernel.detach(), torch.tensor(after["hidden/kernel"]), rtol=0, atol=5e-6
+        )
+        got = table_rows(opt, "emb", torch.arange(6))
+        torch.testing.assert_close(got, torch.tensor(after["emb"]), rtol=0, atol=1e-6)
+    finally:
+        opt.close()
+
+
 def test_a_frozen_table_stays_on_the_worker(two_ps: ClusterSpec) -> None:
     """A frozen table (``from_pretrained``'s default, as in torch) does not train: the job
     leaves it on the worker as a plain weight, and trains the rest of the model around it."""

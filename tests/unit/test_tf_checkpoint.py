@@ -208,8 +208,10 @@ def test_a_tables_adagrad_slot_is_its_row_wise_state_in_id_order() -> None:
     assert grown == touched
     with pytest.raises(ValueError, match="holds no Ftrl slot"):
         ckpt.table_state("items", "Ftrl")
-    with pytest.raises(ValueError, match="not 'Adam'"):
+    with pytest.raises(ValueError, match="holds no Adam slot"):
         ckpt.table_state("items", "Adam")
+    with pytest.raises(ValueError, match="not 'RMSProp'"):
+        ckpt.table_state("items", "RMSProp")
 
 
 # -- a crafted checkpoint: an index that claims more than its files hold --------------------
@@ -298,26 +300,39 @@ def _torch_optimizer(name: str, settings: dict[str, float], param: torch.Tensor)
     )
 
 
+DENSE_VARS = {n: o for n, o in DENSE_EXPECTED["optimizers"].items() if n != "emb"}
+"""The fixture's dense variables and their optimizers (``emb`` is the table)."""
+
+
 def _next_step(with_state: bool) -> dict[str, torch.Tensor]:
-    """One torch step of the fixture's model from its checkpoint, each variable under the
-    torch form of its TensorFlow optimizer, started from the checkpoint's slots (or fresh)."""
+    """One torch step of the fixture's model from its checkpoint, each dense variable under
+    the torch form of its TensorFlow optimizer, started from the checkpoint's slots (or fresh);
+    the table's rows as they were saved."""
     ckpt = TFCheckpoint(str(DENSE / DENSE_EXPECTED["prefix"]))
-    params = {n: torch.nn.Parameter(ckpt.tensor(n)) for n in DENSE_EXPECTED["optimizers"]}
+    params = {n: torch.nn.Parameter(ckpt.tensor(n)) for n in DENSE_VARS}
     optimizers = []
-    for name, (kind, settings) in DENSE_EXPECTED["optimizers"].items():
+    for name, (kind, settings) in DENSE_VARS.items():
         opt = _torch_optimizer(kind, settings, params[name])
         if with_state:
             state = ckpt.optimizer_state(name, kind)
-            opt.load_state_dict(
-                {"state": {0: state}, "param_groups": opt.state_dict()["param_groups"]}
-            )
+            groups = opt.state_dict()["param_groups"]
+            opt.load_state_dict({"state": {0: state}, "param_groups": groups})
         optimizers.append(opt)
-    x, y = torch.tensor(DENSE_EXPECTED["x"]), torch.tensor(DENSE_EXPECTED["y"])
-    h = torch.tanh(x @ params["hidden/kernel"] + params["hidden/bias"])
-    ((h @ params["out/kernel"] - y) ** 2).mean().backward()
+    _dense_loss(
+        ckpt, params["hidden/kernel"], params["hidden/bias"], params["out/kernel"]
+    ).backward()
     for opt in optimizers:
         opt.step()
     return {n: p.detach() for n, p in params.items()}
+
+
+def _dense_loss(
+    ckpt: TFCheckpoint, kernel: torch.Tensor, bias: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """The fixture's loss (``expected.json``'s ``loss``), the table's rows as saved."""
+    x, y = torch.tensor(DENSE_EXPECTED["x"]), torch.tensor(DENSE_EXPECTED["y"])
+    rows = ckpt.embedding("emb", "mod")[torch.tensor(DENSE_EXPECTED["ids"])]
+    return ((torch.tanh(x @ kernel + bias + rows) @ out - y) ** 2).mean()
 
 
 def test_dense_slots_give_torch_optimizers_tensorflows_next_step() -> None:
@@ -326,12 +341,47 @@ def test_dense_slots_give_torch_optimizers_tensorflows_next_step() -> None:
     take the step TensorFlow took next. Fresh ones take another (Adam's is 0.05 away)."""
     got = _next_step(with_state=True)
     fresh = _next_step(with_state=False)
-    for name, (kind, _) in DENSE_EXPECTED["optimizers"].items():
+    for name, (kind, _) in DENSE_VARS.items():
         want = torch.tensor(DENSE_EXPECTED["after_next_step"][name])
         # Adam: TensorFlow adds epsilon before the bias correction, torch after (2e-6 here).
         atol = 5e-6 if kind == "Adam" else 1e-6
         torch.testing.assert_close(got[name], want, rtol=0, atol=atol)
         assert (fresh[name] - want).abs().max() > 100 * atol, name
+
+
+def test_a_tables_adam_slots_give_the_row_wise_adam_tensorflows_next_step() -> None:
+    """The table trained by the same ``AdamOptimizer``: its moments in id order, every row's
+    step the optimizer's 3. psflow's row-wise Adam from that state takes TensorFlow's next
+    step for every row (rows no step touched have zero moments, and stay)."""
+    from psflow.protocol import RowOptimizerSpec
+    from psflow.sparse.optim import RowOptimizer
+
+    ckpt = TFCheckpoint(str(DENSE / DENSE_EXPECTED["prefix"]))
+    state = ckpt.table_state("emb", "Adam", "mod")
+    assert sorted(state) == ["exp_avg", "exp_avg_sq", "step"]
+    assert state["step"].tolist() == [3] * 6 and state["step"].dtype == torch.int64
+    assert torch.equal(state["exp_avg"], ckpt.embedding("emb/Adam", "mod"))
+    untouched = sorted(set(range(6)) - set(DENSE_EXPECTED["ids"]))
+    assert not state["exp_avg"][untouched].any()
+
+    rows = torch.nn.Parameter(ckpt.embedding("emb", "mod"))
+    x, y = torch.tensor(DENSE_EXPECTED["x"]), torch.tensor(DENSE_EXPECTED["y"])
+    ids = torch.tensor(DENSE_EXPECTED["ids"])
+    h = torch.tanh(x @ ckpt.tensor("hidden/kernel") + ckpt.tensor("hidden/bias") + rows[ids])
+    ((h @ ckpt.tensor("out/kernel") - y) ** 2).mean().backward()
+    assert rows.grad is not None
+    touched = ids.unique()
+    settings = DENSE_EXPECTED["optimizers"]["emb"][1]
+    spec = RowOptimizerSpec.of(
+        "Adam",
+        lr=settings["lr"],
+        betas=(settings["beta1"], settings["beta2"]),
+        eps=settings["epsilon"],
+    )
+    values = rows.detach().clone()
+    RowOptimizer(spec).apply(values, state, touched, rows.grad[touched])
+    want = torch.tensor(DENSE_EXPECTED["after_next_step"]["emb"])
+    torch.testing.assert_close(values, want, rtol=0, atol=1e-6)
 
 
 def test_adams_steps_are_counted_from_its_beta_powers() -> None:
@@ -360,9 +410,7 @@ def test_adam_after_beta1s_power_ran_out_counts_from_beta2s() -> None:
     kernel = torch.nn.Parameter(ckpt.tensor("hidden/kernel"))
     opt = torch.optim.Adam([kernel], lr=long["lr"], eps=1e-8)
     opt.load_state_dict({"state": {0: state}, "param_groups": opt.state_dict()["param_groups"]})
-    x, y = torch.tensor(DENSE_EXPECTED["x"]), torch.tensor(DENSE_EXPECTED["y"])
-    h = torch.tanh(x @ kernel + ckpt.tensor("hidden/bias"))
-    ((h @ ckpt.tensor("out/kernel") - y) ** 2).mean().backward()
+    _dense_loss(ckpt, kernel, ckpt.tensor("hidden/bias"), ckpt.tensor("out/kernel")).backward()
     opt.step()
     torch.testing.assert_close(
         kernel.detach(), torch.tensor(long["after_next_step"]), rtol=0, atol=1e-6
