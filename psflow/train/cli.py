@@ -84,16 +84,27 @@ def _inspect_tf(prefix: str) -> int:
     for name in names:
         dtype = ckpt.dtype(name)
         kind = "string" if dtype is None else str(dtype).removeprefix("torch.")
-        parts = ckpt.partitions(name)
-        where = (
-            f"  {len(parts)} partitions: rows "
-            + ", ".join(f"{start}:{start + rows}" for start, rows in parts)
-            if parts
-            else ""
-        )
+        where = _tf_slices(ckpt.slices(name), ckpt.shape(name))
         line = f"  {name:<{width}}  {kind:<8} {json.dumps(list(ckpt.shape(name))):<16}{where}"
         print(line.rstrip())
     return 0
+
+
+def _tf_slices(slices: list[tuple[tuple[int, int], ...]], shape: tuple[int, ...]) -> str:
+    """How a TensorFlow variable was saved in slices: ``"  3 partitions: rows 0:4, 4:8,
+    8:11"`` (split along its first dimension, as ``embedding_lookup`` assumes), ``"  2
+    partitions along dim 1: 0:3, 3:5"``, or every slice whole; ``""`` for one saved whole."""
+    if not slices:
+        return ""
+    split = [d for d in range(len(shape)) if any(s[d] != (0, shape[d]) for s in slices)]
+    if len(split) == 1:
+        dim = split[0]
+        spans = ", ".join(f"{s[dim][0]}:{s[dim][1]}" for s in slices)
+        if dim == 0:
+            return f"  {len(slices)} partitions: rows {spans}"
+        return f"  {len(slices)} partitions along dim {dim}: {spans}"
+    boxes = ", ".join("[" + ", ".join(f"{a}:{b}" for a, b in s) + "]" for s in slices)
+    return f"  {len(slices)} slices: {boxes}"
 
 
 def export(args: argparse.Namespace) -> int:

@@ -389,6 +389,26 @@ class TFCheckpoint:
             out.append((start, whole - start if length < 0 else length))
         return out
 
+    def slices(self, name: str) -> list[tuple[tuple[int, int], ...]]:
+        """``(start, stop)`` along every dimension of each slice a variable was saved in, in
+        order; ``[]`` for one saved whole. Unlike :meth:`partitions`, slices along any
+        dimension (``fixed_size_partitioner(S, axis=1)``)."""
+        entry = self._entry_of(name)
+        out = []
+        for extents in sorted(entry.slices, key=_order):
+            if len(extents) != len(entry.shape):
+                raise ValueError(
+                    f"{self.prefix}: a slice of {name!r} has {len(extents)} dimensions, the "
+                    f"variable {len(entry.shape)}"
+                )
+            out.append(
+                tuple(
+                    (start, dim if length < 0 else start + length)
+                    for (start, length), dim in zip(extents, entry.shape, strict=True)
+                )
+            )
+        return out
+
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor ``name`` whole (a partitioned variable's slices put together), as
         ``tf.train.load_checkpoint(prefix).get_tensor(name)`` gives it."""

@@ -68,6 +68,15 @@ def test_a_table_comes_in_id_order_for_the_strategy_it_was_trained_with() -> Non
         ckpt.embedding("items", "hash")
 
 
+def test_a_variable_split_along_its_columns_comes_back_whole_and_is_no_table() -> None:
+    ckpt = TFCheckpoint(PREFIX)
+    assert ckpt.slices("wide") == [((0, 3), (0, 3)), ((0, 3), (3, 5))]
+    assert ckpt.slices("items") == [((0, 4), (0, 4)), ((4, 8), (0, 4)), ((8, 11), (0, 4))]
+    assert ckpt.slices("scale") == []
+    with pytest.raises(ValueError, match="'wide' is partitioned along another dimension"):
+        ckpt.embedding("wide")
+
+
 @pytest.mark.parametrize(
     ("damage", "error", "match"),
     [
@@ -156,6 +165,9 @@ def test_the_cli_lists_a_tensorflow_checkpoint() -> None:
         "8:11",
     ]
     assert {line.split()[0] for line in lines[2:]} == set(EXPECTED["tensors"])
+    # TensorFlow's partitioners take an axis: a variable split along its columns is listed too.
+    wide = next(line for line in lines if line.split()[:1] == ["wide"])
+    assert wide.split()[4:] == ["2", "partitions", "along", "dim", "1:", "0:3,", "3:5"]
 
 
 def test_the_cli_exports_a_tensorflow_checkpoint_with_its_tables_in_id_order(
