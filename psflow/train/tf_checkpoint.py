@@ -553,11 +553,12 @@ class TFCheckpoint:
           ``nesterov`` as ``use_nesterov``): ``<name>/Momentum`` as ``momentum_buffer``.
         - ``"Adam"`` (``AdamOptimizer``, for ``torch.optim.Adam``): ``<name>/Adam`` and
           ``<name>/Adam_1`` as ``exp_avg`` and ``exp_avg_sq``, and ``step``: the steps taken,
-          from the optimizer's ``beta2_power`` (``beta2 ** (steps + 1)``; ``beta1_power`` when
-          that one has run out of float32's range, the ``global_step`` when both have, by
-          which point both bias corrections are 1). TensorFlow adds ``epsilon`` to
-          ``sqrt(v)`` before the bias correction, torch after it: the steps differ by less
-          than ``epsilon`` in the denominator.
+          from the optimizer's ``beta1_power`` (``beta1 ** (steps + 1)``: exact while it is a
+          normal float32, about 800 steps); then from ``beta2_power`` (to within a few steps,
+          when a step hardly moves the bias correction); from the ``global_step`` when both
+          have run out of float32's range. TensorFlow adds ``epsilon`` to ``sqrt(v)`` before
+          the bias correction, torch after it: the steps differ by less than ``epsilon`` in
+          the denominator.
 
         Args:
             name: the variable, as saved (``dense/kernel``).
