@@ -147,3 +147,42 @@ def test_a_launched_job_goes_on_from_the_given_state(mode: list[str]) -> None:
     diffs = dict(re.findall(r"\[(worker:\d)\] max diff (\S+)", proc.stdout))
     assert sorted(diffs) == ["worker:0", "worker:1"], proc.stdout[-2000:]
     assert all(float(d) < 1e-6 for d in diffs.values()), diffs
+
+
+def test_an_init_with_optimizer_state_the_ps_cannot_take_is_refused() -> None:
+    """The ps checks the optimizer state an init carries: state of the wrong shape, or for a
+    variable the init does not give, gets an error reply naming it; the ps stays uninitialised
+    (nothing half made), and the chief's good init then succeeds."""
+    from psflow.protocol import Key, OptimizerSpec
+    from psflow.transport import PeerError
+    from psflow.worker.client import ShardedClient
+
+    cluster = local_cluster(1, 1)
+    ps = start_ps(cluster)
+    client = ShardedClient(worker_ctx(cluster), TransportConfig(timeout=30))
+    spec = OptimizerSpec.of("SGD", lr=0.5, momentum=0.9)
+    w = ("w", torch.ones(2, 2))
+    try:
+        client.wait_ready(60, initialized=False)
+        bad = [
+            (
+                [w, ("w/opt/momentum_buffer", torch.ones(3))],
+                r"'w'/'momentum_buffer' has shape \[3\]",
+            ),
+            ([w, ("x/opt/momentum_buffer", torch.ones(2, 2))], "unknown variable 'x'"),
+        ]
+        for tensors, match in bad:
+            with pytest.raises(PeerError, match=match):
+                client.initialize({0: tensors}, spec, opt_state={0: {"w": {}, "x": {}}})
+            assert not client.status()[0][Key.INITIALIZED]
+        good = [w, ("w/opt/momentum_buffer", torch.full((2, 2), 2.0))]
+        assert client.initialize({0: good}, spec, opt_state={0: {"w": {}}})
+        ((_, got),) = client.push({0: [("w", torch.ones(2, 2))]}, pull=True)[0][1]
+        # momentum: buf = 0.9 * 2 + 1 = 2.8; w = 1 - 0.5 * 2.8
+        torch.testing.assert_close(got, torch.full((2, 2), 1 - 0.5 * 2.8))
+        client.done()
+        code, err = stop(ps)
+        assert code == 0, err[-3000:]  # it served on through both refusals
+    finally:
+        client.close()
+        stop(ps, timeout=1)
