@@ -86,6 +86,35 @@ class OptimizerSpec:
         except (TypeError, ValueError) as e:
             raise ValueError(f"cannot build torch.optim.{self.name}({kwargs}): {e}") from None
 
+    def state_keys(self, dtype: torch.dtype = torch.float32) -> dict[str, tuple[bool, torch.dtype]]:
+        """The state keys this optimizer keeps for a parameter of ``dtype`` once it has
+        stepped: for each, whether it has the parameter's shape (else a scalar, as ``step``)
+        and its dtype. Found by one step of it on a scratch parameter of two elements with a
+        zero gradient, so it is what torch's class does with these arguments (``Adam`` keeps
+        ``max_exp_avg_sq`` only with ``amsgrad``).
+
+        Raises:
+            ValueError: for an optimizer that steps only with a closure (``LBFGS``).
+        """
+        scratch = torch.zeros(2, dtype=dtype, requires_grad=True)
+        optimizer = self.build([scratch])
+        scratch.grad = torch.zeros_like(scratch)
+        try:
+            optimizer.step()
+        except (TypeError, RuntimeError) as e:
+            raise ValueError(
+                f"torch.optim.{self.name} does not step without a closure: {e}"
+            ) from None
+        return {
+            key: (value.dim() > 0, value.dtype)
+            for key, value in optimizer.state[scratch].items()
+            if isinstance(value, torch.Tensor)
+        }
+
+    def describe(self) -> str:
+        """``Adam({'lr': 0.01, 'amsgrad': True})``, for messages."""
+        return f"{self.name}({dict(self.kwargs)})"
+
     def to_wire(self) -> dict[str, Any]:
         return {"name": self.name, "kwargs": {k: _plain(v) for k, v in self.kwargs.items()}}
 

@@ -106,6 +106,31 @@ class Checkpoint:
                     f"the model has {dtype_name(p.dtype)}{list(p.shape)}"
                 )
 
+    def optimizer_state_refused(self, spec: OptimizerSpec) -> str | None:
+        """Why the optimizer state saved here cannot go to ``spec``'s optimizer (``None`` when
+        it can): another optimizer, or state without a key that ``spec`` keeps (saved by
+        ``Adam``, restored into ``Adam(amsgrad=True)``, whose every step would fail on the ps
+        for want of ``max_exp_avg_sq``). Keys ``spec`` does not keep are harmless: dropped."""
+        if self.optimizer.name != spec.name:
+            return f"it was saved with {self.optimizer.name}, the job uses {spec.name}"
+        kept: dict[torch.dtype, set[str]] = {}
+        for var in sorted(set(self.opt_tensors) | set(self.opt_plain)):
+            param = self.params.get(var)
+            dtype = torch.float32 if param is None else param.dtype
+            if dtype not in kept:
+                try:
+                    kept[dtype] = set(spec.state_keys(dtype))
+                except ValueError:  # an optimizer that steps only with a closure
+                    return None
+            have = set(self.opt_tensors.get(var, {})) | set(self.opt_plain.get(var, {}))
+            missing = sorted(kept[dtype] - have)
+            if missing:
+                return (
+                    f"its state of {var!r} lacks {missing}, which torch.optim."
+                    f"{spec.describe()} keeps"
+                )
+        return None
+
     def place(
         self, pieces: Sequence[Piece]
     ) -> tuple[dict[int, Tensors], dict[int, dict[str, dict[str, Any]]]]:

@@ -27,6 +27,7 @@ from psflow import metrics
 from psflow.cluster.resolve import resolve
 from psflow.cluster.spec import TaskContext
 from psflow.protocol import Code, Key, OptimizerSpec, ScheduleSpec
+from psflow.protocol.messages import OPT_SEP
 from psflow.ps.checkpoint import decode_shard, shard_file_name
 from psflow.train.checkpoint import Checkpoint, Checkpointer, ShardSaver, load_checkpoint
 from psflow.train.hooks import (
@@ -384,15 +385,10 @@ class TrainingSession:
         """The chief in all-reduce mode: ``ckpt`` (saved in either mode) into its model."""
         assert self._local is not None and self.config.checkpoint_dir is not None
         ckpt.check_model({n: p.detach() for n, p in self.model.named_parameters()})
-        same = ckpt.optimizer.name == self.spec.name
-        if not same:
-            log.warning(
-                "%s was saved with %s, the job uses %s: optimizer state not restored",
-                ckpt.name,
-                ckpt.optimizer.name,
-                self.spec.name,
-            )
-        self._local.load(ckpt, optimizer_state=same)
+        refused = ckpt.optimizer_state_refused(self.spec)
+        if refused is not None:
+            log.warning("%s: optimizer state not restored: %s", ckpt.name, refused)
+        self._local.load(ckpt, optimizer_state=refused is None)
         self.restored_from = ckpt.name
         log.info(
             "restored %s from %s (global step %d, saved on %d ps); sending it to every rank",
@@ -420,14 +416,10 @@ class TrainingSession:
         values, plain = ckpt.place(self.pieces)
         assert self._client is not None
         spec = self.spec
-        if ckpt.optimizer.name != spec.name:
-            log.warning(
-                "%s was saved with %s, the job uses %s: optimizer state not restored",
-                ckpt.name,
-                ckpt.optimizer.name,
-                spec.name,
-            )
-            values = {s: [(n, t) for n, t in ts if "/opt/" not in n] for s, ts in values.items()}
+        refused = ckpt.optimizer_state_refused(spec)
+        if refused is not None:
+            log.warning("%s: optimizer state not restored: %s", ckpt.name, refused)
+            values = {s: [(n, t) for n, t in ts if OPT_SEP not in n] for s, ts in values.items()}
             plain = {}
         saved_schedule = ckpt.manifest.lr_schedule
         if saved_schedule != (self.lr_schedule.to_wire() if self.lr_schedule else None):

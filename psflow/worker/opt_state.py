@@ -6,8 +6,8 @@
 single-process torch run. The state is keyed by the model's parameter names, each a map of the
 optimizer's own state keys, as ``optimizer.state_dict()["state"]`` holds them per parameter.
 
-It is checked here, on the worker, against what torch's optimizer of the job's spec keeps (one
-step of it on a scratch parameter says which keys, and which are per element or scalars), so a
+It is checked here, on the worker, against what torch's optimizer of the job's spec keeps
+(:meth:`~psflow.protocol.OptimizerSpec.state_keys`: which keys, per element or scalars), so a
 misspelt key or a wrong shape is named before anything is sent. The chief sends it to the ps
 with the model's first values, each parameter's piece with its piece of the state; a ps
 already initialised (restored from a checkpoint, or restarted) keeps what it has, as for the
@@ -29,26 +29,6 @@ from psflow.worker.placement import Piece
 
 State = dict[str, dict[str, torch.Tensor]]
 """Optimizer state by parameter name, then by the optimizer's state key."""
-
-
-def _kept(spec: OptimizerSpec, dtype: torch.dtype) -> dict[str, tuple[bool, torch.dtype]]:
-    """The state keys torch's optimizer of ``spec`` keeps for a parameter: for each, whether it
-    has the parameter's shape (else a scalar) and its dtype. Found by one step on a scratch
-    parameter of two elements with a zero gradient."""
-    scratch = torch.zeros(2, dtype=dtype, requires_grad=True)
-    optimizer = spec.build([scratch])
-    scratch.grad = torch.zeros_like(scratch)
-    try:
-        optimizer.step()
-    except (TypeError, RuntimeError) as e:  # one that steps only with a closure (LBFGS)
-        raise ValueError(
-            f"optimizer_state: torch.optim.{spec.name} cannot be given state: {e}"
-        ) from None
-    return {
-        key: (value.dim() > 0, value.dtype)
-        for key, value in optimizer.state[scratch].items()
-        if isinstance(value, torch.Tensor)
-    }
 
 
 def check_optimizer_state(
@@ -96,10 +76,13 @@ def check_optimizer_state(
             raise ValueError(f"optimizer_state[{name!r}] must map state keys to tensors")
         keys = kept.get(param.dtype)
         if keys is None:
-            keys = kept[param.dtype] = _kept(spec, param.dtype)
+            try:
+                keys = kept[param.dtype] = spec.state_keys(param.dtype)
+            except ValueError as e:
+                raise ValueError(f"optimizer_state: {e}") from None
         if not keys:
             raise ValueError(
-                f"optimizer_state: torch.optim.{spec.name}({dict(spec.kwargs)}) keeps no state "
+                f"optimizer_state: torch.optim.{spec.describe()} keeps no state "
                 "(SGD without momentum): there is nothing to start from"
             )
         missing = sorted(set(keys) - set(given))

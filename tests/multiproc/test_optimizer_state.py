@@ -150,9 +150,10 @@ def test_a_launched_job_goes_on_from_the_given_state(mode: list[str]) -> None:
 
 
 def test_an_init_with_optimizer_state_the_ps_cannot_take_is_refused() -> None:
-    """The ps checks the optimizer state an init carries: state of the wrong shape, or for a
-    variable the init does not give, gets an error reply naming it; the ps stays uninitialised
-    (nothing half made), and the chief's good init then succeeds."""
+    """The ps checks the optimizer state an init carries: state of the wrong shape, for a
+    variable the init does not give, or without a key the optimizer keeps gets an error reply
+    naming it; the ps stays uninitialised (nothing half made), and the chief's good init then
+    succeeds."""
     from psflow.protocol import Key, OptimizerSpec
     from psflow.transport import PeerError
     from psflow.worker.client import ShardedClient
@@ -164,16 +165,24 @@ def test_an_init_with_optimizer_state_the_ps_cannot_take_is_refused() -> None:
     w = ("w", torch.ones(2, 2))
     try:
         client.wait_ready(60, initialized=False)
+        ones = torch.ones(2, 2)
         bad = [
             (
+                spec,
                 [w, ("w/opt/momentum_buffer", torch.ones(3))],
                 r"'w'/'momentum_buffer' has shape \[3\]",
             ),
-            ([w, ("x/opt/momentum_buffer", torch.ones(2, 2))], "unknown variable 'x'"),
+            (spec, [w, ("x/opt/momentum_buffer", ones)], "unknown variable 'x'"),
+            (  # Adam's state without its step: every push would fail for want of it
+                OptimizerSpec.of("Adam", lr=0.5),
+                [w, ("w/opt/exp_avg", ones), ("w/opt/exp_avg_sq", ones)],
+                r"state of 'w' lacks \['step'\], which torch.optim.Adam",
+            ),
         ]
-        for tensors, match in bad:
+        for optimizer, tensors, match in bad:
+            var = tensors[1][0].split("/")[0]
             with pytest.raises(PeerError, match=match):
-                client.initialize({0: tensors}, spec, opt_state={0: {"w": {}, "x": {}}})
+                client.initialize({0: tensors}, optimizer, opt_state={0: {var: {}}})
             assert not client.status()[0][Key.INITIALIZED]
         good = [w, ("w/opt/momentum_buffer", torch.full((2, 2), 2.0))]
         assert client.initialize({0: good}, spec, opt_state={0: {"w": {}}})
@@ -186,3 +195,48 @@ def test_an_init_with_optimizer_state_the_ps_cannot_take_is_refused() -> None:
     finally:
         client.close()
         stop(ps, timeout=1)
+
+
+def test_a_checkpoint_whose_optimizer_state_the_job_cannot_take_restores_its_values(
+    tmp_path: Path,
+) -> None:
+    """Saved under ``Adam``, restored under ``Adam(amsgrad=True)``: the saved state lacks
+    ``max_exp_avg_sq``, and every step would fail on the ps for want of it (it did). The chief
+    restores the values and step, says why it leaves the optimizer state, and training goes
+    on."""
+    url = str(tmp_path / "ckpt")
+    cluster = local_cluster(1, 1)
+    values = []
+    for run, kwargs in enumerate(({}, {"amsgrad": True})):
+        ps = start_ps(cluster)
+        try:
+            model = torch.nn.Linear(24, 1)
+            with TrainingSession(
+                model,
+                worker_ctx(cluster),
+                optimizer="Adam",
+                lr=0.01,
+                checkpoint_dir=url,
+                save_checkpoint_secs=3600,
+                log_step_count_steps=None,
+                save_summaries_steps=None,
+                transport=TransportConfig(timeout=20),
+                end_timeout=1,
+                **kwargs,
+            ) as sess:
+                if run == 1:
+                    assert sess.restored_from == "ckpt-2" and sess.global_step == 2
+                    assert torch.equal(model.weight.detach(), values[0])  # the saved values
+                for step in range(2):
+                    sess.zero_grad()
+                    loss = _loss(model, step)
+                    loss.backward()
+                    sess.step(loss=loss)
+                values.append(model.weight.detach().clone())
+            code, err = stop(ps)
+            assert code == 0, err[-3000:]
+        finally:
+            stop(ps, timeout=1)
+    saved = load_checkpoint(url)
+    assert saved is not None and saved.name == "ckpt-4"
+    assert "max_exp_avg_sq" in saved.opt_tensors["weight"]

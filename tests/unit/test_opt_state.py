@@ -122,3 +122,19 @@ def test_loaded_state_takes_the_step_a_single_process_run_takes() -> None:
         opt.step()
     for a, b in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_state_keys_are_torchs_for_the_arguments() -> None:
+    adam = OptimizerSpec.of("Adam", lr=0.1).state_keys()
+    assert adam == {
+        "step": (False, torch.float32),
+        "exp_avg": (True, torch.float32),
+        "exp_avg_sq": (True, torch.float32),
+    }
+    assert "max_exp_avg_sq" in OptimizerSpec.of("Adam", amsgrad=True).state_keys()
+    assert OptimizerSpec.of("SGD").state_keys() == {}
+    assert OptimizerSpec.of("SGD", momentum=0.9).state_keys(torch.float64) == {
+        "momentum_buffer": (True, torch.float64)
+    }
+    with pytest.raises(ValueError, match="LBFGS does not step without a closure"):
+        OptimizerSpec.of("LBFGS").state_keys()
