@@ -1,6 +1,6 @@
 """embedding: sparse tables on the ps: rows pulled and pushed by id, against TensorFlow's.
 
-    .venv/bin/python benchmarks/embedding.py [--workload sparse|ctr|memory] [--compare-tf] [--preset smoke]
+    .venv/bin/python benchmarks/embedding.py [--workload sparse|ctr|memory] [--compare-tf] [--preset smoke|example]
 
 - ``sparse``: one table ``[rows, 64]`` (``psflow.nn.Embedding``, row-wise Adagrad on the ps,
   split ``mod`` over 2 ps), 4,096 unique Zipf-distributed ids per step, one worker: each step
@@ -55,6 +55,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
         "memory": {"tables": [1_000_000, 20_000_000], "steps": 50, "warmup": 5},
     },
+    # ctr: examples/ctr.py's own model (its default sizes: bottom 64, top 64, batch 1,024 per
+    # worker), the one its AUC is reported for; sparse and memory as the full preset's.
+    "example": {
+        "ctr": {
+            "steps": 300,
+            "warmup": 30,
+            "batch": 1024,
+            "bottom": "64",
+            "top": "64",
+            "examples": 1_000_000,
+            "scale": 1.0,
+            "repeat": 2,
+            "prefetch": True,
+        },
+    },
     "smoke": {
         "sparse": {"rows": 100_000, "steps": 20, "warmup": 5, "repeat": 1, "prefetch": False},
         "ctr": {
@@ -71,6 +86,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "memory": {"tables": [10_000, 1_000_000], "steps": 5, "warmup": 1},
     },
 }
+PRESETS["example"] |= {k: v for k, v in PRESETS["full"].items() if k != "ctr"}
 DIM = 64
 UNIQUE_IDS = 4096
 PS = 2

@@ -58,6 +58,18 @@ PRESETS: dict[str, dict[str, Any]] = {
             "examples": 1_000_000,
         },
     },
+    "example": {  # examples/ctr.py's own sizes (benchmarks/embedding.py's example preset)
+        "sparse": {"rows": 2_000_000, "steps": 300, "warmup": 30},
+        "ctr": {
+            "steps": 300,
+            "warmup": 30,
+            "batch": 1024,
+            "bottom": [64],
+            "top": [64],
+            "table_rows": 10_000_000,
+            "examples": 1_000_000,
+        },
+    },
     "smoke": {
         "sparse": {"rows": 100_000, "steps": 20, "warmup": 5},
         "ctr": {
@@ -377,7 +389,7 @@ def main() -> None:
             data = args.data
             if data is None:
                 data = tmp
-                _synthesize(tmp, p["examples"], 1.0 if args.preset == "full" else 0.001)
+                _synthesize(tmp, p["examples"], 0.001 if args.preset == "smoke" else 1.0)
             task_argv += ["--data", os.path.abspath(data)]
         results = run_job(task_argv, args.ps, workers, args.tf_python, args.timeout)
     if args.workload == "sparse":
