@@ -278,6 +278,62 @@ def _to_backend(arr: np.ndarray, backend: str) -> Any:
     return arr
 
 
+def _fixed_numeric(
+    batch: RecordBatch, spec: Mapping[str, FeatureSpec], backend: str
+) -> dict[str, Any] | None:
+    """The batch by the compiled kernel (``psflow.sparse._kernels.parse_fixed``) when every
+    feature is a :class:`FixedLenFeature` of ``int64`` or ``float32`` values and every record
+    holds each in the plain wire form, with its count: the common case (CTR data, dense
+    features) in one C pass. ``None`` otherwise (a record missing a feature, another list kind
+    or count, an unusual encoding, the kernels not built): the general path decodes the batch,
+    defaults and errors included."""
+    n = len(batch)
+    if not n or not spec:
+        return None
+    if any(
+        not isinstance(s, FixedLenFeature) or s.dtype not in ("int64", "float32")
+        for s in spec.values()
+    ):
+        return None
+    from psflow.sparse.kernels import KERNELS  # loads torch: only for numeric batches
+
+    if KERNELS is None:
+        return None
+    starts = np.ascontiguousarray(batch.starts, dtype=np.int64)
+    lengths = np.ascontiguousarray(batch.lengths, dtype=np.int64)
+    raw = np.frombuffer(batch.buffer, dtype=np.uint8)
+    if (starts < 0).any() or (lengths < 0).any() or (starts + lengths > len(raw)).any():
+        return None  # not a batch's own records: the general path names what is wrong
+    keys = [name.encode() for name in spec]
+    names = np.frombuffer(b"".join(keys) or b"\0", dtype=np.uint8)
+    name_len = np.array([len(k) for k in keys], dtype=np.int64)
+    name_off = np.zeros(len(keys), dtype=np.int64)
+    np.cumsum(name_len[:-1], out=name_off[1:])
+    kinds = np.array([DTYPES[s.dtype] for s in spec.values()], dtype=np.int64)
+    sizes = np.array([s.size for s in spec.values()], dtype=np.int64)
+    outs = [np.empty((n, s.size), dtype=_NP[s.dtype]) for s in spec.values()]
+    out_ptrs = np.array([o.ctypes.data for o in outs], dtype=np.uintp)
+    bad = KERNELS.parse_fixed(
+        raw.ctypes.data,
+        starts.ctypes.data,
+        lengths.ctypes.data,
+        n,
+        names.ctypes.data,
+        name_off.ctypes.data,
+        name_len.ctypes.data,
+        kinds.ctypes.data,
+        sizes.ctypes.data,
+        len(keys),
+        out_ptrs.ctypes.data,
+    )
+    if bad >= 0:
+        return None
+    return {
+        name: _to_backend(out.reshape((n, *s.shape)), backend)
+        for (name, s), out in zip(spec.items(), outs, strict=True)
+    }
+
+
 def parse_examples(
     records: RecordBatch | Iterable[bytes],
     spec: Mapping[str, FeatureSpec],
@@ -312,6 +368,10 @@ def parse_examples(
     if backend not in ("numpy", "torch"):
         raise ValueError(f"backend must be 'numpy' or 'torch', got {backend!r}")
     batch = records if isinstance(records, RecordBatch) else RecordBatch.from_records(records)
+    if method == "fast":
+        fixed = _fixed_numeric(batch, spec, backend)
+        if fixed is not None:
+            return fixed
     names = {name: DTYPES[s.dtype] for name, s in spec.items()}
     if method == "protobuf":
         cols = _columns_protobuf(batch, range(len(batch)), names)
