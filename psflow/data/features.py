@@ -290,10 +290,8 @@ def _fixed_numeric(
     n = len(batch)
     if not n or not spec:
         return None
-    if any(
-        not isinstance(s, FixedLenFeature) or s.dtype not in ("int64", "float32")
-        for s in spec.values()
-    ):
+    fixed = [(n, s) for n, s in spec.items() if isinstance(s, FixedLenFeature)]
+    if len(fixed) != len(spec) or any(s.dtype not in ("int64", "float32") for _, s in fixed):
         return None
     from psflow.sparse.kernels import KERNELS  # loads torch: only for numeric batches
 
@@ -304,14 +302,17 @@ def _fixed_numeric(
     raw = np.frombuffer(batch.buffer, dtype=np.uint8)
     if (starts < 0).any() or (lengths < 0).any() or (starts + lengths > len(raw)).any():
         return None  # not a batch's own records: the general path names what is wrong
-    keys = [name.encode() for name in spec]
+    keys = [name.encode() for name, _ in fixed]
     names = np.frombuffer(b"".join(keys) or b"\0", dtype=np.uint8)
     name_len = np.array([len(k) for k in keys], dtype=np.int64)
     name_off = np.zeros(len(keys), dtype=np.int64)
     np.cumsum(name_len[:-1], out=name_off[1:])
-    kinds = np.array([DTYPES[s.dtype] for s in spec.values()], dtype=np.int64)
-    sizes = np.array([s.size for s in spec.values()], dtype=np.int64)
-    outs = [np.empty((n, s.size), dtype=_NP[s.dtype]) for s in spec.values()]
+    kinds = np.array([DTYPES[s.dtype] for _, s in fixed], dtype=np.int64)
+    sizes = np.array([s.size for _, s in fixed], dtype=np.int64)
+    outs: list[np.ndarray] = [
+        np.empty((n, s.size), dtype=np.int64 if s.dtype == "int64" else np.float32)
+        for _, s in fixed
+    ]
     out_ptrs = np.array([o.ctypes.data for o in outs], dtype=np.uintp)
     bad = KERNELS.parse_fixed(
         raw.ctypes.data,
@@ -330,7 +331,7 @@ def _fixed_numeric(
         return None
     return {
         name: _to_backend(out.reshape((n, *s.shape)), backend)
-        for (name, s), out in zip(spec.items(), outs, strict=True)
+        for (name, s), out in zip(fixed, outs, strict=True)
     }
 
 
