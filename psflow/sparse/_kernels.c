@@ -658,6 +658,79 @@ static PyObject *py_fingerprint64(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* -- a hashed table's id map (psflow/sparse/idmap.py): open addressing, linear probing ----------
+   keys[c], vals[c] per cell c: vals -1 empty, -2 a removed entry (probed past, reusable), else
+   the slot of id keys[c]. An id's first cell is splitmix64(id) & mask, as idmap.py's. */
+
+#define IDMAP_EMPTY (-1)
+
+static inline uint64_t splitmix64(uint64_t z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* idmap_find(keys, vals, mask, ids, n, out, slots): out[i] = the cell of ids[i] (with slots:
+   its slot), -1 where it is absent. */
+static PyObject *py_idmap_find(PyObject *self, PyObject *args) {
+    Py_ssize_t keys_, vals_, ids_, n, out_;
+    long long mask;
+    int slots;
+    if (!PyArg_ParseTuple(args, "nnLnnnp", &keys_, &vals_, &mask, &ids_, &n, &out_, &slots))
+        return NULL;
+    const int64_t *keys = PTR(int64_t, keys_), *vals = PTR(int64_t, vals_);
+    const int64_t *ids = PTR(int64_t, ids_);
+    int64_t *out = PTR(int64_t, out_);
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t pos = splitmix64((uint64_t)ids[i]) & (uint64_t)mask;
+        int64_t found = -1;
+        for (long long k = 0; k <= mask; k++) {
+            int64_t v = vals[pos];
+            if (v == IDMAP_EMPTY) break;
+            if (v >= 0 && keys[pos] == ids[i]) {
+                found = slots ? v : (int64_t)pos;
+                break;
+            }
+            pos = (pos + 1) & (uint64_t)mask;
+        }
+        out[i] = found;
+    }
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("");
+}
+
+/* idmap_put(keys, vals, mask, ids, slots, n): adds each id (unique, absent, with room for all:
+   the caller keeps the load at most a half) in the first empty or removed cell from its home.
+   Returns how many removed cells it reused, or -1 when a probe found no room. */
+static PyObject *py_idmap_put(PyObject *self, PyObject *args) {
+    Py_ssize_t keys_, vals_, ids_, slots_, n;
+    long long mask;
+    if (!PyArg_ParseTuple(args, "nnLnnn", &keys_, &vals_, &mask, &ids_, &slots_, &n)) return NULL;
+    int64_t *keys = PTR(int64_t, keys_), *vals = PTR(int64_t, vals_);
+    const int64_t *ids = PTR(int64_t, ids_), *slots = PTR(int64_t, slots_);
+    long long reused = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n && reused >= 0; i++) {
+        uint64_t pos = splitmix64((uint64_t)ids[i]) & (uint64_t)mask;
+        long long k = 0;
+        while (k <= mask && vals[pos] >= 0) {
+            pos = (pos + 1) & (uint64_t)mask;
+            k++;
+        }
+        if (k > mask) {
+            reused = -1;
+            break;
+        }
+        reused += vals[pos] != IDMAP_EMPTY;
+        keys[pos] = ids[i];
+        vals[pos] = slots[i];
+    }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(reused);
+}
+
 /* -- tf.train.Example records of fixed-length numeric features -------------------------------
    Example { Features features = 1; }  Features { map<string, Feature> feature = 1; }
    Feature { oneof { BytesList bytes_list = 1; FloatList float_list = 2; Int64List int64_list = 3; } }
@@ -841,6 +914,8 @@ static PyMethodDef methods[] = {
      "out[i] = row index[i] of rows held in parts; -1 or the first bad index."},
     {"scatter_add", py_scatter_add, METH_VARARGS, "out[index[i]] += src[i]; -1 or the first bad."},
     {"fingerprint64", py_fingerprint64, METH_VARARGS, "FarmHash Fingerprint64 of each string."},
+    {"idmap_find", py_idmap_find, METH_VARARGS, "Each id's cell (or slot) in an id map, or -1."},
+    {"idmap_put", py_idmap_put, METH_VARARGS, "Adds ids to an id map; removed cells reused."},
     {"parse_fixed", py_parse_fixed, METH_VARARGS,
      "Examples' fixed-length numeric features; -1 or the first record not in the plain form."},
     {NULL, NULL, 0, NULL},

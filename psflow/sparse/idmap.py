@@ -3,15 +3,27 @@
 A hashed table's shard maps each id it holds to the slot of its row. A Python dict costs about
 a microsecond per id and 100 bytes per entry; this map answers a batch of ids with a few tensor
 operations per probe round (linear probing at a load of at most one half, so a handful of
-rounds), and costs 16 bytes per cell.
+rounds), and costs 16 bytes per cell. With the compiled kernels (``idmap_find``,
+``idmap_put`` in ``_kernels.c``) each id is probed in one C loop over the same cells instead:
+the same layout and hash, so either path reads what the other wrote.
 """
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 
 from psflow import allocator
 from psflow.sparse.init import splitmix64
+
+
+def _kernels() -> ModuleType | None:
+    # Lazily: psflow.sparse.kernels imports psflow.sparse, whose __init__ imports this module.
+    from psflow.sparse.kernels import KERNELS
+
+    return KERNELS
+
 
 _EMPTY = -1
 _GONE = -2
@@ -53,8 +65,30 @@ class IdMap:
     def _home(self, ids: torch.Tensor) -> torch.Tensor:
         return splitmix64(ids).bitwise_and_(self._mask)
 
+    def _kernel_find(self, ids: torch.Tensor, slots: bool) -> torch.Tensor | None:
+        """Each id's cell (or, with ``slots``, its slot), -1 where it is absent, by the kernel;
+        ``None`` without it."""
+        kernels = _kernels()
+        if kernels is None or ids.dtype != torch.int64 or ids.device.type != "cpu":
+            return None
+        ids = ids.contiguous()
+        out = torch.empty_like(ids)
+        kernels.idmap_find(
+            self.keys.data_ptr(),
+            self.vals.data_ptr(),
+            self._mask,
+            ids.data_ptr(),
+            ids.numel(),
+            out.data_ptr(),
+            slots,
+        )
+        return out
+
     def _find(self, ids: torch.Tensor) -> torch.Tensor:
         """The cell holding each id, -1 where it is absent."""
+        found = self._kernel_find(ids, slots=False)
+        if found is not None:
+            return found
         out = torch.full_like(ids, -1)
         pos = self._home(ids)
         todo = torch.arange(ids.numel())
@@ -74,6 +108,9 @@ class IdMap:
 
     def get(self, ids: torch.Tensor) -> torch.Tensor:
         """Each id's slot, -1 for ids not in the map."""
+        slots = self._kernel_find(ids, slots=True)
+        if slots is not None:
+            return slots
         cells = self._find(ids)
         found = cells >= 0
         if bool(found.all()):
@@ -88,6 +125,22 @@ class IdMap:
         n = ids.numel()
         if 2 * (self._live + self._gone + n) > self._mask + 1:
             self._rebuild(self._live + n)
+        kernels = _kernels()
+        if kernels is not None and ids.dtype == slots.dtype == torch.int64 and ids.is_cpu:
+            ids, slots = ids.contiguous(), slots.to("cpu").contiguous()
+            reused = kernels.idmap_put(
+                self.keys.data_ptr(),
+                self.vals.data_ptr(),
+                self._mask,
+                ids.data_ptr(),
+                slots.data_ptr(),
+                n,
+            )
+            if reused < 0:  # the load is kept at a half: a full map is a bug here
+                raise RuntimeError(f"id map of {self._mask + 1} cells found no room")
+            self._gone -= reused
+            self._live += n
+            return
         pos = self._home(ids)
         todo = torch.arange(n)
         for _ in range(self._mask + 1):

@@ -18,8 +18,28 @@ def _ids(rng: random.Random, n: int, pool: list[int]) -> list[int]:
     return rng.sample(pool, n)
 
 
+@pytest.fixture(params=["kernel", "torch", "mixed"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The compiled kernel's probes, torch's, or either at random per call (the two must read
+    what the other wrote: a map made with one is asked with the other)."""
+    from psflow.sparse.kernels import KERNELS
+
+    if request.param != "torch" and KERNELS is None:
+        pytest.skip("psflow.sparse._kernels is not built")
+    pick = random.Random(9)
+    choose = {
+        "kernel": lambda: KERNELS,
+        "torch": lambda: None,
+        "mixed": lambda: KERNELS if pick.random() < 0.5 else None,
+    }[request.param]
+    monkeypatch.setattr(idmap_module, "_kernels", choose)
+    return str(request.param)
+
+
 @pytest.mark.parametrize("seed", range(2))
-def test_an_idmap_answers_as_a_dict_does_through_puts_removals_and_rebuilds(seed: int) -> None:
+def test_an_idmap_answers_as_a_dict_does_through_puts_removals_and_rebuilds(
+    seed: int, path: str
+) -> None:
     rng = random.Random(seed)
     # Extremes, negatives and a narrow range (neighbouring homes, long probe runs) together.
     pool = list({rng.randrange(-(2**63), 2**63) for _ in range(3000)} | set(range(-50, 3000)))
@@ -45,7 +65,7 @@ def test_an_idmap_answers_as_a_dict_does_through_puts_removals_and_rebuilds(seed
     assert m.keys.numel() > MIN_CELLS  # it grew: rebuilds were exercised
 
 
-def test_an_idmap_keeps_its_load_at_most_one_half_with_tombstones_counted() -> None:
+def test_an_idmap_keeps_its_load_at_most_one_half_with_tombstones_counted(path: str) -> None:
     m = IdMap()
     for round_ in range(50):
         ids = torch.arange(round_ * 400, round_ * 400 + 400)
