@@ -292,6 +292,17 @@ class EmbeddingBag(TableModule):
                 self.padding_idx,
             )
         self._check_bags(input, offsets, per_sample_weights)
+        if (
+            input.dim() == 2
+            and input.shape[1] == 1
+            and per_sample_weights is None
+            and self.padding_idx is None
+            and not self.scale_grad_by_freq
+        ):
+            # Bags of one id each (a CTR model's categorical features): every mode's bag is
+            # its row, and its gradient the bag's, as Embedding's lookup gives them (gathered
+            # and scatter-added by the kernels, from the rows where they came in).
+            return self._one_per_bag(input)
         positions, rows, padding = self._gather(input)
         return F.embedding_bag(
             positions,
@@ -306,6 +317,16 @@ class EmbeddingBag(TableModule):
             self.include_last_offset,
             padding,
         )
+
+    def _one_per_bag(self, input: torch.Tensor) -> torch.Tensor:
+        got = self._gather_parts(input)
+        if got is not None:
+            rows, parts, positions = got
+            flat = _GatherRows.apply(rows, positions.reshape(-1), parts)
+        else:
+            positions, rows, _ = self._gather(input)
+            flat = _GatherRows.apply(rows, positions.reshape(-1))
+        return flat.view(input.shape[0], self.embedding_dim)
 
     def _check_bags(
         self,

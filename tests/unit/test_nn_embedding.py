@@ -162,7 +162,7 @@ def test_embedding_scale_grad_by_freq_and_int32_ids_match_torch(attached: bool |
 def bag_cases() -> list[Any]:
     cases = []
     for mode in ("sum", "mean", "max"):
-        for layout in ("offsets", "offsets+last", "2d"):
+        for layout in ("offsets", "offsets+last", "2d", "2d-one"):
             for weighted in (False, True) if mode == "sum" else (False,):
                 for padding_idx in (None, 4):
                     name = f"{mode}-{layout}{'-weighted' if weighted else ''}-pad{padding_idx}"
@@ -175,6 +175,8 @@ def bag_input(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if layout == "2d":
         return random_ids(gen, (4, 5), padding_idx), None
+    if layout == "2d-one":  # one id a bag, as a CTR model's categorical features
+        return random_ids(gen, (9, 1), padding_idx), None
     ids = random_ids(gen, (11,), padding_idx)
     # Bags of sizes 3, 0 (empty), 5, 3; with include_last_offset the last offset closes the
     # last bag.
