@@ -7,7 +7,9 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,6 +28,47 @@ PROBE = ROOT / "tests" / "multiproc" / "scripts" / "opt_state_probe.py"
 def _loss(model: torch.nn.Module, step: int) -> torch.Tensor:
     x = torch.randn(16, 24, generator=torch.Generator().manual_seed(step))
     return (model(x) - 1.0).square().mean()
+
+
+def _sessions(
+    url: str,
+    runs: list[dict[str, Any]],
+    check: Callable[[int, TrainingSession, torch.nn.Linear], None],
+    finals: list[torch.Tensor] | None = None,
+) -> None:
+    """Jobs of one ps and one worker, one after the other, saving into ``url``: each a
+    ``TrainingSession`` of Adam with its run's keywords; ``check(run, session, model)`` once it
+    has started, then two steps (the weight they end with appended to ``finals``)."""
+    cluster = local_cluster(1, 1)
+    for run, kwargs in enumerate(runs):
+        ps = start_ps(cluster)
+        try:
+            model = torch.nn.Linear(24, 1)
+            with TrainingSession(
+                model,
+                worker_ctx(cluster),
+                optimizer="Adam",
+                lr=0.01,
+                checkpoint_dir=url,
+                save_checkpoint_secs=3600,
+                log_step_count_steps=None,
+                save_summaries_steps=None,
+                transport=TransportConfig(timeout=20),
+                end_timeout=1,
+                **kwargs,
+            ) as sess:
+                check(run, sess, model)
+                for step in range(2):
+                    sess.zero_grad()
+                    loss = _loss(model, step)
+                    loss.backward()
+                    sess.step(loss=loss)
+            if finals is not None:
+                finals.append(model.weight.detach().clone())
+            code, err = stop(ps)
+            assert code == 0, err[-3000:]
+        finally:
+            stop(ps, timeout=1)
 
 
 @pytest.mark.parametrize(
@@ -92,7 +135,6 @@ def test_a_checkpoint_restored_wins_over_the_given_state(tmp_path: Path) -> None
     restores the first one's checkpoint: the ps keep the restored state, as they keep the
     restored values."""
     url = str(tmp_path / "ckpt")
-    cluster = local_cluster(1, 1)
     bogus = {
         "weight": {
             "step": 1,
@@ -100,33 +142,11 @@ def test_a_checkpoint_restored_wins_over_the_given_state(tmp_path: Path) -> None
             "exp_avg_sq": torch.ones(1, 24),
         },
     }
-    for run in range(2):
-        ps = start_ps(cluster)
-        try:
-            model = torch.nn.Linear(24, 1)
-            with TrainingSession(
-                model,
-                worker_ctx(cluster),
-                optimizer="Adam",
-                lr=0.01,
-                optimizer_state=bogus if run == 1 else None,
-                checkpoint_dir=url,
-                save_checkpoint_secs=3600,
-                log_step_count_steps=None,
-                save_summaries_steps=None,
-                transport=TransportConfig(timeout=20),
-                end_timeout=1,
-            ) as sess:
-                assert sess.restored_from == ("ckpt-2" if run == 1 else None)
-                for step in range(2):
-                    sess.zero_grad()
-                    loss = _loss(model, step)
-                    loss.backward()
-                    sess.step(loss=loss)
-            code, err = stop(ps)
-            assert code == 0, err[-3000:]
-        finally:
-            stop(ps, timeout=1)
+
+    def check(run: int, sess: TrainingSession, _model: torch.nn.Linear) -> None:
+        assert sess.restored_from == ("ckpt-2" if run == 1 else None)
+
+    _sessions(url, [{}, {"optimizer_state": bogus}], check)
     saved = load_checkpoint(url)
     assert saved is not None and saved.name == "ckpt-4"
     exp_avg = saved.opt_tensors["weight"]["exp_avg"]
@@ -205,38 +225,14 @@ def test_a_checkpoint_whose_optimizer_state_the_job_cannot_take_restores_its_val
     restores the values and step, says why it leaves the optimizer state, and training goes
     on."""
     url = str(tmp_path / "ckpt")
-    cluster = local_cluster(1, 1)
-    values = []
-    for run, kwargs in enumerate(({}, {"amsgrad": True})):
-        ps = start_ps(cluster)
-        try:
-            model = torch.nn.Linear(24, 1)
-            with TrainingSession(
-                model,
-                worker_ctx(cluster),
-                optimizer="Adam",
-                lr=0.01,
-                checkpoint_dir=url,
-                save_checkpoint_secs=3600,
-                log_step_count_steps=None,
-                save_summaries_steps=None,
-                transport=TransportConfig(timeout=20),
-                end_timeout=1,
-                **kwargs,
-            ) as sess:
-                if run == 1:
-                    assert sess.restored_from == "ckpt-2" and sess.global_step == 2
-                    assert torch.equal(model.weight.detach(), values[0])  # the saved values
-                for step in range(2):
-                    sess.zero_grad()
-                    loss = _loss(model, step)
-                    loss.backward()
-                    sess.step(loss=loss)
-                values.append(model.weight.detach().clone())
-            code, err = stop(ps)
-            assert code == 0, err[-3000:]
-        finally:
-            stop(ps, timeout=1)
+    finals: list[torch.Tensor] = []
+
+    def check(run: int, sess: TrainingSession, model: torch.nn.Linear) -> None:
+        if run == 1:
+            assert sess.restored_from == "ckpt-2" and sess.global_step == 2
+            assert torch.equal(model.weight.detach(), finals[0])  # the saved values
+
+    _sessions(url, [{}, {"amsgrad": True}], check, finals)
     saved = load_checkpoint(url)
     assert saved is not None and saved.name == "ckpt-4"
     assert "max_exp_avg_sq" in saved.opt_tensors["weight"]
