@@ -43,6 +43,22 @@ class _GatherRows(torch.autograd.Function):
         return kernels.scatter_add(ctx.rows, grad.contiguous(), index), None, None
 
 
+def _lookup(table: TableModule, input: torch.Tensor) -> torch.Tensor:
+    """``F.embedding(input, weight)`` of an attached table without a padding row or frequency
+    scaling, ``[*input.shape, dim]``: the rows gathered by the kernels (from where the worker's
+    rows came in, when its source keeps them there), the gradient scatter-added."""
+    got = table._gather_parts(input)
+    if got is not None:
+        rows, parts, positions = got
+        flat = _GatherRows.apply(rows, positions.reshape(-1), parts)
+    else:
+        positions, rows, _ = table._gather(input)
+        # The same values and gradients as F.embedding (whose CPU backward sorts the ids
+        # first), on one thread (psflow.sparse.kernels says why).
+        flat = _GatherRows.apply(rows, positions.reshape(-1))
+    return flat.view(*positions.shape, table.embedding_dim)
+
+
 class Embedding(TableModule):
     """``torch.nn.Embedding`` that a worker can place on the parameter servers.
 
@@ -137,15 +153,9 @@ class Embedding(TableModule):
                 self.sparse,
             )
         if self.padding_idx is None and not self.scale_grad_by_freq:
-            got = self._gather_parts(input)
-            if got is not None:  # the worker's rows, gathered where they came in
-                rows, parts, positions = got
-                flat = _GatherRows.apply(rows, positions.reshape(-1), parts)
-                return flat.view(*positions.shape, self.embedding_dim)
+            return _lookup(self, input)
         positions, rows, padding = self._gather(input)
-        if padding is None and not self.scale_grad_by_freq:
-            # The same values and gradients as F.embedding (whose CPU backward sorts the ids
-            # first), on one thread (psflow.sparse.kernels says why).
+        if padding is None and not self.scale_grad_by_freq:  # the batch holds no padding id
             flat = _GatherRows.apply(rows, positions.reshape(-1))
             return flat.view(*positions.shape, self.embedding_dim)
         return F.embedding(positions, rows, padding, None, 2.0, self.scale_grad_by_freq, False)
@@ -302,7 +312,7 @@ class EmbeddingBag(TableModule):
             # Bags of one id each (a CTR model's categorical features): every mode's bag is
             # its row, and its gradient the bag's, as Embedding's lookup gives them (gathered
             # and scatter-added by the kernels, from the rows where they came in).
-            return self._one_per_bag(input)
+            return _lookup(self, input).view(input.shape[0], self.embedding_dim)
         positions, rows, padding = self._gather(input)
         return F.embedding_bag(
             positions,
@@ -317,16 +327,6 @@ class EmbeddingBag(TableModule):
             self.include_last_offset,
             padding,
         )
-
-    def _one_per_bag(self, input: torch.Tensor) -> torch.Tensor:
-        got = self._gather_parts(input)
-        if got is not None:
-            rows, parts, positions = got
-            flat = _GatherRows.apply(rows, positions.reshape(-1), parts)
-        else:
-            positions, rows, _ = self._gather(input)
-            flat = _GatherRows.apply(rows, positions.reshape(-1))
-        return flat.view(input.shape[0], self.embedding_dim)
 
     def _check_bags(
         self,

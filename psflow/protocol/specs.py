@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +110,24 @@ class OptimizerSpec:
             for key, value in optimizer.state[scratch].items()
             if isinstance(value, torch.Tensor)
         }
+
+    def lacking(self, state: Iterable[tuple[str, torch.dtype, Collection[str]]]) -> str | None:
+        """Which variable's state lacks a key this optimizer keeps (``(name, dtype, keys)``
+        each), said for a message; ``None`` when none does. Its every step would fail for want
+        of it (state saved by ``Adam``, given to ``Adam(amsgrad=True)``: no
+        ``max_exp_avg_sq``). Keys it does not keep are harmless. An optimizer that steps only
+        with a closure is not checked."""
+        kept: dict[torch.dtype, set[str]] = {}
+        for name, dtype, keys in state:
+            if dtype not in kept:
+                try:
+                    kept[dtype] = set(self.state_keys(dtype))
+                except ValueError:
+                    return None
+            missing = sorted(kept[dtype] - set(keys))
+            if missing:
+                return f"the state of {name!r} lacks {missing}, which torch.optim.{self.describe()} keeps"
+        return None
 
     def describe(self) -> str:
         """``Adam({'lr': 0.01, 'amsgrad': True})``, for messages."""

@@ -122,24 +122,18 @@ def load_optimizer_state(
     names = list(store.variables)
     index = {n: i for i, n in enumerate(names)}
     state: dict[int, dict[str, Any]] = {}
-    kept: dict[torch.dtype, set[str]] = {}
-    for var in set(tensors) | set(plain):
-        if var not in index:
-            raise ValueError(f"optimizer state for unknown variable {var!r}")
-        dtype = store.variables[var].dtype
-        if dtype not in kept:
-            try:
-                kept[dtype] = set(spec.state_keys(dtype))
-            except ValueError:  # an optimizer that steps only with a closure: not checked
-                kept[dtype] = set()
-        # Its first step would fail for want of the key (Adam(amsgrad=True) without
-        # max_exp_avg_sq): refused now, by name, rather than on every push.
-        missing = sorted(kept[dtype] - set(tensors.get(var, {})) - set(plain.get(var, {})))
-        if missing:
-            raise ValueError(
-                f"optimizer state of {var!r} lacks {missing}, which torch.optim."
-                f"{spec.describe()} keeps"
-            )
+    given = sorted(set(tensors) | set(plain))
+    unknown = [var for var in given if var not in index]
+    if unknown:
+        raise ValueError(f"optimizer state for unknown variable {unknown[0]!r}")
+    # Refused now, by name, rather than failing every push for want of the key.
+    lacking = spec.lacking(
+        (var, store.variables[var].dtype, {*tensors.get(var, {}), *plain.get(var, {})})
+        for var in given
+    )
+    if lacking is not None:
+        raise ValueError(f"optimizer state: {lacking}")
+    for var in given:
         entry: dict[str, Any] = dict(plain.get(var, {}))
         for key, t in tensors.get(var, {}).items():
             shape = store.variables[var].shape

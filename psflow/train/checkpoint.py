@@ -25,7 +25,6 @@ from safetensors.torch import save as st_save
 
 from psflow.metrics import WorkerMetrics
 from psflow.protocol import Key, OptimizerSpec, SaveState, ScheduleSpec, TableSpec
-from psflow.protocol.messages import optimizer_state_tensor_name
 from psflow.ps.checkpoint import (
     ShardFile,
     atomic_write,
@@ -37,6 +36,7 @@ from psflow.ps.tables import read_table_tensors
 from psflow.train.manifest import CheckpointDir, Manifest, VariableEntry
 from psflow.transport.wire import dtype_name
 from psflow.worker.client import Tensors
+from psflow.worker.opt_state import place_optimizer_state
 from psflow.worker.placement import Piece
 
 log = logging.getLogger(__name__)
@@ -113,39 +113,25 @@ class Checkpoint:
         for want of ``max_exp_avg_sq``). Keys ``spec`` does not keep are harmless: dropped."""
         if self.optimizer.name != spec.name:
             return f"it was saved with {self.optimizer.name}, the job uses {spec.name}"
-        kept: dict[torch.dtype, set[str]] = {}
-        for var in sorted(set(self.opt_tensors) | set(self.opt_plain)):
-            param = self.params.get(var)
-            dtype = torch.float32 if param is None else param.dtype
-            if dtype not in kept:
-                try:
-                    kept[dtype] = set(spec.state_keys(dtype))
-                except ValueError:  # an optimizer that steps only with a closure
-                    return None
-            have = set(self.opt_tensors.get(var, {})) | set(self.opt_plain.get(var, {}))
-            missing = sorted(kept[dtype] - have)
-            if missing:
-                return (
-                    f"its state of {var!r} lacks {missing}, which torch.optim."
-                    f"{spec.describe()} keeps"
-                )
-        return None
+        return spec.lacking(
+            (
+                var,
+                self.params[var].dtype if var in self.params else torch.float32,
+                {*self.opt_tensors.get(var, {}), *self.opt_plain.get(var, {})},
+            )
+            for var in sorted(set(self.opt_tensors) | set(self.opt_plain))
+        )
 
     def place(
         self, pieces: Sequence[Piece]
     ) -> tuple[dict[int, Tensors], dict[int, dict[str, dict[str, Any]]]]:
         """Each shard's variables and optimizer-state tensors, and its non-tensor state."""
         values: dict[int, Tensors] = {}
-        plain: dict[int, dict[str, dict[str, Any]]] = {}
         for p in pieces:
-            full = self.params[p.param]
-            out = values.setdefault(p.shard, [])
-            out.append((p.var, _rows(full, p.rows)))
-            for key, t in self.opt_tensors.get(p.param, {}).items():
-                part = _rows(t, p.rows) if t.shape == full.shape else t.clone()
-                out.append((optimizer_state_tensor_name(p.var, key), part))
-            if p.param in self.opt_plain:
-                plain.setdefault(p.shard, {})[p.var] = self.opt_plain[p.param]
+            values.setdefault(p.shard, []).append((p.var, _rows(self.params[p.param], p.rows)))
+        state, plain = place_optimizer_state(pieces, self.opt_tensors, self.opt_plain)
+        for shard, tensors in state.items():
+            values.setdefault(shard, []).extend(tensors)
         return values, plain
 
 

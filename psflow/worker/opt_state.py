@@ -122,22 +122,26 @@ def _value(
 
 
 def place_optimizer_state(
-    pieces: Sequence[Piece], state: State
+    pieces: Sequence[Piece],
+    state: Mapping[str, Mapping[str, torch.Tensor]],
+    plain: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> tuple[dict[int, Tensors], dict[int, dict[str, dict[str, Any]]]]:
     """Each shard's tensors of ``state`` (named for the variable its piece of a parameter is:
     a per-element tensor's rows with the piece's rows, a scalar whole with each piece) and its
-    ``opt_state`` header: the variables given state (their non-tensor state: none)."""
+    ``opt_state`` header: the variables given state, each with its non-tensor state
+    (``plain``, by parameter; none for state given by a script)."""
+    plain = plain or {}
     tensors: dict[int, Tensors] = {}
     header: dict[int, dict[str, dict[str, Any]]] = {}
     for p in pieces:
-        given = state.get(p.param)
-        if not given:
+        given = state.get(p.param, {})
+        if not given and p.param not in plain:
             continue
         out = tensors.setdefault(p.shard, [])
         for key, t in given.items():
             part = t if t.dim() == 0 or p.rows is None else t[p.rows[0] : p.rows[1]].contiguous()
             out.append((optimizer_state_tensor_name(p.var, key), part))
-        header.setdefault(p.shard, {})[p.var] = {}
+        header.setdefault(p.shard, {})[p.var] = dict(plain.get(p.param, {}))
     return tensors, header
 
 
