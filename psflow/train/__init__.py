@@ -15,6 +15,10 @@
 - ``summary.py``: :class:`SummaryHook` (TensorBoard event files).
 - ``mode_stats.py``: :class:`ModeStatsHook` (sync drops, staleness, waits as summaries).
 - ``cli.py``: ``psflow checkpoint inspect|export``.
+- ``tf_checkpoint.py``: :class:`~psflow.train.tf_checkpoint.TFCheckpoint`, TensorFlow's
+  checkpoints read without TensorFlow (tables in id order, optimizer slots as torch's state);
+  ``tf_objects.py``: a TensorFlow 2 checkpoint's object graph (Keras's variables and slots);
+  ``tf_proto.py``: protobuf's wire format, for both.
 
 The shard-file format the ps tasks write is in :mod:`psflow.ps.checkpoint`.
 """

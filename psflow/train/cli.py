@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 import fsspec
+
+if TYPE_CHECKING:
+    from psflow.train.tf_checkpoint import TFCheckpoint
 
 
 def _tf_prefix(path: str) -> str | None:
@@ -78,16 +82,32 @@ def _inspect_tf(prefix: str) -> int:
     ckpt = TFCheckpoint(prefix)
     shards = ckpt.num_shards
     print(f"TensorFlow checkpoint: {prefix} ({shards} data file{'s' if shards > 1 else ''})")
+    variables = ckpt.variables()
+    if variables:
+        # A TensorFlow 2 checkpoint: its variables by their own names, each with its key.
+        print("variables (name, then the key it is saved under):")
+        _print_tf_tensors(ckpt, variables)
+        keyed = set(variables.values())
+        rest = {key: key for key in ckpt.names() if key not in keyed}
+        if rest:
+            print("other tensors:")
+            _print_tf_tensors(ckpt, rest, keys=False)
+        return 0
     print("tensors:")
-    names = ckpt.names()
-    width = max((len(n) for n in names), default=0)
-    for name in names:
-        dtype = ckpt.dtype(name)
-        kind = "string" if dtype is None else str(dtype).removeprefix("torch.")
-        where = _tf_slices(ckpt.slices(name), ckpt.shape(name))
-        line = f"  {name:<{width}}  {kind:<8} {json.dumps(list(ckpt.shape(name))):<16}{where}"
-        print(line.rstrip())
+    _print_tf_tensors(ckpt, {name: name for name in ckpt.names()}, keys=False)
     return 0
+
+
+def _print_tf_tensors(ckpt: TFCheckpoint, names: dict[str, str], *, keys: bool = True) -> None:
+    """One line per tensor: name, dtype, shape, how it was saved in slices (and its key)."""
+    width = max((len(n) for n in names), default=0)
+    for name, key in names.items():
+        dtype = ckpt.dtype(key)
+        kind = "string" if dtype is None else str(dtype).removeprefix("torch.")
+        where = _tf_slices(ckpt.slices(key), ckpt.shape(key))
+        shape = json.dumps(list(ckpt.shape(key)))
+        line = f"  {name:<{width}}  {kind:<8} {shape:<16}{where}" + (f"  {key}" if keys else "")
+        print(line.rstrip())
 
 
 def _tf_slices(slices: list[tuple[tuple[int, int], ...]], shape: tuple[int, ...]) -> str:
@@ -145,13 +165,17 @@ def _export_tf(prefix: str, out: str, tables: list[str]) -> int:
         strategy[name] = how
     tensors = {}
     skipped = []
-    for name in ckpt.names():
-        if ckpt.dtype(name) is None:
+    # A TensorFlow 2 checkpoint's variables under their own names; any other tensor by key.
+    named = {key: name for name, key in ckpt.variables().items()}
+    for key in ckpt.names():
+        name = named.get(key, key)
+        order = strategy.get(name) or strategy.get(key)
+        if ckpt.dtype(key) is None:
             skipped.append(name)
-        elif name in strategy:
-            tensors[name] = ckpt.embedding(name, strategy[name])
+        elif order is not None:
+            tensors[name] = ckpt.embedding(key, order)
         else:
-            tensors[name] = ckpt.tensor(name)
+            tensors[name] = ckpt.tensor(key)
     save_file(tensors, out)
     print(
         f"wrote {len(tensors)} tensors of {prefix} to {out}"

@@ -21,9 +21,14 @@ holds ids ``p, p + S, p + 2S, ...``. :meth:`TFCheckpoint.embedding` puts the row
 for the strategy the model was trained with (the checkpoint does not record it), ready for
 ``psflow.nn.Embedding.from_pretrained(rows, freeze=False)``.
 
+A TensorFlow 2 checkpoint (``tf.train.Checkpoint``, Keras) keys its tensors by object-graph
+paths; its graph (:mod:`psflow.train.tf_objects`) gives each variable's own name, which every
+method here takes too (:meth:`TFCheckpoint.variables`), and links the optimizer's slots to
+their variables.
+
 Everything read is checked (block and tensor CRC32Cs, bounds, shapes); a file that fails a
 check raises ``ValueError`` naming it. Nothing is evaluated or unpickled; string tensors are
-listed but not read.
+listed, not read as tensors (the object graph is parsed as the proto it is).
 
 Example:
     >>> # ckpt = TFCheckpoint("/ckpt/model.ckpt-100000")
@@ -43,6 +48,9 @@ import fsspec
 import google_crc32c
 import numpy as np
 import torch
+
+from psflow.train.tf_objects import GRAPH_KEY, ObjectGraph, Slots
+from psflow.train.tf_proto import as_int, as_message, fields, varint
 
 __all__ = ["TFCheckpoint"]
 
@@ -84,63 +92,20 @@ optimizer (``AdagradOptimizer``, ``MomentumOptimizer``, ``AdamOptimizer``) and t
 the ``torch.optim`` optimizer that computes the same update (``Adagrad``, ``SGD`` with
 ``momentum``, ``Adam``)."""
 
+_GRAPH_SLOTS: dict[str, dict[str, tuple[str, ...]]] = {
+    "Adagrad": {"sum": ("accumulator",)},
+    "Momentum": {"momentum_buffer": ("momentum", "m")},
+    "Adam": {"exp_avg": ("m",), "exp_avg_sq": ("v",)},
+    "Ftrl": {"accum": ("accumulator",), "linear": ("linear",)},
+}
+"""The slot names a TensorFlow 2 checkpoint's object graph gives the same state (Keras's and
+TensorFlow's: see :mod:`psflow.train.tf_objects`), by state key. ``tf_keras`` calls SGD's
+momentum ``m``."""
+
 
 def _unmask(crc: int) -> int:
     rot = (crc - _MASK_DELTA) & 0xFFFFFFFF
     return ((rot >> 17) | (rot << 15)) & 0xFFFFFFFF
-
-
-# -- protobuf's wire format, the few messages a bundle uses --------------------------------
-
-
-def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= end or shift > 63:
-            raise ValueError("a varint runs past its message")
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-
-
-def _fields(buf: bytes) -> Iterator[tuple[int, int | bytes]]:
-    """``(field number, value)`` of a message: an int, or the bytes of a length-delimited one."""
-    pos, end = 0, len(buf)
-    while pos < end:
-        tag, pos = _varint(buf, pos, end)
-        number, kind = tag >> 3, tag & 7
-        if kind == 0:
-            value, pos = _varint(buf, pos, end)
-            yield number, value
-        elif kind in (1, 5):
-            size = 8 if kind == 1 else 4
-            if pos + size > end:
-                raise ValueError("a fixed-size field runs past its message")
-            yield number, int.from_bytes(buf[pos : pos + size], "little")
-            pos += size
-        elif kind == 2:
-            size, pos = _varint(buf, pos, end)
-            if pos + size > end:
-                raise ValueError("a length-delimited field runs past its message")
-            yield number, buf[pos : pos + size]
-            pos += size
-        else:
-            raise ValueError(f"unexpected wire type {kind} in field {number}")
-
-
-def _int(value: int | bytes) -> int:
-    if not isinstance(value, int):
-        raise ValueError("a number field holds bytes")
-    return value - (1 << 64) if value >= 1 << 63 else value  # int64 as two's complement
-
-
-def _message(value: int | bytes) -> bytes:
-    if not isinstance(value, bytes):
-        raise ValueError("a message field holds a number")
-    return value
 
 
 @dataclass
@@ -159,12 +124,12 @@ class _Entry:
 
 def _shape(buf: bytes) -> tuple[int, ...]:
     dims = []
-    for number, value in _fields(buf):
+    for number, value in fields(buf):
         if number == 2:
             size = 0
-            for n, v in _fields(_message(value)):
+            for n, v in fields(as_message(value)):
                 if n == 1:
-                    size = _int(v)
+                    size = as_int(v)
             dims.append(size)
         elif number == 3 and value:
             raise ValueError("a tensor of unknown rank")
@@ -175,35 +140,35 @@ def _shape(buf: bytes) -> tuple[int, ...]:
 
 def _slice(buf: bytes) -> tuple[tuple[int, int], ...]:
     extents = []
-    for number, value in _fields(buf):
+    for number, value in fields(buf):
         if number == 1:
             start, length = 0, -1
-            for n, v in _fields(_message(value)):
+            for n, v in fields(as_message(value)):
                 if n == 1:
-                    start = _int(v)
+                    start = as_int(v)
                 elif n == 2:
-                    length = _int(v)
+                    length = as_int(v)
             extents.append((start, length))
     return tuple(extents)
 
 
 def _entry(buf: bytes) -> _Entry:
     e = _Entry()
-    for number, value in _fields(buf):
+    for number, value in fields(buf):
         if number == 1:
-            e.dtype = _int(value)
+            e.dtype = as_int(value)
         elif number == 2:
-            e.shape = _shape(_message(value))
+            e.shape = _shape(as_message(value))
         elif number == 3:
-            e.shard = _int(value)
+            e.shard = as_int(value)
         elif number == 4:
-            e.offset = _int(value)
+            e.offset = as_int(value)
         elif number == 5:
-            e.size = _int(value)
+            e.size = as_int(value)
         elif number == 6:
-            e.crc32c = _int(value)
+            e.crc32c = as_int(value)
         elif number == 7:
-            e.slices.append(_slice(_message(value)))
+            e.slices.append(_slice(as_message(value)))
     return e
 
 
@@ -212,8 +177,8 @@ def _entry(buf: bytes) -> _Entry:
 
 def _block(data: bytes, handle: bytes, what: str) -> bytes:
     """The contents of the block ``handle`` (offset, size) names, its CRC checked."""
-    offset, pos = _varint(handle, 0, len(handle))
-    size, _ = _varint(handle, pos, len(handle))
+    offset, pos = varint(handle, 0, len(handle))
+    size, _ = varint(handle, pos, len(handle))
     end = offset + size
     if end + _BLOCK_TRAILER_BYTES > len(data):
         raise ValueError(f"{what}: a block runs past the end of the file (truncated?)")
@@ -236,9 +201,9 @@ def _block_entries(block: bytes, what: str) -> Iterator[tuple[bytes, bytes]]:
     key = b""
     pos = 0
     while pos < end:
-        shared, pos = _varint(block, pos, end)
-        own, pos = _varint(block, pos, end)
-        size, pos = _varint(block, pos, end)
+        shared, pos = varint(block, pos, end)
+        own, pos = varint(block, pos, end)
+        size, pos = varint(block, pos, end)
         if shared > len(key) or pos + own + size > end:
             raise ValueError(f"{what}: a malformed block entry")
         key = key[:shared] + block[pos : pos + own]
@@ -255,8 +220,8 @@ def _table(data: bytes, what: str) -> Iterator[tuple[bytes, bytes]]:
     (magic,) = struct.unpack_from("<Q", footer, _FOOTER_BYTES - 8)
     if magic != _TABLE_MAGIC:
         raise ValueError(f"{what}: not a TensorFlow checkpoint index (bad magic number)")
-    _, pos = _varint(footer, 0, 40)  # the metaindex block: none that matters here
-    _, pos = _varint(footer, pos, 40)
+    _, pos = varint(footer, 0, 40)  # the metaindex block: none that matters here
+    _, pos = varint(footer, pos, 40)
     index = _block(data, footer[pos:40], what)
     for _, handle in _block_entries(index, what):
         yield from _block_entries(_block(data, handle, what), what)
@@ -314,7 +279,7 @@ class TFCheckpoint:
         try:
             for key, value in _table(data, what):
                 if key == b"":
-                    header = dict(_fields(value))
+                    header = dict(fields(value))
                 elif key[:1] == b"\x00":
                     self._slices.setdefault(_slice_name(key), []).append(_entry(value))
                 else:
@@ -323,8 +288,9 @@ class TFCheckpoint:
             raise ValueError(f"{what}: {e}" if not str(e).startswith(what) else str(e)) from None
         if header is None:
             raise ValueError(f"{what}: no bundle header (not a V2 checkpoint's index)")
-        self.num_shards = _int(header.get(1, 1))
-        if _int(header.get(2, 0)) != 0:
+        self._graph: ObjectGraph | None = None
+        self.num_shards = as_int(header.get(1, 1))
+        if as_int(header.get(2, 0)) != 0:
             raise ValueError(f"{what}: a big-endian checkpoint; only little-endian ones are read")
         if self.num_shards < 1:
             raise ValueError(f"{what}: {self.num_shards} data shards")
@@ -354,11 +320,52 @@ class TFCheckpoint:
         return here if moved and fs.exists(fsspec.core.url_to_fs(here)[1] + ".index") else prefix
 
     def names(self) -> list[str]:
-        """The tensors' names, sorted (slots such as ``<var>/Adagrad`` included)."""
+        """The tensors' names, sorted (slots such as ``<var>/Adagrad`` included): a TensorFlow
+        2 checkpoint's keys (``model/layer_with_weights-0/kernel/.ATTRIBUTES/VARIABLE_VALUE``);
+        :meth:`variables` gives its variables' own names."""
         return sorted(self._entries)
 
+    def variables(self) -> dict[str, str]:
+        """A TensorFlow 2 checkpoint's variables by their own names (``head/kernel``, as Keras
+        and ``tf.Variable.name`` give them, without ``:0``), each with its key; every method
+        that takes a tensor's name takes these too. Empty for a TensorFlow 1.x checkpoint,
+        whose keys are the names. A name two variables share is left out (use the keys)."""
+        graph = self._object_graph()
+        if graph is None:
+            return {}
+        return {name: keys[0] for name, keys in graph.variables().items() if len(keys) == 1}
+
     def __contains__(self, name: object) -> bool:
-        return name in self._entries
+        if not isinstance(name, str):
+            return False
+        try:
+            self._key(name)
+        except KeyError:
+            return False
+        return True
+
+    def _key(self, name: str) -> str:
+        """The key of the tensor ``name`` names: itself, or a TensorFlow 2 variable's key."""
+        if name in self._entries:
+            return name
+        graph = self._object_graph()
+        keys = graph.variables().get(name, []) if graph is not None else []
+        if len(keys) > 1:
+            raise KeyError(f"{self.prefix}: {len(keys)} variables are named {name!r}: {keys}")
+        if not keys:
+            raise KeyError(f"{self.prefix} holds no tensor {name!r}")
+        return keys[0]
+
+    def _object_graph(self) -> ObjectGraph | None:
+        if self._graph is None and GRAPH_KEY in self._entries:
+            data = self._strings(GRAPH_KEY)
+            if len(data) != 1:
+                raise ValueError(f"{self.prefix}: {GRAPH_KEY} holds {len(data)} strings, not 1")
+            try:
+                self._graph = ObjectGraph(data[0])
+            except ValueError as e:
+                raise ValueError(f"{self.prefix}: {GRAPH_KEY}: {e}") from None
+        return self._graph
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entry_of(name).shape
@@ -412,6 +419,7 @@ class TFCheckpoint:
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor ``name`` whole (a partitioned variable's slices put together), as
         ``tf.train.load_checkpoint(prefix).get_tensor(name)`` gives it."""
+        name = self._key(name)
         entry = self._entry_of(name)
         if not entry.slices:
             return self._read(name, entry)
@@ -503,7 +511,9 @@ class TFCheckpoint:
         ``exp_avg_sq``, with every row's ``step`` the optimizer's global count (from its beta
         powers, as for :meth:`optimizer_state`; ``beta1``, ``beta2``, ``beta_powers`` as
         there). For ``from_pretrained(rows, optimizer=..., optimizer_state=...)``: the table
-        goes on from TensorFlow's training, not from fresh state.
+        goes on from TensorFlow's training, not from fresh state. From a TensorFlow 2
+        checkpoint, the slots its object graph names (as for :meth:`optimizer_state`: Keras's
+        ``Adagrad``, ``Ftrl`` and ``Adam``), ``step`` the optimizer's ``iterations``.
 
         psflow's row-wise Adam is lazy (``LazyAdamOptimizer``'s update, TensorFlow's bias
         correction by the global step): from this state its next step of a row is the one
@@ -518,14 +528,10 @@ class TFCheckpoint:
             raise ValueError(
                 f"a table's optimizer state is read for {sorted(_SLOTS)}, not {optimizer!r}"
             )
-        missing = [f"{name}/{slot}" for slot in slots.values() if f"{name}/{slot}" not in self]
-        if missing:
-            raise ValueError(f"{self.prefix} holds no {optimizer} slot {missing} for {name!r}")
-        state = {
-            key: self.embedding(f"{name}/{slot}", partition_strategy) for key, slot in slots.items()
-        }
+        keys, found = self._slot_keys(name, optimizer, slots)
+        state = {key: self.embedding(slot, partition_strategy) for key, slot in keys.items()}
         if optimizer == "Adam":
-            steps = self._adam_steps(beta1, beta2, beta_powers)
+            steps = self._steps(found, beta1, beta2, beta_powers)
             rows = state["exp_avg"].shape[0]
             state["step"] = torch.full((rows,), steps, dtype=torch.int64)
         return state
@@ -540,6 +546,7 @@ class TFCheckpoint:
         beta1: float = 0.9,
         beta2: float = 0.999,
         beta_powers: tuple[str, str] = ("beta1_power", "beta2_power"),
+        lr: float | None = None,
     ) -> dict[str, torch.Tensor]:
         """The slots TensorFlow 1.x's ``optimizer`` kept for the dense variable ``name``, as
         the state of the ``torch.optim`` optimizer that takes the same step: for
@@ -560,8 +567,19 @@ class TFCheckpoint:
           the bias correction, torch after it: the steps differ by less than ``epsilon`` in
           the denominator.
 
+        A TensorFlow 2 checkpoint (``tf.train.Checkpoint`` of a Keras model and its optimizer:
+        Keras 3, ``tf_keras``, ``tf.keras.optimizers.legacy``) names its slots through its
+        object graph (:mod:`psflow.train.tf_objects`); ``name`` is then the variable's own
+        name (``head/kernel``) or its key. Keras's ``Adagrad`` (``accumulator``), ``SGD`` with
+        ``momentum`` and ``Adam`` (``m``, ``v``) give the same state; the steps are the
+        optimizer's ``iterations``. Keras's momentum is ``momentum * m - lr * g``, added to
+        the variable: it becomes torch's buffer as ``-m / lr``, the rate the checkpoint saved
+        (or ``lr``). Keras's ``Adagrad`` adds ``epsilon`` inside the square root, torch
+        outside: the steps differ by far less than 1e-6 at Keras's default ``1e-7``.
+
         Args:
-            name: the variable, as saved (``dense/kernel``).
+            name: the variable, as saved (``dense/kernel``; a TensorFlow 2 variable's name or
+                key).
             optimizer: ``"Adagrad"``, ``"Momentum"`` or ``"Adam"``.
             transpose: transpose 2-D slots, as for a TensorFlow kernel (``[in, out]``) that
                 becomes a ``torch.nn.Linear`` weight (``[out, in]``).
@@ -570,6 +588,8 @@ class TFCheckpoint:
             beta1, beta2: ``AdamOptimizer``'s, to count its steps.
             beta_powers: the names of Adam's ``beta1_power`` and ``beta2_power`` (TensorFlow
                 numbers them ``beta1_power_1``, ... when a graph has several Adam optimizers).
+            lr: Keras's learning rate at its last step, for ``"Momentum"``, when the checkpoint
+                saved none (a schedule).
 
         Raises:
             ValueError: for another optimizer, slots or beta powers the checkpoint lacks, or a
@@ -583,36 +603,86 @@ class TFCheckpoint:
             )
         if slot_prefix is not None:
             slots = {key: slot.replace(optimizer, slot_prefix, 1) for key, slot in slots.items()}
-        missing = [f"{name}/{slot}" for slot in slots.values() if f"{name}/{slot}" not in self]
-        if missing:
-            raise ValueError(f"{self.prefix} holds no {optimizer} slot {missing} for {name!r}")
+        keys, found = self._slot_keys(name, optimizer, slots)
         shape = self.shape(name)
         state = {}
-        for key, slot in slots.items():
-            value = self.tensor(f"{name}/{slot}")
+        for key, slot in keys.items():
+            value = self.tensor(slot)
             if tuple(value.shape) != shape:
                 raise ValueError(
-                    f"{self.prefix}: slot {name}/{slot} has shape {list(value.shape)}, the "
-                    f"variable {list(shape)}"
+                    f"{self.prefix}: slot {slot} has shape {list(value.shape)}, the variable "
+                    f"{name!r} {list(shape)}"
                 )
             if transpose:
                 if value.dim() != 2:
                     raise ValueError(f"transpose: {name!r} has shape {list(shape)}, not 2-D")
                 value = value.T.contiguous()
             state[key] = value
+        if optimizer == "Momentum" and found is not None and found.steps is not None:
+            # Keras keeps m = momentum * m - lr * g and adds it; torch's buffer is
+            # momentum * buf + g, subtracted times lr: buf = -m / lr (exact for a constant lr).
+            rate = lr if lr is not None else self._learning_rate(found, name)
+            state["momentum_buffer"] = state["momentum_buffer"].div(-rate)
         if optimizer == "Adagrad":
-            state["step"] = torch.tensor(float(self._global_step() or 0))
+            steps = self._scalar_int(found.steps) if found and found.steps else None
+            state["step"] = torch.tensor(float(steps or self._global_step() or 0))
         elif optimizer == "Adam":
-            state["step"] = torch.tensor(float(self._adam_steps(beta1, beta2, beta_powers)))
+            state["step"] = torch.tensor(float(self._steps(found, beta1, beta2, beta_powers)))
         return state
 
+    def _slot_keys(
+        self, name: str, optimizer: str, tf1_slots: dict[str, str]
+    ) -> tuple[dict[str, str], Slots | None]:
+        """The key of each state key's slot of ``name``, and the object graph's account of
+        them (``None``: a TensorFlow 1.x checkpoint's ``<name>/<slot>`` names)."""
+        key = self._key(name)
+        graph = self._object_graph()
+        found = graph.slots(key) if graph is not None else None
+        if found is None:
+            missing = [f"{name}/{s}" for s in tf1_slots.values() if f"{name}/{s}" not in self]
+            if missing:
+                raise ValueError(f"{self.prefix} holds no {optimizer} slot {missing} for {name!r}")
+            return {k: f"{name}/{s}" for k, s in tf1_slots.items()}, None
+        keys = {}
+        for state_key, options in _GRAPH_SLOTS[optimizer].items():
+            slot = next((found.keys[o] for o in options if o in found.keys), None)
+            if slot is None:
+                raise ValueError(
+                    f"{self.prefix}: the optimizer keeps slots {sorted(found.keys)} for "
+                    f"{name!r}; {optimizer} keeps {' or '.join(options)} (was it trained with "
+                    "another optimizer?)"
+                )
+            keys[state_key] = slot
+        return keys, found
+
+    def _steps(
+        self, found: Slots | None, beta1: float, beta2: float, beta_powers: tuple[str, str]
+    ) -> int:
+        """The steps an Adam optimizer took: a Keras optimizer's ``iterations``, else counted
+        from ``AdamOptimizer``'s beta powers."""
+        if found is not None and found.steps is not None:
+            return self._scalar_int(found.steps)
+        return self._adam_steps(beta1, beta2, beta_powers)
+
+    def _learning_rate(self, found: Slots, name: str) -> float:
+        if found.learning_rate is None:
+            raise ValueError(
+                f"{self.prefix}: the optimizer of {name!r} saved no learning rate (a schedule?): "
+                "give lr=, its rate at the last step, to turn Keras's momentum into torch's"
+            )
+        rate = self.tensor(found.learning_rate)
+        if rate.numel() != 1 or not rate.dtype.is_floating_point or not float(rate.sum()) > 0:
+            raise ValueError(f"{self.prefix}: the learning rate of {name!r} is {rate.tolist()}")
+        return float(rate.sum())
+
+    def _scalar_int(self, key: str) -> int:
+        value = self.tensor(key)
+        if value.numel() != 1 or value.dtype.is_floating_point:
+            raise ValueError(f"{self.prefix}: {key} is {value.dtype} {list(value.shape)}")
+        return int(value.reshape(()).item())
+
     def _global_step(self) -> int | None:
-        if "global_step" not in self:
-            return None
-        step = self.tensor("global_step")
-        if step.numel() != 1 or step.dtype.is_floating_point:
-            raise ValueError(f"{self.prefix}: global_step is {step.dtype} {list(step.shape)}")
-        return int(step.reshape(()).item())
+        return self._scalar_int("global_step") if "global_step" in self else None
 
     def _adam_steps(self, beta1: float, beta2: float, names: tuple[str, str]) -> int:
         """The steps an ``AdamOptimizer`` took: its ``beta_power`` variables hold
@@ -656,10 +726,7 @@ class TFCheckpoint:
     # -- reading --------------------------------------------------------------------------
 
     def _entry_of(self, name: str) -> _Entry:
-        entry = self._entries.get(name)
-        if entry is None:
-            raise KeyError(f"{self.prefix} holds no tensor {name!r}")
-        return entry
+        return self._entries[self._key(name)]
 
     def _torch_dtype(self, name: str, entry: _Entry) -> torch.dtype:
         if entry.dtype == _DT_STRING:
@@ -684,6 +751,41 @@ class TFCheckpoint:
                 f"past the file's {size} (truncated?)"
             )
         return path
+
+    def _strings(self, name: str) -> list[bytes]:
+        """A string tensor's elements. TensorFlow writes each element's length as a varint,
+        then a masked CRC32C of the lengths (taken as uint32s), then the bytes; the entry's
+        CRC32C runs over the lengths as uint32s, that checksum and the bytes."""
+        entry = self._entries[name]
+        if entry.dtype != _DT_STRING or entry.slices:
+            raise ValueError(f"{self.prefix}: {name!r} is not a string tensor saved whole")
+        path = self._data_file(name, entry)
+        with self._fs.open(path, "rb") as f:
+            f.seek(entry.offset)
+            raw = f.read(entry.size)
+        if len(raw) != entry.size:
+            raise ValueError(f"{path}: {name!r} runs past the end of the file (truncated?)")
+        count = math.prod(entry.shape)
+        lengths = []
+        pos = 0
+        try:
+            for _ in range(count):
+                length, pos = varint(raw, pos, len(raw))
+                lengths.append(length)
+        except ValueError:
+            raise ValueError(f"{path}: the lengths of {name!r} run past it") from None
+        if pos + 4 + sum(lengths) != len(raw) or any(n >= 1 << 32 for n in lengths):
+            raise ValueError(f"{path}: the lengths of {name!r} do not add up to its entry")
+        crc = google_crc32c.value(b"".join(struct.pack("<I", n) for n in lengths))
+        crc = google_crc32c.extend(crc, raw[pos:])
+        if crc != _unmask(entry.crc32c):
+            raise ValueError(f"{path}: the CRC32C of {name!r} does not match (corrupted)")
+        out = []
+        pos += 4
+        for length in lengths:
+            out.append(raw[pos : pos + length])
+            pos += length
+        return out
 
     def _read(self, name: str, entry: _Entry) -> torch.Tensor:
         dtype = self._torch_dtype(name, entry)
