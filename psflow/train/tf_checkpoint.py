@@ -41,23 +41,25 @@ from __future__ import annotations
 import math
 import re
 import struct
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import fsspec
 import google_crc32c
 import numpy as np
 import torch
 
+from psflow.train.tf_bundle import (
+    Entry,
+    index_entries,
+    parse_entry,
+    slice_name,
+    slice_order,
+    unmask,
+)
 from psflow.train.tf_objects import GRAPH_KEY, ObjectGraph, Slots
-from psflow.train.tf_proto import as_int, as_message, fields, varint
+from psflow.train.tf_proto import as_int, fields, varint
 
 __all__ = ["TFCheckpoint"]
 
-_TABLE_MAGIC = 0xDB4775248B80FB57
-_FOOTER_BYTES = 48
-_BLOCK_TRAILER_BYTES = 5  # a compression type byte and a masked CRC32C
-_MASK_DELTA = 0xA282EAD8
 
 # TensorFlow's DataType enum (types.proto) for what a numeric tensor can be.
 _DTYPES: dict[int, tuple[torch.dtype, str]] = {
@@ -103,157 +105,6 @@ TensorFlow's: see :mod:`psflow.train.tf_objects`), by state key. ``tf_keras`` ca
 momentum ``m``."""
 
 
-def _unmask(crc: int) -> int:
-    rot = (crc - _MASK_DELTA) & 0xFFFFFFFF
-    return ((rot >> 17) | (rot << 15)) & 0xFFFFFFFF
-
-
-@dataclass
-class _Entry:
-    """A ``BundleEntryProto``: where one tensor (or one slice of one) lies."""
-
-    dtype: int = 0
-    shape: tuple[int, ...] = ()
-    shard: int = 0
-    offset: int = 0
-    size: int = 0
-    crc32c: int = 0
-    slices: list[tuple[tuple[int, int], ...]] = field(default_factory=list)
-    """Per saved slice, ``(start, length)`` per dimension (length -1: the whole dimension)."""
-
-
-def _shape(buf: bytes) -> tuple[int, ...]:
-    dims = []
-    for number, value in fields(buf):
-        if number == 2:
-            size = 0
-            for n, v in fields(as_message(value)):
-                if n == 1:
-                    size = as_int(v)
-            dims.append(size)
-        elif number == 3 and value:
-            raise ValueError("a tensor of unknown rank")
-    if any(d < 0 for d in dims):
-        raise ValueError(f"a tensor of shape {dims}")
-    return tuple(dims)
-
-
-def _slice(buf: bytes) -> tuple[tuple[int, int], ...]:
-    extents = []
-    for number, value in fields(buf):
-        if number == 1:
-            start, length = 0, -1
-            for n, v in fields(as_message(value)):
-                if n == 1:
-                    start = as_int(v)
-                elif n == 2:
-                    length = as_int(v)
-            extents.append((start, length))
-    return tuple(extents)
-
-
-def _entry(buf: bytes) -> _Entry:
-    e = _Entry()
-    for number, value in fields(buf):
-        if number == 1:
-            e.dtype = as_int(value)
-        elif number == 2:
-            e.shape = _shape(as_message(value))
-        elif number == 3:
-            e.shard = as_int(value)
-        elif number == 4:
-            e.offset = as_int(value)
-        elif number == 5:
-            e.size = as_int(value)
-        elif number == 6:
-            e.crc32c = as_int(value)
-        elif number == 7:
-            e.slices.append(_slice(as_message(value)))
-    return e
-
-
-# -- LevelDB's table format ----------------------------------------------------------------
-
-
-def _block(data: bytes, handle: bytes, what: str) -> bytes:
-    """The contents of the block ``handle`` (offset, size) names, its CRC checked."""
-    offset, pos = varint(handle, 0, len(handle))
-    size, _ = varint(handle, pos, len(handle))
-    end = offset + size
-    if end + _BLOCK_TRAILER_BYTES > len(data):
-        raise ValueError(f"{what}: a block runs past the end of the file (truncated?)")
-    kind = data[end]
-    (crc,) = struct.unpack_from("<I", data, end + 1)
-    if google_crc32c.value(data[offset : end + 1]) != _unmask(crc):
-        raise ValueError(f"{what}: a block's CRC32C does not match (corrupted)")
-    if kind != 0:
-        raise ValueError(f"{what}: a block compressed with type {kind}; only uncompressed ones")
-    return data[offset:end]
-
-
-def _block_entries(block: bytes, what: str) -> Iterator[tuple[bytes, bytes]]:
-    if len(block) < 4:
-        raise ValueError(f"{what}: a block too short for its restart count")
-    (restarts,) = struct.unpack_from("<I", block, len(block) - 4)
-    end = len(block) - 4 - 4 * restarts
-    if end < 0:
-        raise ValueError(f"{what}: a block's restart count ({restarts}) exceeds it")
-    key = b""
-    pos = 0
-    while pos < end:
-        shared, pos = varint(block, pos, end)
-        own, pos = varint(block, pos, end)
-        size, pos = varint(block, pos, end)
-        if shared > len(key) or pos + own + size > end:
-            raise ValueError(f"{what}: a malformed block entry")
-        key = key[:shared] + block[pos : pos + own]
-        pos += own
-        yield key, block[pos : pos + size]
-        pos += size
-
-
-def _table(data: bytes, what: str) -> Iterator[tuple[bytes, bytes]]:
-    """Every ``(key, value)`` of a table file's contents, in key order."""
-    if len(data) < _FOOTER_BYTES:
-        raise ValueError(f"{what}: too short for a table footer ({len(data)} bytes)")
-    footer = data[-_FOOTER_BYTES:]
-    (magic,) = struct.unpack_from("<Q", footer, _FOOTER_BYTES - 8)
-    if magic != _TABLE_MAGIC:
-        raise ValueError(f"{what}: not a TensorFlow checkpoint index (bad magic number)")
-    _, pos = varint(footer, 0, 40)  # the metaindex block: none that matters here
-    _, pos = varint(footer, pos, 40)
-    index = _block(data, footer[pos:40], what)
-    for _, handle in _block_entries(index, what):
-        yield from _block_entries(_block(data, handle, what), what)
-
-
-def _slice_name(key: bytes) -> str:
-    """The tensor a slice's key names (``OrderedCode``: a number 0, then the name with 0x00 and
-    0xff escaped, ended by 0x00 0x01, then the slice)."""
-    out = bytearray()
-    pos = 1  # after the leading number 0
-    while pos + 1 < len(key):
-        byte = key[pos]
-        if byte == 0x00:
-            if key[pos + 1] == 0x01:
-                return out.decode()
-            out.append(0x00)  # 0x00 0xff
-        elif byte == 0xFF:
-            out.append(0xFF)  # 0xff 0x00
-        else:
-            out.append(byte)
-            pos += 1
-            continue
-        pos += 2
-    raise ValueError(f"a slice key {key!r} that names no tensor")
-
-
-def _order(extents: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
-    """A slice's place among its variable's keys: by start then length, dimension by dimension
-    (the key's encoding preserves that order)."""
-    return tuple(x for extent in extents for x in extent)
-
-
 class TFCheckpoint:
     """A TensorFlow V2 checkpoint, read (see the module docstring).
 
@@ -273,17 +124,17 @@ class TFCheckpoint:
         with self._fs.open(self._path + ".index", "rb") as f:
             data = f.read()
         self._sizes: dict[str, int] = {}
-        self._entries: dict[str, _Entry] = {}
-        self._slices: dict[str, list[_Entry]] = {}
+        self._entries: dict[str, Entry] = {}
+        self._slices: dict[str, list[Entry]] = {}
         header = None
         try:
-            for key, value in _table(data, what):
+            for key, value in index_entries(data, what):
                 if key == b"":
                     header = dict(fields(value))
                 elif key[:1] == b"\x00":
-                    self._slices.setdefault(_slice_name(key), []).append(_entry(value))
+                    self._slices.setdefault(slice_name(key), []).append(parse_entry(value))
                 else:
-                    self._entries[key.decode()] = _entry(value)
+                    self._entries[key.decode()] = parse_entry(value)
         except (ValueError, UnicodeDecodeError) as e:
             raise ValueError(f"{what}: {e}" if not str(e).startswith(what) else str(e)) from None
         if header is None:
@@ -382,7 +233,7 @@ class TFCheckpoint:
         if not entry.slices:
             return []
         out = []
-        for extents in sorted(entry.slices, key=_order):
+        for extents in sorted(entry.slices, key=slice_order):
             if not entry.shape or len(extents) != len(entry.shape):
                 raise ValueError(
                     f"{self.prefix}: a slice of {name!r} has {len(extents)} dimensions, the "
@@ -402,7 +253,7 @@ class TFCheckpoint:
         dimension (``fixed_size_partitioner(S, axis=1)``)."""
         entry = self._entry_of(name)
         out = []
-        for extents in sorted(entry.slices, key=_order):
+        for extents in sorted(entry.slices, key=slice_order):
             if len(extents) != len(entry.shape):
                 raise ValueError(
                     f"{self.prefix}: a slice of {name!r} has {len(extents)} dimensions, the "
@@ -424,7 +275,7 @@ class TFCheckpoint:
         if not entry.slices:
             return self._read(name, entry)
         pieces = self._slices.get(name, [])
-        wanted = sorted(entry.slices, key=_order)
+        wanted = sorted(entry.slices, key=slice_order)
         if len(pieces) != len(wanted):
             raise ValueError(
                 f"{self.prefix}: {name!r} was saved in {len(wanted)} slices; the index holds "
@@ -725,17 +576,17 @@ class TFCheckpoint:
 
     # -- reading --------------------------------------------------------------------------
 
-    def _entry_of(self, name: str) -> _Entry:
+    def _entry_of(self, name: str) -> Entry:
         return self._entries[self._key(name)]
 
-    def _torch_dtype(self, name: str, entry: _Entry) -> torch.dtype:
+    def _torch_dtype(self, name: str, entry: Entry) -> torch.dtype:
         if entry.dtype == _DT_STRING:
             raise ValueError(f"{self.prefix}: {name!r} is a string tensor; they are not read")
         if entry.dtype not in _DTYPES:
             raise ValueError(f"{self.prefix}: {name!r} has TensorFlow dtype {entry.dtype}")
         return _DTYPES[entry.dtype][0]
 
-    def _data_file(self, name: str, entry: _Entry) -> str:
+    def _data_file(self, name: str, entry: Entry) -> str:
         """The data file that holds ``entry``, checked to hold all of it."""
         if not 0 <= entry.shard < self.num_shards:
             raise ValueError(
@@ -778,7 +629,7 @@ class TFCheckpoint:
             raise ValueError(f"{path}: the lengths of {name!r} do not add up to its entry")
         crc = google_crc32c.value(b"".join(struct.pack("<I", n) for n in lengths))
         crc = google_crc32c.extend(crc, raw[pos:])
-        if crc != _unmask(entry.crc32c):
+        if crc != unmask(entry.crc32c):
             raise ValueError(f"{path}: the CRC32C of {name!r} does not match (corrupted)")
         out = []
         pos += 4
@@ -787,7 +638,7 @@ class TFCheckpoint:
             pos += length
         return out
 
-    def _read(self, name: str, entry: _Entry) -> torch.Tensor:
+    def _read(self, name: str, entry: Entry) -> torch.Tensor:
         dtype = self._torch_dtype(name, entry)
         np_dtype = np.dtype(_DTYPES[entry.dtype][1])
         if entry.size != math.prod(entry.shape) * np_dtype.itemsize:
@@ -801,7 +652,7 @@ class TFCheckpoint:
             raw = f.read(entry.size)
         if len(raw) != entry.size:
             raise ValueError(f"{path}: {name!r} runs past the end of the file (truncated?)")
-        if google_crc32c.value(raw) != _unmask(entry.crc32c):
+        if google_crc32c.value(raw) != unmask(entry.crc32c):
             raise ValueError(f"{path}: the CRC32C of {name!r} does not match (corrupted)")
         values = np.frombuffer(raw, dtype=np_dtype).reshape(entry.shape)
         tensor = torch.from_numpy(values.copy())
