@@ -18,7 +18,7 @@
 - ``tf_checkpoint.py``: :class:`~psflow.train.tf_checkpoint.TFCheckpoint`, TensorFlow's
   checkpoints read without TensorFlow (tables in id order, optimizer slots as torch's state);
   ``tf_objects.py``: a TensorFlow 2 checkpoint's object graph (Keras's variables and slots);
-  ``tf_bundle.py``: its index and entries; ``tf_proto.py``: protobuf's wire format.
+  ``tf_bundle.py``: a checkpoint's index and entries; ``tf_proto.py``: protobuf's wire format.
 
 The shard-file format the ps tasks write is in :mod:`psflow.ps.checkpoint`.
 """

@@ -606,6 +606,67 @@ def test_a_tensorflow_model_trained_with_adam_goes_on_in_psflow(two_ps: ClusterS
         opt.close()
 
 
+def test_a_keras_model_goes_on_in_psflow(two_ps: ClusterSpec) -> None:
+    """``tests/fixtures/tf_keras/keras3_adagrad``: Keras 3 trained an ``Embedding`` and a
+    ``Dense`` under ``Adagrad`` for three steps and saved them with ``tf.train.Checkpoint``.
+    The job takes the table's rows and accumulators, and the layer's kernel (transposed),
+    bias and accumulators, by their Keras names. One step on 2 ps with Keras's next batch
+    gives every variable Keras's next step gave."""
+    from psflow.train.tf_checkpoint import TFCheckpoint
+
+    fixture = Path(__file__).parent.parent / "fixtures" / "tf_keras"
+    case = json.loads((fixture / "expected.json").read_text())["cases"]["keras3_adagrad"]
+    ckpt = TFCheckpoint(str(fixture / case["prefix"]))
+    lr, start = case["settings"]["learning_rate"], case["settings"]["initial_accumulator_value"]
+    # Keras adds epsilon (1e-7) inside Adagrad's square root, torch outside: none here.
+    adagrad = {"lr": lr, "initial_accumulator_value": start, "eps": 0.0}
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.items = pnn.Embedding.from_pretrained(
+                ckpt.tensor("model/items/embeddings"),
+                freeze=False,
+                optimizer=RowOptimizerSpec.of("Adagrad", **adagrad),
+                optimizer_state=ckpt.table_state("model/items/embeddings", "Adagrad"),
+            )
+            self.head = torch.nn.Linear(6, 2)
+            with torch.no_grad():
+                self.head.weight.copy_(ckpt.tensor("model/head/kernel").T)
+                self.head.bias.copy_(ckpt.tensor("model/head/bias"))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.items(ids).flatten(1))  # Embedding, Flatten, Dense
+
+    model = Model()
+    state = {
+        "head.weight": ckpt.optimizer_state("model/head/kernel", "Adagrad", transpose=True),
+        "head.bias": ckpt.optimizer_state("model/head/bias", "Adagrad"),
+    }
+    opt = DistributedOptimizer(
+        model,
+        worker_ctx(two_ps),
+        optimizer="Adagrad",
+        optimizer_state=state,
+        config=TransportConfig(timeout=30),
+        **adagrad,
+    )
+    try:
+        opt.zero_grad()
+        y = torch.tensor(case["y"])
+        ((model(torch.tensor(case["ids"])) - y) ** 2).mean().backward()
+        opt.step()
+        after = {name: torch.tensor(v["after"]) for name, v in case["variables"].items()}
+        got = model.head.weight.detach().T
+        torch.testing.assert_close(got, after["model/head/kernel"], rtol=0, atol=1e-6)
+        got = model.head.bias.detach()
+        torch.testing.assert_close(got, after["model/head/bias"], rtol=0, atol=1e-6)
+        rows = table_rows(opt, "items", torch.arange(8))
+        torch.testing.assert_close(rows, after["model/items/embeddings"], rtol=0, atol=1e-6)
+    finally:
+        opt.close()
+
+
 def test_a_frozen_table_stays_on_the_worker(two_ps: ClusterSpec) -> None:
     """A frozen table (``from_pretrained``'s default, as in torch) does not train: the job
     leaves it on the worker as a plain weight, and trains the rest of the model around it."""
