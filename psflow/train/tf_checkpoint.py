@@ -55,7 +55,7 @@ from psflow.train.tf_bundle import (
     slice_order,
     unmask,
 )
-from psflow.train.tf_objects import GRAPH_KEY, ObjectGraph, Slots
+from psflow.train.tf_objects import GRAPH_KEY, VALUE_SUFFIX, ObjectGraph, Slots
 from psflow.train.tf_proto import as_int, fields, varint
 
 __all__ = ["TFCheckpoint"]
@@ -179,12 +179,19 @@ class TFCheckpoint:
     def variables(self) -> dict[str, str]:
         """A TensorFlow 2 checkpoint's variables by their own names (``head/kernel``, as Keras
         and ``tf.Variable.name`` give them, without ``:0``), each with its key; every method
-        that takes a tensor's name takes these too. Empty for a TensorFlow 1.x checkpoint,
-        whose keys are the names. A name two variables share is left out (use the keys)."""
+        that takes a tensor's name takes these too, and a key without its
+        ``/.ATTRIBUTES/VARIABLE_VALUE`` (the variable's path in the object graph:
+        ``model/layer_with_weights-0/embeddings``). Empty for a TensorFlow 1.x checkpoint,
+        whose keys are the names. A name two variables share is left out (use the keys).
+        ``ParameterServerStrategy``'s ``ShardedVariable``, which TensorFlow saves with no name
+        of its own, is here by its path."""
         graph = self._object_graph()
         if graph is None:
             return {}
-        return {name: keys[0] for name, keys in graph.variables().items() if len(keys) == 1}
+        out = {name: keys[0] for name, keys in graph.variables().items() if len(keys) == 1}
+        for key in graph.nameless():
+            out.setdefault(key.removesuffix(VALUE_SUFFIX), key)
+        return out
 
     def __contains__(self, name: object) -> bool:
         if not isinstance(name, str):
@@ -199,6 +206,8 @@ class TFCheckpoint:
         """The key of the tensor ``name`` names: itself, or a TensorFlow 2 variable's key."""
         if name in self._entries:
             return name
+        if name + VALUE_SUFFIX in self._entries:  # a TensorFlow 2 variable's object path
+            return name + VALUE_SUFFIX
         graph = self._object_graph()
         keys = graph.variables().get(name, []) if graph is not None else []
         if len(keys) > 1:
@@ -488,7 +497,7 @@ class TFCheckpoint:
         them (``None``: a TensorFlow 1.x checkpoint's ``<name>/<slot>`` names)."""
         key = self._key(name)
         graph = self._object_graph()
-        found = graph.slots(key) if graph is not None else None
+        found = graph.slots(key, self.shape) if graph is not None else None
         if found is None:
             missing = [f"{name}/{s}" for s in tf1_slots.values() if f"{name}/{s}" not in self]
             if missing:

@@ -27,17 +27,21 @@ Parsed with :mod:`psflow.train.tf_proto`; nothing is evaluated.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from psflow.train.tf_proto import as_int, as_message, fields
 
-__all__ = ["GRAPH_KEY", "ObjectGraph", "Slots"]
+__all__ = ["GRAPH_KEY", "VALUE_SUFFIX", "ObjectGraph", "Slots"]
 
 GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 """The checkpoint key of a TensorFlow 2 checkpoint's object graph."""
 
 _VALUE = "VARIABLE_VALUE"
 """The attribute name a variable's value is saved under."""
+
+VALUE_SUFFIX = "/.ATTRIBUTES/" + _VALUE
+"""What a variable's key adds to its path in the object graph."""
 
 KERAS3_SLOT_LISTS = {
     "_momentums": "m",
@@ -113,22 +117,53 @@ class ObjectGraph:
         """Each variable's own name (``full_name``: ``head/kernel``) -> its checkpoint keys
         (one, unless two variables of the graph share the name)."""
         out: dict[str, list[str]] = {}
-        for node in self.nodes:
+        for i, node in enumerate(self.nodes):
             saved = node.tensors.get(_VALUE)
-            if saved is not None and saved[0]:
+            if saved is not None and not self._nameless(i):
                 out.setdefault(saved[0], []).append(saved[1])
         return out
 
-    def slots(self, key: str) -> Slots | None:
+    def nameless(self) -> list[str]:
+        """The keys of the variables saved without a name of their own (``ShardedVariable``)."""
+        return [key for key, i in self._by_key.items() if self._nameless(i)]
+
+    def slots(
+        self, key: str, shape_of: Callable[[str], tuple[int, ...]] | None = None
+    ) -> Slots | None:
         """The optimizer's slots for the variable saved under ``key``; ``None`` when no
-        optimizer in the graph keeps any for it."""
+        optimizer in the graph keeps any for it.
+
+        ``shape_of`` (a key's shape) links the slots of a ``tf_keras`` optimizer to a variable
+        that has no name of its own (a ``ShardedVariable`` of ``ParameterServerStrategy``,
+        which TensorFlow names ``"ShardedVariable"``, slots and all): by shape, when exactly
+        one such variable and one such slot per slot list have it.
+
+        Raises:
+            ValueError: when the slots by shape are not one to one.
+        """
         target = self._by_key.get(key)
         if target is None:
             return None
+        for find in (self._by_reference, self._by_list_index, self._by_name):
+            found = find(target)
+            if found is not None:
+                return self._slots(*found)
+        if shape_of is not None and self._nameless(target):
+            found = self._by_shape(target, shape_of)
+            if found is not None:
+                return self._slots(*found)
+        return None
+
+    def _by_reference(self, target: int) -> tuple[int, dict[str, str]] | None:
+        """``OptimizerV2`` (and TensorFlow 1.x's optimizers): the graph's slot references."""
         for owner, node in enumerate(self.nodes):
             found = {name: self._key(slot) for orig, name, slot in node.slot_refs if orig == target}
             if found:
-                return self._slots(owner, found)
+                return owner, found
+        return None
+
+    def _by_list_index(self, target: int) -> tuple[int, dict[str, str]] | None:
+        """Keras 3: the slot lists at the variable's index in ``_trainable_variables``."""
         for owner, node in enumerate(self.nodes):
             listed = node.child("_trainable_variables")
             if listed is None:
@@ -143,8 +178,14 @@ class ObjectGraph:
                 if name and slot is not None:
                     found[name] = self._key(slot)
             if found:
-                return self._slots(owner, found)
+                return owner, found
+        return None
+
+    def _by_name(self, target: int) -> tuple[int, dict[str, str]] | None:
+        """``tf_keras``: slots named ``<optimizer>/<slot>/<variable>`` in the slot lists."""
         var_name = self.nodes[target].tensors[_VALUE][0]
+        if self._nameless(target):
+            return None
         for owner, node in enumerate(self.nodes):
             if node.child(*_STEPS) is None:
                 continue
@@ -158,10 +199,57 @@ class ObjectGraph:
                     if head.count("/") == 1:
                         found[head.split("/")[1]] = saved[1]
             if found:
-                return self._slots(owner, found)
+                return owner, found
         return None
 
+    def _by_shape(
+        self, target: int, shape_of: Callable[[str], tuple[int, ...]]
+    ) -> tuple[int, dict[str, str]] | None:
+        """A nameless variable's slots in a ``tf_keras`` optimizer's slot lists, by shape."""
+        shape = shape_of(self._key(target))
+        in_lists = {
+            slot
+            for node in self.nodes
+            if node.child(*_STEPS) is not None
+            for _, list_node in node.children
+            for _, slot in self.nodes[list_node].children
+        }
+        twins = [
+            i
+            for i in self._by_key.values()
+            if i not in in_lists and self._nameless(i) and shape_of(self._key(i)) == shape
+        ]
+        for owner, node in enumerate(self.nodes):
+            if node.child(*_STEPS) is None:
+                continue
+            found = {}
+            for local, list_node in node.children:
+                name = KERAS3_SLOT_LISTS.get(local)
+                if name is None:
+                    continue
+                same = [
+                    slot
+                    for _, slot in self.nodes[list_node].children
+                    if self._nameless(slot) and shape_of(self._key(slot)) == shape
+                ]
+                if len(same) > 1 or (same and len(twins) > 1):
+                    raise ValueError(
+                        f"the optimizer's {local} holds {len(same)} slots of shape "
+                        f"{list(shape)} for {len(twins)} unnamed variables of that shape "
+                        "(ShardedVariables): which is whose is not recorded; read them by key"
+                    )
+                if same:
+                    found[name] = self._key(same[0])
+            if found:
+                return owner, found
+        return None
+
+    def _nameless(self, node: int) -> bool:
+        saved = self.nodes[node].tensors.get(_VALUE)
+        return saved is not None and saved[0] in ("", "ShardedVariable")
+
     def _slots(self, owner: int, found: dict[str, str]) -> Slots:
+        """The slots ``found`` for a variable, with the step count and rate of ``owner``."""
         node = self.nodes[owner]
         steps, rate = node.child(*_STEPS), node.child(*_LEARNING_RATE)
         return Slots(

@@ -100,7 +100,8 @@ def test_keras_slots_give_torch_optimizers_keras_next_step(case: str) -> None:
 
 
 def test_steps_are_the_optimizers_iterations() -> None:
-    for case in ("keras3_adam", "tf_keras_adam", "legacy_adam", "v1_adam", "keras3_adagrad"):
+    cases = ("keras3_adam", "tf_keras_adam", "legacy_adam", "v1_adam", "keras3_adagrad")
+    for case in (*cases, "pss_adagrad", "pss_legacy_adam"):
         kind = DENSE_KINDS[CASES[case]["optimizer"]]
         state = _ckpt(case)
         for name in CASES[case]["variables"]:
@@ -145,6 +146,8 @@ TABLE_CASES = {
     "legacy_adam": ("Adam", {}),
     "legacy_adagrad": ("Adagrad", {"eps": 0.0}),
     "v1_adam": ("Adam", {}),
+    "pss_adagrad": ("Adagrad", {"eps": 0.0}),
+    "pss_legacy_adam": ("Adam", {}),
 }
 
 
@@ -160,13 +163,14 @@ def test_a_keras_tables_slots_give_the_row_wise_optimizer_kerass_next_step(case:
     s, var = CASES[case]["settings"], CASES[case]["variables"]
     name = next(n for n in var if n.endswith("embeddings"))
     ckpt = _ckpt(case)
-    state = ckpt.table_state(name, kind)
+    state = ckpt.table_state(name, kind, CASES[case].get("partition", "mod"))
+    rows = len(var[name]["before"])
     if kind == "Adam":
         # psflow's row-wise Adam adds eps before the bias correction, as Keras does.
         spec = RowOptimizerSpec.of(
             "Adam", lr=s["learning_rate"], betas=(s["beta_1"], s["beta_2"]), eps=s["epsilon"]
         )
-        assert state["step"].tolist() == [3] * 8
+        assert state["step"].tolist() == [3] * rows
     elif kind == "Adagrad":
         spec = RowOptimizerSpec.of("Adagrad", lr=s["learning_rate"], **extra)
     else:
@@ -182,7 +186,7 @@ def test_a_keras_tables_slots_give_the_row_wise_optimizer_kerass_next_step(case:
     want = torch.tensor(var[name]["after"])
     atol = 1e-6
     torch.testing.assert_close(values[touched], want[touched], rtol=0, atol=atol)
-    fresh_state = RowOptimizer(spec).new_state(8, 3, values.dtype)
+    fresh_state = RowOptimizer(spec).new_state(rows, 3, values.dtype)
     fresh = ckpt.tensor(name).clone()
     RowOptimizer(spec).apply(fresh, fresh_state, touched, torch.tensor(var[name]["grad"])[touched])
     assert (fresh[touched] - want[touched]).abs().max() > 100 * atol
@@ -305,3 +309,25 @@ def test_any_damage_to_an_object_graph_raises_a_clear_error_or_parses(case: str)
         else:
             outcomes["parsed"] += 1
     assert outcomes["refused"] > 30 and outcomes["parsed"] > 30, outcomes
+
+
+def test_parameter_server_strategys_sharded_variables_by_their_paths() -> None:
+    """``ParameterServerStrategy`` saves each ``ShardedVariable`` whole, in slices (one per
+    ps), with no name of its own ("ShardedVariable"): it is taken by its path, its rows in
+    id order with ``"div"`` (each shard holds contiguous rows). A ``tf_keras`` optimizer's
+    slots carry no usable name either: they are matched by shape, one to one, or refused."""
+    ckpt = _ckpt("pss_adagrad")
+    assert ckpt.num_shards == 3  # the chief's and each ps's data file
+    path = "model/layer_with_weights-0/embeddings"
+    assert ckpt.variables()[path] == path + "/.ATTRIBUTES/VARIABLE_VALUE"
+    assert "ShardedVariable" not in ckpt.variables()
+    assert ckpt.partitions(path) == [(0, 6), (6, 5)]
+    assert torch.equal(ckpt.embedding(path, "div"), ckpt.tensor(path))
+    graph = ckpt._object_graph()
+    assert graph is not None
+    key = ckpt.variables()[path]
+    slots = graph.slots(key, ckpt.shape)
+    assert slots is not None and list(slots.keys) == ["accumulator"]
+    assert graph.slots(key) is None  # without shapes, nothing links them
+    with pytest.raises(ValueError, match=r"holds 3 slots of shape \[2\] for 3 unnamed"):
+        graph.slots(key, lambda _: (2,))
