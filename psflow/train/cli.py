@@ -17,14 +17,20 @@ if TYPE_CHECKING:
 
 
 def _tf_prefix(path: str) -> str | None:
-    """``path`` as a TensorFlow checkpoint's prefix: itself, or the latest in a directory that
-    TensorFlow wrote checkpoints into; ``None`` when it is neither."""
+    """``path`` as a TensorFlow checkpoint's prefix: itself, the latest in a directory that
+    TensorFlow wrote checkpoints into, or a SavedModel's ``variables/variables``; ``None`` when
+    it is none of these."""
     from psflow.train.tf_checkpoint import TFCheckpoint
 
     fs, local = fsspec.core.url_to_fs(path)
     if fs.exists(local + ".index"):
         return path
-    return TFCheckpoint.latest(path) if fs.isdir(local) else None
+    if not fs.isdir(local):
+        return None
+    saved_model = path.rstrip("/") + "/variables/variables"
+    if fs.exists(local.rstrip("/") + "/variables/variables.index"):
+        return saved_model
+    return TFCheckpoint.latest(path)
 
 
 def inspect(args: argparse.Namespace) -> int:

@@ -331,3 +331,20 @@ def test_parameter_server_strategys_sharded_variables_by_their_paths() -> None:
     assert graph.slots(key) is None  # without shapes, nothing links them
     with pytest.raises(ValueError, match=r"holds 3 slots of shape \[2\] for 3 unnamed"):
         graph.slots(key, lambda _: (2,))
+
+
+def test_a_saved_models_variables_are_a_checkpoint() -> None:
+    """``model.save(directory)`` (a SavedModel) keeps the model and its optimizer in
+    ``variables/variables``: read as any TensorFlow 2 checkpoint (the dense test above runs on
+    it too), and ``psflow checkpoint inspect`` takes the SavedModel's directory."""
+    case = CASES["savedmodel_adagrad"]
+    assert case["prefix"] == "savedmodel_adagrad/variables/variables"
+    ckpt = _ckpt("savedmodel_adagrad")
+    assert (
+        ckpt.variables()["head/kernel"] == "layer_with_weights-1/kernel/.ATTRIBUTES/VARIABLE_VALUE"
+    )
+    proc = _psflow("checkpoint", "inspect", str(KERAS / "savedmodel_adagrad"))
+    assert proc.returncode == 0, proc.stderr
+    prefix = KERAS / "savedmodel_adagrad" / "variables" / "variables"
+    assert proc.stdout.splitlines()[0] == f"TensorFlow checkpoint: {prefix} (1 data file)"
+    assert any(line.split()[:1] == ["head/kernel"] for line in proc.stdout.splitlines())
