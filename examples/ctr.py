@@ -31,7 +31,10 @@ worker its share. At the end the chief scores the held-out split: AUC, and the b
 achievable on it when the set came from ``synth-ctr`` (its planted model's). With
 ``--evaluator`` an evaluator task scores every checkpoint on the held-out split (``eval/auc``,
 ``eval/loss`` in TensorBoard, under ``<logdir>/eval``) while the job trains. Without a cluster
-(``python examples/ctr.py --data data/ctr``) the same script trains in one process.
+(``python examples/ctr.py --data data/ctr``) the same script trains in one process. With
+``--device cuda`` the workers' dense layers and the rows each step pulls are on the GPU, the
+table on the ps, on the CPU (``scripts/gpu-check.sh`` runs it against ``--device cpu`` on a
+machine with a GPU).
 """
 
 from __future__ import annotations
@@ -119,12 +122,15 @@ class DLRM(nn.Module):
         return logit.squeeze(1)
 
 
-def evaluate(model: nn.Module, files: str, batch_size: int) -> tuple[float, float]:
+def evaluate(
+    model: nn.Module, files: str, batch_size: int, device: torch.device | None = None
+) -> tuple[float, float]:
     """AUC and log loss of ``model`` on ``files`` (every example, once)."""
     scores, labels = [], []
     with torch.no_grad():
         for batch in ctr_batches(files, batch_size=batch_size, num_epochs=1):
-            scores.append(model(batch.dense, batch.categorical))
+            dense, categorical = batch.dense.to(device), batch.categorical.to(device)
+            scores.append(model(dense, categorical).cpu())
             labels.append(batch.label)
     logits, y = torch.cat(scores), torch.cat(labels)
     loss = F.binary_cross_entropy_with_logits(logits, y).item()
@@ -191,6 +197,12 @@ def main() -> None:
         default=1e-5,
         help="the wide term's FTRL's initial_accumulator_value",
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="the workers' device (cuda: the dense layers and the rows a step pulls are there; "
+        "the table stays on the ps, on the CPU)",
+    )
     parser.add_argument("--logdir", default=None, help="checkpoints and TensorBoard summaries")
     parser.add_argument("--save_checkpoint_steps", type=int, default=None, help="default: 10 min")
     parser.add_argument("--seed", type=int, default=0)
@@ -229,6 +241,9 @@ def main() -> None:
     sizes = [int(s) for s in args.bottom.split(",")], [int(s) for s in args.top.split(",")]
     model = DLRM(args.dim, sizes[0], sizes[1], table, wide, args.min_count)
     test = os.path.join(args.data, "test-*")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this torch sees no CUDA device")
     if ctx is not None and ctx.is_evaluator:
         # Each checkpoint, hashed tables included, loaded here with no ps; ends after the last.
         def score(m: nn.Module) -> dict[str, float]:
@@ -237,6 +252,7 @@ def main() -> None:
 
         psflow.Evaluator(model, score, args.logdir).run()
         return
+    model.to(device)
     trainers = ctx.cluster.trainers if ctx else []
     index, workers = (trainers.index(ctx.task), len(trainers)) if ctx else (0, 1)
     train = os.path.join(args.data, "train-*")
@@ -264,9 +280,9 @@ def main() -> None:
     )
     with session as sess:
         start, steps = time.perf_counter(), 0
-        batch = next(batches)
+        batch = next(batches).to(device)
         while not sess.should_stop():
-            following = next(batches)
+            following = next(batches).to(device)
             sess.zero_grad()
             logits = model(batch.dense, batch.categorical)
             loss = F.binary_cross_entropy_with_logits(logits, batch.label)
@@ -282,7 +298,7 @@ def main() -> None:
         if sess.is_chief:
             if ctx is not None:
                 sess.opt.pull()  # the dense layers as the ps hold them now
-            test_auc, test_loss = evaluate(model, test, 4096)
+            test_auc, test_loss = evaluate(model, test, 4096, device)
             meta_path = os.path.join(args.data, META_FILE)
             best = None
             if os.path.exists(meta_path):

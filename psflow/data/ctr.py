@@ -441,6 +441,10 @@ class CTRBatch(NamedTuple):
     label: torch.Tensor
     """``[B]`` float32, 0 or 1."""
 
+    def to(self, device: torch.device | str | None) -> CTRBatch:
+        """The batch on ``device`` (the same tensors where they already are)."""
+        return CTRBatch(self.dense.to(device), self.categorical.to(device), self.label.to(device))
+
 
 TF_MODELS_DENSE = tuple(f"dense-feature-{i}" for i in range(1, 14))
 TF_MODELS_CATEGORICAL = tuple(f"sparse-feature-{i}" for i in range(14, 40))

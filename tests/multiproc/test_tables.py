@@ -89,15 +89,23 @@ def _ps(cluster: ClusterSpec) -> list[subprocess.Popen[str]]:
     return [start_ps(cluster, i) for i in range(cluster.num_tasks("ps"))]
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+"""The worker's devices: on CUDA its model and batches are there, its rows come there, and
+the ps stay on the CPU."""
+
+
 @pytest.mark.usefixtures("path")  # the worker's grouping: psflow's kernel, or torch's ops
-def test_one_worker_matches_one_process_adagrad(two_ps: ClusterSpec) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_worker_matches_one_process_adagrad(two_ps: ClusterSpec, device: str) -> None:
     """One asynchronous worker against 2 ps takes exactly the steps one process takes with
     torch.optim.Adagrad over a local copy of the same model (rows untouched by a step get a
-    zero gradient there, which Adagrad leaves as they are)."""
+    zero gradient there, which Adagrad leaves as they are): its model on the CPU, or on CUDA
+    (the rows it pulls land there), against the one process on the CPU."""
     local = Recommender()
     users_rows = {}
     # The hashed table's rows start from (seed, id): the same on the ps as in a local module.
-    remote = Recommender()
+    remote = Recommender().to(device)
     torch.manual_seed(0)
     ref_items = torch.nn.Embedding(VOCAB, DIM, padding_idx=0)
     ref_items.weight.data.copy_(local.items.weight.data)
@@ -111,7 +119,8 @@ def test_one_worker_matches_one_process_adagrad(two_ps: ClusterSpec) -> None:
         for step in range(6):
             items, users, y = batch(step, 0, 8)
             opt.zero_grad()
-            loss_of(remote, items, users, y).backward()
+            assert remote.items(items.to(device)).device.type == device
+            loss_of(remote, items.to(device), users.to(device), y.to(device)).backward()
             opt.step()
             ref_opt.zero_grad()
             x = torch.cat([ref_items(items).mean(1), local.users(users)], 1)
@@ -123,7 +132,7 @@ def test_one_worker_matches_one_process_adagrad(two_ps: ClusterSpec) -> None:
         assert torch.equal(got[0], torch.zeros(DIM)), "the padding row never moves"
         for name in ("weight", "bias"):
             torch.testing.assert_close(
-                getattr(remote.head, name).detach(), getattr(local.head, name).detach()
+                getattr(remote.head, name).detach().cpu(), getattr(local.head, name).detach()
             )
         status = tables(opt).status()
         assert set(status) == {0, 1}

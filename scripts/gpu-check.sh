@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, as one command for a machine with one (the device tool's `run`,
+# ../.library/device): the CUDA tests (towers, stages, a worker on CUDA against 2 ps), then
+# examples/ctr.py with its 2 workers on the CPU and on CUDA, side by side on that machine.
+#
+# There, python3 has a CUDA build of torch and most of psflow's dependencies, but neither pyzmq
+# nor google-crc32c, and nothing can be fetched: they travel as wheels in .whl, fetched here once
+# (git ignores .whl through .git/info/exclude):
+#
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#       --platform manylinux2014_x86_64 -d .whl pyzmq==27.3.0 google-crc32c==1.9.0
+#
+# and the device run carries it: command `bash scripts/gpu-check.sh`, carry [".whl"]. About 4
+# minutes on an H100 with the defaults; CTR_STEPS and CTR_EXAMPLES make it shorter or longer.
+# Logs go to $OUT (the device tool brings them back), else /tmp/gpu-check. PYTHON names another
+# interpreter (here: PYTHON=.venv/bin/python runs all but the CUDA parts, which fail or skip).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out="${OUT:-/tmp/gpu-check}"
+mkdir -p "$out"
+steps="${CTR_STEPS:-600}"
+examples="${CTR_EXAMPLES:-1000000}"
+
+py="${PYTHON:-python3}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+nvidia-smi -L
+"$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+# The C kernels for this Python (optional: without them the same updates run on torch's ops).
+"$py" setup.py -q build_ext --inplace >"$out/build.log" 2>&1 || echo "C kernels not built"
+
+echo "== CUDA tests =="
+"$py" -m pytest -q -p no:cacheprovider -rs tests/unit/test_towers.py tests/unit/test_stages.py \
+    "tests/multiproc/test_tables.py::test_one_worker_matches_one_process_adagrad" \
+    2>&1 | tee "$out/tests.log" | tail -15
+
+echo "== examples/ctr.py: 2 ps, 2 workers, ${steps} steps of 1,024 =="
+"$py" -m psflow.cli data synth-ctr /tmp/ctr --examples "$examples" --shards 4 >/dev/null
+for device in cpu cuda; do
+    "$py" -m psflow.cli launch --ps 2 --workers 2 examples/ctr.py --data /tmp/ctr \
+        --train_steps "$steps" --device "$device" --prefetch >"$out/ctr-$device.log" 2>&1
+    echo "$device (exit $?):"
+    grep -E "samples/s|RESULT" "$out/ctr-$device.log"
+done
