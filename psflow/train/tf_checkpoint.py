@@ -209,7 +209,7 @@ class TFCheckpoint:
         if name + VALUE_SUFFIX in self._entries:  # a TensorFlow 2 variable's object path
             return name + VALUE_SUFFIX
         graph = self._object_graph()
-        keys = graph.variables().get(name, []) if graph is not None else []
+        keys = graph.keys_of(name) if graph is not None else []
         if len(keys) > 1:
             raise KeyError(f"{self.prefix}: {len(keys)} variables are named {name!r}: {keys}")
         if not keys:

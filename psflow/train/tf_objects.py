@@ -22,6 +22,10 @@ An optimizer's slots for a variable are linked to it in one of three ways, by Ke
 - ``tf_keras`` (Keras 2.11 on): the optimizer's slot lists hold variables named
   ``<optimizer>/<slot>/<variable>`` (``Adam/m/head/kernel``); steps in ``_iterations``.
 
+``tf.distribute.ParameterServerStrategy`` saves a ``ShardedVariable`` whole (in slices) under
+the name ``"ShardedVariable"``, its ``tf_keras`` slots too: such a variable is known by its
+path (its key without :data:`VALUE_SUFFIX`), and its slots by shape, where that is one to one.
+
 Parsed with :mod:`psflow.train.tf_proto`; nothing is evaluated.
 """
 
@@ -43,7 +47,7 @@ _VALUE = "VARIABLE_VALUE"
 VALUE_SUFFIX = "/.ATTRIBUTES/" + _VALUE
 """What a variable's key adds to its path in the object graph."""
 
-KERAS3_SLOT_LISTS = {
+_SLOT_LISTS = {
     "_momentums": "m",
     "_velocities": "v",
     "_velocity_hats": "vhat",
@@ -51,7 +55,8 @@ KERAS3_SLOT_LISTS = {
     "_accumulators": "accumulator",
     "_linears": "linear",
 }
-"""A Keras 3 optimizer's slot lists, by the slot name the other two forms give them."""
+"""A Keras optimizer's slot lists (Keras 3's and ``tf_keras``'s), by the slot name the slot
+references give them."""
 
 _STEPS = ("_iterations", "iter")
 _LEARNING_RATE = ("_learning_rate", "learning_rate")
@@ -112,16 +117,19 @@ class ObjectGraph:
             for attr, (_, key) in node.tensors.items()
             if attr == _VALUE
         }
+        self._names: dict[str, list[str]] = {}
+        for key, i in self._by_key.items():
+            if not self._nameless(i):
+                self._names.setdefault(self.nodes[i].tensors[_VALUE][0], []).append(key)
 
     def variables(self) -> dict[str, list[str]]:
         """Each variable's own name (``full_name``: ``head/kernel``) -> its checkpoint keys
         (one, unless two variables of the graph share the name)."""
-        out: dict[str, list[str]] = {}
-        for i, node in enumerate(self.nodes):
-            saved = node.tensors.get(_VALUE)
-            if saved is not None and not self._nameless(i):
-                out.setdefault(saved[0], []).append(saved[1])
-        return out
+        return {name: list(keys) for name, keys in self._names.items()}
+
+    def keys_of(self, name: str) -> list[str]:
+        """The keys of the variables named ``name`` (none, one, or more that share it)."""
+        return list(self._names.get(name, ()))
 
     def nameless(self) -> list[str]:
         """The keys of the variables saved without a name of their own (``ShardedVariable``)."""
@@ -173,7 +181,7 @@ class ObjectGraph:
                 continue
             found = {}
             for local, list_node in node.children:
-                name = KERAS3_SLOT_LISTS.get(local)
+                name = _SLOT_LISTS.get(local)
                 slot = self.nodes[list_node].child(index) if name else None
                 if name and slot is not None:
                     found[name] = self._key(slot)
@@ -183,9 +191,9 @@ class ObjectGraph:
 
     def _by_name(self, target: int) -> tuple[int, dict[str, str]] | None:
         """``tf_keras``: slots named ``<optimizer>/<slot>/<variable>`` in the slot lists."""
-        var_name = self.nodes[target].tensors[_VALUE][0]
         if self._nameless(target):
             return None
+        var_name = self.nodes[target].tensors[_VALUE][0]
         for owner, node in enumerate(self.nodes):
             if node.child(*_STEPS) is None:
                 continue
@@ -224,7 +232,7 @@ class ObjectGraph:
                 continue
             found = {}
             for local, list_node in node.children:
-                name = KERAS3_SLOT_LISTS.get(local)
+                name = _SLOT_LISTS.get(local)
                 if name is None:
                     continue
                 same = [
@@ -245,6 +253,7 @@ class ObjectGraph:
         return None
 
     def _nameless(self, node: int) -> bool:
+        """Whether ``node`` saved a variable with no name of its own."""
         saved = self.nodes[node].tensors.get(_VALUE)
         return saved is not None and saved[0] in ("", "ShardedVariable")
 
@@ -259,6 +268,7 @@ class ObjectGraph:
         )
 
     def _key(self, node: int) -> str:
+        """The checkpoint key of the variable ``node`` saved."""
         saved = self.nodes[node].tensors.get(_VALUE)
         if saved is None:
             raise ValueError(f"the object graph's node {node} saved no variable value")

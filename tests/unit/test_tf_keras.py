@@ -348,3 +348,38 @@ def test_a_saved_models_variables_are_a_checkpoint() -> None:
     prefix = KERAS / "savedmodel_adagrad" / "variables" / "variables"
     assert proc.stdout.splitlines()[0] == f"TensorFlow checkpoint: {prefix} (1 data file)"
     assert any(line.split()[:1] == ["head/kernel"] for line in proc.stdout.splitlines())
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _message(number: int, payload: bytes) -> bytes:
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _variable_node(name: str, key: str) -> bytes:
+    """A ``TrackableObject`` that saved one variable (``SerializedTensor``)."""
+    tensor = _message(1, b"VARIABLE_VALUE") + _message(2, name.encode()) + _message(3, key.encode())
+    return _message(1, _message(2, tensor))
+
+
+def test_a_name_two_variables_share_is_refused_by_name_and_read_by_key() -> None:
+    """Two models in one checkpoint can each have a ``dense/kernel``: asked by that name, the
+    error lists both keys; each key still reads."""
+    ckpt = _ckpt("keras3_adam")
+    first, second = (ckpt.variables()[n] for n in ("model/head/kernel", "model/head/bias"))
+    graph = ObjectGraph(
+        _variable_node("dense/kernel", first) + _variable_node("dense/kernel", second)
+    )
+    assert graph.variables() == {"dense/kernel": [first, second]}
+    ckpt._graph = graph
+    assert "dense/kernel" not in ckpt.variables()
+    with pytest.raises(KeyError, match="2 variables are named 'dense/kernel'"):
+        ckpt.tensor("dense/kernel")
+    assert ckpt.tensor(first).shape == (6, 2) and ckpt.tensor(second).shape == (2,)
