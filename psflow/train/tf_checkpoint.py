@@ -612,6 +612,16 @@ class TFCheckpoint:
             )
         return path
 
+    def _bytes(self, name: str, entry: Entry) -> tuple[str, bytes]:
+        """The data file that holds ``entry``, and its bytes there."""
+        path = self._data_file(name, entry)
+        with self._fs.open(path, "rb") as f:
+            f.seek(entry.offset)
+            raw = f.read(entry.size)
+        if len(raw) != entry.size:
+            raise ValueError(f"{path}: {name!r} runs past the end of the file (truncated?)")
+        return path, raw
+
     def _strings(self, name: str) -> list[bytes]:
         """A string tensor's elements. TensorFlow writes each element's length as a varint,
         then a masked CRC32C of the lengths (taken as uint32s), then the bytes; the entry's
@@ -619,12 +629,7 @@ class TFCheckpoint:
         entry = self._entries[name]
         if entry.dtype != _DT_STRING or entry.slices:
             raise ValueError(f"{self.prefix}: {name!r} is not a string tensor saved whole")
-        path = self._data_file(name, entry)
-        with self._fs.open(path, "rb") as f:
-            f.seek(entry.offset)
-            raw = f.read(entry.size)
-        if len(raw) != entry.size:
-            raise ValueError(f"{path}: {name!r} runs past the end of the file (truncated?)")
+        path, raw = self._bytes(name, entry)
         count = math.prod(entry.shape)
         lengths = []
         pos = 0
@@ -655,12 +660,7 @@ class TFCheckpoint:
                 f"{self.prefix}: {name!r} is {list(entry.shape)} {dtype} but its entry says "
                 f"{entry.size} bytes"
             )
-        path = self._data_file(name, entry)
-        with self._fs.open(path, "rb") as f:
-            f.seek(entry.offset)
-            raw = f.read(entry.size)
-        if len(raw) != entry.size:
-            raise ValueError(f"{path}: {name!r} runs past the end of the file (truncated?)")
+        path, raw = self._bytes(name, entry)
         if google_crc32c.value(raw) != unmask(entry.crc32c):
             raise ValueError(f"{path}: the CRC32C of {name!r} does not match (corrupted)")
         values = np.frombuffer(raw, dtype=np_dtype).reshape(entry.shape)
