@@ -56,18 +56,28 @@ class RowOptimizer:
         return self.spec.state_names
 
     def new_state(
-        self, rows: int, dim: int, dtype: torch.dtype, device: torch.device | str | None = None
+        self,
+        rows: int,
+        dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+        *,
+        filled: bool = True,
     ) -> dict[str, torch.Tensor]:
         """Fresh state for ``rows`` rows (what a row that was never updated holds); on the CPU,
-        in huge pages (:func:`psflow.allocator.table_empty`)."""
+        in huge pages (:func:`psflow.allocator.table_empty`). ``filled=False``: the memory
+        only, for rows the caller gives state (:meth:`reset_rows`) as it takes them, so that
+        the pages of rows not yet taken are never touched."""
         name = self.spec.name
         shape = (rows, dim)
         on_cpu = device is None or torch.device(device).type == "cpu"
 
         def full(value: float) -> torch.Tensor:
             if not on_cpu:
-                return torch.full(shape, value, dtype=dtype, device=device)
-            return allocator.table_empty(shape, dtype).fill_(value)
+                out = torch.empty(shape, dtype=dtype, device=device)
+            else:
+                out = allocator.table_empty(shape, dtype)
+            return out.fill_(value) if filled else out
 
         if name == "Adagrad":
             return {"sum": full(self.initial_accumulator_value)}
@@ -75,7 +85,9 @@ class RowOptimizer:
             return {
                 "exp_avg": full(0.0),
                 "exp_avg_sq": full(0.0),
-                "step": torch.zeros(rows, dtype=torch.int64, device=device),
+                "step": (torch.zeros if filled else torch.empty)(
+                    rows, dtype=torch.int64, device=device
+                ),
             }
         if name == "Ftrl":
             return {"accum": full(self.initial_accumulator_value), "linear": full(0.0)}

@@ -444,10 +444,14 @@ class HashedRows(Rows):
     # -- storage -----------------------------------------------------------------------------
 
     def _alloc(self, capacity: int) -> None:
-        """Storage for ``capacity`` rows, the first ``self._n`` copied from the current one."""
+        """Storage for ``capacity`` rows, the first ``self._n`` copied from the current one.
+        The rest is left as allocated: a slot gets its row and state as it is taken
+        (:meth:`_store` writes fresh ones; :meth:`load` every state key, as its check
+        requires), and the pages of slots never taken stay untouched (a table that just
+        doubled its capacity does not fill the new half)."""
         n = self._n
         values = allocator.table_empty((capacity, self.dim), self.dtype)
-        state = self.optimizer.new_state(capacity, self.dim, self.dtype)
+        state = self.optimizer.new_state(capacity, self.dim, self.dtype, filled=False)
         slot_ids = torch.empty(capacity, dtype=torch.int64)
         last = torch.zeros(capacity, dtype=torch.int64)
         if n:

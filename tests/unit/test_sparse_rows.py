@@ -626,3 +626,26 @@ def test_an_init_with_bad_first_rows_is_refused_and_changes_nothing() -> None:
             set_initial_rows(tables, first)
         # Checked before anything changes: the good table's rows are still the seeded ones.
         assert torch.equal(tables["emb"].lookup(torch.tensor([0, 2, 4])), seeded)
+
+
+@pytest.mark.parametrize("optimizer", ["Adagrad", "Adam", "Ftrl"])
+def test_rows_a_hashed_table_grows_into_start_with_fresh_state(optimizer: str) -> None:
+    """A table that outgrows its storage twice over: its new storage is not filled (the pages
+    of slots not yet taken stay untouched), and every row it then takes starts with the state
+    of a fresh row, as one trained in a table that never grew."""
+    from psflow.sparse.rows import INITIAL_CAPACITY
+
+    extra = {"initial_accumulator_value": 0.25} if optimizer != "Adam" else {}
+    spec = hashed(optimizer=RowOptimizerSpec.of(optimizer, **extra))
+    rows = make_rows(spec, 0, 1)
+    ids = torch.arange(3 * INITIAL_CAPACITY, dtype=torch.int64) * 7919
+    rows.apply(ids, torch.zeros(ids.numel(), 4, dtype=F64))
+    assert rows.stats["capacity"] >= 3 * INITIAL_CAPACITY > INITIAL_CAPACITY
+    fresh = rows.optimizer.new_state(ids.numel(), 4, F64)
+    snap = rows.snapshot()
+    order = torch.argsort(snap["ids"])
+    for key, want in fresh.items():
+        got = snap["opt/" + key][order]
+        if key == "step":  # Adam counts the step that created the row
+            want = want + 1
+        assert torch.equal(got, want), key
