@@ -211,6 +211,10 @@ class TableModule(nn.Module):
         self._name: str | None = None
         self._source: RowSource | None = None
         self._held_state: dict[str, torch.Tensor] = {}
+        self._held_ids: torch.Tensor | None = None
+        self._held_hashed: torch.Tensor | None = None
+        """A hashed table's rows given by :meth:`load_rows`, and their ids: sent by a job's
+        chief as the table's first rows, as a fixed table's weight is."""
         self._fused: _FusedRows | None = None
         # Checked now, so that a bad argument is named where the model is built rather than
         # where a worker first places the table.
@@ -279,6 +283,7 @@ class TableModule(nn.Module):
             self._dtype = weight.dtype  # the rows the source gives will have it
             del self._parameters["weight"]
         self._held_state = {}
+        self._held_ids = self._held_hashed = None
         self._fused = None
         self._source = source
 
@@ -315,6 +320,80 @@ class TableModule(nn.Module):
                 )
         self._held_state = {k: t.detach() for k, t in state.items()}
 
+    def load_rows(
+        self,
+        ids: torch.Tensor,
+        rows: torch.Tensor,
+        optimizer_state: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """A hashed table's rows for ``ids`` (1-D int64, unique), e.g. a TensorFlow
+        ``MutableHashTable``'s or a dynamic embedding's keys and values, and maybe their
+        row-wise optimizer state (the keys :meth:`give_optimizer_state` lists, one row per
+        id). Here they are the table's rows at once; given to a job, the chief's init sends
+        each ps the rows of its ids, and the job starts from them (a restored checkpoint wins).
+        Other ids start from the seed, as always.
+
+        Raises:
+            ValueError: for a fixed-size or attached table, bad ids (repeated, not int64, the
+                padding id), rows not ``[len(ids), embedding_dim]`` floats, or state that is not
+                the table's optimizer's.
+        """
+        if self.num_embeddings is not None:
+            raise ValueError(
+                f"{self._label()}: load_rows is for a hashed table (num_embeddings=None); a "
+                "fixed-size one takes its rows as its weight (from_pretrained)"
+            )
+        if self._source is not None:
+            raise ValueError(f"{self._label()} is attached: its rows are on the ps")
+        if ids.dtype != torch.int64 or ids.dim() != 1:
+            raise ValueError(
+                f"{self._label()}: ids must be a 1-D int64 tensor, got {ids.dtype} of shape "
+                f"{list(ids.shape)}"
+            )
+        ids = ids.detach().cpu()
+        if torch.unique(ids).numel() != ids.numel():
+            raise ValueError(f"{self._label()}: ids repeat")
+        if self.padding_idx is not None and bool((ids == self.padding_idx).any()):
+            raise ValueError(
+                f"{self._label()}: ids include the padding id {self.padding_idx}, whose row "
+                "is always zero"
+            )
+        if list(rows.shape) != [ids.numel(), self.embedding_dim] or not rows.is_floating_point():
+            raise ValueError(
+                f"{self._label()}: rows are {list(rows.shape)} {rows.dtype}; expected "
+                f"[len(ids), embedding_dim] = [{ids.numel()}, {self.embedding_dim}] floats"
+            )
+        rows = rows.detach().to("cpu", self._dtype)
+        state = {}
+        if optimizer_state is not None:
+            spec = self._spec.optimizer
+            if spec is None:
+                raise ValueError(
+                    f"{self._label()}: optimizer state needs the table's optimizer named "
+                    "(the state is that optimizer's)"
+                )
+            fresh = RowOptimizer(spec).new_state(1, self.embedding_dim, self._dtype)
+            if set(optimizer_state) != set(fresh):
+                raise ValueError(
+                    f"{self._label()}: {spec.name} keeps state {sorted(fresh)}, got "
+                    f"{sorted(optimizer_state)}"
+                )
+            for key, t in optimizer_state.items():
+                want = (ids.numel(), *fresh[key].shape[1:])
+                if tuple(t.shape) != want or t.dtype != fresh[key].dtype:
+                    raise ValueError(
+                        f"{self._label()}: optimizer state {key!r} is {list(t.shape)} "
+                        f"{t.dtype}, expected {list(want)} {fresh[key].dtype}"
+                    )
+                state[key] = t.detach().cpu()
+        self._held_ids, self._held_hashed, self._held_state = ids, rows, state
+        self._fused = None  # built again, with these rows, by the next forward here
+
+    def held_ids(self) -> torch.Tensor | None:
+        """The ids of the rows a hashed table was given (:meth:`load_rows`); ``None`` for a
+        fixed table, or a hashed one given none."""
+        return self._held_ids
+
     def held_state(self) -> dict[str, torch.Tensor]:
         """The optimizer state given with the rows (:meth:`give_optimizer_state`); empty
         when none was."""
@@ -329,7 +408,11 @@ class TableModule(nn.Module):
 
     def held_rows(self) -> torch.Tensor | None:
         """The rows this module holds itself, detached: a fixed table's weight, unless it is on
-        the meta device; ``None`` for a hashed or attached table, or one on the meta device."""
+        the meta device; a hashed table's rows given by :meth:`load_rows` (of
+        :meth:`held_ids`); ``None`` for an attached table, one on the meta device, or a hashed
+        one given none."""
+        if self.num_embeddings is None:
+            return self._held_hashed
         weight = self._parameters.get("weight")
         if weight is None or weight.is_meta:
             return None
@@ -490,7 +573,13 @@ class TableModule(nn.Module):
                     "optimizer: give one, e.g. optimizer='Adagrad' (or 'SGD', 'Adam', 'Ftrl', "
                     "or a RowOptimizerSpec)"
                 )
-            self._fused = _FusedRows(make_rows(self._spec, 0, 1))
+            store = make_rows(self._spec, 0, 1)
+            if self._held_ids is not None and self._held_hashed is not None:
+                fresh = store.optimizer.new_state(
+                    self._held_ids.numel(), self.embedding_dim, self._dtype
+                )
+                store.load(self._held_ids, self._held_hashed, self._held_state or fresh)
+            self._fused = _FusedRows(store)
         return self._fused
 
     @property

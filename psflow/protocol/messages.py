@@ -48,7 +48,8 @@ late before the ps declares it dead."""
 
 
 ROW_IDS = "#ids"
-"""Suffix of the tensor that carries a table's ids in a push (``emb#ids``)."""
+"""Suffix of the tensor that carries a table's ids in a push (``emb#ids``), and of the ids of a
+hashed table's first rows in an init (:func:`initial_ids_tensor_name`)."""
 ROW_GRADS = "#grad"
 """Suffix of the tensor that carries their gradients, one row per id (``emb#grad``)."""
 
@@ -73,6 +74,13 @@ def initial_rows_tensor_name(table: str) -> str:
     """The name of the tensor of a shard's first rows of ``table`` in an init (all its rows, in
     the shard's storage order): the rows the chief's model held, instead of the seeded ones."""
     return table + ROW_VALUES
+
+
+def initial_ids_tensor_name(table: str) -> str:
+    """The name of the tensor of the ids of a shard's first rows of a hashed ``table`` in an
+    init (int64, unique, each on that shard; the rows in the same order): the rows the chief's
+    model was given (:meth:`psflow.nn.TableModule.load_rows`)."""
+    return table + ROW_IDS
 
 
 def initial_state_tensor_name(table: str, key: str) -> str:

@@ -8,8 +8,8 @@ asks for the rows of its batch's ids (:attr:`~psflow.protocol.Op.LOOKUP`) and pu
 gradients with its dense ones (:attr:`~psflow.protocol.Key.ROWS`), applied in the same update.
 
 Ops (:class:`TableService`): ``lookup`` and ``table_status``. The chief creates the tables with
-its ``init`` (:func:`build_tables`; a fixed table starts from the rows the chief's model held,
-when it held them: :func:`set_initial_rows`); a restore reads each shard's rows from every file
+its ``init`` (:func:`build_tables`; a table starts from the rows the chief's model held, when
+it held them, a hashed one's by id: :func:`set_initial_rows`); a restore reads each shard's rows from every file
 of the checkpoint (:func:`restore_tables`), so a checkpoint restores into any number of ps.
 """
 
@@ -27,6 +27,7 @@ from psflow.protocol.messages import (
     ROW_GRADS,
     ROW_IDS,
     ROW_STATE,
+    initial_ids_tensor_name,
     initial_rows_tensor_name,
     prefetch_tensor_names,
     row_tensor_names,
@@ -34,7 +35,7 @@ from psflow.protocol.messages import (
 from psflow.ps import safefile
 from psflow.ps.service import Handler, Service, ServiceHost
 from psflow.ps.store import RowGrads
-from psflow.sparse import FixedRows, Rows, coalesce, make_rows
+from psflow.sparse import FixedRows, HashedRows, Rows, coalesce, make_rows
 from psflow.sparse.rows import RowSnapshot
 from psflow.transport import Request
 
@@ -156,10 +157,12 @@ def split_prefetch(
 
 
 class FirstRows(NamedTuple):
-    """A shard's first rows of a table, given by an init, and maybe its optimizer state."""
+    """A shard's first rows of a table, given by an init, and maybe its optimizer state; a
+    hashed table's with their ids."""
 
     values: torch.Tensor
     state: dict[str, torch.Tensor]
+    ids: torch.Tensor | None = None
 
 
 def split_initial_rows(
@@ -177,10 +180,16 @@ def split_initial_rows(
         header, Key.ROWS, tensors, initial_rows_tensor_name, "init", "rows"
     )
     out = {table: FirstRows(v, {}) for table, v in values.items()}
+    ids_of = {initial_ids_tensor_name(table): table for table in out}
     others: Tensors = []
     for name, t in rest:
         table, infix, key = name.partition(ROW_STATE)
-        if not infix:
+        if name in ids_of:
+            first = out[ids_of[name]]
+            if first.ids is not None:
+                raise ValueError(f"{name!r} appears twice in one init")
+            out[ids_of[name]] = first._replace(ids=t)
+        elif not infix:
             others.append((name, t))
         elif table not in out:
             raise ValueError(f"the init carries {name!r} but not the first rows of {table!r}")
@@ -222,40 +231,56 @@ def _split_per_table(
 
 
 def set_initial_rows(tables: Mapping[str, Rows], first: Mapping[str, FirstRows]) -> None:
-    """Makes ``first`` (this shard's rows per table, in its storage order, and maybe their
-    optimizer state) the tables' rows: the chief's model held them (a pretrained table, a
-    loaded state dict, a model trained elsewhere). Checks every one before any changes.
+    """Makes ``first`` (this shard's rows per table and maybe their optimizer state: a fixed
+    table's all of them in its storage order, a hashed one's with their ids) the tables' rows:
+    the chief's model held them (a pretrained table, a loaded state dict, a model trained
+    elsewhere, a hashed table's rows given by id). Checks every one before any changes.
 
     Raises:
-        ValueError: for a table the init does not create, a hashed one, rows of the wrong
-            shape or dtype, or state that is not the table's optimizer's.
+        ValueError: for a table the init does not create, ids given for a fixed table or not
+            for a hashed one, bad ids, rows of the wrong shape or dtype, or state that is not
+            the table's optimizer's.
     """
-    for name, (values, state) in first.items():
+    for name, (values, state, ids) in first.items():
         table = tables.get(name)
         if table is None:
             raise ValueError(f"the init carries first rows of {name!r}, which it does not create")
-        if not isinstance(table, FixedRows):
-            raise ValueError(f"table {name!r} is hashed: its rows are made by id, not given")
-        want = (table.num_rows, table.dim)
+        if isinstance(table, FixedRows) and ids is not None:
+            raise ValueError(
+                f"the init gives ids with the first rows of table {name!r}, a fixed one: it "
+                "takes all its rows, in its storage order"
+            )
+        if not isinstance(table, FixedRows) and ids is None:
+            raise ValueError(f"the init gives first rows of hashed table {name!r} without ids")
+        if ids is not None:
+            table.check_ids(ids)
+        rows = table.num_rows if ids is None else ids.numel()
+        want = (rows, table.dim)
         if tuple(values.shape) != want or values.dtype != table.dtype:
             raise ValueError(
                 f"the first rows of table {name!r} are {list(values.shape)} {values.dtype}; "
                 f"this shard holds {list(want)} {table.dtype}"
             )
-        if state and set(state) != set(table.state):
+        fresh = table.optimizer.new_state(1, table.dim, table.dtype)  # the keys, shapes, dtypes
+        if state and set(state) != set(fresh):
             raise ValueError(
                 f"the init gives table {name!r} optimizer state {sorted(state)}; its "
-                f"{table.optimizer.spec.name} keeps {sorted(table.state)}"
+                f"{table.optimizer.spec.name} keeps {sorted(fresh)}"
             )
         for key, t in state.items():
-            mine = table.state[key]
-            if t.shape != mine.shape or t.dtype != mine.dtype:
+            want_state = [rows, *fresh[key].shape[1:]]
+            if list(t.shape) != want_state or t.dtype != fresh[key].dtype:
                 raise ValueError(
                     f"the optimizer state {key!r} of table {name!r} is {list(t.shape)} "
-                    f"{t.dtype}; this shard holds {list(mine.shape)} {mine.dtype}"
+                    f"{t.dtype}; this shard holds {want_state} {fresh[key].dtype}"
                 )
-    for name, (values, state) in first.items():
+    for name, (values, state, ids) in first.items():
         table = tables[name]
+        if isinstance(table, HashedRows):
+            assert ids is not None
+            fresh = state or table.optimizer.new_state(ids.numel(), table.dim, table.dtype)
+            table.load(ids, values, fresh)
+            continue
         assert isinstance(table, FixedRows)
         table.values.copy_(values)
         for key, t in state.items():

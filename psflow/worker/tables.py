@@ -25,6 +25,7 @@ import psflow.sparse.kernels as kernels
 from psflow.nn import TableModule
 from psflow.protocol import OptimizerSpec, RowOptimizerSpec, TableSpec
 from psflow.protocol.messages import (
+    initial_ids_tensor_name,
     initial_rows_tensor_name,
     initial_state_tensor_name,
     prefetch_tensor_names,
@@ -122,16 +123,22 @@ class TableClient:
         """Per table in :attr:`initial`, the row-wise optimizer state given with its rows
         (``from_pretrained(optimizer_state=...)``), sent with them; empty for most."""
         self.initial: dict[str, torch.Tensor] = {}
-        """Per fixed table, the rows the model held when it was given to the job (a weight not
-        on the meta device: pretrained, loaded from a state dict, or the seeded start): the
-        chief's init makes them the table's first rows (:meth:`initial_rows`). Dropped when
-        the job starts (:meth:`forget_initial`)."""
+        """Per table, the rows the model held when it was given to the job (a fixed table's
+        weight not on the meta device: pretrained, loaded from a state dict, or the seeded
+        start; a hashed table's rows given by id, :meth:`~psflow.nn.TableModule.load_rows`):
+        the chief's init makes them the table's first rows (:meth:`initial_rows`). Dropped
+        when the job starts (:meth:`forget_initial`)."""
+        self.initial_ids: dict[str, torch.Tensor] = {}
+        """Per hashed table in :attr:`initial`, the ids of its rows."""
         for name, module in self.modules.items():
             spec = module.spec(name)
             held = module.held_rows()  # before attach() drops it
             if held is not None:
                 self.initial[spec.name] = held
                 self.initial_state[spec.name] = module.held_state()
+                ids = module.held_ids()
+                if ids is not None:
+                    self.initial_ids[spec.name] = ids
             self.specs[spec.name] = spec
             self.partitions[spec.name] = Partition(
                 spec.partition, spec.num_embeddings, client.num_shards
@@ -156,16 +163,26 @@ class TableClient:
         init carries it (:func:`~psflow.protocol.messages.initial_rows_tensor_name`)."""
         out: Tensors = []
         for name, held in self.initial.items():
-            ids = self.partitions[name].ids_on(shard).to(held.device)
-            out.append((initial_rows_tensor_name(name), held.index_select(0, ids).cpu()))
+            given = self.initial_ids.get(name)
+            if given is None:  # a fixed table: all the shard's rows, in its storage order
+                at = self.partitions[name].ids_on(shard).to(held.device)
+            else:  # a hashed one: the rows of the ids on the shard (maybe none), and the ids
+                shard_ids, at = (
+                    self.partitions[name]
+                    .split(given)
+                    .get(shard, (given[:0], torch.empty(0, dtype=torch.int64)))
+                )
+                out.append((initial_ids_tensor_name(name), shard_ids))
+            out.append((initial_rows_tensor_name(name), held.index_select(0, at).cpu()))
             for key, state in self.initial_state.get(name, {}).items():
-                mine = state.index_select(0, ids.to(state.device)).cpu()
+                mine = state.index_select(0, at.to(state.device)).cpu()
                 out.append((initial_state_tensor_name(name, key), mine))
         return out
 
     def forget_initial(self) -> None:
-        """Drops :attr:`initial` and :attr:`initial_state`: the ps hold the tables now."""
+        """Drops :attr:`initial` and its ids and state: the ps hold the tables now."""
         self.initial = {}
+        self.initial_ids = {}
         self.initial_state = {}
 
     def wire_specs(self, optimizer: OptimizerSpec) -> list[dict[str, Any]]:

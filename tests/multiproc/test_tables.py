@@ -483,6 +483,60 @@ def test_a_table_given_rows_trains_on_the_ps_from_them(two_ps: ClusterSpec, part
         opt.close()
 
 
+def test_a_hashed_table_given_rows_by_id_trains_on_the_ps_from_them(two_ps: ClusterSpec) -> None:
+    """A hashed table given rows by id (``load_rows``: a TensorFlow hash table's keys and
+    values) with their Adagrad accumulators: the chief's init sends each ps the rows of its
+    ids, the ps hold exactly those, and one worker's steps are the steps of one process whose
+    table was given the same (ids it was not given start from the seed in both)."""
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.tensor([3, -(2**40), 2**50 + 1, 12, 7])
+    rows = torch.randn(5, HASHED_DIM, generator=gen)
+    sums = torch.rand(5, HASHED_DIM, generator=gen) + 0.5
+    adagrad = RowOptimizerSpec.of("Adagrad", lr=0.1)
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        m = torch.nn.Module()
+        m.users = pnn.EmbeddingBag(None, HASHED_DIM, mode="sum", seed=2, optimizer=adagrad)
+        m.head = torch.nn.Linear(HASHED_DIM, 1)
+        m.users.load_rows(ids, rows, {"sum": sums})
+        return m
+
+    def loss(m: torch.nn.Module, batch: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(m.head(m.users(batch)).squeeze(1), y)
+
+    remote, local = model(), model()
+    opt = DistributedOptimizer(
+        remote, worker_ctx(two_ps), optimizer="Adagrad", lr=0.1, config=TransportConfig(timeout=30)
+    )
+    try:
+        assert torch.equal(table_rows(opt, "users", ids), rows)  # before any step
+        held = {s: int(v["users"]["rows"]) for s, v in tables(opt).status().items()}
+        assert held == {0: 2, 1: 3}, held  # split mod 2: -(2**40) and 12 on ps 0
+        ref_opt = torch.optim.Adagrad(local.head.parameters(), lr=0.1)
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            batch = ids[torch.randint(0, 5, (6, 2), generator=g)]
+            batch[:, 1] = 1000 + step  # and an id it was not given
+            y = torch.randn(6, generator=g)
+            opt.zero_grad()
+            loss(remote, batch, y).backward()
+            opt.step()
+            ref_opt.zero_grad()
+            loss(local, batch, y).backward()
+            ref_opt.step()
+        every = torch.cat([ids, torch.arange(1000, 1004)])
+        want = local.users(every.view(-1, 1)).detach()
+        torch.testing.assert_close(table_rows(opt, "users", every), want, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(want[:5], rows)  # it did train
+        for name in ("weight", "bias"):
+            torch.testing.assert_close(
+                getattr(remote.head, name).detach(), getattr(local.head, name).detach()
+            )
+    finally:
+        opt.close()
+
+
 @pytest.mark.parametrize("with_state", [True, False])
 def test_a_tensorflow_trained_model_takes_its_next_step_in_psflow(
     two_ps: ClusterSpec, with_state: bool

@@ -415,6 +415,44 @@ def test_a_local_hashed_table_updates_only_in_backward_and_only_the_ids_used() -
     torch.testing.assert_close(after[1], before[1], **TOL)
 
 
+def test_a_hashed_table_given_rows_by_id_starts_from_them() -> None:
+    """``load_rows``: a hashed table's rows for given ids (a TensorFlow hash table's keys and
+    values), with their Adagrad accumulators: a lookup gives them, other ids their seeded
+    rows, and the next update starts from the given accumulator."""
+    emb = Embedding(None, DIM, optimizer=RowOptimizerSpec.of("Adagrad", lr=0.5), seed=3)
+    ids = torch.tensor([2**40, -5, 7])
+    rows = torch.randn(3, DIM, generator=torch.Generator().manual_seed(1))
+    emb.load_rows(ids, rows, {"sum": torch.full((3, DIM), 4.0)})
+    assert torch.equal(emb.held_ids(), ids) and torch.equal(emb.held_rows(), rows)
+    assert torch.equal(emb(ids).detach(), rows)
+    other = initial_rows(3, torch.tensor([8]), DIM, std=1.0, dtype=torch.float32)
+    torch.testing.assert_close(emb(torch.tensor([8])).detach(), other, **TOL)
+    emb(torch.tensor([7])).sum().backward()  # gradient 1: Adagrad's sum 4 + 1, step 0.5/sqrt(5)
+    want = rows[2] - 0.5 / (5.0**0.5 + 1e-10)
+    torch.testing.assert_close(emb(torch.tensor([7])).detach()[0], want, **TOL)
+
+
+def test_load_rows_names_what_is_wrong() -> None:
+    emb = EmbeddingBag(None, DIM, optimizer="Adagrad", padding_idx=0)
+    ids, rows = torch.tensor([1, 2]), torch.zeros(2, DIM)
+    cases = [
+        (Embedding(N, DIM), (ids, rows), "for a hashed table"),
+        (emb, (torch.tensor([1, 1]), rows), "ids repeat"),
+        (emb, (torch.tensor([1.0, 2.0]), rows), "1-D int64"),
+        (emb, (torch.tensor([0, 2]), rows), "padding id 0"),
+        (emb, (ids, torch.zeros(2, DIM + 1)), r"expected \[len\(ids\), embedding_dim\]"),
+        (emb, (ids, rows, {"accum": rows}), r"Adagrad keeps state \['sum'\]"),
+        (emb, (ids, rows, {"sum": torch.zeros(3, DIM)}), "optimizer state 'sum' is"),
+        (EmbeddingBag(None, DIM), (ids, rows, {"sum": rows}), "optimizer named"),
+    ]
+    for module, args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            module.load_rows(*args)
+    emb.attach(DenseSource(torch.zeros(1, DIM)))
+    with pytest.raises(ValueError, match="attached"):
+        emb.load_rows(ids, rows)
+
+
 def test_repr_says_where_the_rows_are() -> None:
     emb = Embedding(N, DIM, padding_idx=1)
     assert repr(emb) == repr(torch.nn.Embedding(N, DIM, padding_idx=1))

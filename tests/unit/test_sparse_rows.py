@@ -603,7 +603,7 @@ def test_an_init_with_bad_first_rows_is_refused_and_changes_nothing() -> None:
     good = FirstRows(torch.zeros(3, 4, dtype=F64), {})
     bad = [
         ({"emb": good, "nothing": good}, "'nothing', which it does not create"),
-        ({"emb": good, "ids": good}, "table 'ids' is hashed"),
+        ({"emb": good, "ids": good}, "first rows of hashed table 'ids' without ids"),
         (
             {"emb": FirstRows(torch.zeros(3, 5, dtype=F64), {})},
             r"'emb' are \[3, 5\].*holds \[3, 4\]",
@@ -649,3 +649,36 @@ def test_rows_a_hashed_table_grows_into_start_with_fresh_state(optimizer: str) -
         if key == "step":  # Adam counts the step that created the row
             want = want + 1
         assert torch.equal(got, want), key
+
+
+def test_an_inits_first_rows_of_a_hashed_table_come_by_id_and_are_checked() -> None:
+    """A hashed table's first rows in an init (``load_rows`` on the chief's model): taken by
+    id, with their state or fresh state; ids without rows, rows without ids, repeated ids, an
+    id of another shard, or rows of the wrong shape are refused before anything changes."""
+    from psflow.ps.tables import FirstRows, set_initial_rows
+
+    spec = hashed(optimizer=RowOptimizerSpec.of("Adagrad", initial_accumulator_value=0.5))
+    ids = torch.tensor([4, -6, 2**40])  # all even: shard 0 of 2
+    values = torch.arange(12, dtype=F64).view(3, 4)
+    tables = {"ids": make_rows(spec, 0, 2)}
+    set_initial_rows(tables, {"ids": FirstRows(values, {}, ids)})
+    snap = tables["ids"].snapshot()
+    order = torch.argsort(snap["ids"])
+    assert torch.equal(snap["ids"][order], ids.sort().values)
+    assert torch.equal(snap["values"][order], values[torch.argsort(ids)])
+    assert torch.equal(snap["opt/sum"], torch.full((3, 4), 0.5, dtype=F64))
+    bad = [
+        (FirstRows(values, {}), "without ids"),
+        (FirstRows(values, {}, torch.tensor([4, 4, 8])), "appears more than once"),
+        (FirstRows(values, {}, torch.tensor([4, 5, 8])), "shard"),
+        (FirstRows(values[:2], {}, ids), r"are \[2, 4\]"),
+        (FirstRows(values, {"sum": torch.ones(2, 4, dtype=F64)}, ids), "optimizer state 'sum'"),
+    ]
+    for first, match in bad:
+        fresh = {"ids": make_rows(spec, 0, 2)}
+        with pytest.raises(ValueError, match=match):
+            set_initial_rows(fresh, {"ids": first})
+        assert fresh["ids"].num_rows == 0
+    fixed_table = {"emb": make_rows(fixed(), 0, 1)}
+    with pytest.raises(ValueError, match="gives ids with the first rows of table 'emb'"):
+        set_initial_rows(fixed_table, {"emb": FirstRows(torch.zeros(20, 4, dtype=F64), {}, ids)})

@@ -383,3 +383,19 @@ def test_a_name_two_variables_share_is_refused_by_name_and_read_by_key() -> None
     with pytest.raises(KeyError, match="2 variables are named 'dense/kernel'"):
         ckpt.tensor("dense/kernel")
     assert ckpt.tensor(first).shape == (6, 2) and ckpt.tensor(second).shape == (2,)
+
+
+def test_a_tensorflow_hash_tables_rows_go_to_a_hashed_table_by_id() -> None:
+    """A ``MutableHashTable`` of rows saved by ``tf.train.Checkpoint``: its keys and values
+    (in the table's own order) given to a hashed table by id; each id looks up its row."""
+    from psflow.nn import Embedding
+
+    saved = EXPECTED["hash_table"]
+    ckpt = TFCheckpoint(str(KERAS / saved["prefix"]))
+    keys = ckpt.tensor("users/.ATTRIBUTES/table-keys")
+    values = ckpt.tensor("users/.ATTRIBUTES/table-values")
+    assert sorted(keys.tolist()) == sorted(saved["keys"])
+    emb = Embedding(None, 3, optimizer="Adagrad")
+    emb.load_rows(keys, values)
+    got = emb(torch.tensor(saved["keys"])).detach()
+    assert torch.equal(got, torch.tensor(saved["rows"]))
