@@ -354,6 +354,36 @@ class TFCheckpoint:
             out[p::shards] = whole[start : start + rows]
         return out
 
+    def hash_table(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of the hash table ``name`` (a ``MutableHashTable`` of rows:
+        ``<name>-keys`` and ``<name>-values`` as ``tf.compat.v1.train.Saver`` writes them,
+        ``<name>/.ATTRIBUTES/table-keys`` and ``table-values`` as ``tf.train.Checkpoint``
+        does), in the table's own order: for a hashed table's
+        :meth:`~psflow.nn.TableModule.load_rows`.
+
+        Raises:
+            KeyError: when the checkpoint holds no such pair.
+            ValueError: when the keys are not 1-D int64 or the values not one row per key.
+        """
+        pairs = [(f"{name}-keys", f"{name}-values")]
+        pairs.append((f"{name}/.ATTRIBUTES/table-keys", f"{name}/.ATTRIBUTES/table-values"))
+        for keys_name, values_name in pairs:
+            if keys_name in self._entries and values_name in self._entries:
+                keys, values = self.tensor(keys_name), self.tensor(values_name)
+                if keys.dtype != torch.int64 or keys.dim() != 1:
+                    raise ValueError(
+                        f"{self.prefix}: the keys of hash table {name!r} are {keys.dtype} "
+                        f"{list(keys.shape)}, not 1-D int64"
+                    )
+                if values.dim() < 1 or values.shape[0] != keys.numel():
+                    raise ValueError(
+                        f"{self.prefix}: hash table {name!r} has {keys.numel()} keys and "
+                        f"values of shape {list(values.shape)}"
+                    )
+                return keys, values
+        tried = ", ".join(f"{k} and {v}" for k, v in pairs)
+        raise KeyError(f"{self.prefix} holds no hash table {name!r} (looked for {tried})")
+
     def table_state(
         self,
         name: str,

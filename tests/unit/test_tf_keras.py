@@ -392,9 +392,14 @@ def test_a_tensorflow_hash_tables_rows_go_to_a_hashed_table_by_id() -> None:
 
     saved = EXPECTED["hash_table"]
     ckpt = TFCheckpoint(str(KERAS / saved["prefix"]))
-    keys = ckpt.tensor("users/.ATTRIBUTES/table-keys")
-    values = ckpt.tensor("users/.ATTRIBUTES/table-values")
+    keys, values = ckpt.hash_table("users")
+    assert torch.equal(keys, ckpt.tensor("users/.ATTRIBUTES/table-keys"))
+    assert torch.equal(values, ckpt.tensor("users/.ATTRIBUTES/table-values"))
     assert sorted(keys.tolist()) == sorted(saved["keys"])
+    with pytest.raises(KeyError, match=r"no hash table 'items' \(looked for items-keys and"):
+        ckpt.hash_table("items")
+    v1_keys, v1_values = TFCheckpoint(str(KERAS / saved["v1_prefix"])).hash_table("users")
+    assert torch.equal(v1_keys, keys) and torch.equal(v1_values, values)  # users-keys, -values
     emb = Embedding(None, 3, optimizer="Adagrad")
     emb.load_rows(keys, values)
     got = emb(torch.tensor(saved["keys"])).detach()
