@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import TYPE_CHECKING
 
 import fsspec
@@ -88,7 +89,7 @@ def _inspect_tf(prefix: str) -> int:
     ckpt = TFCheckpoint(prefix)
     shards = ckpt.num_shards
     print(f"TensorFlow checkpoint: {prefix} ({shards} data file{'s' if shards > 1 else ''})")
-    variables = ckpt.variables()
+    variables = _tf_variables(ckpt)
     if variables:
         # A TensorFlow 2 checkpoint: its variables by their own names, each with its key.
         print("variables (name, then the key it is saved under):")
@@ -102,6 +103,16 @@ def _inspect_tf(prefix: str) -> int:
     print("tensors:")
     _print_tf_tensors(ckpt, {name: name for name in ckpt.names()}, keys=False)
     return 0
+
+
+def _tf_variables(ckpt: TFCheckpoint) -> dict[str, str]:
+    """``ckpt.variables()``, or none with a warning when its object graph is damaged: the
+    tensors still read by key."""
+    try:
+        return ckpt.variables()
+    except ValueError as e:
+        print(f"warning: {e}; its tensors go by key", file=sys.stderr)
+        return {}
 
 
 def _print_tf_tensors(ckpt: TFCheckpoint, names: dict[str, str], *, keys: bool = True) -> None:
@@ -172,7 +183,7 @@ def _export_tf(prefix: str, out: str, tables: list[str]) -> int:
     tensors = {}
     skipped = []
     # A TensorFlow 2 checkpoint's variables under their own names; any other tensor by key.
-    named = {key: name for name, key in ckpt.variables().items()}
+    named = {key: name for name, key in _tf_variables(ckpt).items()}
     for key in ckpt.names():
         name = named.get(key, key)
         order = strategy.get(name) or strategy.get(key)

@@ -241,6 +241,10 @@ def test_a_corrupt_object_graph_is_named(tmp_path: Path) -> None:
         ckpt.tensor("model/head/bias")
     key = "optimizer/_trainable_variables/2/.ATTRIBUTES/VARIABLE_VALUE"
     assert ckpt.tensor(key).shape == (2,)
+    proc = _psflow("checkpoint", "inspect", str(tmp_path / "ckpt"))  # lists them, and says why
+    assert proc.returncode == 0, proc.stderr
+    assert "the CRC32C of '_CHECKPOINTABLE_OBJECT_GRAPH' does not match" in proc.stderr
+    assert any(line.split()[:1] == [key] for line in proc.stdout.splitlines())
 
 
 def test_an_object_graph_that_points_outside_itself_is_refused() -> None:
