@@ -298,27 +298,34 @@ class TableModule(nn.Module):
                 optimizer's.
         """
         weight = self._parameters.get("weight")
-        spec = self._spec.optimizer
         if weight is None or weight.is_meta:
             raise ValueError(f"{self._label()}: optimizer state goes with rows it holds")
+        self._held_state = self._checked_state(state, weight.shape[0], weight.dtype)
+
+    def _checked_state(
+        self, state: dict[str, torch.Tensor], rows: int, dtype: torch.dtype
+    ) -> dict[str, torch.Tensor]:
+        """``state`` for ``rows`` rows of ``dtype``, detached, once checked to be what the
+        table's row-wise optimizer keeps (keys, shapes, dtypes)."""
+        spec = self._spec.optimizer
         if spec is None:
             raise ValueError(
                 f"{self._label()}: optimizer state needs the table's optimizer named "
                 "(the state is that optimizer's)"
             )
-        fresh = RowOptimizer(spec).new_state(1, self.embedding_dim, weight.dtype)
+        fresh = RowOptimizer(spec).new_state(1, self.embedding_dim, dtype)
         if set(state) != set(fresh):
             raise ValueError(
                 f"{self._label()}: {spec.name} keeps state {sorted(fresh)}, got {sorted(state)}"
             )
         for key, t in state.items():
-            want = (weight.shape[0], *fresh[key].shape[1:])
+            want = (rows, *fresh[key].shape[1:])
             if tuple(t.shape) != want or t.dtype != fresh[key].dtype:
                 raise ValueError(
                     f"{self._label()}: optimizer state {key!r} is {list(t.shape)} {t.dtype}, "
                     f"expected {list(want)} {fresh[key].dtype}"
                 )
-        self._held_state = {k: t.detach() for k, t in state.items()}
+        return {k: t.detach() for k, t in state.items()}
 
     def load_rows(
         self,
@@ -366,26 +373,8 @@ class TableModule(nn.Module):
         rows = rows.detach().to("cpu", self._dtype)
         state = {}
         if optimizer_state is not None:
-            spec = self._spec.optimizer
-            if spec is None:
-                raise ValueError(
-                    f"{self._label()}: optimizer state needs the table's optimizer named "
-                    "(the state is that optimizer's)"
-                )
-            fresh = RowOptimizer(spec).new_state(1, self.embedding_dim, self._dtype)
-            if set(optimizer_state) != set(fresh):
-                raise ValueError(
-                    f"{self._label()}: {spec.name} keeps state {sorted(fresh)}, got "
-                    f"{sorted(optimizer_state)}"
-                )
-            for key, t in optimizer_state.items():
-                want = (ids.numel(), *fresh[key].shape[1:])
-                if tuple(t.shape) != want or t.dtype != fresh[key].dtype:
-                    raise ValueError(
-                        f"{self._label()}: optimizer state {key!r} is {list(t.shape)} "
-                        f"{t.dtype}, expected {list(want)} {fresh[key].dtype}"
-                    )
-                state[key] = t.detach().cpu()
+            state = self._checked_state(optimizer_state, ids.numel(), self._dtype)
+            state = {k: t.cpu() for k, t in state.items()}
         self._held_ids, self._held_hashed, self._held_state = ids, rows, state
         self._fused = None  # built again, with these rows, by the next forward here
 
