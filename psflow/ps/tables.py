@@ -9,8 +9,9 @@ gradients with its dense ones (:attr:`~psflow.protocol.Key.ROWS`), applied in th
 
 Ops (:class:`TableService`): ``lookup`` and ``table_status``. The chief creates the tables with
 its ``init`` (:func:`build_tables`; a table starts from the rows the chief's model held, when
-it held them, a hashed one's by id: :func:`set_initial_rows`); a restore reads each shard's rows from every file
-of the checkpoint (:func:`restore_tables`), so a checkpoint restores into any number of ps.
+it held them, a hashed one's by id: :func:`set_initial_rows`); a restore reads each shard's
+rows from every file of the checkpoint (:func:`restore_tables`), so a checkpoint restores into
+any number of ps.
 """
 
 from __future__ import annotations
