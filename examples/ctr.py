@@ -129,8 +129,8 @@ def evaluate(
     scores, labels = [], []
     with torch.no_grad():
         for batch in ctr_batches(files, batch_size=batch_size, num_epochs=1):
-            dense, categorical = batch.dense.to(device), batch.categorical.to(device)
-            scores.append(model(dense, categorical).cpu())
+            on = batch.to(device)
+            scores.append(model(on.dense, on.categorical).cpu())
             labels.append(batch.label)
     logits, y = torch.cat(scores), torch.cat(labels)
     loss = F.binary_cross_entropy_with_logits(logits, y).item()

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from psflow.protocol import RowOptimizerSpec, TableSpec
-from psflow.sparse import RowOptimizer, Rows, initial_rows, make_rows
+from psflow.sparse import HashedRows, RowOptimizer, Rows, initial_rows, make_rows
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
 """The dtypes a table may hold, with their names in a :class:`TableSpec`."""
@@ -564,10 +564,8 @@ class TableModule(nn.Module):
                 )
             store = make_rows(self._spec, 0, 1)
             if self._held_ids is not None and self._held_hashed is not None:
-                fresh = store.optimizer.new_state(
-                    self._held_ids.numel(), self.embedding_dim, self._dtype
-                )
-                store.load(self._held_ids, self._held_hashed, self._held_state or fresh)
+                assert isinstance(store, HashedRows)
+                store.give(self._held_ids, self._held_hashed, self._held_state)
             self._fused = _FusedRows(store)
         return self._fused
 

@@ -279,8 +279,7 @@ def set_initial_rows(tables: Mapping[str, Rows], first: Mapping[str, FirstRows])
         table = tables[name]
         if isinstance(table, HashedRows):
             assert ids is not None
-            fresh = state or table.optimizer.new_state(ids.numel(), table.dim, table.dtype)
-            table.load(ids, values, fresh)
+            table.give(ids, values, state)
             continue
         assert isinstance(table, FixedRows)
         table.values.copy_(values)

@@ -613,6 +613,15 @@ class HashedRows(Rows):
         }
         return RowSnapshot(live, self._n, {})
 
+    def give(
+        self, ids: torch.Tensor, values: torch.Tensor, state: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """Rows given by id (``TableModule.load_rows``): :meth:`load` with ``state``, or with
+        a fresh row's state when none is given."""
+        if not state:
+            state = self.optimizer.new_state(ids.numel(), self.dim, self.dtype)
+        self.load(ids, values, state)
+
     def load(self, ids: torch.Tensor, values: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
         ids, values, state = self._snapshot_rows(ids, values, state)
         if ids.numel() == 0:

@@ -17,6 +17,8 @@ import torch
 
 from psflow.cluster.launcher import local_cluster
 from psflow.cluster.spec import ClusterSpec, TaskContext, TaskSpec
+from psflow.train import TrainingSession
+from psflow.transport import TransportConfig
 from psflow.transport.shm import Lane
 from psflow.worker import DistributedOptimizer, ShardedClient
 from psflow.worker.engine import ExchangeEngine
@@ -92,6 +94,29 @@ def lanes(opt: DistributedOptimizer) -> dict[str, Lane]:
 
 def worker_ctx(cluster: ClusterSpec, index: int = 0) -> TaskContext:
     return TaskContext(cluster=cluster, task=TaskSpec(job="worker", index=index))
+
+
+def quiet_session(
+    model: torch.nn.Module,
+    cluster: ClusterSpec,
+    checkpoint_dir: str,
+    *,
+    timeout: float = 20.0,
+    **kwargs: Any,
+) -> TrainingSession:
+    """A ``TrainingSession`` of ``model`` as the chief of ``cluster``, as the session tests
+    want it: checkpoints under ``checkpoint_dir`` only when a test saves one (the timed ones an
+    hour apart), no step logs or summaries, requests failing after ``timeout`` seconds, the end
+    waiting at most a second; ``kwargs`` add to or override that."""
+    options: dict[str, Any] = {
+        "checkpoint_dir": checkpoint_dir,
+        "save_checkpoint_secs": 3600,
+        "log_step_count_steps": None,
+        "save_summaries_steps": None,
+        "transport": TransportConfig(timeout=timeout),
+        "end_timeout": 1,
+    }
+    return TrainingSession(model, worker_ctx(cluster), **(options | kwargs))
 
 
 def freeze(pid: int, timeout: float = 10) -> None:

@@ -24,7 +24,7 @@ from psflow.protocol import ScheduleSpec
 from psflow.train import CheckpointDir, TrainingSession, load_checkpoint
 from psflow.transport import TransportConfig
 
-from .support import ROOT, local_cluster, start_ps, stop, worker_ctx
+from .support import ROOT, local_cluster, quiet_session, start_ps, stop, worker_ctx
 from .sync_support import assert_close, batch, loss_fn, make_model, run_threads
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
@@ -193,19 +193,14 @@ def test_a_restored_job_goes_on_with_the_learning_rate_of_its_step(tmp_path: Pat
     lr, first, last = 0.2, 10, 16
 
     def session(model: torch.nn.Module, last_step: int) -> TrainingSession:
-        return TrainingSession(
+        return quiet_session(
             model,
-            worker_ctx(cluster),
+            cluster,
+            url,
             lr=lr,
             lr_schedule=ScheduleSpec(name=STEP_LR_4[0], kwargs=STEP_LR_4[1]),
             placement="round_robin",
-            checkpoint_dir=url,
-            save_checkpoint_secs=3600,
             last_step=last_step,
-            log_step_count_steps=None,
-            save_summaries_steps=None,
-            transport=TransportConfig(timeout=20),
-            end_timeout=1,
         )
 
     lrs = []

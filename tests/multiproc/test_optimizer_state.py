@@ -18,7 +18,7 @@ from psflow.train import TrainingSession, load_checkpoint
 from psflow.transport import TransportConfig
 from psflow.worker import DistributedOptimizer
 
-from .support import ROOT, local_cluster, start_ps, stop, worker_ctx
+from .support import ROOT, local_cluster, quiet_session, start_ps, stop, worker_ctx
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 
@@ -44,19 +44,7 @@ def _sessions(
         ps = start_ps(cluster)
         try:
             model = torch.nn.Linear(24, 1)
-            with TrainingSession(
-                model,
-                worker_ctx(cluster),
-                optimizer="Adam",
-                lr=0.01,
-                checkpoint_dir=url,
-                save_checkpoint_secs=3600,
-                log_step_count_steps=None,
-                save_summaries_steps=None,
-                transport=TransportConfig(timeout=20),
-                end_timeout=1,
-                **kwargs,
-            ) as sess:
+            with quiet_session(model, cluster, url, optimizer="Adam", lr=0.01, **kwargs) as sess:
                 check(run, sess, model)
                 for step in range(2):
                     sess.zero_grad()

@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from psflow.train import CheckpointDir, TrainingSession
-from psflow.transport import TransportConfig
 
-from .support import ROOT, launch_cmd, local_cluster, start_ps, stop, worker_ctx
+from .support import ROOT, launch_cmd, local_cluster, quiet_session, start_ps, stop, worker_ctx
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 
@@ -42,20 +41,7 @@ def test_mode_keywords_survive_a_restore(tmp_path: Path, mode: dict[str, object]
     cluster = local_cluster(1, 1)
 
     def session(model: torch.nn.Module) -> TrainingSession:
-        return TrainingSession(
-            model,
-            worker_ctx(cluster),
-            optimizer="SGD",
-            lr=0.1,
-            momentum=0.5,
-            checkpoint_dir=url,
-            save_checkpoint_secs=3600,
-            log_step_count_steps=None,
-            save_summaries_steps=None,
-            transport=TransportConfig(timeout=20),
-            end_timeout=1,
-            **mode,  # type: ignore[arg-type]
-        )
+        return quiet_session(model, cluster, url, optimizer="SGD", lr=0.1, momentum=0.5, **mode)
 
     for run in range(2):
         ps = start_ps(cluster)

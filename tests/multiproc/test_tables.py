@@ -25,7 +25,7 @@ from psflow.worker import DistributedOptimizer
 from psflow.worker.engine import ExchangeEngine
 from psflow.worker.tables import TableClient
 
-from .support import local_cluster, start_ps, stop, worker_ctx
+from .support import local_cluster, quiet_session, start_ps, stop, worker_ctx
 from .sync_support import run_threads
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
@@ -314,18 +314,7 @@ def test_staleness_mode_trains_tables() -> None:
 
 
 def _session(model: torch.nn.Module, cluster: ClusterSpec, url: str) -> TrainingSession:
-    return TrainingSession(
-        model,
-        worker_ctx(cluster),
-        optimizer="Adam",
-        lr=0.01,
-        checkpoint_dir=url,
-        save_checkpoint_secs=3600,
-        log_step_count_steps=None,
-        save_summaries_steps=None,
-        transport=TransportConfig(timeout=30),
-        end_timeout=1,
-    )
+    return quiet_session(model, cluster, url, timeout=30, optimizer="Adam", lr=0.01)
 
 
 def test_a_checkpoint_restores_tables_into_another_number_of_ps(tmp_path: Path) -> None:
