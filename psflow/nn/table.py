@@ -20,6 +20,7 @@ from torch import nn
 
 from psflow.protocol import RowOptimizerSpec, TableSpec
 from psflow.sparse import HashedRows, RowOptimizer, Rows, initial_rows, make_rows
+from psflow.sparse.rows import STATE_PREFIX
 
 _DTYPES = {torch.float32: "float32", torch.float64: "float64"}
 """The dtypes a table may hold, with their names in a :class:`TableSpec`."""
@@ -378,14 +379,40 @@ class TableModule(nn.Module):
         self._held_ids, self._held_hashed, self._held_state = ids, rows, state
         self._fused = None  # built again, with these rows, by the next forward here
 
+    def _hashed_held(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]] | None:
+        """A hashed table's rows held here, as ``(ids, rows, optimizer state)``: once a forward
+        pass here has used the table, every row it holds as local training left it (the rows
+        given by :meth:`load_rows` among them); before, the given rows; ``None`` when it holds
+        none (or is attached)."""
+        if self._source is not None:
+            return None
+        if self._fused is not None:
+            snap = self._fused.store.snapshot()
+            if not snap["ids"].numel():
+                return None
+            state = {
+                k.removeprefix(STATE_PREFIX): t
+                for k, t in snap.items()
+                if k.startswith(STATE_PREFIX)
+            }
+            return snap["ids"], snap["values"], state
+        if self._held_ids is None or self._held_hashed is None:
+            return None
+        return self._held_ids, self._held_hashed, dict(self._held_state)
+
     def held_ids(self) -> torch.Tensor | None:
-        """The ids of the rows a hashed table was given (:meth:`load_rows`); ``None`` for a
-        fixed table, or a hashed one given none."""
-        return self._held_ids
+        """The ids of the rows a hashed table holds (see :meth:`held_rows`); ``None`` for a
+        fixed table, or a hashed one that holds none."""
+        held = self._hashed_held() if self.num_embeddings is None else None
+        return None if held is None else held[0]
 
     def held_state(self) -> dict[str, torch.Tensor]:
-        """The optimizer state given with the rows (:meth:`give_optimizer_state`); empty
-        when none was."""
+        """The row-wise optimizer state of :meth:`held_rows`: a fixed table's given with its
+        weight (:meth:`give_optimizer_state`), a hashed table's given with its rows or left by
+        local training; empty when there is none."""
+        if self.num_embeddings is None:
+            held = self._hashed_held()
+            return {} if held is None else held[2]
         return dict(self._held_state) if self.held_rows() is not None else {}
 
     @property
@@ -397,11 +424,13 @@ class TableModule(nn.Module):
 
     def held_rows(self) -> torch.Tensor | None:
         """The rows this module holds itself, detached: a fixed table's weight, unless it is on
-        the meta device; a hashed table's rows given by :meth:`load_rows` (of
-        :meth:`held_ids`); ``None`` for an attached table, one on the meta device, or a hashed
-        one given none."""
+        the meta device; a hashed table's rows (of :meth:`held_ids`), as given by
+        :meth:`load_rows` and then trained here, if they were; ``None`` for an attached table,
+        one on the meta device, or a hashed one that holds none. A job given the model starts
+        the table from them."""
         if self.num_embeddings is None:
-            return self._held_hashed
+            held = self._hashed_held()
+            return None if held is None else held[1]
         weight = self._parameters.get("weight")
         if weight is None or weight.is_meta:
             return None

@@ -474,9 +474,10 @@ def test_a_table_given_rows_trains_on_the_ps_from_them(two_ps: ClusterSpec, part
 
 def test_a_hashed_table_given_rows_by_id_trains_on_the_ps_from_them(two_ps: ClusterSpec) -> None:
     """A hashed table given rows by id (``load_rows``: a TensorFlow hash table's keys and
-    values) with their Adagrad accumulators: the chief's init sends each ps the rows of its
-    ids, the ps hold exactly those, and one worker's steps are the steps of one process whose
-    table was given the same (ids it was not given start from the seed in both)."""
+    values) with their Adagrad accumulators, then trained a step in this process: the chief's
+    init sends each ps the rows of its ids as local training left them (and the row it made),
+    the ps hold exactly those, and one worker's steps are the steps of one process whose
+    table was given and trained the same (ids it was not given start from the seed in both)."""
     gen = torch.Generator().manual_seed(5)
     ids = torch.tensor([3, -(2**40), 2**50 + 1, 12, 7])
     rows = torch.randn(5, HASHED_DIM, generator=gen)
@@ -489,19 +490,25 @@ def test_a_hashed_table_given_rows_by_id_trains_on_the_ps_from_them(two_ps: Clus
         m.users = pnn.EmbeddingBag(None, HASHED_DIM, mode="sum", seed=2, optimizer=adagrad)
         m.head = torch.nn.Linear(HASHED_DIM, 1)
         m.users.load_rows(ids, rows, {"sum": sums})
+        m.users(torch.tensor([[3, 12, 999]])).sum().backward()  # trains here: 3, 12, and 999
+        m.zero_grad()
         return m
 
     def loss(m: torch.nn.Module, batch: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(m.head(m.users(batch)).squeeze(1), y)
 
     remote, local = model(), model()
+    first = torch.cat([ids, torch.tensor([999])])
+    trained = local.users(first.view(-1, 1)).detach()
+    assert torch.equal(trained[[1, 2, 4]], rows[[1, 2, 4]])  # untouched here
+    assert not torch.allclose(trained[[0, 3]], rows[[0, 3]])  # 3 and 12 trained
     opt = DistributedOptimizer(
         remote, worker_ctx(two_ps), optimizer="Adagrad", lr=0.1, config=TransportConfig(timeout=30)
     )
     try:
-        assert torch.equal(table_rows(opt, "users", ids), rows)  # before any step
+        assert torch.equal(table_rows(opt, "users", first), trained)  # before any step
         held = {s: int(v["users"]["rows"]) for s, v in tables(opt).status().items()}
-        assert held == {0: 2, 1: 3}, held  # split mod 2: -(2**40) and 12 on ps 0
+        assert held == {0: 2, 1: 4}, held  # split mod 2: -(2**40) and 12 on ps 0
         ref_opt = torch.optim.Adagrad(local.head.parameters(), lr=0.1)
         for step in range(4):
             g = torch.Generator().manual_seed(step)

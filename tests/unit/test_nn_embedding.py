@@ -432,6 +432,29 @@ def test_a_hashed_table_given_rows_by_id_starts_from_them() -> None:
     torch.testing.assert_close(emb(torch.tensor([7])).detach()[0], want, **TOL)
 
 
+def test_a_hashed_table_holds_what_local_training_made_of_its_rows() -> None:
+    """What a hashed table holds (what a job given the model starts from) is its rows as local
+    training left them: the given rows once trained, the rows training made, and the row-wise
+    optimizer's state for each; a lookup alone makes no row."""
+    adagrad = RowOptimizerSpec.of("Adagrad", lr=0.5)
+    emb = Embedding(None, DIM, optimizer=adagrad, seed=3)
+    assert emb.held_rows() is None and emb.held_ids() is None and emb.held_state() == {}
+    emb(torch.tensor([4]))  # a lookup: no row is made
+    assert emb.held_rows() is None
+    ids = torch.tensor([2**40, 7])
+    rows = torch.randn(2, DIM, generator=torch.Generator().manual_seed(1))
+    emb.load_rows(ids, rows, {"sum": torch.full((2, DIM), 4.0)})
+    emb(torch.tensor([7, 9])).sum().backward()  # trains 7 (given) and makes 9
+    held = dict(zip(emb.held_ids().tolist(), emb.held_rows(), strict=True))
+    assert sorted(held) == sorted([2**40, 7, 9])
+    assert torch.equal(held[2**40], rows[0])
+    torch.testing.assert_close(held[7], rows[1] - 0.5 / 5.0**0.5, **TOL)
+    assert torch.equal(held[9], emb(torch.tensor([9])).detach()[0])
+    sums = dict(zip(emb.held_ids().tolist(), emb.held_state()["sum"], strict=True))
+    # a made row's accumulator: initial_accumulator_value (0.1, TensorFlow's) + 1
+    assert sums[2**40][0] == 4.0 and sums[7][0] == 5.0 and sums[9][0] == pytest.approx(1.1)
+
+
 def test_load_rows_names_what_is_wrong() -> None:
     emb = EmbeddingBag(None, DIM, optimizer="Adagrad", padding_idx=0)
     ids, rows = torch.tensor([1, 2]), torch.zeros(2, DIM)
