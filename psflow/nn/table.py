@@ -79,13 +79,21 @@ class _FusedRows:
 
     Rows come from a :class:`psflow.sparse.Rows`; a hook on them applies the table's row-wise
     optimizer as soon as their gradient is known, so that no optimizer step and no dense
-    gradient are needed (TorchRec's fused backward and optimizer).
+    gradient are needed (TorchRec's fused backward and optimizer). A table with no optimizer
+    named looks rows up (with gradients off: a model loaded to serve) but cannot train here.
     """
 
     def __init__(self, rows: Rows) -> None:
         self.store = rows
 
     def rows(self, table: TableModule, ids: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and self.store.spec.optimizer is None:
+            raise ValueError(
+                f"{table._label()}: a hashed table (num_embeddings=None) kept on this "
+                "process updates its rows in the backward pass with its own row-wise "
+                "optimizer: give one, e.g. optimizer='Adagrad' (or 'SGD', 'Adam', 'Ftrl', "
+                "or a RowOptimizerSpec), or look rows up with gradients off (torch.no_grad())"
+            )
         on_cpu = ids.cpu()
         values = self.store.lookup(on_cpu).to(ids.device).requires_grad_(True)
         if torch.is_grad_enabled():
@@ -372,6 +380,10 @@ class TableModule(nn.Module):
                 f"[len(ids), embedding_dim] = [{ids.numel()}, {self.embedding_dim}] floats"
             )
         rows = rows.detach().to("cpu", self._dtype)
+        if not ids.numel():  # none: the table holds no rows
+            self._held_ids, self._held_hashed, self._held_state = None, None, {}
+            self._fused = None
+            return
         state = {}
         if optimizer_state is not None:
             state = self._checked_state(optimizer_state, ids.numel(), self._dtype)
@@ -414,6 +426,91 @@ class TableModule(nn.Module):
             held = self._hashed_held()
             return {} if held is None else held[2]
         return dict(self._held_state) if self.held_rows() is not None else {}
+
+    # -- a hashed table in a state dict ------------------------------------------------------
+
+    _ROW_KEYS = ("ids", "rows")
+    _STATE_KEY = "opt."
+
+    def _save_to_state_dict(
+        self, destination: dict[str, Any], prefix: str, keep_vars: bool
+    ) -> None:
+        """A hashed table held here saves its rows as ``<prefix>ids`` (int64) and
+        ``<prefix>rows`` (``[len(ids), dim]``), and their row-wise optimizer state as
+        ``<prefix>opt.<state>``; empty ones when it holds none. Attached, it saves nothing: the
+        rows are on the ps (as a fixed table saves no ``weight`` then)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.num_embeddings is not None or self._source is not None or self._on_meta:
+            return
+        held = self._hashed_held()
+        if held is None:
+            held = (
+                torch.empty(0, dtype=torch.int64),
+                torch.empty(0, self.embedding_dim, dtype=self._dtype),
+                {},
+            )
+        ids, rows, state = held
+        destination[prefix + "ids"] = ids
+        destination[prefix + "rows"] = rows
+        for key, tensor in state.items():
+            destination[prefix + self._STATE_KEY + key] = tensor
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        """A hashed table takes ``<prefix>ids`` and ``<prefix>rows`` as :meth:`load_rows`
+        does, with the ``<prefix>opt.<state>`` entries as their optimizer state if there are
+        any (fresh state otherwise: ``psflow checkpoint export`` writes none)."""
+        if self.num_embeddings is None:
+            mine = {
+                k
+                for k in state_dict
+                if k in (prefix + "ids", prefix + "rows") or k.startswith(prefix + self._STATE_KEY)
+            }
+            rest = {k: v for k, v in state_dict.items() if k not in mine}
+        else:
+            mine, rest = set(), state_dict
+        super()._load_from_state_dict(
+            rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        if self.num_embeddings is None:
+            self._load_held(state_dict, prefix, mine, missing_keys, error_msgs)
+
+    def _load_held(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        mine: set[str],
+        missing_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        absent = [prefix + k for k in self._ROW_KEYS if prefix + k not in mine]
+        if absent:
+            if not mine and (self._source is not None or self._on_meta):
+                return  # it saves none either
+            missing_keys.extend(absent)
+            return
+        state = {
+            k.removeprefix(prefix + self._STATE_KEY): state_dict[k]
+            for k in mine
+            if k.startswith(prefix + self._STATE_KEY)
+        }
+        try:
+            if self._source is not None:
+                raise ValueError(
+                    f"{self._label()} is attached: its rows are on the ps, and a state dict "
+                    "does not change them (a job restores its tables from its checkpoint)"
+                )
+            self.load_rows(state_dict[prefix + "ids"], state_dict[prefix + "rows"], state or None)
+        except ValueError as e:
+            error_msgs.append(str(e))
 
     @property
     def frozen(self) -> bool:
@@ -583,13 +680,6 @@ class TableModule(nn.Module):
                 raise RuntimeError(
                     f"{self._label()} was built on the meta device and holds no rows: "
                     "attach() it to a row source (the worker does) before using it"
-                )
-            if self._spec.optimizer is None:
-                raise ValueError(
-                    f"{self._label()}: a hashed table (num_embeddings=None) kept on this "
-                    "process updates its rows in the backward pass with its own row-wise "
-                    "optimizer: give one, e.g. optimizer='Adagrad' (or 'SGD', 'Adam', 'Ftrl', "
-                    "or a RowOptimizerSpec)"
                 )
             store = make_rows(self._spec, 0, 1)
             if self._held_ids is not None and self._held_hashed is not None:

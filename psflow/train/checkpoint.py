@@ -218,14 +218,19 @@ def export_state_dict(checkpoint_dir: str, out: str, name: str | None = None) ->
     ``model.load_state_dict(safetensors.torch.load_file(out))`` loads it with no cluster
     (use ``strict=False`` for a model with buffers: the ps holds parameters only). Each
     fixed-size embedding table is written whole as ``<table>.weight``, the name a
-    ``torch.nn.Embedding`` (or ``psflow.nn.Embedding``) at that path loads; a hashed table has
-    no such form and is left out (its rows stay in the checkpoint).
+    ``torch.nn.Embedding`` (or ``psflow.nn.Embedding``) at that path loads; each hashed table
+    as ``<table>.ids`` and ``<table>.rows`` (its rows in id order), which a hashed
+    ``psflow.nn`` table at that path loads (optimizer state is not written, as for the
+    fixed ones).
     """
     ckpt = load_checkpoint(checkpoint_dir, name)
     if ckpt is None:
         raise ValueError(f"no complete checkpoint in {checkpoint_dir}")
     tensors = {n: t.contiguous() for n, t in ckpt.params.items()}
-    tensors.update(fixed_tables(checkpoint_dir, ckpt))
+    if ckpt.manifest.tables:
+        saved = table_tensors(checkpoint_dir, ckpt)
+        tensors.update(fixed_tables(checkpoint_dir, ckpt, saved))
+        tensors.update(hashed_tables(ckpt, saved))
     data = st_save(tensors, metadata={"global_step": str(ckpt.global_step), "source": ckpt.name})
     fs, path = url_to_fs(out)
     atomic_write(fs, path, data)
@@ -257,6 +262,30 @@ def fixed_tables(
         for part in saved.get(table, []):
             weight[part["ids"]] = part["values"]
         out[f"{table}.weight"] = weight
+    return out
+
+
+def hashed_tables(
+    ckpt: Checkpoint, saved: dict[str, list[dict[str, torch.Tensor]]]
+) -> dict[str, torch.Tensor]:
+    """The checkpoint's hashed tables (from ``saved``, :func:`table_tensors`), each as
+    ``<table>.ids`` and ``<table>.rows``, its shards' rows together in id order."""
+    out = {}
+    for table, entry in ckpt.manifest.tables.items():
+        spec = TableSpec.from_wire(entry["spec"])
+        if spec.num_embeddings is not None:
+            continue
+        parts = saved.get(table, [])
+        where = f"{ckpt.name}: table {table!r}"
+        if parts:
+            ids = _join([p["ids"] for p in parts], where, "ids")
+            rows = _join([p["values"] for p in parts], where, "rows")
+        else:
+            ids = torch.empty(0, dtype=torch.int64)
+            rows = torch.empty(0, spec.embedding_dim, dtype=getattr(torch, spec.dtype))
+        order = torch.argsort(ids)
+        out[f"{table}.ids"] = ids[order]
+        out[f"{table}.rows"] = rows[order]
     return out
 
 

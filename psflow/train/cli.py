@@ -154,12 +154,11 @@ def export(args: argparse.Namespace) -> int:
         raise ValueError("--table is for a TensorFlow checkpoint's prefix")
     ckpt = export_state_dict(args.dir, args.out, args.name)
     tables = ckpt.manifest.tables
-    fixed = [t for t, e in tables.items() if e["spec"].get("num_embeddings") is not None]
-    hashed = sorted(set(tables) - set(fixed))
+    hashed = sum(e["spec"].get("num_embeddings") is None for e in tables.values())
     print(
-        f"wrote {len(ckpt.params)} parameters and {len(fixed)} embedding tables of {ckpt.name} "
+        f"wrote {len(ckpt.params)} parameters and {len(tables)} embedding tables "
+        f"({hashed} hashed: <table>.ids and <table>.rows) of {ckpt.name} "
         f"(global step {ckpt.global_step}) to {args.out}"
-        + (f"; hashed tables not exported: {', '.join(hashed)}" if hashed else "")
     )
     return 0
 

@@ -367,10 +367,23 @@ def test_a_checkpoint_restores_tables_into_another_number_of_ps(tmp_path: Path) 
     assert re.search(rf"items\s+{VOCAB} x {DIM}\s+rows {VOCAB}", shown), shown
     assert re.search(rf"users\s+hashed x {HASHED_DIM}\s+rows {len(probe_users)}", shown), shown
     out = tmp_path / "plain.safetensors"
-    subprocess.run([*cli, "export", url, str(out), "--name", "ckpt-3"], check=True)
+    said = subprocess.run(
+        [*cli, "export", url, str(out), "--name", "ckpt-3"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "2 embedding tables (1 hashed: <table>.ids and <table>.rows) of ckpt-3" in said, said
     plain = torch.nn.Embedding(VOCAB, DIM)
-    plain.load_state_dict({"weight": load_file(out)["items.weight"]})
+    exported = load_file(out)
+    plain.load_state_dict({"weight": exported["items.weight"]})
     torch.testing.assert_close(plain.weight.detach(), saved["items"])
+    # The whole model loads it with no ps, strictly: the hashed table's ids and rows too.
+    served = Recommender()
+    served.load_state_dict(exported)
+    assert torch.equal(served.users.held_ids(), probe_users.sort().values)
+    with torch.no_grad():
+        torch.testing.assert_close(served.users(probe_users.view(-1, 1)), saved["users"])
     # The evaluator loads it with no ps: the fixed table into its weight, the hashed one's rows
     # kept on the evaluator (an id never trained reads as its initial row, as from the ps).
     fresh = Recommender()

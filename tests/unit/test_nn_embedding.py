@@ -370,10 +370,14 @@ def test_meta_device_allocates_nothing() -> None:
         hashed(torch.tensor([1]))
 
 
-def test_a_local_hashed_table_needs_an_optimizer() -> None:
-    emb = Embedding(None, DIM)  # fine to build: a worker may attach it
-    with pytest.raises(ValueError, match="optimizer='Adagrad'"):
+def test_a_local_hashed_table_needs_an_optimizer_to_train() -> None:
+    emb = Embedding(None, DIM, seed=4)  # fine to build: a worker may attach it
+    with pytest.raises(ValueError, match=r"optimizer='Adagrad'.*torch\.no_grad"):
         emb(torch.tensor([1, 2]))
+    with torch.no_grad():  # looking rows up (a model loaded to serve) needs none
+        got = emb(torch.tensor([1, 2]))
+    want = initial_rows(4, torch.tensor([1, 2]), DIM, std=1.0, dtype=torch.float32)
+    torch.testing.assert_close(got, want, **TOL)
 
 
 def test_a_local_hashed_table_takes_any_id_and_starts_as_the_ps_rows_start() -> None:
@@ -453,6 +457,71 @@ def test_a_hashed_table_holds_what_local_training_made_of_its_rows() -> None:
     sums = dict(zip(emb.held_ids().tolist(), emb.held_state()["sum"], strict=True))
     # a made row's accumulator: initial_accumulator_value (0.1, TensorFlow's) + 1
     assert sums[2**40][0] == 4.0 and sums[7][0] == 5.0 and sums[9][0] == pytest.approx(1.1)
+
+
+def test_a_hashed_table_goes_through_a_state_dict(tmp_path: Any) -> None:
+    """A hashed table held here is in its model's state dict (``ids``, ``rows``, and its
+    optimizer's state as ``opt.<state>``), saved as safetensors and loaded into a fresh model:
+    the same rows, and the same next step (its Adam state came too)."""
+    from safetensors.torch import load_file, save_file
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        m = torch.nn.Module()
+        m.users = EmbeddingBag(None, DIM, mode="sum", optimizer=RowOptimizerSpec.of("Adam", lr=0.1))
+        m.head = torch.nn.Linear(DIM, 1)
+        return m
+
+    def step(m: torch.nn.Module, batch: torch.Tensor) -> None:
+        m.head(m.users(batch)).sum().backward()  # the table updates in backward
+
+    trained, fresh = model(), model()
+    assert set(fresh.state_dict()) == {"users.ids", "users.rows", "head.weight", "head.bias"}
+    for s in range(3):
+        step(trained, torch.randint(0, 50, (4, 3), generator=torch.Generator().manual_seed(s)))
+    sd = trained.state_dict()
+    assert set(sd) == {
+        "users.ids",
+        "users.rows",
+        "users.opt.exp_avg",
+        "users.opt.exp_avg_sq",
+        "users.opt.step",
+        "head.weight",
+        "head.bias",
+    }
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    fresh.load_state_dict(load_file(str(tmp_path / "model.safetensors")))
+    seen = trained.users.held_ids()
+    assert seen is not None and seen.numel() > 3
+    with torch.no_grad():
+        assert torch.equal(fresh.users(seen.view(-1, 1)), trained.users(seen.view(-1, 1)))
+    nxt = torch.randint(0, 50, (4, 3), generator=torch.Generator().manual_seed(9))
+    step(trained, nxt)
+    step(fresh, nxt)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            fresh.users(seen.view(-1, 1)), trained.users(seen.view(-1, 1)), rtol=0, atol=0
+        )
+    without_state = model()  # rows alone (what `psflow checkpoint export` writes): fresh state
+    without_state.load_state_dict({k: v for k, v in sd.items() if ".opt." not in k})
+    assert torch.equal(without_state.users.held_rows(), sd["users.rows"])
+    assert without_state.users.held_state() == {}  # none given: each row's starts fresh
+
+
+def test_a_state_dict_that_does_not_fit_a_hashed_table_is_refused() -> None:
+    emb = Embedding(None, DIM, optimizer="Adagrad")
+    ids = torch.tensor([1, 2])
+    with pytest.raises(RuntimeError, match=r"expected \[len\(ids\), embedding_dim\]"):
+        emb.load_state_dict({"ids": ids, "rows": torch.zeros(2, DIM + 1)})
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*\"rows\""):
+        emb.load_state_dict({"ids": ids})
+    with pytest.raises(RuntimeError, match="Adagrad keeps state"):
+        emb.load_state_dict({"ids": ids, "rows": torch.zeros(2, DIM), "opt.accum": ids})
+    emb.attach(DenseSource(torch.zeros(1, DIM)))
+    assert emb.state_dict() == {}  # its rows are on the ps
+    emb.load_state_dict({})
+    with pytest.raises(RuntimeError, match="attached: its rows are on the ps"):
+        emb.load_state_dict({"ids": ids, "rows": torch.zeros(2, DIM)})
 
 
 def test_load_rows_names_what_is_wrong() -> None:
