@@ -25,8 +25,9 @@ table lives on the ps only, split ``mod`` over them, with row-wise Adagrad; the 
 train with ``--optimizer`` (Adam) on the ps.
 
 It reads TFRecord files of the Criteo Kaggle layout through ``psflow.data`` (what
-``psflow data synth-ctr`` writes; real Criteo files converted to that layout, or
-tensorflow/models' ``dense-feature-N``/``sparse-feature-N`` records, work unchanged), each
+``psflow data synth-ctr`` writes; Criteo's own text, ``train.txt`` or the Terabyte set's
+``day_N``, converted by ``psflow data criteo train.txt data/criteo``; or tensorflow/models'
+``dense-feature-N``/``sparse-feature-N`` records, work unchanged), each
 worker its share. At the end the chief scores the held-out split: AUC, and the best AUC
 achievable on it when the set came from ``synth-ctr`` (its planted model's). With
 ``--evaluator`` an evaluator task scores every checkpoint on the held-out split (``eval/auc``,

@@ -267,7 +267,9 @@ def _add_checkpoint(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
 
 
 def _add_data(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    data = subparsers.add_parser("data", help="TFRecord files: inspect, convert, synth-ctr, text")
+    data = subparsers.add_parser(
+        "data", help="TFRecord files: inspect, convert, synth-ctr, criteo, text"
+    )
     sub = data.add_subparsers(dest="data_command", metavar="ACTION", required=True)
 
     inspect = _command(
@@ -326,6 +328,28 @@ def _add_data(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
     synth.add_argument("--compression", default="", help="'', GZIP or ZLIB")
     synth.add_argument("--seed", type=int, default=0)
     synth.set_defaults(func=_runs("psflow.data.cli", "synth_ctr"))
+
+    crit = _command(
+        sub,
+        "criteo",
+        help="Criteo's click logs as text (train.txt, day_N[.gz]) into the CTR layout",
+        description="Writes OUT/train-* and OUT/test-* in the layout of synth-ctr (label, "
+        "I1..I13, C1..C26 int64; a missing value 0), which examples/ctr.py reads, and "
+        "OUT/_criteo.json. The held-out split is the last --test-fraction of the lines (they "
+        "are in time order), or the --test files.",
+    )
+    crit.add_argument("inputs", metavar="INPUT", nargs="+", help="Criteo text files, in order")
+    crit.add_argument("out", metavar="OUT", help="output directory")
+    crit.add_argument("--test", nargs="+", default=[], help="files for the held-out split")
+    crit.add_argument(
+        "--test-fraction",
+        type=float,
+        default=0.1,
+        help="without --test: the last lines held out (default 0.1)",
+    )
+    crit.add_argument("--shards", type=int, default=4, help="training files (default 4)")
+    crit.add_argument("--compression", default="", help="'', GZIP or ZLIB")
+    crit.set_defaults(func=_runs("psflow.data.cli", "criteo"))
 
     text = _command(
         sub,

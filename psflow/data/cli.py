@@ -1,5 +1,5 @@
-"""``psflow data inspect``, ``convert``, ``synth-ctr`` and ``text`` (their flags are in
-:mod:`psflow.cli`)."""
+"""``psflow data inspect``, ``convert``, ``synth-ctr``, ``criteo`` and ``text`` (their flags
+are in :mod:`psflow.cli`)."""
 
 from __future__ import annotations
 
@@ -104,6 +104,22 @@ def synth_ctr(args: argparse.Namespace) -> int:
     print(
         f"best achievable AUC (planted model on the test split): {result['best_auc']}; "
         f"expected over label draws: {result['expected_best_auc']}"
+    )
+    print(f"wrote {args.out} in {result['seconds']:.1f} s; figures in {META_FILE}")
+    return 0
+
+
+def criteo(args: argparse.Namespace) -> int:
+    from psflow.data.criteo import META_FILE, convert_criteo
+
+    result = convert_criteo(
+        args.inputs,
+        args.out,
+        test=args.test,
+        test_fraction=args.test_fraction,
+        shards=args.shards,
+        compression=args.compression,
+        log=print,
     )
     print(f"wrote {args.out} in {result['seconds']:.1f} s; figures in {META_FILE}")
     return 0
