@@ -18,7 +18,7 @@ from psflow.protocol import RowOptimizerSpec
 
 __all__ = ["Embedding", "EmbeddingBag", "RowSource", "TableModule"]
 
-_MODES = ("sum", "mean", "max")
+_MODES = ("sum", "mean", "max", "sqrtn")
 
 
 class _GatherRows(torch.autograd.Function):
@@ -221,6 +221,11 @@ class EmbeddingBag(TableModule):
     input; ``per_sample_weights`` with ``"sum"``), and computes the same outputs and gradients
     for the same weight. The other arguments are :class:`Embedding`'s.
 
+    ``mode="sqrtn"`` is TensorFlow's ``combiner="sqrtn"`` (``embedding_lookup_sparse``,
+    ``embedding_column``), which torch lacks: a bag's weighted sum divided by the square root
+    of the sum of its squared weights (of its size, without weights; the padding id counts in
+    neither). It takes ``per_sample_weights``; an empty bag is zeros.
+
     Example:
         >>> import torch
         >>> from psflow.nn import EmbeddingBag
@@ -286,6 +291,11 @@ class EmbeddingBag(TableModule):
         offsets: torch.Tensor | None = None,
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        mode = self.mode
+        if mode == "sqrtn":
+            self._check_bags(input, offsets, per_sample_weights)
+            per_sample_weights = self._sqrtn_weights(input, offsets, per_sample_weights)
+            mode = "sum"
         if not self._uses_rows:
             self._local_ids(input)
             return F.embedding_bag(
@@ -295,7 +305,7 @@ class EmbeddingBag(TableModule):
                 None,
                 self.norm_type,
                 self.scale_grad_by_freq,
-                self.mode,
+                mode,
                 self.sparse,
                 per_sample_weights,
                 self.include_last_offset,
@@ -321,12 +331,58 @@ class EmbeddingBag(TableModule):
             None,
             2.0,
             self.scale_grad_by_freq,
-            self.mode,
+            mode,
             False,
             per_sample_weights,
             self.include_last_offset,
             padding,
         )
+
+    def _sqrtn_weights(
+        self,
+        input: torch.Tensor,
+        offsets: torch.Tensor | None,
+        weights: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """``mode="sqrtn"`` as ``"sum"``: each id's weight (1 without weights, 0 for the
+        padding id) over the square root of its bag's sum of squared weights. ``None`` where
+        every bag is one id with no weight (the sum is then the same)."""
+        one_each = input.dim() == 2 and input.shape[1] == 1
+        if weights is None and one_each and self.padding_idx is None:
+            return None
+        weight = self._parameters.get("weight")
+        dtype = self._dtype if weight is None else weight.dtype
+        w = (
+            torch.ones(input.shape, device=input.device, dtype=dtype)
+            if weights is None
+            else weights
+        )
+        if self.padding_idx is not None:
+            w = w.masked_fill(input == self.padding_idx, 0)
+        if input.dim() == 2:
+            norm = w.square().sum(dim=1, keepdim=True).sqrt()
+            return torch.where(norm > 0, w / norm.clamp_min(torch.finfo(w.dtype).tiny), 0)
+        assert offsets is not None
+        ends = (
+            offsets[1:]
+            if self.include_last_offset
+            else torch.cat([offsets[1:], offsets.new_tensor([input.numel()])])
+        )
+        starts = offsets[:-1] if self.include_last_offset else offsets
+        bag = torch.repeat_interleave(
+            torch.arange(len(starts), device=input.device), (ends - starts).clamp_min(0)
+        )
+        if bag.numel() != input.numel():
+            raise ValueError(
+                f"{self._label()}: offsets {offsets.tolist()} do not cover the input's "
+                f"{input.numel()} ids in order"
+            )
+        norm = (
+            torch.zeros(len(starts), device=w.device, dtype=w.dtype)
+            .index_add(0, bag, w.square())
+            .sqrt()[bag]
+        )
+        return torch.where(norm > 0, w / norm.clamp_min(torch.finfo(w.dtype).tiny), 0)
 
     def _check_bags(
         self,
@@ -347,10 +403,10 @@ class EmbeddingBag(TableModule):
                 f"{self._label()}: input must be 1-D (with offsets) or 2-D, got {input.dim()}-D"
             )
         if per_sample_weights is not None:
-            if self.mode != "sum":
+            if self.mode not in ("sum", "sqrtn"):
                 raise NotImplementedError(
-                    f"{self._label()}: per_sample_weights work with mode='sum' only, "
-                    f"not {self.mode!r}"
+                    f"{self._label()}: per_sample_weights work with mode='sum' (or 'sqrtn') "
+                    f"only, not {self.mode!r}"
                 )
             if per_sample_weights.shape != input.shape:
                 raise ValueError(

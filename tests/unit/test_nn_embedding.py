@@ -8,6 +8,7 @@ gradient each unique id's row receives must be torch's ``weight.grad`` row for t
 from __future__ import annotations
 
 import doctest
+import json
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ import psflow.nn.table
 from psflow.nn import Embedding, EmbeddingBag, RowSource, TableModule
 from psflow.protocol import RowOptimizerSpec, TableSpec
 from psflow.sparse import initial_rows
+from tests.paths import ROOT
 
 pytestmark = pytest.mark.unit
 
@@ -543,6 +545,66 @@ def test_load_rows_names_what_is_wrong() -> None:
     emb.attach(DenseSource(torch.zeros(1, DIM)))
     with pytest.raises(ValueError, match="attached"):
         emb.load_rows(ids, rows)
+
+
+TF_COMBINERS = json.loads((ROOT / "tests" / "fixtures" / "tf_combiners.json").read_text())
+
+
+def _tf_bags(
+    include_last_offset: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    bags, weights = TF_COMBINERS["bags"], TF_COMBINERS["weights"]
+    ids = torch.tensor([i for b in bags for i in b])
+    starts = [sum(map(len, bags[:k])) for k in range(len(bags) + include_last_offset)]
+    w = torch.tensor([x for ws in weights for x in ws], dtype=torch.float32)
+    return ids, torch.tensor(starts), w
+
+
+@pytest.mark.parametrize("key", ["sum", "sum_weighted", "mean", "sqrtn", "sqrtn_weighted"])
+@pytest.mark.parametrize("source", [None, DenseSource, PartsSource])
+@pytest.mark.parametrize("include_last_offset", [False, True])
+def test_bags_combine_as_tensorflow_s_combiners(
+    key: str, source: type[DenseSource] | None, include_last_offset: bool
+) -> None:
+    """``mode`` "sum", "mean" and "sqrtn" (TensorFlow's own, which torch lacks), with and
+    without weights, on ragged bags with an empty one and a repeated id: the output and the
+    table's gradient ``tf.nn.safe_embedding_lookup_sparse`` gave (TensorFlow 2.21), locally
+    and with the rows from a row source."""
+    mode, weighted = key.removesuffix("_weighted"), key.endswith("_weighted")
+    table = torch.tensor(TF_COMBINERS["table"])
+    bag = EmbeddingBag.from_pretrained(
+        table, freeze=False, mode=mode, include_last_offset=include_last_offset
+    )
+    if source is not None:
+        bag.attach(rows := source(table))
+    ids, offsets, w = _tf_bags(include_last_offset)
+    out = bag(ids, offsets, per_sample_weights=w if weighted else None)
+    want = TF_COMBINERS[key]
+    torch.testing.assert_close(out, torch.tensor(want["output"]), rtol=0, atol=1e-6)
+    (out * torch.tensor(TF_COMBINERS["upstream"])).sum().backward()
+    if source is None:
+        grad = bag.weight.grad
+    else:
+        grad = torch.zeros_like(table)
+        for i, g in rows.grad_per_id().items():
+            grad[i] += g
+    torch.testing.assert_close(grad, torch.tensor(want["grad"]), rtol=0, atol=1e-6)
+
+
+def test_sqrtn_takes_2d_bags_and_the_padding_id_counts_in_neither_sum() -> None:
+    """2-D bags give what the same bags as offsets give; the padding id adds nothing and is
+    not counted (a bag of ids 1, 2 and the padding id is the bag 1, 2)."""
+    bag = EmbeddingBag(N, DIM, mode="sqrtn", padding_idx=0)
+    ids = torch.tensor([[1, 2, 0], [3, 0, 0], [4, 5, 6]])
+    flat = bag(torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([0, 2, 3]))
+    torch.testing.assert_close(bag(ids), flat, rtol=0, atol=1e-6)
+    torch.testing.assert_close(flat[0], bag.weight[1:3].sum(0) / 2**0.5, rtol=0, atol=1e-6)
+    one = EmbeddingBag(N, DIM, mode="sqrtn")
+    torch.testing.assert_close(one(torch.tensor([[4], [7]])), one.weight[[4, 7]])
+    mean = EmbeddingBag(N, DIM, mode="mean")
+    mean.attach(DenseSource(mean.weight))
+    with pytest.raises(NotImplementedError, match="with mode='sum' \\(or 'sqrtn'\\) only"):
+        mean(ids, per_sample_weights=torch.ones(3, 3))
 
 
 def test_repr_says_where_the_rows_are() -> None:
