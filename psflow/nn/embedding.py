@@ -221,10 +221,11 @@ class EmbeddingBag(TableModule):
     input; ``per_sample_weights`` with ``"sum"``), and computes the same outputs and gradients
     for the same weight. The other arguments are :class:`Embedding`'s.
 
-    ``mode="sqrtn"`` is TensorFlow's ``combiner="sqrtn"`` (``embedding_lookup_sparse``,
-    ``embedding_column``), which torch lacks: a bag's weighted sum divided by the square root
-    of the sum of its squared weights (of its size, without weights; the padding id counts in
-    neither). It takes ``per_sample_weights``; an empty bag is zeros.
+    Two of TensorFlow's combiners (``embedding_lookup_sparse``, ``embedding_column``) that
+    torch lacks: ``mode="sqrtn"``, a bag's weighted sum divided by the square root of the sum
+    of its squared weights (of its size, without weights), and ``mode="mean"`` with
+    ``per_sample_weights``, the weighted sum divided by the sum of the weights. The padding id
+    counts in neither sum; an empty bag is zeros.
 
     Example:
         >>> import torch
@@ -292,9 +293,10 @@ class EmbeddingBag(TableModule):
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         mode = self.mode
-        if mode == "sqrtn":
+        if mode == "sqrtn" or (mode == "mean" and per_sample_weights is not None):
+            # TensorFlow's combiners as torch's "sum" of weights each bag's norm divides
             self._check_bags(input, offsets, per_sample_weights)
-            per_sample_weights = self._sqrtn_weights(input, offsets, per_sample_weights)
+            per_sample_weights = self._normalised(input, offsets, per_sample_weights)
             mode = "sum"
         if not self._uses_rows:
             self._local_ids(input)
@@ -338,15 +340,17 @@ class EmbeddingBag(TableModule):
             padding,
         )
 
-    def _sqrtn_weights(
+    def _normalised(
         self,
         input: torch.Tensor,
         offsets: torch.Tensor | None,
         weights: torch.Tensor | None,
     ) -> torch.Tensor | None:
-        """``mode="sqrtn"`` as ``"sum"``: each id's weight (1 without weights, 0 for the
-        padding id) over the square root of its bag's sum of squared weights. ``None`` where
-        every bag is one id with no weight (the sum is then the same)."""
+        """``mode="sqrtn"``, or ``"mean"`` with weights, as ``"sum"``: each id's weight (1
+        without weights, 0 for the padding id) over its bag's norm, the square root of the sum
+        of its squared weights (``"sqrtn"``) or the sum of its weights (``"mean"``). ``None``
+        where every bag is one id with no weight (the sum is then the same)."""
+        sqrtn = self.mode == "sqrtn"
         one_each = input.dim() == 2 and input.shape[1] == 1
         if weights is None and one_each and self.padding_idx is None:
             return None
@@ -360,8 +364,8 @@ class EmbeddingBag(TableModule):
         if self.padding_idx is not None:
             w = w.masked_fill(input == self.padding_idx, 0)
         if input.dim() == 2:
-            norm = w.square().sum(dim=1, keepdim=True).sqrt()
-            return torch.where(norm > 0, w / norm.clamp_min(torch.finfo(w.dtype).tiny), 0)
+            norm = (w.square() if sqrtn else w).sum(dim=1, keepdim=True)
+            return _divided(w, norm.sqrt() if sqrtn else norm)
         assert offsets is not None
         ends = (
             offsets[1:]
@@ -377,12 +381,10 @@ class EmbeddingBag(TableModule):
                 f"{self._label()}: offsets {offsets.tolist()} do not cover the input's "
                 f"{input.numel()} ids in order"
             )
-        norm = (
-            torch.zeros(len(starts), device=w.device, dtype=w.dtype)
-            .index_add(0, bag, w.square())
-            .sqrt()[bag]
+        norm = torch.zeros(len(starts), device=w.device, dtype=w.dtype).index_add(
+            0, bag, w.square() if sqrtn else w
         )
-        return torch.where(norm > 0, w / norm.clamp_min(torch.finfo(w.dtype).tiny), 0)
+        return _divided(w, (norm.sqrt() if sqrtn else norm)[bag])
 
     def _check_bags(
         self,
@@ -403,10 +405,10 @@ class EmbeddingBag(TableModule):
                 f"{self._label()}: input must be 1-D (with offsets) or 2-D, got {input.dim()}-D"
             )
         if per_sample_weights is not None:
-            if self.mode not in ("sum", "sqrtn"):
+            if self.mode == "max":
                 raise NotImplementedError(
-                    f"{self._label()}: per_sample_weights work with mode='sum' (or 'sqrtn') "
-                    f"only, not {self.mode!r}"
+                    f"{self._label()}: per_sample_weights work with mode 'sum', 'mean' "
+                    "(TensorFlow's weighted mean) or 'sqrtn', not 'max'"
                 )
             if per_sample_weights.shape != input.shape:
                 raise ValueError(
@@ -465,3 +467,8 @@ class EmbeddingBag(TableModule):
         if optimizer_state is not None:
             bag.give_optimizer_state(optimizer_state)
         return bag
+
+
+def _divided(w: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    """``w / norm``, 0 where the norm is 0 (an empty bag, or one of zero weights)."""
+    return torch.where(norm != 0, w / torch.where(norm != 0, norm, 1), 0)

@@ -342,8 +342,8 @@ def test_attached_bags_check_their_layout_before_asking() -> None:
         bag(torch.zeros(2, 3, dtype=torch.int64), torch.tensor([0]))
     with pytest.raises(ValueError, match="offsets"):
         bag(torch.zeros(3, dtype=torch.int64))
-    with pytest.raises(NotImplementedError, match="sum"):
-        bag(torch.zeros(2, 3, dtype=torch.int64), None, torch.ones(2, 3))
+    with pytest.raises(ValueError, match="per_sample_weights has shape"):
+        bag(torch.zeros(2, 3, dtype=torch.int64), None, torch.ones(2, 2))
     assert source.asked == []
 
 
@@ -560,14 +560,16 @@ def _tf_bags(
     return ids, torch.tensor(starts), w
 
 
-@pytest.mark.parametrize("key", ["sum", "sum_weighted", "mean", "sqrtn", "sqrtn_weighted"])
+@pytest.mark.parametrize(
+    "key", ["sum", "sum_weighted", "mean", "mean_weighted", "sqrtn", "sqrtn_weighted"]
+)
 @pytest.mark.parametrize("source", [None, DenseSource, PartsSource])
 @pytest.mark.parametrize("include_last_offset", [False, True])
 def test_bags_combine_as_tensorflow_s_combiners(
     key: str, source: type[DenseSource] | None, include_last_offset: bool
 ) -> None:
-    """``mode`` "sum", "mean" and "sqrtn" (TensorFlow's own, which torch lacks), with and
-    without weights, on ragged bags with an empty one and a repeated id: the output and the
+    """``mode`` "sum", "mean" and "sqrtn" (TensorFlow's own, which torch lacks, as it lacks a
+    weighted mean), with and without weights, on ragged bags with an empty one and a repeated id: the output and the
     table's gradient ``tf.nn.safe_embedding_lookup_sparse`` gave (TensorFlow 2.21), locally
     and with the rows from a row source."""
     mode, weighted = key.removesuffix("_weighted"), key.endswith("_weighted")
@@ -601,10 +603,10 @@ def test_sqrtn_takes_2d_bags_and_the_padding_id_counts_in_neither_sum() -> None:
     torch.testing.assert_close(flat[0], bag.weight[1:3].sum(0) / 2**0.5, rtol=0, atol=1e-6)
     one = EmbeddingBag(N, DIM, mode="sqrtn")
     torch.testing.assert_close(one(torch.tensor([[4], [7]])), one.weight[[4, 7]])
-    mean = EmbeddingBag(N, DIM, mode="mean")
-    mean.attach(DenseSource(mean.weight))
-    with pytest.raises(NotImplementedError, match="with mode='sum' \\(or 'sqrtn'\\) only"):
-        mean(ids, per_sample_weights=torch.ones(3, 3))
+    most = EmbeddingBag(N, DIM, mode="max")
+    most.attach(DenseSource(most.weight))
+    with pytest.raises(NotImplementedError, match="'sqrtn', not 'max'"):
+        most(ids, per_sample_weights=torch.ones(3, 3))
 
 
 def test_repr_says_where_the_rows_are() -> None:
