@@ -508,6 +508,9 @@ class TableModule(nn.Module):
                     f"{self._label()} is attached: its rows are on the ps, and a state dict "
                     "does not change them (a job restores its tables from its checkpoint)"
                 )
+            wrong = sorted(k for k in mine if not isinstance(state_dict[k], torch.Tensor))
+            if wrong:
+                raise ValueError(f"{self._label()}: {', '.join(wrong)} are not tensors")
             self.load_rows(state_dict[prefix + "ids"], state_dict[prefix + "rows"], state or None)
         except ValueError as e:
             error_msgs.append(str(e))

@@ -517,6 +517,8 @@ def test_a_state_dict_that_does_not_fit_a_hashed_table_is_refused() -> None:
         emb.load_state_dict({"ids": ids, "rows": torch.zeros(2, DIM + 1)})
     with pytest.raises(RuntimeError, match=r"Missing key\(s\).*\"rows\""):
         emb.load_state_dict({"ids": ids})
+    with pytest.raises(RuntimeError, match="ids are not tensors"):
+        emb.load_state_dict({"ids": [1, 2], "rows": torch.zeros(2, DIM)})
     with pytest.raises(RuntimeError, match="Adagrad keeps state"):
         emb.load_state_dict({"ids": ids, "rows": torch.zeros(2, DIM), "opt.accum": ids})
     emb.attach(DenseSource(torch.zeros(1, DIM)))
