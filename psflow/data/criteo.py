@@ -29,7 +29,8 @@ import gzip
 import json
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import IO, Any, NamedTuple
+from dataclasses import dataclass
+from typing import IO, Any
 
 import numpy as np
 
@@ -57,7 +58,8 @@ _MAX_DIGITS = 18
 """Digits an integer feature may have (int64 holds them all)."""
 
 
-class CriteoRows(NamedTuple):
+@dataclass(frozen=True)
+class CriteoRows:
     """Parsed lines: ``label`` ``[n]``, ``dense`` ``[n, 13]`` and ``categorical`` ``[n, 26]``
     int64, and ``empty`` ``[n, 39]``, which feature fields were empty (missing values)."""
 

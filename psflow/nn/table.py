@@ -469,11 +469,8 @@ class TableModule(nn.Module):
         does, with the ``<prefix>opt.<state>`` entries as their optimizer state if there are
         any (fresh state otherwise: ``psflow checkpoint export`` writes none)."""
         if self.num_embeddings is None:
-            mine = {
-                k
-                for k in state_dict
-                if k in (prefix + "ids", prefix + "rows") or k.startswith(prefix + self._STATE_KEY)
-            }
+            ours = {prefix + k for k in self._ROW_KEYS}
+            mine = {k for k in state_dict if k in ours or k.startswith(prefix + self._STATE_KEY)}
             rest = {k: v for k, v in state_dict.items() if k not in mine}
         else:
             mine, rest = set(), state_dict
