@@ -10,9 +10,9 @@
   workload on TensorFlow's ps runtime (``benchmarks/tf_embedding.py``: a partitioned variable,
   ``embedding_lookup``, sparse Adagrad) in the same run. The full preset adds
   ``shm_bound`` and ``socket_bound``, each task bound to the cores ``psflow launch
-  --bind-cores`` deals it, and ``shm_prefetch`` (also bound: ``shm_prefetch_bound``): each
-  step's push brings the next step's rows (``prefetch``), one round trip a step instead of two;
-  with one worker its rows are those a lookup would get.
+  --bind-cores`` deals it, and ``shm_prefetch`` (also bound: ``shm_prefetch_bound``) and
+  ``socket_prefetch``: each step's push brings the next step's rows (``prefetch``), one round
+  trip a step instead of two; with one worker its rows are those a lookup would get.
 - ``ctr``: ``examples/ctr.py``'s DLRM end to end on a ``psflow data synth-ctr`` set (or
   ``--data``), 2 ps and 2 workers, Adagrad for the dense layers and row-wise for the table:
   samples/s summed over the workers, against the same model in TensorFlow 1.x style
@@ -282,6 +282,7 @@ def _variants(p: dict[str, Any]) -> list[tuple[str, str, list[str], bool]]:
     if p["prefetch"]:
         out += [("shm_bound", "1", [], True), ("socket_bound", "0", [], True)]
         out.append(("shm_prefetch", "1", ["--prefetch"], False))
+        out.append(("socket_prefetch", "0", ["--prefetch"], False))
         out.append(("shm_prefetch_bound", "1", ["--prefetch"], True))
     return out
 
