@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import partial
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -72,6 +72,16 @@ def batch_rows(
         return rows, positions
     unique, positions = torch.unique(ids, return_inverse=True)
     return source.rows(table, unique), positions
+
+
+class Held(NamedTuple):
+    """A table's rows as the module holds them (:meth:`TableModule.held`): ``rows``, their
+    row-wise optimizer ``state`` (empty when none was given), and for a hashed table the
+    ``ids`` of the rows (``None`` for a fixed one: its rows are ``0..num_embeddings-1``)."""
+
+    rows: torch.Tensor
+    state: dict[str, torch.Tensor]
+    ids: torch.Tensor | None
 
 
 class _FusedRows:
@@ -391,13 +401,20 @@ class TableModule(nn.Module):
         self._held_ids, self._held_hashed, self._held_state = ids, rows, state
         self._fused = None  # built again, with these rows, by the next forward here
 
-    def _hashed_held(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]] | None:
-        """A hashed table's rows held here, as ``(ids, rows, optimizer state)``: once a forward
-        pass here has used the table, every row it holds as local training left it (the rows
-        given by :meth:`load_rows` among them); before, the given rows; ``None`` when it holds
-        none (or is attached)."""
+    def held(self) -> Held | None:
+        """What this module holds itself, taken once: a fixed table's weight (unless on the
+        meta device) and the optimizer state given with it (:meth:`give_optimizer_state`); a
+        hashed table's rows with their ids and optimizer state, as local training left them
+        once a forward pass here has used it (the rows given by :meth:`load_rows` among them),
+        or as given before. ``None`` for an attached table, one on the meta device, or a hashed
+        one that holds none. A job given the model starts the table from it."""
         if self._source is not None:
             return None
+        if self.num_embeddings is not None:
+            weight = self._parameters.get("weight")
+            if weight is None or weight.is_meta:
+                return None
+            return Held(weight.detach(), dict(self._held_state), None)
         if self._fused is not None:
             snap = self._fused.store.snapshot()
             if not snap["ids"].numel():
@@ -407,25 +424,21 @@ class TableModule(nn.Module):
                 for k, t in snap.items()
                 if k.startswith(STATE_PREFIX)
             }
-            return snap["ids"], snap["values"], state
+            return Held(snap["values"], state, snap["ids"])
         if self._held_ids is None or self._held_hashed is None:
             return None
-        return self._held_ids, self._held_hashed, dict(self._held_state)
+        return Held(self._held_hashed, dict(self._held_state), self._held_ids)
 
     def held_ids(self) -> torch.Tensor | None:
-        """The ids of the rows a hashed table holds (see :meth:`held_rows`); ``None`` for a
-        fixed table, or a hashed one that holds none."""
-        held = self._hashed_held() if self.num_embeddings is None else None
-        return None if held is None else held[0]
+        """The ids of :meth:`held_rows` for a hashed table; ``None`` for a fixed table, or a
+        hashed one that holds none."""
+        held = self.held()
+        return None if held is None else held.ids
 
     def held_state(self) -> dict[str, torch.Tensor]:
-        """The row-wise optimizer state of :meth:`held_rows`: a fixed table's given with its
-        weight (:meth:`give_optimizer_state`), a hashed table's given with its rows or left by
-        local training; empty when there is none."""
-        if self.num_embeddings is None:
-            held = self._hashed_held()
-            return {} if held is None else held[2]
-        return dict(self._held_state) if self.held_rows() is not None else {}
+        """The row-wise optimizer state of :meth:`held_rows`; empty when there is none."""
+        held = self.held()
+        return {} if held is None else held.state
 
     # -- a hashed table in a state dict ------------------------------------------------------
 
@@ -442,14 +455,11 @@ class TableModule(nn.Module):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.num_embeddings is not None or self._source is not None or self._on_meta:
             return
-        held = self._hashed_held()
+        held = self.held()
         if held is None:
-            held = (
-                torch.empty(0, dtype=torch.int64),
-                torch.empty(0, self.embedding_dim, dtype=self._dtype),
-                {},
-            )
-        ids, rows, state = held
+            held = Held(torch.empty(0, self.embedding_dim, dtype=self._dtype), {}, None)
+        rows, state = held.rows, held.state
+        ids = held.ids if held.ids is not None else torch.empty(0, dtype=torch.int64)
         destination[prefix + "ids"] = ids
         destination[prefix + "rows"] = rows
         for key, tensor in state.items():
@@ -520,18 +530,9 @@ class TableModule(nn.Module):
         return weight is not None and not weight.requires_grad
 
     def held_rows(self) -> torch.Tensor | None:
-        """The rows this module holds itself, detached: a fixed table's weight, unless it is on
-        the meta device; a hashed table's rows (of :meth:`held_ids`), as given by
-        :meth:`load_rows` and then trained here, if they were; ``None`` for an attached table,
-        one on the meta device, or a hashed one that holds none. A job given the model starts
-        the table from them."""
-        if self.num_embeddings is None:
-            held = self._hashed_held()
-            return None if held is None else held[1]
-        weight = self._parameters.get("weight")
-        if weight is None or weight.is_meta:
-            return None
-        return weight.detach()
+        """The rows this module holds itself, detached (see :meth:`held`)."""
+        held = self.held()
+        return None if held is None else held.rows
 
     @property
     def attached(self) -> bool:

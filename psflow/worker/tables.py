@@ -132,13 +132,12 @@ class TableClient:
         """Per hashed table in :attr:`initial`, the ids of its rows."""
         for name, module in self.modules.items():
             spec = module.spec(name)
-            held = module.held_rows()  # before attach() drops it
+            held = module.held()  # before attach() drops it
             if held is not None:
-                self.initial[spec.name] = held
-                self.initial_state[spec.name] = module.held_state()
-                ids = module.held_ids()
-                if ids is not None:
-                    self.initial_ids[spec.name] = ids
+                self.initial[spec.name] = held.rows
+                self.initial_state[spec.name] = held.state
+                if held.ids is not None:
+                    self.initial_ids[spec.name] = held.ids
             self.specs[spec.name] = spec
             self.partitions[spec.name] = Partition(
                 spec.partition, spec.num_embeddings, client.num_shards
