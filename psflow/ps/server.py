@@ -109,15 +109,6 @@ _CHIEF_ONLY = frozenset({Op.INIT.value, Op.SAVE.value, Op.SAVE_STATUS.value})
 CurveZMQ keys any peer can claim any name; with them, only holders of the job's client key."""
 
 
-def _import_ahead() -> None:
-    """Builds a throwaway optimizer, while the ps waits for the chief's init: torch imports
-    ``torch._dynamo`` at its first optimizer (about 1 s of CPU), which was the init's wait."""
-    try:
-        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    except Exception as e:  # only a head start: the init builds its own either way
-        log.debug("importing ahead failed: %s", e)
-
-
 class ParameterServer:
     """Serves the shard of one ps task.
 
@@ -287,7 +278,6 @@ class ParameterServer:
         self.start()
         assert self._thread is not None
         with self._sigterm():
-            _import_ahead()
             self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError(f"{self.name} still serving after {timeout} s")
