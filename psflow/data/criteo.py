@@ -35,8 +35,7 @@ from typing import IO, Any
 import numpy as np
 
 from psflow.data import fs
-from psflow.data.ctr import CATEGORICAL, DENSE, LABEL
-from psflow.data.encode import serialize_examples
+from psflow.data.ctr import CATEGORICAL, DENSE, HEX_DIGIT, serialize_ctr, shard_name
 from psflow.data.tfrecord import TFRecordWriter
 
 META_FILE = "_criteo.json"
@@ -50,10 +49,6 @@ BLOCK_BYTES = 8 << 20
 """Text parsed at a time (about 35,000 of Criteo's lines)."""
 
 _TAB, _NL, _MINUS = 9, 10, 45
-_HEX = np.full(256, 16, dtype=np.int64)
-_HEX[np.frombuffer(b"0123456789", np.uint8)] = np.arange(10)
-_HEX[np.frombuffer(b"abcdef", np.uint8)] = np.arange(10, 16)
-_HEX[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16)
 _MAX_DIGITS = 18
 """Digits an integer feature may have (int64 holds them all)."""
 
@@ -76,12 +71,7 @@ class CriteoRows:
 
     def encode(self) -> tuple[bytes, np.ndarray]:
         """The rows as serialized Examples: ``(data, offsets)``."""
-        cols: dict[str, np.ndarray] = {LABEL: self.label}
-        for j, name in enumerate(DENSE):
-            cols[name] = self.dense[:, j]
-        for j, name in enumerate(CATEGORICAL):
-            cols[name] = self.categorical[:, j]
-        return serialize_examples(cols)
+        return serialize_ctr(self.label, self.dense, self.categorical)
 
 
 class BadLine(ValueError):
@@ -170,7 +160,7 @@ def _hashes(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndar
     bad = ~has & (lengths != 0)
     value = np.zeros(starts.shape, dtype=np.int64)
     for k in range(8):
-        nibble = _HEX[buf[np.where(has, starts + k, 0)]]
+        nibble = HEX_DIGIT[buf[np.where(has, starts + k, 0)]]
         bad |= has & (nibble > 15)
         value = (value << 4) | np.where(has, nibble, 0)
     if bad.any():
@@ -245,8 +235,7 @@ class _Split:
     """One split's files, rows dealt out evenly over them, and its counts."""
 
     def __init__(self, out_dir: str, name: str, shards: int, compression: str) -> None:
-        suffix = {"": "", "GZIP": ".gz", "ZLIB": ".zlib"}[compression]
-        self.names = [f"{name}-{i:05d}-of-{shards:05d}.tfrecord{suffix}" for i in range(shards)]
+        self.names = [shard_name(name, i, shards, compression) for i in range(shards)]
         self.writers = [
             TFRecordWriter(fs.join(out_dir, n), compression=compression) for n in self.names
         ]

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -262,13 +262,27 @@ class PlantedCTR:
 
     def encode(self, s: Sample) -> tuple[bytes, np.ndarray]:
         """The examples serialized in the layout of this module: ``(data, offsets)``."""
-        cols: dict[str, np.ndarray] = {LABEL: s.label}
-        for j, name in enumerate(DENSE):
-            cols[name] = s.dense[:, j]
-        for c, name in enumerate(CATEGORICAL):
-            ids = s.ids[:, c]
-            cols[name] = hex_strings(ids) if self.config.categorical == "hex" else ids
-        return serialize_examples(cols)
+        hex_ids = self.config.categorical == "hex"
+        return serialize_ctr(s.label, s.dense, s.ids, categorical=hex_strings if hex_ids else None)
+
+
+def serialize_ctr(
+    label: np.ndarray,
+    dense: np.ndarray,
+    ids: np.ndarray,
+    *,
+    categorical: Callable[[np.ndarray], np.ndarray] | None = None,
+) -> tuple[bytes, np.ndarray]:
+    """Examples in this module's layout, serialized: ``(data, offsets)`` as
+    :func:`~psflow.data.encode.serialize_examples` gives them. ``label`` ``[n]``, ``dense``
+    ``[n, 13]``, ``ids`` ``[n, 26]``; ``categorical`` turns a column of ids into what its
+    feature holds (:func:`hex_strings`), the ids as they are when ``None``."""
+    cols: dict[str, np.ndarray] = {LABEL: label}
+    for j, name in enumerate(DENSE):
+        cols[name] = dense[:, j]
+    for c, name in enumerate(CATEGORICAL):
+        cols[name] = ids[:, c] if categorical is None else categorical(ids[:, c])
+    return serialize_examples(cols)
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -285,15 +299,18 @@ def hex_strings(ids: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(chars).view("S8").reshape(-1)
 
 
+HEX_DIGIT = np.full(256, 16, dtype=np.int64)
+"""Each byte's value as a hex digit (either case); 16 for a byte that is none."""
+HEX_DIGIT[np.frombuffer(b"0123456789abcdef", np.uint8)] = np.arange(16)
+HEX_DIGIT[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16)
+
+
 def parse_hex(values: Any) -> np.ndarray:
     """Criteo's hex strings (bytes) as int64 ids; an empty string (a missing value) is 0."""
     arr = np.asarray(values, dtype=object).reshape(-1)
     if len(arr) and all(len(v) == 8 for v in arr):
         raw = np.frombuffer(b"".join(arr), dtype=np.uint8).reshape(-1, 8)
-        lut = np.full(256, 255, dtype=np.int64)
-        lut[np.frombuffer(b"0123456789abcdef", np.uint8)] = np.arange(16)
-        lut[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16)
-        nib = lut[raw]
+        nib = HEX_DIGIT[raw]
         if (nib < 16).all():
             return (nib << (4 * np.arange(7, -1, -1))[None, :]).sum(axis=1)
     try:
@@ -340,7 +357,8 @@ def expected_auc(prob: np.ndarray) -> float:
     return num / den
 
 
-def _shard_name(split: str, i: int, count: int, compression: str) -> str:
+def shard_name(split: str, i: int, count: int, compression: str) -> str:
+    """``<split>-0000i-of-0000N.tfrecord``, with ``.gz`` or ``.zlib`` for ``compression``."""
     suffix = {"": "", "GZIP": ".gz", "ZLIB": ".zlib"}[compression]
     return f"{split}-{i:05d}-of-{count:05d}.tfrecord{suffix}"
 
@@ -367,7 +385,7 @@ def write_synth_ctr(out_dir: str, config: SynthCTRConfig, *, log: Any = None) ->
         ("train", config.train_examples, config.train_shards),
         ("test", config.test_examples, config.test_shards),
     ):
-        names = [_shard_name(split, i, shards, config.compression) for i in range(shards)]
+        names = [shard_name(split, i, shards, config.compression) for i in range(shards)]
         files[split] = names
         bounds = [total * i // shards for i in range(shards + 1)]
         positives = 0

@@ -293,8 +293,8 @@ class EmbeddingBag(TableModule):
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         mode = self.mode
-        if mode == "sqrtn" or (mode == "mean" and per_sample_weights is not None):
-            # TensorFlow's combiners as torch's "sum" of weights each bag's norm divides
+        checked = mode == "sqrtn" or (mode == "mean" and per_sample_weights is not None)
+        if checked:  # TensorFlow's combiner: torch's "sum", each weight over its bag's norm
             self._check_bags(input, offsets, per_sample_weights)
             per_sample_weights = self._normalised(input, offsets, per_sample_weights)
             mode = "sum"
@@ -313,7 +313,8 @@ class EmbeddingBag(TableModule):
                 self.include_last_offset,
                 self.padding_idx,
             )
-        self._check_bags(input, offsets, per_sample_weights)
+        if not checked:
+            self._check_bags(input, offsets, per_sample_weights)
         if (
             input.dim() == 2
             and input.shape[1] == 1

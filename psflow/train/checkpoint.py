@@ -244,11 +244,7 @@ def fixed_tables(
 ) -> dict[str, torch.Tensor]:
     """The checkpoint's fixed-size embedding tables, each assembled whole from its shards'
     rows, as ``<table>.weight`` (from ``saved``, :func:`table_tensors`, when given)."""
-    specs = {
-        n: TableSpec.from_wire(t["spec"])
-        for n, t in ckpt.manifest.tables.items()
-        if t["spec"].get("num_embeddings") is not None
-    }
+    specs = _table_specs(ckpt, hashed=False)
     if not specs:
         return {}
     if saved is None:
@@ -271,10 +267,7 @@ def hashed_tables(
     """The checkpoint's hashed tables (from ``saved``, :func:`table_tensors`), each as
     ``<table>.ids`` and ``<table>.rows``, its shards' rows together in id order."""
     out = {}
-    for table, entry in ckpt.manifest.tables.items():
-        spec = TableSpec.from_wire(entry["spec"])
-        if spec.num_embeddings is not None:
-            continue
+    for table, spec in _table_specs(ckpt, hashed=True).items():
         parts = saved.get(table, [])
         where = f"{ckpt.name}: table {table!r}"
         if parts:
@@ -287,6 +280,12 @@ def hashed_tables(
         out[f"{table}.ids"] = ids[order]
         out[f"{table}.rows"] = rows[order]
     return out
+
+
+def _table_specs(ckpt: Checkpoint, *, hashed: bool) -> dict[str, TableSpec]:
+    """The checkpoint's hashed tables' specs, or its fixed-size ones', by name."""
+    specs = {n: TableSpec.from_wire(t["spec"]) for n, t in ckpt.manifest.tables.items()}
+    return {n: spec for n, spec in specs.items() if (spec.num_embeddings is None) == hashed}
 
 
 def table_tensors(
