@@ -7,7 +7,7 @@ variable is prefixed `PSFLOW_`.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 TF_CONFIG = "TF_CONFIG"
 """The cluster and this task, as JSON: ``{"cluster": {...}, "task": {"type": ..., "index": ...}}``."""
@@ -146,6 +146,66 @@ XDG_RUNTIME_DIR = "XDG_RUNTIME_DIR"
 file under ``$XDG_RUNTIME_DIR/psflow/jobs`` for ``psflow top`` (else ``/tmp/psflow-<uid>/jobs``)."""
 
 
+_TRUE = ("1", "on", "true", "yes")
+_FALSE = ("0", "off", "false", "no")
+
+
+def text(name: str, default: str | None = None) -> str | None:
+    """The value of the environment variable ``name``, else ``default`` (unset or empty)."""
+    raw = os.environ.get(name)
+    return default if raw is None or raw.strip() == "" else raw
+
+
+def flag(name: str, default: bool) -> bool:
+    """The switch the environment variable ``name`` holds (``1/on/true/yes`` or
+    ``0/off/false/no``, any case), else ``default``.
+
+    Raises:
+        ValueError: naming the variable, when it holds anything else.
+    """
+    raw = text(name)
+    if raw is None:
+        return default
+    if raw.strip().lower() in _TRUE:
+        return True
+    if raw.strip().lower() in _FALSE:
+        return False
+    raise ValueError(f"{name} must be one of {', '.join(_TRUE + _FALSE)}, got {raw!r}")
+
+
+def choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """The value of the environment variable ``name``, one of ``choices``, else ``default``.
+
+    Raises:
+        ValueError: naming the variable and the choices, when it holds anything else.
+    """
+    raw = text(name)
+    if raw is None:
+        return default
+    if raw not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {raw!r}")
+    return raw
+
+
+def port(name: str, environ: Mapping[str, str] | None = None) -> int | None:
+    """The port (0..65535; 0: one the OS picks) the environment variable ``name`` holds, else
+    ``None`` (unset or empty).
+
+    Raises:
+        ValueError: naming the variable, when it holds anything else.
+    """
+    raw = (os.environ if environ is None else environ).get(name, "")
+    if raw.strip() == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise ValueError(f"{name} must be a port in 0..65535, got {raw!r}")
+    return value
+
+
 def seconds(name: str, default: float) -> float:
     """The positive number of seconds the environment variable ``name`` holds, else ``default``.
 
@@ -154,6 +214,15 @@ def seconds(name: str, default: float) -> float:
     """
     value = _number(name, "seconds > 0", lambda v: v > 0)
     return default if value is None else value
+
+
+def seconds_or_none(name: str) -> float | None:
+    """The positive number of seconds the environment variable ``name`` holds, else ``None``.
+
+    Raises:
+        ValueError: naming the variable, when it holds anything else.
+    """
+    return _number(name, "seconds > 0", lambda v: v > 0)
 
 
 def micros(name: str, default: float) -> float:
@@ -173,8 +242,8 @@ def _number(name: str, what: str, ok: Callable[[float], bool]) -> float | None:
     Raises:
         ValueError: naming the variable and ``what`` it must be, when ``ok`` refuses it.
     """
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
+    raw = text(name)
+    if raw is None:
         return None
     try:
         value = float(raw)
