@@ -53,7 +53,7 @@ def main() -> None:
 
     import torch
 
-    from psflow.cluster.launcher import local_cluster
+    from psflow.cluster.ports import local_cluster
     from psflow.cluster.spec import TaskContext, TaskSpec
     from psflow.train import TrainingSession
 

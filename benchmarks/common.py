@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from psflow import env as envvars
-from psflow.cluster.launcher import bind, core_sets, host_cpus, local_cluster, task_threads
+from psflow.cluster.cores import bind, core_sets, host_cpus, task_threads
+from psflow.cluster.ports import local_cluster
 from psflow.cluster.spec import ClusterSpec, TaskSpec
 
 
@@ -42,7 +43,7 @@ def run_job(
     ``share_cores``: each task gets ``OMP_NUM_THREADS`` as ``psflow launch`` gives it
     (``psflow.env.threads_per_task``), unless set; TensorFlow's tasks keep their own defaults.
     ``bind_cores``: each task is bound to the cores ``psflow launch --bind-cores`` gives it
-    (``psflow.cluster.launcher.core_sets``).
+    (``psflow.cluster.cores.core_sets``).
     """
     procs: dict[TaskSpec, subprocess.Popen[str]] = {}
     base_env = {**envvars.TASK_DEFAULTS, **os.environ, **(env or {})}  # as psflow launch does

@@ -68,7 +68,7 @@ def raw_client(port: int, nbytes: int, iters: int, warmup: int) -> float:
 
 
 def run_raw(mb: int, iters: int, warmup: int) -> float:
-    from psflow.cluster.launcher import free_ports
+    from psflow.cluster.ports import free_ports
 
     (port,) = free_ports(1)
     nbytes = mb << 20

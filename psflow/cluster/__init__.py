@@ -5,7 +5,12 @@
 - ``logs.py``: psflow's own log lines in a task, shown without the script configuring logging.
 - ``shmfiles.py``: the names of a task's shared-memory files, and removing a dead task's.
 - ``keys.py``: :func:`~psflow.cluster.keys.generate_keys`, a job's CurveZMQ key files.
+- ``launch_config.py``: :class:`~psflow.cluster.launch_config.LaunchConfig`: what ``psflow launch``
+  starts.
 - ``launcher.py``: :class:`Launcher`: ``psflow launch``, every task as a local process.
+- ``ports.py``: free ports below the ephemeral range; :func:`~psflow.cluster.ports.local_cluster`.
+- ``cores.py``: the cores each local task is bound to (``--bind-cores``) and its thread count.
+- ``progress.py``: ``psflow launch``'s live progress line below the tasks' output.
 - ``cli.py``: what ``psflow launch`` runs (its flags are in :mod:`psflow.cli`).
 - ``jobs.py``: the job files ``psflow launch`` leaves for ``psflow top`` while it runs.
 - ``watch.py``: a running job seen through its tasks' metrics (rates, rows, the progress line).

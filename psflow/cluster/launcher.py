@@ -21,7 +21,8 @@ launcher exits: no other process on the host can reach the job's ps. ``--insecur
 without keys; a ``PSFLOW_KEYS_DIR`` of the user's own stands.
 
 Each task gets ``OMP_NUM_THREADS`` = this host's cores divided by its tasks (unless set);
-``--bind-cores`` binds each task to cores of its own (:func:`core_sets`), its
+``--bind-cores`` binds each task to cores of its own
+(:func:`~psflow.cluster.cores.core_sets`), its
 ``OMP_NUM_THREADS`` then their count.
 
 An evaluator task (``--evaluator``; outside the cluster in its ``TF_CONFIG``, as TensorFlow
@@ -42,187 +43,34 @@ import ctypes
 import functools
 import logging
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
-
-from rich.console import Console
-from rich.live import Live
-from rich.text import Text
 
 from psflow import env as envvars
 from psflow import metrics
 from psflow.cluster import jobs, shmfiles
-from psflow.cluster.spec import ClusterSpec, TaskSpec
-from psflow.cluster.watch import JobView, progress_line
+from psflow.cluster.cores import bind, core_sets, host_cpus, task_threads
+from psflow.cluster.launch_config import LAUNCH_MODES, LaunchConfig
+from psflow.cluster.ports import free_ports, local_cluster
+from psflow.cluster.progress import ProgressLine
+from psflow.cluster.spec import TaskSpec
+
+__all__ = ["LAUNCH_MODES", "PS_GRACE", "LaunchConfig", "Launcher"]
 
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 
-LAUNCH_MODES = ("async", "sync", "allreduce")
-
 PS_GRACE = 5.0
 """Seconds the ps tasks get at least after SIGTERM, which they get once the workers are gone."""
-
-
-@dataclass(kw_only=True)
-class LaunchConfig:
-    """What ``psflow launch`` starts."""
-
-    script: str
-    """The training script every task runs (with ``python``)."""
-    args: Sequence[str] = ()
-    """Arguments passed to the script."""
-    ps: int = 1
-    """Number of ps tasks."""
-    workers: int = 2
-    """Number of worker tasks."""
-    chief: bool = False
-    """Add a separate ``chief`` task (otherwise ``worker:0`` is the chief)."""
-    evaluators: int = 0
-    """Evaluator tasks: 0 or 1 (one evaluator writes ``<logdir>/eval``)."""
-    eval_exit_timeout: float = 600.0
-    """Seconds the evaluator may take, once the workers are done, to score the checkpoints
-    left and exit (then it is stopped, and the job fails)."""
-    host: str = "127.0.0.1"
-    """Address every task listens on."""
-    ps_exit_timeout: float = 30.0
-    """Seconds the ps tasks may take to exit once every worker has finished."""
-    grace: float = 30.0
-    """Seconds the tasks get between SIGTERM and SIGKILL when the job is stopped (Ctrl-C,
-    SIGTERM, or a failed task): time for a chief to finish a checkpoint."""
-    env: dict[str, str] = field(default_factory=dict)
-    """Extra environment variables for every task."""
-    mode: str | None = None
-    """Training mode for every task (``PSFLOW_MODE``): ``async``, ``sync`` or ``allreduce``;
-    ``allreduce`` starts no ps task. ``None`` leaves it to the script."""
-    max_restarts: int = 0
-    """How many times in all (for the whole job) a failed task is started again before the
-    job stops."""
-    insecure: bool = False
-    """Run the job without CurveZMQ keys; otherwise it gets fresh ones (unless the environment
-    names its own in ``PSFLOW_KEYS_DIR``)."""
-    metrics: bool = True
-    """Each task serves its Prometheus metrics on a free port (``PSFLOW_METRICS_PORT``), listed
-    in a job file that ``psflow top`` finds (:mod:`psflow.cluster.jobs`)."""
-    progress: bool | None = None
-    """One live progress line below the tasks' output (step, rate, loss, ETA, tasks up), read
-    from their metrics; ``None``: when standard output is a terminal."""
-    bind_cores: bool = False
-    """Bind each task to cores of its own (:func:`core_sets`), as ``mpirun --bind-to core``
-    does: the scheduler then neither moves a task between cores nor puts two ps that answer
-    the same step on one core while another idles."""
-
-    def __post_init__(self) -> None:
-        if self.ps < 0:
-            raise ValueError(f"--ps must be >= 0, got {self.ps}")
-        if self.workers < 0 or (self.workers == 0 and not self.chief):
-            raise ValueError(f"--workers must be >= 1 (or give --chief), got {self.workers}")
-        if not os.path.isfile(self.script):
-            raise ValueError(f"script {self.script!r} does not exist")
-        if self.mode is not None and self.mode not in LAUNCH_MODES:
-            raise ValueError(f"--mode must be one of {LAUNCH_MODES}, got {self.mode!r}")
-        if self.mode == "allreduce" and self.ps:
-            raise ValueError(f"--mode allreduce runs without ps tasks: drop --ps {self.ps}")
-        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int):
-            raise TypeError(f"--max-restarts must be an integer, got {self.max_restarts!r}")
-        if self.max_restarts < 0:
-            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if self.evaluators not in (0, 1):
-            raise ValueError(f"evaluators must be 0 or 1, got {self.evaluators}")
-        if self.ps_exit_timeout <= 0 or self.grace <= 0 or self.eval_exit_timeout <= 0:
-            raise ValueError("ps_exit_timeout, grace and eval_exit_timeout must be > 0 seconds")
-
-
-_PORT_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
-
-
-def _listening_ports() -> range:
-    """Where :func:`free_ports` looks: the 12,000 ports just below the kernel's ephemeral range
-    (Linux's ``ip_local_port_range``, 32768-60999 by default), which the kernel never hands to
-    an outgoing connection; an empty range where there is none to read."""
-    try:
-        with open(_PORT_RANGE) as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return range(0)
-    return range(max(1024, low - 12000), low)
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct ports that were free a moment ago (held open together while chosen).
-
-    Chosen at random below the ephemeral range: a port the kernel picks for ``bind(0)`` comes
-    from the range it also gives outgoing connections (ZeroMQ's, other jobs'), so one of those
-    could take it before the task binds it. Outside Linux, the kernel's own choice.
-    """
-    socks: list[socket.socket] = []
-    candidates = _listening_ports()
-    try:
-        for _ in range(20 * n if len(candidates) else 0):
-            if len(socks) == n:
-                break
-            s = socket.socket()
-            try:
-                s.bind((host, random.choice(candidates)))
-            except OSError:  # taken (or lingering): another
-                s.close()
-                continue
-            socks.append(s)
-        while len(socks) < n:
-            s = socket.socket()
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def local_cluster(
-    ps: int, workers: int, *, chief: bool = False, host: str = "127.0.0.1", evaluators: int = 0
-) -> ClusterSpec:
-    """A cluster of local tasks on free ports (evaluators outside it: nobody calls them)."""
-    ports = iter(free_ports(ps + workers + int(chief), host))
-    jobs: dict[str, list[str]] = {}
-    if chief:
-        jobs["chief"] = [f"{host}:{next(ports)}"]
-    if ps:
-        jobs["ps"] = [f"{host}:{next(ports)}" for _ in range(ps)]
-    if workers:
-        jobs["worker"] = [f"{host}:{next(ports)}" for _ in range(workers)]
-    return ClusterSpec(jobs=jobs, evaluators=evaluators)
-
-
-class _AboveLive:
-    """A text stream whose lines a rich console prints above its live display, unwrapped."""
-
-    def __init__(self, console: Console) -> None:
-        self.console = console
-        self._partial = ""
-
-    def write(self, text: str) -> int:
-        *lines, self._partial = (self._partial + text).split("\n")
-        for line in lines:
-            self.console.print(line, markup=False, highlight=False, emoji=False, soft_wrap=True)
-        return len(text)
-
-    def flush(self) -> None:
-        pass
-
-    def isatty(self) -> bool:
-        return True
 
 
 def _die_with_parent() -> None:
@@ -231,65 +79,11 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def core_sets(tasks: Sequence[TaskSpec], cpus: Sequence[int]) -> dict[TaskSpec, list[int]]:
-    """The cores each of ``tasks`` (all on this host) is bound to with ``--bind-cores``.
-
-    The trainers come first (chief, workers, evaluators), then the ps. With at least as many
-    ``cpus`` as tasks, each task gets a contiguous run of them of its own (the first ones one
-    core more where they do not divide evenly); with fewer, the tasks are dealt out over the
-    cores in that order, so that a ps shares a core with a trainer before two ps share one: a
-    ps works while its trainer waits for it, and the shards of one step work at once.
-
-    Example:
-        >>> from psflow.cluster.spec import TaskSpec
-        >>> tasks = [TaskSpec(job="ps", index=i) for i in (0, 1)] + [TaskSpec(job="worker")]
-        >>> {str(t): c for t, c in core_sets(tasks, [0, 1]).items()}
-        {'worker:0': [0], 'ps:0': [1], 'ps:1': [0]}
-    """
-    if not cpus:
-        raise ValueError("no cores to bind the tasks to")
-    rank = {"chief": 0, "worker": 1, "evaluator": 2}
-    order = sorted(tasks, key=lambda t: (rank.get(t.job, 3), t.index))
-    if len(order) > len(cpus):
-        return {t: [cpus[i % len(cpus)]] for i, t in enumerate(order)}
-    share, extra = divmod(len(cpus), len(order))
-    out: dict[TaskSpec, list[int]] = {}
-    start = 0
-    for i, task in enumerate(order):
-        end = start + share + (i < extra)
-        out[task] = list(cpus[start:end])
-        start = end
-    return out
-
-
-def task_threads(cores: Sequence[int] | None, tasks_here: int) -> str:
-    """``OMP_NUM_THREADS`` for a task bound to ``cores`` (their count), or, unbound, for one of
-    ``tasks_here`` tasks sharing this host (:func:`psflow.env.threads_per_task`)."""
-    return str(len(cores)) if cores else envvars.threads_per_task(tasks_here)
-
-
-def host_cpus() -> list[int]:
-    """The cores this process may run on (a container's cpuset, ``taskset``), in order."""
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return list(range(os.cpu_count() or 1))
-
-
 def _start_task(cores: Sequence[int] | None) -> None:
     """Runs in each task's process before it executes the script."""
     _die_with_parent()
     if cores is not None:
         bind(cores)
-
-
-def bind(cores: Sequence[int]) -> None:
-    """Binds this process to ``cores``; where it cannot (a core taken away since), says so on
-    its stderr and leaves it unbound. Safe between fork and exec (``preexec_fn``)."""
-    try:
-        os.sched_setaffinity(0, cores)
-    except OSError as e:  # a core taken away since (a cgroup changed): run unbound
-        os.write(2, f"psflow launch: cannot bind this task to cores {list(cores)}: {e}\n".encode())
 
 
 class Launcher:
@@ -327,11 +121,8 @@ class Launcher:
         self.metrics_at = self._metrics_ports()
         """Task (``ps:0``) to the ``host:port`` where it serves its metrics."""
         self._job_file: Path | None = None
-        self._live: Live | None = None
-        self._view: JobView | None = None
-        self._watch_done = threading.Event()
-        self._std = sys.stdout, sys.stderr
-        self._watcher: threading.Thread | None = None
+        self._live: ProgressLine | None = None
+        """The progress line while it shows."""
 
     def start(self) -> None:
         """Starts every task (ps first, so the workers find them listening sooner)."""
@@ -497,7 +288,7 @@ class Launcher:
         user gave keys (``PSFLOW_KEYS_DIR`` in the environment)."""
         if self.config.insecure:
             return
-        if self.config.env.get(envvars.PSFLOW_KEYS_DIR) or os.environ.get(envvars.PSFLOW_KEYS_DIR):
+        if self.config.env.get(envvars.PSFLOW_KEYS_DIR) or envvars.text(envvars.PSFLOW_KEYS_DIR):
             return
         # Imported here: `psflow --help` imports this module, and must not load ZeroMQ.
         from psflow.cluster.keys import generate_keys
@@ -670,38 +461,11 @@ class Launcher:
             proc = self.procs.get(by_name[task])
             return proc is not None and proc.poll() is None
 
-        self._view = JobView(self.metrics_at, alive=alive, timeout=0.5)
-        console = Console(file=sys.stdout)
-        self._live = Live(
-            Text("starting ..."),
-            console=console,
-            refresh_per_second=2,
-            redirect_stdout=False,  # rich's proxies would wrap the tasks' lines
-            redirect_stderr=False,
-        )
-        self._std = sys.stdout, sys.stderr
+        self._live = ProgressLine(self.metrics_at, alive)
         self._live.start()
-        # The tasks' lines (and the launcher's) go above the progress line, as they are.
-        sys.stdout = sys.stderr = _AboveLive(console)  # type: ignore[assignment]
-        self._watcher = threading.Thread(target=self._watch, name="psflow-progress", daemon=True)
-        self._watcher.start()
-
-    def _watch(self) -> None:
-        assert self._view is not None and self._live is not None
-        while True:
-            _, summary = self._view.poll()
-            self._live.update(progress_line(summary))
-            if self._watch_done.wait(1.0):
-                return
 
     def _stop_progress(self) -> None:
         if self._live is None:
             return
-        self._watch_done.set()
-        if self._watcher is not None:
-            self._watcher.join(timeout=5)
         self._live.stop()
-        sys.stdout, sys.stderr = self._std
-        assert self._view is not None
-        self._view.close()
         self._live = None

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from psflow.cluster.launcher import local_cluster
+from psflow.cluster.ports import local_cluster
 from psflow.cluster.spec import ClusterSpec, TaskContext, TaskSpec
 from psflow.train import TrainingSession
 from psflow.transport import TransportConfig

@@ -70,7 +70,7 @@ print("cores", ctx.task, sorted(os.sched_getaffinity(0)), os.environ["OMP_NUM_TH
 
 
 def test_bind_cores_binds_each_task_to_the_cores_it_was_dealt(tmp_path: Path) -> None:
-    from psflow.cluster.launcher import core_sets, host_cpus
+    from psflow.cluster.cores import core_sets, host_cpus
     from psflow.cluster.spec import TaskSpec
 
     script = tmp_path / "train.py"

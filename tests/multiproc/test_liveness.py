@@ -177,7 +177,7 @@ def test_the_launcher_stops_a_worker_still_hung_after_the_job_ended(tmp_path: Pa
 
 
 def test_the_heartbeat_goes_on_while_a_ps_is_down() -> None:
-    from psflow.cluster.launcher import free_ports
+    from psflow.cluster.ports import free_ports
     from psflow.transport import Server
     from psflow.worker.heartbeat import Heartbeat
 

@@ -307,7 +307,7 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> Non
     those ports from ``ip_local_port_range``, and free_ports chooses below it."""
     import socket
 
-    from psflow.cluster.launcher import _listening_ports, free_ports
+    from psflow.cluster.ports import _listening_ports, free_ports
 
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     ports = free_ports(8)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from psflow.cluster.launcher import free_ports
+from psflow.cluster.ports import free_ports
 from psflow.protocol import Code, Key, Op
 from psflow.ps.store import GradBuffers
 from psflow.transport import (

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 import psflow.cli
-from psflow.cluster.launcher import LaunchConfig, Launcher, bind, core_sets
+from psflow.cluster.cores import bind, core_sets
+from psflow.cluster.launcher import LaunchConfig, Launcher
 from psflow.cluster.spec import TaskSpec
 from psflow.transport import CurveKeys
 

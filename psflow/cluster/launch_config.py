@@ -1,0 +1,81 @@
+"""What ``psflow launch`` starts: :class:`LaunchConfig`, checked before any task starts.
+
+:mod:`psflow.cluster.launcher` runs the job it describes (and exports it with its modes).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+LAUNCH_MODES = ("async", "sync", "allreduce")
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    """What ``psflow launch`` starts."""
+
+    script: str
+    """The training script every task runs (with ``python``)."""
+    args: Sequence[str] = ()
+    """Arguments passed to the script."""
+    ps: int = 1
+    """Number of ps tasks."""
+    workers: int = 2
+    """Number of worker tasks."""
+    chief: bool = False
+    """Add a separate ``chief`` task (otherwise ``worker:0`` is the chief)."""
+    evaluators: int = 0
+    """Evaluator tasks: 0 or 1 (one evaluator writes ``<logdir>/eval``)."""
+    eval_exit_timeout: float = 600.0
+    """Seconds the evaluator may take, once the workers are done, to score the checkpoints
+    left and exit (then it is stopped, and the job fails)."""
+    host: str = "127.0.0.1"
+    """Address every task listens on."""
+    ps_exit_timeout: float = 30.0
+    """Seconds the ps tasks may take to exit once every worker has finished."""
+    grace: float = 30.0
+    """Seconds the tasks get between SIGTERM and SIGKILL when the job is stopped (Ctrl-C,
+    SIGTERM, or a failed task): time for a chief to finish a checkpoint."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for every task."""
+    mode: str | None = None
+    """Training mode for every task (``PSFLOW_MODE``): ``async``, ``sync`` or ``allreduce``;
+    ``allreduce`` starts no ps task. ``None`` leaves it to the script."""
+    max_restarts: int = 0
+    """How many times in all (for the whole job) a failed task is started again before the
+    job stops."""
+    insecure: bool = False
+    """Run the job without CurveZMQ keys; otherwise it gets fresh ones (unless the environment
+    names its own in ``PSFLOW_KEYS_DIR``)."""
+    metrics: bool = True
+    """Each task serves its Prometheus metrics on a free port (``PSFLOW_METRICS_PORT``), listed
+    in a job file that ``psflow top`` finds (:mod:`psflow.cluster.jobs`)."""
+    progress: bool | None = None
+    """One live progress line below the tasks' output (step, rate, loss, ETA, tasks up), read
+    from their metrics; ``None``: when standard output is a terminal."""
+    bind_cores: bool = False
+    """Bind each task to cores of its own (:func:`~psflow.cluster.cores.core_sets`), as
+    ``mpirun --bind-to core`` does: the scheduler then neither moves a task between cores nor
+    puts two ps that answer the same step on one core while another idles."""
+
+    def __post_init__(self) -> None:
+        if self.ps < 0:
+            raise ValueError(f"--ps must be >= 0, got {self.ps}")
+        if self.workers < 0 or (self.workers == 0 and not self.chief):
+            raise ValueError(f"--workers must be >= 1 (or give --chief), got {self.workers}")
+        if not os.path.isfile(self.script):
+            raise ValueError(f"script {self.script!r} does not exist")
+        if self.mode is not None and self.mode not in LAUNCH_MODES:
+            raise ValueError(f"--mode must be one of {LAUNCH_MODES}, got {self.mode!r}")
+        if self.mode == "allreduce" and self.ps:
+            raise ValueError(f"--mode allreduce runs without ps tasks: drop --ps {self.ps}")
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int):
+            raise TypeError(f"--max-restarts must be an integer, got {self.max_restarts!r}")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.evaluators not in (0, 1):
+            raise ValueError(f"evaluators must be 0 or 1, got {self.evaluators}")
+        if self.ps_exit_timeout <= 0 or self.grace <= 0 or self.eval_exit_timeout <= 0:
+            raise ValueError("ps_exit_timeout, grace and eval_exit_timeout must be > 0 seconds")
