@@ -3,7 +3,10 @@
 No TensorFlow at run time. Where things live:
 
 - ``tfrecord.py``: :class:`TFRecordReader`, :class:`TFRecordWriter`, :class:`RecordBatch`,
-  :class:`DataLossError`, :func:`read_records`, :func:`write_records` (framing, CRC32C, GZIP/ZLIB)
+  :class:`DataLossError`, :func:`read_records`, :func:`write_records`, from their modules:
+  ``tfrecord_reader.py`` (:class:`TFRecordReader`, :class:`RecordBatch`), ``tfrecord_writer.py``,
+  ``tfrecord_framing.py`` (a record's framing, CRC32C, :class:`DataLossError`) and
+  ``tfrecord_compression.py`` (GZIP/ZLIB)
 - ``proto.py`` (+ ``example.proto``): :data:`Example`, :data:`SequenceExample`, :data:`Feature`
   and friends, built at run time with TensorFlow's field numbers; :func:`make_example`,
   :func:`serialize_example`, :func:`example_to_dict`, :func:`make_sequence_example`,

@@ -20,12 +20,12 @@ from psflow.data.tfrecord import (
     RecordBatch,
     TFRecordReader,
     TFRecordWriter,
-    _crc32c_8,
     encode_record,
     masked_crc32c,
     read_records,
     write_records,
 )
+from psflow.data.tfrecord_framing import _crc32c_8
 from tests.paths import TFRECORD_FIXTURES
 
 pytestmark = pytest.mark.unit
