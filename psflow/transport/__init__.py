@@ -4,12 +4,20 @@ It knows frames, peers and errors, not what a ps is: the words of the protocol a
 :mod:`psflow.protocol`'s, and an error reply reaches the caller as a :class:`PeerError` carrying
 the reply's code, for the layer above to act on.
 
-- ``wire.py``: the message format (msgpack header + raw tensor frames), :class:`WireError`,
-  :class:`TensorMeta`, :data:`DTYPES`.
+- ``wire/``: the message format (msgpack header + raw tensor frames), one module a role:
+  ``framing.py`` (limits, :data:`DTYPES`, :class:`TensorMeta`, :class:`WireError`),
+  ``encoding.py`` (``encode``, ``Layout``, ``TensorSet``), ``decoding.py`` (``decode_header``,
+  ``decode_tensors``), ``lanes.py`` (where tensors lie in a lane's area); every name is taken
+  from ``psflow.transport.wire``.
 - ``config.py``: :class:`TransportConfig`, and how an address becomes a ZeroMQ endpoint.
 - ``errors.py``: :class:`PeerError`, :class:`PeerTimeoutError`, :class:`PeerLostError`.
-- ``server.py``: :class:`Server` (a ROUTER socket answering :class:`Request` s one at a time).
+- ``server.py``: :class:`Server` (a ROUTER socket receiving requests one at a time, and the
+  lanes clients attach).
+- ``replier.py``: :class:`Request`, and how a server answers one (``Replier``, the base of
+  :class:`Server`: the reply through the lane or the socket, error replies, ``flush``).
 - ``client.py``: :class:`Client` (one DEALER socket per peer, many requests in flight).
+- ``receiver.py``: how a client waits for its replies (``Receiver``, the base of
+  :class:`Client`: lanes and sockets at once, a deadline naming the late peers).
 - ``shm.py``: :class:`Lane`, shared memory for large tensors between a client and a server on
   the same host.
 - ``auth.py``: CurveZMQ keys, :func:`generate_keys`, :class:`CurveKeys`; the server's ZAP
@@ -23,7 +31,8 @@ from psflow.transport.auth import CurveKeys, generate_keys
 from psflow.transport.client import Client
 from psflow.transport.config import TransportConfig
 from psflow.transport.errors import PeerError, PeerLostError, PeerTimeoutError
-from psflow.transport.server import Request, Server
+from psflow.transport.replier import Request
+from psflow.transport.server import Server
 from psflow.transport.shm import Lane
 from psflow.transport.wire import DTYPES, TensorMeta, WireError
 

@@ -1,0 +1,321 @@
+"""How a client receives: what it knows of each peer, and the wait for the replies to its
+requests, on lanes and sockets at once, until a deadline that names the peers that miss it.
+
+:class:`Receiver` is the half of :class:`~psflow.transport.client.Client` that waits for
+replies; the client, which connects and sends, sets the attributes it declares.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import numpy as np
+import torch
+import zmq
+
+from psflow.protocol.messages import IN_REQUEST_AREA, Key, Op
+from psflow.transport import wire
+from psflow.transport.config import TransportConfig
+from psflow.transport.errors import PeerError, PeerLostError, PeerTimeoutError
+from psflow.transport.monitor import Link
+from psflow.transport.shm import Lane, LaneError
+
+# Bound once, as plain strings, for the per-request path (see wire/encoding.py).
+_OP = Key.OP.value
+_ID = Key.ID.value
+_CHUNK = Key.CHUNK.value
+_ERROR = Op.ERROR.value
+_USE_SOCKET = Op.USE_SOCKET.value
+
+_POLLIN = int(zmq.POLLIN)
+"""A poll event as a plain int: a test against pyzmq's enum costs a microsecond per request."""
+
+_NAP_SECONDS = 0.05
+"""A wait on several peers asleep looks at the lanes' counts again at least this often (see
+the doorbells in transport.shm)."""
+
+Reply = tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]
+"""A reply: its header and its tensors."""
+
+
+@dataclass(eq=False, slots=True)
+class _Peer:
+    """One peer, as this client knows it."""
+
+    name: str
+    address: str
+    sock: zmq.Socket[bytes]
+    lanes_allowed: bool
+    """Whether its requests may go through a lane (shared memory is on, and no attempt failed)."""
+    lane: Lane | None = None
+    reply_need: int = 0
+    """Lane bytes its largest reply needed: a new lane's reply area holds at least that."""
+    answered: bool = False
+    """Whether it has answered once (it is up: a lane may be offered to it)."""
+    inflight: set[int] = field(default_factory=set)
+    """Its requests in flight (a lane carries one request at a time)."""
+    link: Link = field(default_factory=Link)
+    """What its connection's monitor said, until it first answered."""
+
+    def __str__(self) -> str:
+        return f"{self.name} at {self.address}"
+
+
+class _Wait:
+    """What one :meth:`Client.wait` collects: the requests still awaited, and the replies."""
+
+    __slots__ = ("into", "into_of", "lane_views", "replies", "request_views", "want")
+
+    def __init__(
+        self,
+        rids: Iterable[int],
+        into: dict[str, torch.Tensor] | None,
+        lane_views: bool,
+        into_of: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
+        request_views: bool = False,
+    ) -> None:
+        self.want = set(rids)
+        self.replies: dict[int, Reply] = {}
+        self.into = into
+        self.into_of = into_of
+        self.lane_views = lane_views
+        self.request_views = request_views
+
+
+class Receiver:
+    """The receiving half of a :class:`~psflow.transport.client.Client`."""
+
+    config: TransportConfig
+    _inflight: dict[int, tuple[_Peer, bool]]
+    """Each request in flight: its peer, and whether it went through the peer's lane."""
+    _lane_retired: list[Callable[[np.ndarray[Any, Any]], None]]
+    """Called with a lane's reply area when a late reply may still write there."""
+
+    def _drop_lane(self, peer: _Peer) -> None:
+        if peer.lane is not None:
+            peer.lane.close()
+            peer.lane = None
+
+    def wait(
+        self,
+        rids: Iterable[int],
+        timeout: float | None = None,
+        *,
+        into: dict[str, torch.Tensor] | None = None,
+        lane_views: bool = False,
+        into_of: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
+        request_views: bool = False,
+    ) -> dict[int, Reply]:
+        """The replies to ``rids`` (header and tensors), keyed by request id.
+
+        Large tensors named in ``into`` are received straight into those tensors
+        (``into_of[rid]`` instead, for the reply to ``rid``, where given). With
+        ``lane_views``, tensors that came through a lane are views of it instead: the server's
+        next reply through that lane rewrites them in place (see :meth:`Server.reply`), and
+        the callbacks given to :meth:`on_lane_retired` hear of a lane a late reply might still
+        write into. With ``request_views``, tensors a server wrote into a lane's request area
+        (a lookup's rows) are views of it, not copies: the client's next request through that
+        lane overwrites them, so the caller is done with them before it sends another.
+
+        Raises:
+            PeerTimeoutError: naming each peer that has not answered by the deadline.
+            PeerLostError: when a peer hung up the lane a request went through (it exited).
+            PeerError: when a peer answered with an error (its :attr:`~PeerError.code` is the
+                reply's) or with a malformed message.
+        """
+        w = _Wait(rids, into, lane_views, into_of, request_views)
+        timeout = self.config.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while w.want:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._timeout(w.want, timeout)
+            for peer, parts in self._arrivals(w.want, left):
+                self._take(peer, parts, w)
+        return w.replies
+
+    def _arrivals(self, want: set[int], left: float) -> Sequence[tuple[_Peer, list[Any] | None]]:
+        """Waits up to ``left`` seconds for messages that may answer ``want``: each is its
+        peer, with the message's frames when it came by socket (``None``: by lane).
+
+        Raises:
+            PeerLostError: when a lane a request went through has been hung up.
+        """
+        spin = self.config.spin_seconds
+        if len(want) == 1:
+            # One request (one ps shard): a blocking wait on its lane or its socket.
+            (rid,) = want
+            peer, by_lane = self._inflight[rid]
+            if by_lane:
+                assert peer.lane is not None
+                try:
+                    rang = peer.lane.wait_reply(left, spin)
+                except LaneError as e:
+                    self._lost(peer, e)
+                return ((peer, None),) if rang else ()
+            sock = peer.sock
+            sock.rcvtimeo = max(1, int(left * 1000))
+            try:
+                return ((peer, sock.recv_multipart(copy=False)),)
+            except zmq.Again:
+                return ()
+        lanes: dict[int, _Peer] = {}
+        socks: dict[zmq.Socket[bytes], _Peer] = {}
+        for rid in want:
+            peer, by_lane = self._inflight[rid]
+            if by_lane:
+                assert peer.lane is not None
+                lanes[peer.lane.replies_fd] = peer
+            elif peer.sock not in socks:
+                socks[peer.sock] = peer
+        arrivals = self._arrived(lanes, socks)
+        if arrivals:
+            return arrivals
+        # The doorbells (transport.shm): look at the lanes for a while, yielding the core, then
+        # sleep. Not at sockets: their messages come through ZeroMQ's I/O threads, which need
+        # the cores a look would take.
+        until = time.monotonic() + (min(spin, left) if not socks else 0.0)
+        while not arrivals and time.monotonic() < until:
+            os.sched_yield()
+            arrivals = self._arrived(lanes, socks)
+        if arrivals:
+            return arrivals
+        poller = zmq.Poller()
+        for fd in lanes:
+            poller.register(fd, zmq.POLLIN)
+        for sock in socks:
+            poller.register(sock, zmq.POLLIN)
+        for peer in lanes.values():
+            peer.lane.sleep_for_replies(True)  # type: ignore[union-attr]
+        try:
+            arrivals = self._arrived(lanes, {})
+            if arrivals:
+                return arrivals
+            for what, events in poller.poll(max(1, int(min(left, _NAP_SECONDS) * 1000))):
+                if isinstance(what, int):
+                    lane = lanes[what].lane
+                    assert lane is not None
+                    lane.drain_replies()
+                    if not events & _POLLIN and not lane.has_reply():  # hung up
+                        self._lost(lanes[what], LaneError("the other side hung up"))
+        finally:
+            for peer in lanes.values():
+                if peer.lane is not None:
+                    peer.lane.sleep_for_replies(False)
+        return self._arrived(lanes, socks)
+
+    @staticmethod
+    def _arrived(
+        lanes: Mapping[int, _Peer], socks: Mapping[zmq.Socket[bytes], _Peer]
+    ) -> list[tuple[_Peer, list[Any] | None]]:
+        """The replies that have come, without waiting: each lane's, and every message
+        waiting on the sockets."""
+        arrivals: list[tuple[_Peer, list[Any] | None]] = []
+        for peer in lanes.values():
+            lane = peer.lane
+            if lane is not None and lane.has_reply():
+                arrivals.append((peer, None))
+        for sock, peer in socks.items():
+            while True:
+                try:
+                    arrivals.append((peer, sock.recv_multipart(zmq.NOBLOCK, copy=False)))
+                except zmq.Again:
+                    break
+        return arrivals
+
+    def _take(self, peer: _Peer, parts: list[Any] | None, w: _Wait) -> None:
+        """Files one message from ``peer`` (``parts`` from its socket, or ``None``: the reply
+        its lane rang for) as the reply to its request, dropping stale ones."""
+        if not peer.answered:
+            peer.answered = True
+            peer.link = Link()
+            peer.sock.disable_monitor()  # it is up: nothing more to learn from its connection
+        lane = None if parts is not None else peer.lane
+        try:
+            if lane is not None:
+                raw, frames = lane.take_reply(), []
+            else:
+                assert parts is not None
+                raw, frames = parts[0].buffer, parts[1:]
+            header = wire.decode_header(raw)
+        except (wire.WireError, LaneError) as e:
+            raise PeerError(peer.name, f"malformed reply: {e}") from None
+        rid = header[_ID]
+        op = header[_OP]
+        if lane is not None:
+            if rid == -1 and op == _ERROR:
+                # The server could not read the request at all: it answers whatever was in flight.
+                rid = next((r for r in peer.inflight if self._inflight[r][1]), -1)
+            if self._inflight.get(rid) != (peer, True):
+                return  # a ring for a reply already taken from the socket
+        if rid not in w.want:
+            return  # the reply to a request that already timed out
+        self._inflight.pop(rid)[0].inflight.discard(rid)  # _landed(rid), spared a call
+        if lane is not None and op == _USE_SOCKET:
+            need = header.get(Key.NEED)
+            if isinstance(need, int) and not isinstance(need, bool):
+                peer.reply_need = max(peer.reply_need, need)
+            # Too large for the lane: it comes by socket.
+            self._inflight[rid] = (peer, False)
+            peer.inflight.add(rid)
+            return
+        w.want.discard(rid)
+        if op == _ERROR:
+            code = header.get(Key.CODE)
+            detail = str(header.get(Key.ERROR, "unknown error"))
+            raise PeerError(peer.name, detail, code=code if isinstance(code, str) else None)
+        # Rows a server wrote into the request area are copied out unless the caller takes
+        # views: the next request overwrites them.
+        in_request = lane is not None and header.get(Key.IN_LANE) == IN_REQUEST_AREA
+        area = None if lane is None else lane.request_views if in_request else lane.reply_views
+        try:
+            tensors = wire.decode_tensors(
+                header,
+                frames,
+                max_bytes=self.config.max_message_bytes,
+                into=w.into if w.into_of is None else w.into_of.get(rid, w.into),
+                area=area,
+                transient=w.request_views if in_request else w.lane_views,
+                # A lookup's rows differ every time: no use keeping their views.
+                keep=not in_request,
+            )
+        except wire.WireError as e:
+            raise PeerError(peer.name, f"malformed reply: {e}") from None
+        if _CHUNK in header and peer.lanes_allowed:
+            need = wire.lane_bytes(t.nbytes for _, t in tensors)
+            peer.reply_need = max(peer.reply_need, need)
+        w.replies[rid] = (header, tensors)
+
+    def _landed(self, rid: int) -> tuple[_Peer, bool]:
+        """Forgets request ``rid`` as in flight; its peer, and whether it went by lane."""
+        flight = self._inflight.pop(rid)
+        flight[0].inflight.discard(rid)
+        return flight
+
+    def _lost(self, peer: _Peer, error: LaneError) -> NoReturn:
+        for rid in [r for r in peer.inflight if self._inflight[r][1]]:
+            self._landed(rid)
+        self._drop_lane(peer)
+        raise PeerLostError(str(peer), f"{error} (it exited?)")
+
+    def _timeout(self, want: set[int], timeout: float) -> NoReturn:
+        late = set()
+        for rid in want:
+            peer, by_lane = self._landed(rid)
+            if by_lane:
+                # Its server may still read or write the lane later: never use it again.
+                if peer.lane is not None:
+                    for callback in self._lane_retired:
+                        callback(peer.lane.reply)
+                self._drop_lane(peer)
+            late.add(peer)
+        ordered = sorted(late, key=lambda p: p.name)
+        names = ", ".join(str(p) for p in ordered)
+        # What the connection said of a peer that never answered: more than a guess.
+        known = [f"{p.name}: {p.link.problem}" for p in ordered if p.link.problem]
+        why = "; ".join(known) if known else "dead, hung, unreachable or not authorised?"
+        raise PeerTimeoutError(names, f"no answer within {timeout:g} s ({why})")
