@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket as pysocket
 import time
 from dataclasses import dataclass, field
@@ -20,15 +19,18 @@ from psflow.transport.shm import SPIN_SECONDS
 class TransportConfig:
     """Settings shared by servers and clients.
 
+    A field not given is read from its ``PSFLOW_*`` variable (:mod:`psflow.env`), else its
+    default; a variable that holds what it cannot mean (``PSFLOW_TIMEOUT=abc``,
+    ``PSFLOW_SHM=maybe``) raises ``ValueError`` naming the variable and its value.
+
     Example:
         >>> TransportConfig(timeout=5, shared_memory=False).timeout
         5
     """
 
-    timeout: float = field(
-        default_factory=lambda: float(os.environ.get(envvars.PSFLOW_TIMEOUT, 60))
-    )
-    """Seconds a request may take before it fails with an error naming the peer."""
+    timeout: float = field(default_factory=lambda: envvars.seconds(envvars.PSFLOW_TIMEOUT, 60.0))
+    """Seconds a request may take before it fails with an error naming the peer
+    (``PSFLOW_TIMEOUT``, default 60)."""
     max_message_bytes: int = 8 << 30
     """Largest message (sum of tensor bytes) a server accepts."""
     chunk_bytes: int = field(
@@ -39,13 +41,9 @@ class TransportConfig:
     """Bytes per frame for large tensors: whole tensors with the tuned allocator."""
     keys: CurveKeys | None = None
     """CurveZMQ keys: when given, traffic is encrypted and clients must be authorised."""
-    shared_memory: bool = field(
-        default_factory=lambda: (
-            os.environ.get(envvars.PSFLOW_SHM, "1").lower() not in ("0", "off", "false", "no")
-        )
-    )
+    shared_memory: bool = field(default_factory=lambda: envvars.flag(envvars.PSFLOW_SHM, True))
     """Move large tensors through a shared-memory lane when client and server share a host
-    (:mod:`psflow.transport.shm`); the socket otherwise."""
+    (:mod:`psflow.transport.shm`); the socket otherwise (``PSFLOW_SHM``, default on)."""
     spin_seconds: float = field(
         default_factory=lambda: envvars.micros(envvars.PSFLOW_SPIN_US, SPIN_SECONDS)
     )
@@ -53,10 +51,11 @@ class TransportConfig:
     before it sleeps (``PSFLOW_SPIN_US``; 0: it sleeps at once). See the doorbells in
     :mod:`psflow.transport.shm`."""
     wait_log_seconds: float = field(
-        default_factory=lambda: float(os.environ.get(envvars.PSFLOW_WAIT_LOG_SECONDS, 10))
+        default_factory=lambda: envvars.seconds(envvars.PSFLOW_WAIT_LOG_SECONDS, 10.0)
     )
     """Seconds between the lines of a long wait (for peers to come up) or of a recurring
-    event (a client failing its handshake again and again)."""
+    event (a client failing its handshake again and again) (``PSFLOW_WAIT_LOG_SECONDS``,
+    default 10)."""
 
     def __post_init__(self) -> None:
         if self.timeout <= 0:
@@ -78,7 +77,7 @@ class TransportConfig:
     @classmethod
     def from_env(cls, **overrides: Any) -> TransportConfig:
         """Defaults, with keys from ``PSFLOW_KEYS_DIR`` when it is set."""
-        keys_dir = os.environ.get(envvars.PSFLOW_KEYS_DIR)
+        keys_dir = envvars.text(envvars.PSFLOW_KEYS_DIR)
         if keys_dir and "keys" not in overrides:
             overrides["keys"] = CurveKeys.load(keys_dir)
         return cls(**overrides)

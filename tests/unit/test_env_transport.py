@@ -1,0 +1,89 @@
+"""The transport's environment variables, read through psflow.env's typed readers: a value the
+variable cannot mean is refused, naming the variable and the value, instead of a bare float()
+error or a switch silently left on."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from psflow.transport import TransportConfig, generate_keys
+
+pytestmark = pytest.mark.unit
+
+VARIABLES = ("PSFLOW_TIMEOUT", "PSFLOW_SHM", "PSFLOW_WAIT_LOG_SECONDS", "PSFLOW_KEYS_DIR")
+
+
+@pytest.fixture(autouse=True)
+def _unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def _refused(name: str, raw: str) -> str:
+    """The message, naming ``name`` and ``raw``, with which TransportConfig refuses it."""
+    with pytest.raises(ValueError) as info:
+        TransportConfig()
+    message = str(info.value)
+    assert name in message, message
+    assert repr(raw) in message, message
+    return message
+
+
+@pytest.mark.parametrize("raw", ["abc", "-1", "0", "nan", "inf"])
+def test_a_bad_timeout_names_its_variable(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    monkeypatch.setenv("PSFLOW_TIMEOUT", raw)
+    assert re.match(
+        r"PSFLOW_TIMEOUT must be a number of seconds > 0", _refused("PSFLOW_TIMEOUT", raw)
+    )
+
+
+@pytest.mark.parametrize("raw", ["abc", "-1", "0"])
+def test_a_bad_wait_log_names_its_variable(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    monkeypatch.setenv("PSFLOW_WAIT_LOG_SECONDS", raw)
+    _refused("PSFLOW_WAIT_LOG_SECONDS", raw)
+
+
+@pytest.mark.parametrize("raw", ["maybe", "2", "enabled"])
+def test_a_bad_shm_switch_names_its_variable(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    """Before: anything but 0/off/false/no turned shared memory on."""
+    monkeypatch.setenv("PSFLOW_SHM", raw)
+    assert "1, on, true, yes, 0, off, false, no" in _refused("PSFLOW_SHM", raw)
+
+
+def test_good_values_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PSFLOW_TIMEOUT", "2.5")
+    monkeypatch.setenv("PSFLOW_WAIT_LOG_SECONDS", "3")
+    monkeypatch.setenv("PSFLOW_SHM", "Off")
+    config = TransportConfig()
+    assert (config.timeout, config.wait_log_seconds, config.shared_memory) == (2.5, 3.0, False)
+    monkeypatch.setenv("PSFLOW_SHM", "yes")
+    assert TransportConfig().shared_memory
+
+
+def test_unset_or_empty_means_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    defaults = TransportConfig()
+    assert (defaults.timeout, defaults.wait_log_seconds, defaults.shared_memory) == (60, 10, True)
+    for name in ("PSFLOW_TIMEOUT", "PSFLOW_WAIT_LOG_SECONDS", "PSFLOW_SHM"):
+        monkeypatch.setenv(name, "")
+    config = TransportConfig()
+    assert (config.timeout, config.wait_log_seconds, config.shared_memory) == (60, 10, True)
+
+
+def test_a_field_given_is_not_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PSFLOW_TIMEOUT", "abc")
+    monkeypatch.setenv("PSFLOW_SHM", "maybe")
+    config = TransportConfig(timeout=5, shared_memory=False)
+    assert (config.timeout, config.shared_memory) == (5, False)
+
+
+def test_keys_come_from_the_keys_dir_when_set(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    assert TransportConfig.from_env(shared_memory=False).keys is None
+    monkeypatch.setenv("PSFLOW_KEYS_DIR", "")  # empty: as unset
+    assert TransportConfig.from_env(shared_memory=False).keys is None
+    monkeypatch.setenv("PSFLOW_KEYS_DIR", str(generate_keys(tmp_path / "keys")))
+    assert TransportConfig.from_env(shared_memory=False).keys is not None
