@@ -15,9 +15,10 @@ No TensorFlow at run time. Where things live:
   :func:`parse_examples` (records sharing a layout decoded along it in ``layout.py``, the rest by
   the general vectorized wire decoder in ``fastparse.py``; protobuf as reference)
 - ``encode.py``: :func:`serialize_examples` (many one-value-per-feature Examples at once, numpy)
-- ``ctr.py``: the Criteo-layout click-through-rate set: ``SynthCTRConfig``/``write_synth_ctr``
-  (a synthetic set from a planted model, its best AUC known), ``ctr_batches`` (the reader),
-  ``auc``/``expected_auc``
+- ``ctr.py``: the Criteo-layout click-through-rate set, from its modules: ``ctr_layout.py`` (the
+  features, ``serialize_ctr``, hex ids, file names), ``synth_ctr.py`` (``SynthCTRConfig``/
+  ``write_synth_ctr``: a synthetic set from a planted model, its best AUC known),
+  ``ctr_reader.py`` (``ctr_batches``) and ``auc.py`` (``auc``/``expected_auc``)
 - ``text.py``: text classification data: tab-separated (label, text) files to TFRecord shards
   of token ids with a vocabulary from the training split (:func:`~psflow.data.text.prepare_text`,
   ``psflow data text``), and their reader (:func:`~psflow.data.text.text_batches`)

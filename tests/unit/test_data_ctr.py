@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import psflow.cli
-from psflow.data import ctr, proto
+from psflow.data import ctr, proto, synth_ctr
 from psflow.data.ctr import (
     CATEGORICAL,
     CRITEO_KAGGLE_CARDINALITIES,
@@ -113,7 +113,7 @@ def test_ids_are_zipf_distributed() -> None:
 
 def _Zipf_rejection_ranks() -> np.ndarray:
     """Ranks of a 10M-id column, drawn by rejection (the path for columns over 2^20 ids)."""
-    z = ctr._Zipf(10_131_227, 1.1)
+    z = synth_ctr._Zipf(10_131_227, 1.1)
     assert z.cdf is None
     out = z.draw(np.random.default_rng(0), 200_000)
     assert out.max() <= 10_131_227

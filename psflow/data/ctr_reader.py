@@ -1,0 +1,180 @@
+"""Reading click-through-rate TFRecord files as batches of tensors for a CTR model.
+
+The files' feature names and list kinds come from their first records (:func:`detect_layout`):
+the Criteo layout (:mod:`psflow.data.ctr_layout`, as ``psflow data synth-ctr`` writes it), Criteo
+text converted with float or hex-string columns, or tensorflow/models' ``dense-feature-N`` /
+``sparse-feature-N`` records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from psflow.data import fs, proto
+from psflow.data.ctr_layout import CATEGORICAL, DENSE, LABEL, parse_hex
+from psflow.data.features import FixedLenFeature
+from psflow.data.tfrecord_reader import TFRecordReader
+
+if TYPE_CHECKING:
+    import torch
+
+
+class CTRBatch(NamedTuple):
+    """One batch for a CTR model."""
+
+    dense: torch.Tensor
+    """``[B, 13]`` float32: ``log1p`` of the counts (negative ones, as Criteo's I2 has, as 0)."""
+    categorical: torch.Tensor
+    """``[B, 26]`` int64 ids."""
+    label: torch.Tensor
+    """``[B]`` float32, 0 or 1."""
+
+    def to(self, device: torch.device | str | None) -> CTRBatch:
+        """The batch on ``device`` (the same tensors where they already are)."""
+        return CTRBatch(self.dense.to(device), self.categorical.to(device), self.label.to(device))
+
+
+TF_MODELS_DENSE = tuple(f"dense-feature-{i}" for i in range(1, 14))
+TF_MODELS_CATEGORICAL = tuple(f"sparse-feature-{i}" for i in range(14, 40))
+"""The names of tensorflow/models' ``CriteoTFRecordReader``
+(``official/recommendation/ranking/data/data_pipeline_multi_hot.py``): ``label`` int64,
+``dense-feature-1..13`` float32 already ``log1p``-transformed, ``sparse-feature-14..39`` int64."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CTRLayout:
+    """Which features of a CTR file are what, and their list kinds."""
+
+    dense_names: tuple[str, ...] = DENSE
+    categorical_names: tuple[str, ...] = CATEGORICAL
+    label: str = "int64"
+    """List kind of ``label``: ``"int64"`` or ``"float32"``."""
+    dense: str = "int64"
+    """List kind of the dense features: ``"int64"`` or ``"float32"``."""
+    categorical: str = "int64"
+    """List kind of the categorical features: ``"int64"`` or ``"bytes"`` (hex strings)."""
+    log_dense: bool = True
+    """Apply ``log1p`` to the dense values (False where the files hold them transformed)."""
+
+
+def detect_layout(paths: str | Iterable[str], *, records: int = 100) -> CTRLayout:
+    """The layout of CTR files, from their first records.
+
+    Criteo's names (``I1``, ``C1``) with any list kinds, or tensorflow/models' names
+    (:data:`TF_MODELS_DENSE`, whose dense values are already transformed). A kind that none of
+    the first ``records`` records shows is ``"int64"``.
+    """
+    seen = 0
+    for path in fs.expand_paths(paths):
+        with TFRecordReader(path) as reader:
+            for record in reader:
+                got = proto.example_to_dict(record)
+                if seen == 0:
+                    tf_models = TF_MODELS_DENSE[0] in got or TF_MODELS_CATEGORICAL[0] in got
+                    roles = {
+                        "label": (LABEL,),
+                        "dense": TF_MODELS_DENSE if tf_models else DENSE,
+                        "categorical": TF_MODELS_CATEGORICAL if tf_models else CATEGORICAL,
+                    }
+                    kinds: dict[str, str] = {}
+                for role, names in roles.items():
+                    for name in names:
+                        if role not in kinds and name in got:
+                            v = got[name]
+                            kinds[role] = "bytes" if isinstance(v, list) else str(v.dtype)
+                seen += 1
+                if len(kinds) == len(roles) or seen >= records:
+                    break
+        if seen and (len(kinds) == len(roles) or seen >= records):
+            break
+    if not seen:
+        raise ValueError(f"no records in {paths!r}")
+    return CTRLayout(
+        dense_names=roles["dense"],
+        categorical_names=roles["categorical"],
+        log_dense=not tf_models,
+        **{role: kinds.get(role, "int64") for role in roles},
+    )
+
+
+def ctr_spec(layout: CTRLayout | None = None) -> dict[str, FixedLenFeature]:
+    """The parsing spec of a CTR layout; a missing dense value is 0, a missing id is 0."""
+    layout = layout or CTRLayout()
+    spec = {LABEL: FixedLenFeature(dtype=layout.label)}
+    for name in layout.dense_names:
+        spec[name] = FixedLenFeature(dtype=layout.dense, default=0)
+    for name in layout.categorical_names:
+        cat = layout.categorical
+        spec[name] = FixedLenFeature(dtype=cat, default=b"" if cat == "bytes" else 0)
+    return spec
+
+
+def ctr_arrays(
+    parsed: dict[str, Any], layout: CTRLayout | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A parsed batch (numpy, by :func:`ctr_spec`) as ``(dense, categorical, label)`` arrays."""
+    layout = layout or CTRLayout()
+    dense = np.stack([np.asarray(parsed[n], dtype=np.float32) for n in layout.dense_names], 1)
+    if layout.log_dense:
+        dense = np.log1p(np.maximum(dense, 0))
+    cols = []
+    for name in layout.categorical_names:
+        v = parsed[name]
+        cols.append(parse_hex(v) if np.asarray(v).dtype == object else np.asarray(v, np.int64))
+    categorical = np.stack(cols, axis=1)
+    label = np.asarray(parsed[LABEL], dtype=np.float32)
+    return dense, categorical, label
+
+
+def ctr_batches(
+    paths: str | Iterable[str],
+    *,
+    batch_size: int,
+    shard_index: int = 0,
+    num_shards: int = 1,
+    **config: Any,
+) -> Iterator[CTRBatch]:
+    """Batches of CTR-layout TFRecord files as tensors, this worker's share only.
+
+    Args:
+        paths: files, directories or globs (``"data/train-*"``).
+        batch_size: examples per batch.
+        shard_index: this worker's index among ``num_shards`` (its ``task_index``).
+        num_shards: workers sharing the files.
+        **config: more :class:`~psflow.data.DatasetConfig` fields (``shuffle_buffer``,
+            ``num_epochs``, ``seed``, ``drop_remainder``, ``prefetch`` ...).
+
+    The files' names and list kinds come from their first records (:func:`detect_layout`):
+    the Criteo layout (:mod:`psflow.data.ctr_layout`), Criteo text converted with float or
+    hex-string columns, or tensorflow/models' ``dense-feature-N``/``sparse-feature-N`` records.
+
+    Example:
+        >>> for batch in ctr_batches("data/ctr/train-*", batch_size=1024,
+        ...                          shard_index=i, num_shards=n):
+        ...     loss = F.binary_cross_entropy_with_logits(model(batch.dense, batch.categorical),
+        ...                                               batch.label)  # doctest: +SKIP
+    """
+    import torch
+
+    from psflow.data.dataset import TFRecordDataset
+
+    layout = detect_layout(paths)
+    spec = ctr_spec(layout)
+    ds = TFRecordDataset(
+        paths,
+        spec,
+        batch_size=batch_size,
+        shard_index=shard_index,
+        num_shards=num_shards,
+        backend="numpy",
+        **config,
+    )
+    for parsed in ds:
+        dense, categorical, label = ctr_arrays(parsed, layout)
+        yield CTRBatch(
+            torch.from_numpy(dense), torch.from_numpy(categorical), torch.from_numpy(label)
+        )
