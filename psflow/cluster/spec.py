@@ -54,6 +54,11 @@ def _canonical_job(job: str) -> str:
     return job
 
 
+ALONE_ADDRESS = "localhost:2222"
+"""The chief's address in a cluster of one (:meth:`TaskContext.alone`): nothing binds it."""
+_ALONE = "alone"
+
+
 @dataclass(frozen=True, kw_only=True)
 class TaskSpec:
     """One task of the cluster: its job and its index within the job."""
@@ -319,3 +324,44 @@ class TaskContext:
         """The host of this task's own address (what its servers bind), without a port."""
         address = self.address
         return None if address is None else parse_address(address)[0]
+
+    @classmethod
+    def alone(cls) -> TaskContext:
+        """A cluster of one: this process is its chief, and there is no ps. What
+        :func:`~psflow.cluster.resolve_or_alone` gives a script started with no cluster; a
+        :class:`~psflow.train.TrainingSession` over it trains in this process
+        (:mod:`psflow.train.alone`). Nothing binds its address.
+
+        Example:
+            >>> ctx = TaskContext.alone()
+            >>> ctx.is_chief, ctx.is_alone, ctx.worker_index, ctx.num_workers
+            (True, True, 0, 1)
+        """
+        return cls(
+            cluster=ClusterSpec(jobs={"chief": [ALONE_ADDRESS]}),
+            task=TaskSpec(job="chief", index=0),
+            extra={_ALONE: True},
+        )
+
+    @property
+    def is_alone(self) -> bool:
+        """True in a cluster of one (:meth:`alone`)."""
+        return bool(self.extra.get(_ALONE))
+
+    @property
+    def worker_index(self) -> int:
+        """This task's place among the tasks that train (the chief first, then each worker):
+        the shard of the data it reads, of :attr:`num_workers`.
+
+        Raises:
+            ValueError: on a task that trains nothing (a ps, an evaluator).
+        """
+        trainers = self.cluster.trainers
+        if self.task not in trainers:
+            raise ValueError(f"{self.task} trains nothing: it has no share of the data")
+        return trainers.index(self.task)
+
+    @property
+    def num_workers(self) -> int:
+        """The tasks that train (the chief included): how many shards the data splits into."""
+        return len(self.cluster.trainers)

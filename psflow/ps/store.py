@@ -92,10 +92,12 @@ class ShardStore:
         step: int = 0,
         schedule: ScheduleSpec | None = None,
         tables: Mapping[str, Rows] | None = None,
+        share: bool = False,
     ) -> None:
         """Takes the variables and this shard's part of the embedding tables, builds the
         optimizer (and the schedule, at ``step``: a restore goes on with the learning rate of
-        the restored step)."""
+        the restored step). With ``share``, the variables are the given tensors themselves,
+        not copies (a cluster of one, :mod:`psflow.train.alone`: the model's parameters)."""
         if self.initialized:
             raise ValueError("shard is already initialised")
         names = [n for n, _ in tensors]
@@ -105,7 +107,7 @@ class ShardStore:
             if t.is_floating_point() and not torch.isfinite(t).all():
                 raise ValueError(f"initial value of {name!r} is not finite")
         # Own copies: the received tensors may be views of network buffers.
-        self.variables = {name: t.detach().clone() for name, t in tensors}
+        self.variables = {name: t.detach() if share else t.detach().clone() for name, t in tensors}
         self._wire = None
         # Gradients in several frames are assembled into these: no allocation per push.
         self.grad_buffers = GradBuffers(self.variables)

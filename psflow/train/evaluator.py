@@ -115,7 +115,7 @@ class Evaluator:
             raise ValueError(
                 f"timeout and poll_interval must be > 0 seconds, got {timeout}, {poll_interval}"
             )
-        checkpoint_dir = checkpoint_dir or os.environ.get(envvars.PSFLOW_LOGDIR) or None
+        checkpoint_dir = checkpoint_dir or envvars.text(envvars.PSFLOW_LOGDIR)
         if checkpoint_dir is None:
             raise ValueError(
                 f"the evaluator needs the job's checkpoint_dir (or {envvars.PSFLOW_LOGDIR})"

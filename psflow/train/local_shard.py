@@ -1,4 +1,5 @@
-"""All-reduce mode's checkpoints: the chief's own model and optimizer as the one shard.
+"""All-reduce mode's and a cluster of one's checkpoints: the chief's own model and optimizer
+as the one shard.
 
 All-reduce mode has no ps, and every rank holds the whole model, the same on all of them. So
 the chief saves its own copy, in ps mode's format: the ps's own snapshot and writer
@@ -17,7 +18,7 @@ loaded to the other ranks as the bytes of a shard file (no pickle), which they l
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from psflow.ps.checkpoint import (
     snapshot,
 )
 from psflow.ps.store import ShardStore
+from psflow.ps.tables import restore_tables
 from psflow.train.checkpoint import Checkpoint
 from psflow.worker.placement import Piece
 
@@ -40,38 +42,57 @@ class LocalShard:
     """A model and its optimizer, held whole by this process, as shard 0 of 1.
 
     It answers what :class:`~psflow.train.checkpoint.Checkpointer` asks of the ps (``save``,
-    ``save_status``), so the chief of an all-reduce job saves with the same code as a ps job.
+    ``save_status``), so the chief of an all-reduce job, and a cluster of one
+    (:mod:`psflow.train.alone`), save with the same code as a ps job.
 
     Args:
-        model: the module; every parameter is a variable of the checkpoint.
-        optimizer: the ``torch.optim`` optimizer that trains it (``AllReduceEngine.optimizer``).
-        spec: that optimizer as a spec (recorded in the checkpoint).
+        store: the variables (views of the model's parameters), the optimizer and, in a
+            cluster of one, the tables' rows.
+        pieces: the placement: every parameter whole, on shard 0.
         global_step: the global step now, asked at each save.
+        root: the checkpoint directory: saves go only into its ``ckpt-<n>`` directories.
     """
 
     num_shards = 1
 
     def __init__(
         self,
+        store: ShardStore,
+        pieces: list[Piece],
+        global_step: Callable[[], int],
+        *,
+        root: str | None = None,
+    ) -> None:
+        self.store = store
+        self.pieces = pieces
+        self._global_step = global_step
+        self._writer = ShardCheckpointer(self.store, shard=0, num_shards=1, root=root)
+
+    @classmethod
+    def of_model(
+        cls,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         spec: OptimizerSpec,
         global_step: Callable[[], int],
-    ) -> None:
+        *,
+        root: str | None = None,
+    ) -> LocalShard:
+        """All-reduce mode's: ``model`` and the ``torch.optim`` optimizer that trains it
+        (``AllReduceEngine.optimizer``; ``spec`` is that optimizer, recorded in the
+        checkpoint)."""
         params = dict(model.named_parameters())
         name_of = {id(p): n for n, p in params.items()}
         trained = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
         # The optimizer's parameters first, in its order: the ps's code finds a variable's
         # optimizer state by its position among the variables.
         order = trained + [n for n in params if n not in set(trained)]
-        self.store = ShardStore()
-        self.store.variables = {n: params[n].detach() for n in order}  # views: no copy
-        self.store.optimizer = optimizer
-        self.store.optimizer_spec = spec
-        self.pieces = [Piece(var=n, param=n, shard=0) for n in params]
-        """The placement: every parameter whole, on shard 0."""
-        self._global_step = global_step
-        self._writer = ShardCheckpointer(self.store, shard=0, num_shards=1)
+        store = ShardStore()
+        store.variables = {n: params[n].detach() for n in order}  # views: no copy
+        store.optimizer = optimizer
+        store.optimizer_spec = spec
+        pieces = [Piece(var=n, param=n, shard=0) for n in params]
+        return cls(store, pieces, global_step, root=root)
 
     # -- what a Checkpointer asks of the ps -------------------------------------------------
 
@@ -88,12 +109,16 @@ class LocalShard:
 
     # -- restore ----------------------------------------------------------------------------
 
-    def load(self, ckpt: Checkpoint, *, optimizer_state: bool = True) -> None:
-        """Loads a checkpoint of either mode into the model and, with ``optimizer_state``,
-        into the optimizer (whose hyperparameters stay the running script's)."""
+    def load(
+        self, ckpt: Checkpoint, *, optimizer_state: bool = True, table_files: Sequence[str] = ()
+    ) -> None:
+        """Loads a checkpoint of any mode into the model and, with ``optimizer_state``,
+        into the optimizer (whose hyperparameters stay the running script's); the tables' rows
+        from its shard files ``table_files`` (all of them, written by any number of ps)."""
         tensors = ckpt.opt_tensors if optimizer_state else {}
         plain = ckpt.opt_plain if optimizer_state else {}
         self._load(ckpt.params, tensors, plain)
+        restore_tables(self.store.tables, table_files)
 
     def load_shard(self, shard: ShardFile) -> None:
         """Loads the state another rank sent (:meth:`state_bytes`)."""

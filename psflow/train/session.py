@@ -24,11 +24,12 @@ from torch import nn
 
 from psflow import env as envvars
 from psflow import metrics
-from psflow.cluster.resolve import resolve
+from psflow.cluster.resolve import resolve_or_alone
 from psflow.cluster.spec import TaskContext
 from psflow.protocol import Code, Key, OptimizerSpec, ScheduleSpec
 from psflow.protocol.messages import OPT_SEP
 from psflow.ps.checkpoint import decode_shard, shard_file_name
+from psflow.train.alone import LocalEngine
 from psflow.train.checkpoint import Checkpoint, Checkpointer, ShardSaver, load_checkpoint
 from psflow.train.hooks import (
     Hook,
@@ -41,7 +42,8 @@ from psflow.train.local_shard import LocalShard
 from psflow.train.manifest import CheckpointDir
 from psflow.train.summary import SummaryHook
 from psflow.transport import PeerError, PeerLostError, PeerTimeoutError, TransportConfig
-from psflow.worker import DistributedOptimizer, ModeConfig, Placement, ShardedClient
+from psflow.worker import DistributedOptimizer, Mode, ModeConfig, Placement, ShardedClient
+from psflow.worker.optimizer import READY_TIMEOUT
 from psflow.worker.placement import Piece, dense_parameters
 from psflow.worker.tables import table_specs, tables_of
 
@@ -86,7 +88,7 @@ class SessionConfig:
     end_timeout: float = 60.0
     """Seconds the chief waits for the other workers before the final checkpoint."""
     recovery_timeout: float | None = dataclasses.field(
-        default_factory=lambda: float(os.environ.get(envvars.PSFLOW_RECOVERY_TIMEOUT, 300))
+        default_factory=lambda: envvars.seconds(envvars.PSFLOW_RECOVERY_TIMEOUT, 300.0)
     )
     """Seconds a worker waits, after a ps failed to answer, for every ps to answer again (a
     crashed one restarted by its cluster manager, a cut link mended); the chief then restores
@@ -119,7 +121,7 @@ class SessionConfig:
         if self.save_timeout <= 0 or self.end_timeout <= 0:
             raise ValueError("save_timeout and end_timeout must be > 0 seconds")
         if self.checkpoint_dir is None:
-            self.checkpoint_dir = os.environ.get(envvars.PSFLOW_LOGDIR) or None
+            self.checkpoint_dir = envvars.text(envvars.PSFLOW_LOGDIR)
         if self.checkpoint_dir is not None:
             CheckpointDir(self.checkpoint_dir)  # validates the URL
             if self.save_checkpoint_secs is None and self.save_checkpoint_steps is None:
@@ -193,7 +195,7 @@ class TrainingSession:
         **kwargs: Any,
     ) -> None:
         if ctx is None:
-            ctx, _ = resolve()
+            ctx, _ = resolve_or_alone()
         if ctx.task.job not in ("worker", "chief"):
             raise ValueError(f"a TrainingSession runs on worker or chief tasks, not {ctx.task}")
         session_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _CONFIG_FIELDS}
@@ -238,23 +240,29 @@ class TrainingSession:
         stops = [h.last_step for h in self.hooks if isinstance(h, StopAtStepHook)]
         if stops:
             self.metrics.last_step.set(min(stops))
+        self.alone = ctx.cluster.num_tasks("ps") == 0 and (
+            ctx.is_alone or self.mode_config.mode != Mode.ALLREDUCE
+        )
+        """A cluster of one (:mod:`psflow.train.alone`): trains in this process, no ps."""
         self.pieces: list[Piece] = []
-        """Where the parameters live on the ps (none in all-reduce mode)."""
-        if self.mode_config.mode != "allreduce":
+        """Where the parameters live on the ps (none in all-reduce mode; alone, one shard)."""
+        if not self.alone and self.mode_config.mode != Mode.ALLREDUCE:
             self.pieces = Placement.of(placement, partition_bytes=partition_bytes).place(
                 model, ctx.cluster.num_tasks("ps")
             )
         self._client: ShardedClient | None = None
         ready_timeout = self.config.ready_timeout
         if ready_timeout is None:
-            ready_timeout = float(os.environ.get(envvars.PSFLOW_READY_TIMEOUT, 300))
+            ready_timeout = envvars.seconds(envvars.PSFLOW_READY_TIMEOUT, READY_TIMEOUT)
         try:
-            if self.is_chief and self.mode_config.mode != "allreduce":
+            if self.is_chief and not self.alone and self.mode_config.mode != Mode.ALLREDUCE:
                 self._client = ShardedClient(ctx, self.transport)
                 self._client.wait_ready(ready_timeout, initialized=False)  # ps may be starting
                 self._restore_or_nothing(ready_timeout)
             self.opt = self._optimizer(ready_timeout)
-            if self.opt.mode == "allreduce":
+            if self.alone:
+                self._start_alone()
+            elif self.opt.mode == Mode.ALLREDUCE:
                 self._start_allreduce()
         except BaseException:
             if self._client is not None:
@@ -298,6 +306,22 @@ class TrainingSession:
 
     def _optimizer(self, ready_timeout: float) -> DistributedOptimizer:
         state, self._optimizer_state = self._optimizer_state, None
+        if self.alone:
+            return DistributedOptimizer(
+                self.model,
+                self.ctx,
+                optimizer=self.spec,
+                mode=self.mode_config,
+                engine=lambda given: LocalEngine(
+                    self.model,
+                    self.spec,
+                    self.mode_config,
+                    lr_schedule=self.lr_schedule,
+                    optimizer_state=given,
+                    tables=table_specs(tables_of(self.model), self.spec),
+                ),
+                optimizer_state=state,
+            )
         return DistributedOptimizer(
             self.model,
             self.ctx,
@@ -361,8 +385,12 @@ class TrainingSession:
         engine = self.opt.engine
         assert isinstance(engine, AllReduceEngine)
         self._allreduce = engine
-        self._local = LocalShard(
-            self.model, engine.optimizer, self.spec, lambda: engine.global_step
+        self._local = LocalShard.of_model(
+            self.model,
+            engine.optimizer,
+            self.spec,
+            lambda: engine.global_step,
+            root=self.config.checkpoint_dir,
         )
         ckpt = None
         if self.is_chief and self.config.checkpoint_dir is not None:
@@ -381,21 +409,48 @@ class TrainingSession:
             self._local.load_shard(state)
             engine.start_at(state.step)
 
-    def _restore_local(self, ckpt: Checkpoint) -> None:
-        """The chief in all-reduce mode: ``ckpt`` (saved in either mode) into its model."""
+    def _start_alone(self) -> None:
+        """A cluster of one: the latest checkpoint (of any mode, any number of ps) into the
+        model, its optimizer and its tables, here; else the model as it is."""
+        engine = self.opt.engine
+        assert isinstance(engine, LocalEngine)
+        self._local = LocalShard(
+            engine.store,
+            engine.pieces_here,
+            lambda: engine.global_step,
+            root=self.config.checkpoint_dir,
+        )
+        self.pieces = engine.pieces_here
+        if self.config.checkpoint_dir is None:
+            return
+        self._prune_incomplete(self.config.checkpoint_dir)
+        ckpt = load_checkpoint(self.config.checkpoint_dir) if self.config.restore else None
+        if ckpt is None:
+            log.info("no checkpoint in %s: initialising", self.config.checkpoint_dir)
+            return
+        self._restore_local(ckpt, "")
+        engine.start_at(ckpt.global_step)
+
+    def _restore_local(self, ckpt: Checkpoint, then: str = "; sending it to every rank") -> None:
+        """The chief in all-reduce mode, or a cluster of one: ``ckpt`` (saved in any mode)
+        into its model (and a cluster of one's tables)."""
         assert self._local is not None and self.config.checkpoint_dir is not None
-        ckpt.check_model({n: p.detach() for n, p in self.model.named_parameters()})
+        ckpt.check_model({n: p.detach() for n, p in dense_parameters(self.model).items()})
         refused = ckpt.optimizer_state_refused(self.spec)
         if refused is not None:
             log.warning("%s: optimizer state not restored: %s", ckpt.name, refused)
-        self._local.load(ckpt, optimizer_state=refused is None)
+        d = CheckpointDir(self.config.checkpoint_dir)
+        n = ckpt.manifest.num_shards
+        files = [d.url_of(f"{ckpt.name}/{shard_file_name(i, n)}") for i in range(n)]
+        self._local.load(ckpt, optimizer_state=refused is None, table_files=files)
         self.restored_from = ckpt.name
         log.info(
-            "restored %s from %s (global step %d, saved on %d ps); sending it to every rank",
+            "restored %s from %s (global step %d, saved on %d ps)%s",
             self.model.__class__.__name__,
-            CheckpointDir(self.config.checkpoint_dir).url_of(ckpt.name),
+            d.url_of(ckpt.name),
             ckpt.global_step,
-            ckpt.manifest.num_shards,
+            n,
+            then,
         )
 
     def _restore(self, *, replace: bool, timeout: float) -> bool:
@@ -534,7 +589,7 @@ class TrainingSession:
         """
         timeout = self.config.recovery_timeout
         lost = isinstance(error, PeerTimeoutError | PeerLostError)  # not a refused request
-        if timeout is None or not lost or self.opt.mode == "allreduce":
+        if timeout is None or not lost or self.opt.mode == Mode.ALLREDUCE:
             raise error
         log.warning(
             "%s: %s; waiting up to %g s for every ps to answer", self.ctx.task, error, timeout

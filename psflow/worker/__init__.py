@@ -24,7 +24,7 @@
 from psflow.worker.client import ShardedClient
 from psflow.worker.engine import AsyncEngine
 from psflow.worker.exchange import ParameterExchange
-from psflow.worker.modes import MODES, Engine, ModeConfig, SyncTimeoutError
+from psflow.worker.modes import MODES, Engine, Mode, ModeConfig, SyncTimeoutError
 from psflow.worker.optimizer import DistributedOptimizer
 from psflow.worker.placement import ParamInfo, Piece, Placement, place, shard_bytes
 from psflow.worker.stages import Stages
@@ -38,6 +38,7 @@ __all__ = [
     "AsyncEngine",
     "DistributedOptimizer",
     "Engine",
+    "Mode",
     "ModeConfig",
     "ParamInfo",
     "ParameterExchange",

@@ -34,7 +34,7 @@ from torch import nn
 from psflow.cluster.spec import TaskContext, parse_address
 from psflow.protocol import OptimizerSpec, ScheduleSpec
 from psflow.transport import TransportConfig
-from psflow.worker.modes import Engine, ModeConfig
+from psflow.worker.modes import Engine, Mode, ModeConfig
 from psflow.worker.opt_state import State, load_optimizer_state
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class AllReduceEngine(Engine):
         >>> #     ...same loop as with a ps...   (`psflow launch --workers 2 --mode allreduce`)
     """
 
-    mode = "allreduce"
+    mode = Mode.ALLREDUCE
 
     def __init__(
         self,

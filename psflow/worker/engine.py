@@ -8,7 +8,7 @@ from typing import Any
 
 from psflow.protocol import OptimizerSpec
 from psflow.worker.exchange import ParameterExchange
-from psflow.worker.modes import Engine
+from psflow.worker.modes import Engine, Mode
 from psflow.worker.placement import Piece
 
 
@@ -55,7 +55,7 @@ class AsyncEngine(ExchangeEngine):
     """Asynchronous training: each step pushes this worker's gradients, which every shard
     applies on arrival, and pulls the values that result, in one round trip per shard."""
 
-    mode = "async"
+    mode = Mode.ASYNC
 
     def step(self) -> int:
         grads, layouts, rows = self.exchange.gradients()

@@ -10,25 +10,24 @@
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
 from psflow import env as envvars
+from psflow.cluster.modes import MODES, Mode
 from psflow.transport import PeerTimeoutError
 from psflow.worker.placement import Piece
 
-MODES = ("async", "sync", "allreduce")
+__all__ = ["MODES", "Engine", "Mode", "ModeConfig", "SyncTimeoutError"]
 
 
-def _default_mode() -> str:
-    return os.environ.get(envvars.PSFLOW_MODE) or "async"
+def _default_mode() -> Mode:
+    return Mode(envvars.choice(envvars.PSFLOW_MODE, MODES, Mode.ASYNC))
 
 
 def _default_timeout() -> float | None:
-    raw = os.environ.get(envvars.PSFLOW_SYNC_TIMEOUT)
-    return float(raw) if raw else None
+    return envvars.seconds_or_none(envvars.PSFLOW_SYNC_TIMEOUT)
 
 
 @dataclass(kw_only=True)
@@ -40,8 +39,9 @@ class ModeConfig:
         'sync'
     """
 
-    mode: str = field(default_factory=_default_mode)
-    """``"async"``, ``"sync"`` or ``"allreduce"`` (default: ``PSFLOW_MODE``, else async)."""
+    mode: Mode = field(default_factory=_default_mode)
+    """A :class:`~psflow.cluster.modes.Mode` or its name (default: ``PSFLOW_MODE``, else
+    async)."""
     replicas_to_aggregate: int | None = None
     """Sync: gradients averaged per step (default: every worker)."""
     total_num_replicas: int | None = None
@@ -57,11 +57,12 @@ class ModeConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}: expected one of {MODES}")
+        self.mode = Mode(self.mode)
         for name in ("replicas_to_aggregate", "total_num_replicas"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-            if v is not None and self.mode != "sync":
+            if v is not None and self.mode != Mode.SYNC:
                 raise ValueError(f"{name}={v} applies to mode='sync', not {self.mode!r}")
         r, n = self.replicas_to_aggregate, self.total_num_replicas
         if r is not None and n is not None and r > n:
@@ -70,7 +71,7 @@ class ModeConfig:
         if s is not None:
             if isinstance(s, bool) or not isinstance(s, int) or s < 0:
                 raise ValueError(f"max_staleness must be an integer >= 0, got {s!r}")
-            if self.mode != "async":
+            if self.mode != Mode.ASYNC:
                 raise ValueError(f"max_staleness={s} applies to mode='async', not {self.mode!r}")
         if self.timeout is not None and self.timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
@@ -78,7 +79,7 @@ class ModeConfig:
     @classmethod
     def of(
         cls,
-        mode: str | ModeConfig | None = None,
+        mode: str | Mode | ModeConfig | None = None,
         *,
         replicas_to_aggregate: int | None = None,
         total_num_replicas: int | None = None,
@@ -140,8 +141,8 @@ class SyncTimeoutError(PeerTimeoutError):
 class Engine(ABC):
     """One training mode: what :class:`~psflow.worker.DistributedOptimizer` delegates to."""
 
-    mode: str
-    """The mode's name (one of :data:`MODES`)."""
+    mode: Mode
+    """The mode."""
 
     @property
     @abstractmethod

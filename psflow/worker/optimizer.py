@@ -7,8 +7,7 @@ validated once, and the :class:`~psflow.worker.modes.Engine` of the mode, which 
 from __future__ import annotations
 
 import gc
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -21,12 +20,15 @@ from psflow.protocol import OptimizerSpec, ScheduleSpec
 from psflow.transport import TransportConfig
 from psflow.worker.engine import AsyncEngine, ExchangeEngine
 from psflow.worker.exchange import ParameterExchange
-from psflow.worker.modes import Engine, ModeConfig
+from psflow.worker.modes import Engine, Mode, ModeConfig
 from psflow.worker.opt_state import State, check_optimizer_state
 from psflow.worker.placement import Piece, Placement, dense_parameters
 from psflow.worker.staleness import StalenessEngine
 from psflow.worker.sync import SyncEngine
 from psflow.worker.tables import tables_of
+
+READY_TIMEOUT = 300.0
+"""Seconds a worker waits for the ps and the chief by default (``PSFLOW_READY_TIMEOUT``)."""
 
 
 class DistributedOptimizer:
@@ -69,6 +71,9 @@ class DistributedOptimizer:
             run's. Checked here against what the optimizer keeps; the chief sends it with the
             model's values, and ps restored from a checkpoint keep theirs. See
             :mod:`psflow.worker.opt_state`.
+        engine: builds the engine that trains, given the checked ``optimizer_state``, in
+            place of the mode's own: a cluster of one's (:mod:`psflow.train.alone`), which
+            holds the ps's parts in this process.
         **optimizer_kwargs: the optimizer's arguments (``lr=0.01``, ``momentum=0.9``, ...).
 
     Example:
@@ -98,6 +103,7 @@ class DistributedOptimizer:
         max_staleness: int | None = None,
         sync_timeout: float | None = None,
         optimizer_state: Mapping[str, Mapping[str, Any]] | None = None,
+        engine: Callable[[State], Engine] | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if ctx is None:
@@ -105,7 +111,7 @@ class DistributedOptimizer:
         if ctx.task.job not in ("worker", "chief"):
             raise ValueError(f"DistributedOptimizer runs on worker or chief tasks, not {ctx.task}")
         if ready_timeout is None:
-            ready_timeout = float(os.environ.get(envvars.PSFLOW_READY_TIMEOUT, 300))
+            ready_timeout = envvars.seconds(envvars.PSFLOW_READY_TIMEOUT, READY_TIMEOUT)
         allocator.tune()
         self.model = model
         self.ctx = ctx
@@ -129,16 +135,20 @@ class DistributedOptimizer:
             given = check_optimizer_state(
                 self.spec, dense_parameters(model), optimizer_state, tables=list(tables_of(model))
             )
-        self.engine = _engine(
-            model,
-            ctx,
-            self.spec,
-            self.lr_schedule,
-            self.mode_config,
-            placement,
-            config,
-            ready_timeout,
-            given,
+        self.engine = (
+            engine(given)
+            if engine is not None
+            else _engine(
+                model,
+                ctx,
+                self.spec,
+                self.lr_schedule,
+                self.mode_config,
+                placement,
+                config,
+                ready_timeout,
+                given,
+            )
         )
         self.metrics = metrics.for_task(str(ctx.task), ctx.host).worker(ctx.cluster.num_tasks("ps"))
         self._closed = False
@@ -149,8 +159,8 @@ class DistributedOptimizer:
         return self.ctx.is_chief
 
     @property
-    def mode(self) -> str:
-        """``"async"``, ``"sync"`` or ``"allreduce"``."""
+    def mode(self) -> Mode:
+        """The training mode."""
         return self.mode_config.mode
 
     @property
@@ -232,7 +242,7 @@ def _engine(
     optimizer_state: State,
 ) -> Engine:
     """The mode's engine, started: the ps initialised (or restored) and the model pulled."""
-    if mode.mode == "allreduce":
+    if mode.mode == Mode.ALLREDUCE:
         from psflow.worker.allreduce import AllReduceEngine  # torch.distributed: lazily
 
         tables = sorted(tables_of(model))
@@ -259,7 +269,7 @@ def _engine(
     )
     try:
         engine: ExchangeEngine
-        if mode.mode == "sync":
+        if mode.mode == Mode.SYNC:
             engine = SyncEngine(exchange, mode)
         elif mode.max_staleness is not None:
             engine = StalenessEngine(exchange, mode)

@@ -13,7 +13,7 @@ from psflow.protocol import Key
 from psflow.transport import PeerError, PeerTimeoutError
 from psflow.worker.engine import ExchangeEngine
 from psflow.worker.exchange import ParameterExchange
-from psflow.worker.modes import ModeConfig, SyncTimeoutError
+from psflow.worker.modes import Mode, ModeConfig, SyncTimeoutError
 
 
 class StalenessEngine(ExchangeEngine):
@@ -23,7 +23,7 @@ class StalenessEngine(ExchangeEngine):
     worker's pull and the application of its gradient (``new_step - 1 - pulled_step``).
     """
 
-    mode = "async"
+    mode = Mode.ASYNC
 
     def __init__(self, exchange: ParameterExchange, config: ModeConfig) -> None:
         if config.max_staleness is None:

@@ -17,7 +17,7 @@ from psflow.transport import PeerError, PeerTimeoutError
 from psflow.worker.client import Replies
 from psflow.worker.engine import ExchangeEngine
 from psflow.worker.exchange import ParameterExchange
-from psflow.worker.modes import ModeConfig, SyncTimeoutError
+from psflow.worker.modes import Mode, ModeConfig, SyncTimeoutError
 
 _CONSISTENT_PULL_TRIES = 50
 
@@ -25,7 +25,7 @@ _CONSISTENT_PULL_TRIES = 50
 class SyncEngine(ExchangeEngine):
     """Synchronous steps against the ps, with backup workers (see the module docstring)."""
 
-    mode = "sync"
+    mode = Mode.SYNC
 
     def __init__(self, exchange: ParameterExchange, config: ModeConfig) -> None:
         super().__init__(exchange)

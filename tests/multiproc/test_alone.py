@@ -1,0 +1,173 @@
+"""A cluster of one: a session with no cluster trains in its own process as the ps would, with
+the same optimizers, schedule, checkpoints, summaries and hooks; its checkpoints restore into a
+job of 2 ps, and the job's restore alone."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from psflow.cluster.spec import ClusterSpec, TaskContext
+from psflow.train import NanLossError, TrainingSession
+from psflow.train.alone import LocalEngine
+
+from .support import local_cluster, quiet_session, start_ps, stop
+from .test_tables import Recommender, batch, loss_of, table_rows
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
+
+SETTINGS: dict[str, Any] = {
+    "optimizer": "Adam",
+    "lr": 0.01,
+    "lr_schedule": ("StepLR", {"step_size": 2, "gamma": 0.5}),
+}
+"""Adam on the dense layers with a schedule, row-wise Adagrad on the hashed table and the
+job's optimizer's row-wise form (Adam, scheduled) on the fixed one."""
+
+PROBE_USERS = torch.cat([batch(s, 0, 8)[1].flatten() for s in range(8)]).unique()
+ITEMS = torch.arange(50)
+
+
+def alone_session(
+    model: torch.nn.Module, checkpoint_dir: str | None, **kwargs: Any
+) -> TrainingSession:
+    options: dict[str, Any] = {
+        "checkpoint_dir": checkpoint_dir,
+        "save_checkpoint_secs": 3600,
+        "log_step_count_steps": None,
+        "save_summaries_steps": None,
+        **SETTINGS,
+    }
+    return TrainingSession(model, TaskContext.alone(), **(options | kwargs))
+
+
+def train(sess: TrainingSession, model: Recommender, steps: range) -> None:
+    for step in steps:
+        items, users, y = batch(step, 0, 8)
+        sess.zero_grad()
+        loss = loss_of(model, items, users, y)
+        loss.backward()
+        sess.step(loss=loss)
+
+
+def alone_rows(sess: TrainingSession) -> dict[str, torch.Tensor]:
+    engine = sess.opt.engine
+    assert isinstance(engine, LocalEngine)
+    rows = engine.tables.tables
+    return {"items": rows["items"].lookup(ITEMS), "users": rows["users"].lookup(PROBE_USERS)}
+
+
+def job_rows(sess: TrainingSession) -> dict[str, torch.Tensor]:
+    return {
+        "items": table_rows(sess.opt, "items", ITEMS),
+        "users": table_rows(sess.opt, "users", PROBE_USERS),
+    }
+
+
+def dense(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.head.named_parameters()}
+
+
+@pytest.fixture
+def two_ps() -> Iterator[ClusterSpec]:
+    cluster = local_cluster(2, 1)
+    procs = [start_ps(cluster, i) for i in range(2)]
+    yield cluster
+    for p in procs:
+        stop(p, timeout=5)
+
+
+def test_alone_trains_as_one_worker_on_two_ps(two_ps: ClusterSpec, tmp_path: Path) -> None:
+    """Every step alone equals the same step of one worker against 2 ps: the dense layers (Adam
+    with its schedule), the fixed table (scheduled row-wise Adam) and the hashed table (row-wise
+    Adagrad)."""
+    alone_model, job_model = Recommender(), Recommender()
+    with alone_session(alone_model, None) as alone:
+        assert alone.alone and alone.global_step == 0
+        train(alone, alone_model, range(5))
+        assert alone.global_step == 5
+        assert alone.opt.learning_rate == pytest.approx(0.01 * 0.5**2)
+        mine = alone_rows(alone)
+    with quiet_session(job_model, two_ps, str(tmp_path), **SETTINGS) as job:
+        train(job, job_model, range(5))
+        theirs = job_rows(job)
+        job.opt.pull()
+    for name in ("items", "users"):
+        torch.testing.assert_close(mine[name], theirs[name])
+    for name, value in dense(job_model).items():
+        torch.testing.assert_close(dense(alone_model)[name], value)
+
+
+def test_a_checkpoint_goes_from_alone_to_two_ps_and_back(tmp_path: Path) -> None:
+    """Saved alone (one shard), restored by a job of 2 ps: the same rows and dense values; the
+    job's checkpoint restored alone: the same again, and each goes on from the saved step."""
+    url = str(tmp_path / "ckpt")
+    model = Recommender()
+    with alone_session(model, url) as alone:
+        train(alone, model, range(3))
+        saved, saved_dense = alone_rows(alone), dense(model)
+    cluster = local_cluster(2, 1)
+    procs = [start_ps(cluster, i) for i in range(2)]
+    try:
+        model = Recommender()
+        with quiet_session(model, cluster, url, **SETTINGS) as job:
+            assert job.restored_from == "ckpt-3" and job.global_step == 3
+            restored = job_rows(job)
+            for name in ("items", "users"):
+                torch.testing.assert_close(restored[name], saved[name])
+            for name, value in saved_dense.items():
+                torch.testing.assert_close(dense(model)[name], value)
+            train(job, model, range(3, 5))
+            job_saved = job_rows(job)
+            job.opt.pull()
+            job_dense = dense(model)
+        for p in procs:
+            code, err = stop(p)
+            assert code == 0, err[-3000:]
+    finally:
+        for p in procs:
+            stop(p, timeout=1)
+    model = Recommender()
+    with alone_session(model, url) as alone:
+        assert alone.restored_from == "ckpt-5" and alone.global_step == 5
+        for name, rows in alone_rows(alone).items():
+            torch.testing.assert_close(rows, job_saved[name])
+        for name, value in job_dense.items():
+            torch.testing.assert_close(dense(model)[name], value)
+        train(alone, model, range(5, 6))
+        assert alone.global_step == 6
+
+
+def test_alone_writes_summaries_and_runs_the_hooks(tmp_path: Path) -> None:
+    """The chief's summaries (loss, learning rate, a user scalar) go to TensorBoard alone, the
+    last step stops the loop, and the NaN guard stops a non-finite loss before any update."""
+    logdir = str(tmp_path / "run")
+    model = Recommender()
+    with alone_session(model, logdir, save_summaries_steps=1, last_step=4) as sess:
+        steps = 0
+        while not sess.should_stop():
+            train(sess, model, range(steps, steps + 1))
+            steps += 1
+        sess.add_scalar("eval/auc", 0.75)
+    assert steps == 4
+    events = EventAccumulator(logdir)
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert "loss" in tags and "eval/auc" in tags, tags
+    assert [e.step for e in events.Scalars("eval/auc")] == [4]
+    model = Recommender()
+    before = dense(model)
+    with pytest.raises(NanLossError), alone_session(model, None) as sess:
+        items, users, y = batch(0, 0, 8)
+        sess.zero_grad()
+        loss = loss_of(model, items, users, y) * math.nan
+        loss.backward()
+        sess.step(loss=loss)
+    for name, value in before.items():
+        torch.testing.assert_close(dense(model)[name], value)
