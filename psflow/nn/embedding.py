@@ -2,61 +2,23 @@
 
 Both take torch's arguments and, built locally, compute exactly what torch computes; where their
 rows live (local weight, attached to a :class:`RowSource`, hashed) is :class:`TableModule`'s
-business (``table.py``).
+business (``table.py``), the table's settings :class:`~psflow.nn.config.TableConfig`'s
+(``config.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
-import psflow.sparse.kernels as kernels
-from psflow.nn.table import RowSource, TableModule
+from psflow.nn.config import UNSET, TableConfig, Unset, table_config
+from psflow.nn.gather import GatherRows, lookup
+from psflow.nn.table import TableModule
 from psflow.protocol import RowOptimizerSpec
 
-__all__ = ["Embedding", "EmbeddingBag", "RowSource", "TableModule"]
+__all__ = ["Embedding", "EmbeddingBag"]
 
 _MODES = ("sum", "mean", "max", "sqrtn")
-
-
-class _GatherRows(torch.autograd.Function):
-    """``rows[index]`` and its gradient, with :func:`psflow.sparse.kernels.gather` and
-    :func:`~psflow.sparse.kernels.scatter_add`. With ``parts``, the values come from them
-    (their concatenation is ``rows``' values, which ``rows`` need not hold), read here and
-    never again: the gradient needs only ``index``."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, rows: torch.Tensor, index: torch.Tensor, parts: list[torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        ctx.save_for_backward(index)
-        ctx.rows = rows.shape[0]
-        if parts is not None:
-            return kernels.gather_parts(parts, index)
-        return kernels.gather(rows.detach(), index)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        (index,) = ctx.saved_tensors
-        return kernels.scatter_add(ctx.rows, grad.contiguous(), index), None, None
-
-
-def _lookup(table: TableModule, input: torch.Tensor) -> torch.Tensor:
-    """``F.embedding(input, weight)`` of an attached table without a padding row or frequency
-    scaling, ``[*input.shape, dim]``: the rows gathered by the kernels (from where the worker's
-    rows came in, when its source keeps them there), the gradient scatter-added."""
-    got = table._gather_parts(input)
-    if got is not None:
-        rows, parts, positions = got
-        flat = _GatherRows.apply(rows, positions.reshape(-1), parts)
-    else:
-        positions, rows, _ = table._gather(input)
-        # The same values and gradients as F.embedding (whose CPU backward sorts the ids
-        # first), on one thread (psflow.sparse.kernels says why).
-        flat = _GatherRows.apply(rows, positions.reshape(-1))
-    return flat.view(*positions.shape, table.embedding_dim)
 
 
 class Embedding(TableModule):
@@ -66,25 +28,21 @@ class Embedding(TableModule):
     the same weight. ``num_embeddings=None`` makes a hashed table (any int64 id is a row).
     See :class:`TableModule` for where the rows live.
 
+    The table's settings (``num_embeddings``, ``embedding_dim``, ``padding_idx``, ``dtype``,
+    and psflow's ``partition``, ``seed``, ``init_std``, ``optimizer``, ``min_count``,
+    ``max_rows``) are the fields of :class:`~psflow.nn.config.TableConfig`, described there:
+    given as arguments they make the module's config (those left out take its defaults), or
+    ``config=`` gives it whole, with none of them beside it.
+
     Args:
-        num_embeddings: rows in the table, or ``None`` for a hashed table.
-        embedding_dim: the size of each row.
-        padding_idx: a row that stays zero and gets no gradient, as in torch.
         max_norm: must be ``None`` (refused, see :class:`TableModule`).
         norm_type: kept for torch's signature.
         scale_grad_by_freq: scale gradients by the inverse frequency of each id in the
             batch, as in torch (the same when attached: the frequencies are the batch's).
         sparse: as in torch, for the local weight; an attached table's rows get a dense
             gradient (they are the batch's rows only).
-        partition: how the ps shards the table: ``"mod"`` (id % shards) or ``"div"``
-            (contiguous ranges), TensorFlow's ``partition_strategy``.
-        seed: the seed of the initial rows (the same on every process and ps).
-        init_std: the initial rows are N(0, init_std²) (torch's default N(0, 1)).
-        optimizer: the table's row-wise optimizer (``"SGD"``, ``"Adagrad"``, ``"Adam"``,
-            ``"Ftrl"`` or a :class:`psflow.protocol.RowOptimizerSpec`); ``None``: the job's
-            default on the ps. Required for a hashed table used locally.
-        min_count: hashed only: an id is given a row once seen this many times.
-        max_rows: hashed only: rows kept per ps shard, the least recently updated evicted.
+        device: where the weight is built; ``"meta"`` holds none (a table only the ps hold).
+        config: the table, instead of its settings as arguments.
 
     Example:
         >>> import torch
@@ -97,13 +55,16 @@ class Embedding(TableModule):
         >>> hashed = Embedding(None, 3, optimizer="Adagrad")   # any int64 id
         >>> hashed(torch.tensor([7, 10**12])).shape
         torch.Size([2, 3])
+        >>> from psflow.nn import TableConfig
+        >>> Embedding(config=TableConfig(num_embeddings=None, embedding_dim=3, optimizer="Adagrad"))
+        Embedding(None, 3, optimizer='Adagrad')
     """
 
     def __init__(
         self,
-        num_embeddings: int | None,
-        embedding_dim: int,
-        padding_idx: int | None = None,
+        num_embeddings: int | Unset | None = UNSET,
+        embedding_dim: int | Unset = UNSET,
+        padding_idx: int | Unset | None = UNSET,
         max_norm: float | None = None,
         norm_type: float = 2.0,
         scale_grad_by_freq: bool = False,
@@ -111,26 +72,23 @@ class Embedding(TableModule):
         _weight: torch.Tensor | None = None,
         _freeze: bool = False,
         device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | Unset | None = UNSET,
         *,
-        partition: str = "mod",
-        seed: int = 0,
-        init_std: float = 1.0,
-        optimizer: str | RowOptimizerSpec | None = None,
-        min_count: int = 0,
-        max_rows: int | None = None,
+        config: TableConfig | None = None,
+        partition: str | Unset = UNSET,
+        seed: int | Unset = UNSET,
+        init_std: float | Unset = UNSET,
+        optimizer: str | RowOptimizerSpec | Unset | None = UNSET,
+        min_count: int | Unset = UNSET,
+        max_rows: int | Unset | None = UNSET,
     ) -> None:
-        super().__init__(
-            num_embeddings,
-            embedding_dim,
+        config = table_config(
+            "Embedding",
+            config,
+            _weight,
+            num_embeddings=num_embeddings,
+            embedding_dim=embedding_dim,
             padding_idx=padding_idx,
-            max_norm=max_norm,
-            norm_type=norm_type,
-            scale_grad_by_freq=scale_grad_by_freq,
-            sparse=sparse,
-            _weight=_weight,
-            _freeze=_freeze,
-            device=device,
             dtype=dtype,
             partition=partition,
             seed=seed,
@@ -138,6 +96,16 @@ class Embedding(TableModule):
             optimizer=optimizer,
             min_count=min_count,
             max_rows=max_rows,
+        )
+        super().__init__(
+            config,
+            max_norm=max_norm,
+            norm_type=norm_type,
+            scale_grad_by_freq=scale_grad_by_freq,
+            sparse=sparse,
+            _weight=_weight,
+            _freeze=_freeze,
+            device=device,
         )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -153,10 +121,10 @@ class Embedding(TableModule):
                 self.sparse,
             )
         if self.padding_idx is None and not self.scale_grad_by_freq:
-            return _lookup(self, input)
+            return lookup(self, input)
         positions, rows, padding = self._gather(input)
         if padding is None and not self.scale_grad_by_freq:  # the batch holds no padding id
-            flat = _GatherRows.apply(rows, positions.reshape(-1))
+            flat = GatherRows.apply(rows, positions.reshape(-1))
             return flat.view(*positions.shape, self.embedding_dim)
         return F.embedding(positions, rows, padding, None, 2.0, self.scale_grad_by_freq, False)
 
@@ -242,8 +210,8 @@ class EmbeddingBag(TableModule):
 
     def __init__(
         self,
-        num_embeddings: int | None,
-        embedding_dim: int,
+        num_embeddings: int | Unset | None = UNSET,
+        embedding_dim: int | Unset = UNSET,
         max_norm: float | None = None,
         norm_type: float = 2.0,
         scale_grad_by_freq: bool = False,
@@ -251,30 +219,27 @@ class EmbeddingBag(TableModule):
         sparse: bool = False,
         _weight: torch.Tensor | None = None,
         include_last_offset: bool = False,
-        padding_idx: int | None = None,
+        padding_idx: int | Unset | None = UNSET,
         device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | Unset | None = UNSET,
         *,
-        partition: str = "mod",
-        seed: int = 0,
-        init_std: float = 1.0,
-        optimizer: str | RowOptimizerSpec | None = None,
-        min_count: int = 0,
-        max_rows: int | None = None,
+        config: TableConfig | None = None,
+        partition: str | Unset = UNSET,
+        seed: int | Unset = UNSET,
+        init_std: float | Unset = UNSET,
+        optimizer: str | RowOptimizerSpec | Unset | None = UNSET,
+        min_count: int | Unset = UNSET,
+        max_rows: int | Unset | None = UNSET,
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"EmbeddingBag: mode must be one of {_MODES}, got {mode!r}")
-        super().__init__(
-            num_embeddings,
-            embedding_dim,
+        config = table_config(
+            "EmbeddingBag",
+            config,
+            _weight,
+            num_embeddings=num_embeddings,
+            embedding_dim=embedding_dim,
             padding_idx=padding_idx,
-            max_norm=max_norm,
-            norm_type=norm_type,
-            scale_grad_by_freq=scale_grad_by_freq,
-            sparse=sparse,
-            _weight=_weight,
-            _freeze=False,
-            device=device,
             dtype=dtype,
             partition=partition,
             seed=seed,
@@ -282,6 +247,15 @@ class EmbeddingBag(TableModule):
             optimizer=optimizer,
             min_count=min_count,
             max_rows=max_rows,
+        )
+        super().__init__(
+            config,
+            max_norm=max_norm,
+            norm_type=norm_type,
+            scale_grad_by_freq=scale_grad_by_freq,
+            sparse=sparse,
+            _weight=_weight,
+            device=device,
         )
         self.mode = mode
         self.include_last_offset = include_last_offset
@@ -325,7 +299,7 @@ class EmbeddingBag(TableModule):
             # Bags of one id each (a CTR model's categorical features): every mode's bag is
             # its row, and its gradient the bag's, as Embedding's lookup gives them (gathered
             # and scatter-added by the kernels, from the rows where they came in).
-            return _lookup(self, input).view(input.shape[0], self.embedding_dim)
+            return lookup(self, input).view(input.shape[0], self.embedding_dim)
         positions, rows, padding = self._gather(input)
         return F.embedding_bag(
             positions,

@@ -7,23 +7,22 @@
 - **hashed** (``num_embeddings=None``): any int64 id is a row, created on first update. Kept on
   this process, the rows live in a :class:`psflow.sparse.HashedRows` and are updated in the
   backward pass by a row-wise optimizer (TorchRec's fused backward and optimizer).
+
+The table itself is a :class:`~psflow.nn.config.TableConfig` (``config.py``); what the module
+holds on this process and saves, :class:`~psflow.nn.state.TableState` (``state.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-from functools import partial
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from psflow.protocol import RowOptimizerSpec, TableSpec
-from psflow.sparse import HashedRows, RowOptimizer, Rows, initial_rows, make_rows
-from psflow.sparse.rows import STATE_PREFIX
-
-_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
-"""The dtypes a table may hold, with their names in a :class:`TableSpec`."""
+from psflow.nn.config import DTYPES, TableConfig
+from psflow.nn.state import TableState
+from psflow.protocol import TableSpec
+from psflow.sparse import initial_rows
 
 
 @runtime_checkable
@@ -74,50 +73,9 @@ def batch_rows(
     return source.rows(table, unique), positions
 
 
-class Held(NamedTuple):
-    """A table's rows as the module holds them (:meth:`TableModule.held`): ``rows``, their
-    row-wise optimizer ``state`` (empty when none was given), and for a hashed table the
-    ``ids`` of the rows (``None`` for a fixed one: its rows are ``0..num_embeddings-1``)."""
-
-    rows: torch.Tensor
-    state: dict[str, torch.Tensor]
-    ids: torch.Tensor | None
-
-
-class _FusedRows:
-    """The row source of a hashed table kept on this process.
-
-    Rows come from a :class:`psflow.sparse.Rows`; a hook on them applies the table's row-wise
-    optimizer as soon as their gradient is known, so that no optimizer step and no dense
-    gradient are needed (TorchRec's fused backward and optimizer). A table with no optimizer
-    named looks rows up (with gradients off: a model loaded to serve) but cannot train here.
-    """
-
-    def __init__(self, rows: Rows) -> None:
-        self.store = rows
-
-    def rows(self, table: TableModule, ids: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and self.store.spec.optimizer is None:
-            raise ValueError(
-                f"{table._label()}: a hashed table (num_embeddings=None) kept on this "
-                "process updates its rows in the backward pass with its own row-wise "
-                "optimizer: give one, e.g. optimizer='Adagrad' (or 'SGD', 'Adam', 'Ftrl', "
-                "or a RowOptimizerSpec), or look rows up with gradients off (torch.no_grad())"
-            )
-        on_cpu = ids.cpu()
-        values = self.store.lookup(on_cpu).to(ids.device).requires_grad_(True)
-        if torch.is_grad_enabled():
-            values.register_hook(partial(self._apply, on_cpu))
-        return values
-
-    def _apply(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
-        with torch.no_grad():
-            self.store.apply(ids, grad.detach().to("cpu"))
-
-
-class TableModule(nn.Module):
+class TableModule(TableState):
     """What :class:`Embedding` and :class:`EmbeddingBag` share: a table that a worker can place
-    on the parameter servers.
+    on the parameter servers, built from its :class:`~psflow.nn.config.TableConfig`.
 
     Three states, one forward pass's arithmetic:
 
@@ -134,6 +92,13 @@ class TableModule(nn.Module):
     Ids out of range (negative, or ``>= num_embeddings``) are refused with the table and the
     id named, before any row is asked for. ``max_norm`` is refused: it renormalises rows in place
     in the forward pass, which a table held by the ps cannot do.
+
+    Args:
+        config: the table.
+        max_norm, norm_type, scale_grad_by_freq, sparse, device: torch's.
+        _weight: the rows (``[num_embeddings, embedding_dim]``, of the config's dtype),
+            instead of seeded ones.
+        _freeze: whether ``_weight`` stays out of training (``from_pretrained``).
 
     Example:
         >>> import torch
@@ -153,37 +118,25 @@ class TableModule(nn.Module):
         (True, [])
     """
 
-    num_embeddings: int | None
-    embedding_dim: int
-    padding_idx: int | None
     max_norm: float | None
     norm_type: float
     scale_grad_by_freq: bool
     sparse: bool
     weight: nn.Parameter
+    _source: RowSource | None
 
     def __init__(
         self,
-        num_embeddings: int | None,
-        embedding_dim: int,
+        config: TableConfig,
         *,
-        padding_idx: int | None,
-        max_norm: float | None,
-        norm_type: float,
-        scale_grad_by_freq: bool,
-        sparse: bool,
-        _weight: torch.Tensor | None,
-        _freeze: bool,
-        device: torch.device | str | None,
-        dtype: torch.dtype | None,
-        partition: str,
-        seed: int,
-        init_std: float,
-        optimizer: str | RowOptimizerSpec | None,
-        min_count: int,
-        max_rows: int | None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        _weight: torch.Tensor | None = None,
+        _freeze: bool = False,
+        device: torch.device | str | None = None,
     ) -> None:
-        super().__init__()
         kind = type(self).__name__
         if max_norm is not None:
             raise ValueError(
@@ -192,71 +145,30 @@ class TableModule(nn.Module):
                 "parameter servers cannot be written by a worker's forward pass; leave "
                 "max_norm=None (renormalise the looked-up rows in the model if needed)"
             )
-        if num_embeddings is None:
-            if _weight is not None:
-                raise ValueError(f"{kind}: a hashed table (num_embeddings=None) takes no _weight")
-            if padding_idx is not None and padding_idx < 0:
-                raise ValueError(
-                    f"{kind}: padding_idx={padding_idx} counts from the end of the table, and "
-                    "a hashed table (num_embeddings=None) has no end: give the id itself"
-                )
-        elif padding_idx is not None:
-            if not -num_embeddings <= padding_idx < num_embeddings:
-                raise ValueError(
-                    f"{kind}: padding_idx={padding_idx} is not within num_embeddings="
-                    f"{num_embeddings}"
-                )
-            padding_idx %= num_embeddings
+        n, dim = config.num_embeddings, config.embedding_dim
+        dtype = config.dtype
         if _weight is not None:
-            if list(_weight.shape) != [num_embeddings, embedding_dim]:
+            if n is None:
+                raise ValueError(f"{kind}: a hashed table (num_embeddings=None) takes no _weight")
+            if list(_weight.shape) != [n, dim]:
                 raise ValueError(
                     f"{kind}: _weight has shape {list(_weight.shape)}, expected "
-                    f"[num_embeddings, embedding_dim] = [{num_embeddings}, {embedding_dim}]"
+                    f"[num_embeddings, embedding_dim] = [{n}, {dim}]"
                 )
-            dtype = _weight.dtype
-        dtype = torch.get_default_dtype() if dtype is None else dtype
-        if dtype not in _DTYPES:
-            raise ValueError(
-                f"{kind}: dtype {dtype} is not supported: a table holds float32 or float64"
-            )
-        self.num_embeddings = num_embeddings
-        self.embedding_dim = embedding_dim
-        self.padding_idx = padding_idx
+            if _weight.dtype != dtype:
+                raise ValueError(f"{kind}: _weight is {_weight.dtype}, its config says {dtype}")
+        on_meta = (
+            _weight.is_meta if _weight is not None else torch.device(device or "cpu").type == "meta"
+        )
+        super().__init__(config, dtype, on_meta)
         self.max_norm = max_norm
         self.norm_type = norm_type
         self.scale_grad_by_freq = scale_grad_by_freq
         self.sparse = sparse
-        self._dtype = dtype
-        self._name: str | None = None
-        self._source: RowSource | None = None
-        self._held_state: dict[str, torch.Tensor] = {}
-        self._held_ids: torch.Tensor | None = None
-        self._held_hashed: torch.Tensor | None = None
-        """A hashed table's rows given by :meth:`load_rows`, and their ids: sent by a job's
-        chief as the table's first rows, as a fixed table's weight is."""
-        self._fused: _FusedRows | None = None
-        # Checked now, so that a bad argument is named where the model is built rather than
-        # where a worker first places the table.
-        self._spec = TableSpec(
-            name=kind.lower(),
-            embedding_dim=embedding_dim,
-            num_embeddings=num_embeddings,
-            partition=partition,
-            dtype=_DTYPES[dtype],
-            seed=seed,
-            init_std=init_std,
-            padding_idx=padding_idx,
-            min_count=min_count,
-            max_rows=max_rows,
-            optimizer=None if optimizer is None else RowOptimizerSpec.of(optimizer),
-        )
-        self._on_meta = (
-            _weight.is_meta if _weight is not None else torch.device(device or "cpu").type == "meta"
-        )
-        if num_embeddings is None:
+        if n is None:
             return
         if _weight is None:
-            weight = torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype)
+            weight = torch.empty(n, dim, device=device, dtype=dtype)
             self.weight = nn.Parameter(weight, requires_grad=not _freeze)
             self.reset_parameters()
         else:
@@ -265,21 +177,20 @@ class TableModule(nn.Module):
     # -- placing the table -------------------------------------------------------------------
 
     def spec(self, name: str) -> TableSpec:
-        """The table as a ps creates it, called ``name`` (the module's path in the model).
+        """The table as a ps creates it, called ``name`` (the module's path in the model): its
+        config's :meth:`~psflow.nn.config.TableConfig.spec`, with the rows' dtype as they are
+        now (``module.double()`` changes a weight's).
 
         The name is remembered: errors about this table's ids use it.
         """
         self._name = name
         weight = self._parameters.get("weight")
-        dtype = self._spec.dtype
-        if weight is not None:  # its dtype may have changed since (module.double())
-            if weight.dtype not in _DTYPES:
-                raise ValueError(
-                    f"{self._label()}: its weight is {weight.dtype}; a table on the ps holds "
-                    "float32 or float64"
-                )
-            dtype = _DTYPES[weight.dtype]
-        return replace(self._spec, name=name, dtype=dtype)
+        if weight is not None and weight.dtype not in DTYPES:
+            raise ValueError(
+                f"{self._label()}: its weight is {weight.dtype}; a table on the ps holds "
+                "float32 or float64"
+            )
+        return self.config.spec(name, dtype=self._dtype if weight is None else weight.dtype)
 
     def attach(self, source: RowSource) -> None:
         """Take rows from ``source`` from now on, and drop the local weight (or local hashed
@@ -306,239 +217,6 @@ class TableModule(nn.Module):
         self._fused = None
         self._source = source
 
-    def give_optimizer_state(self, state: dict[str, torch.Tensor]) -> None:
-        """The row-wise optimizer's state for every row, kept with the weight for a job to
-        start the table from (see :meth:`Embedding.from_pretrained`): the keys and shapes of
-        the table's ``optimizer`` (``"Adagrad"``: ``sum``; ``"Ftrl"``: ``accum`` and
-        ``linear``; ``"Adam"``: ``exp_avg``, ``exp_avg_sq`` and ``step``, one count a row).
-
-        Raises:
-            ValueError: without a weight or a named optimizer, or for state that is not the
-                optimizer's.
-        """
-        weight = self._parameters.get("weight")
-        if weight is None or weight.is_meta:
-            raise ValueError(f"{self._label()}: optimizer state goes with rows it holds")
-        self._held_state = self._checked_state(state, weight.shape[0], weight.dtype)
-
-    def _checked_state(
-        self, state: dict[str, torch.Tensor], rows: int, dtype: torch.dtype
-    ) -> dict[str, torch.Tensor]:
-        """``state`` for ``rows`` rows of ``dtype``, detached, once checked to be what the
-        table's row-wise optimizer keeps (keys, shapes, dtypes)."""
-        spec = self._spec.optimizer
-        if spec is None:
-            raise ValueError(
-                f"{self._label()}: optimizer state needs the table's optimizer named "
-                "(the state is that optimizer's)"
-            )
-        fresh = RowOptimizer(spec).new_state(1, self.embedding_dim, dtype)
-        if set(state) != set(fresh):
-            raise ValueError(
-                f"{self._label()}: {spec.name} keeps state {sorted(fresh)}, got {sorted(state)}"
-            )
-        for key, t in state.items():
-            want = (rows, *fresh[key].shape[1:])
-            if tuple(t.shape) != want or t.dtype != fresh[key].dtype:
-                raise ValueError(
-                    f"{self._label()}: optimizer state {key!r} is {list(t.shape)} {t.dtype}, "
-                    f"expected {list(want)} {fresh[key].dtype}"
-                )
-        return {k: t.detach() for k, t in state.items()}
-
-    def load_rows(
-        self,
-        ids: torch.Tensor,
-        rows: torch.Tensor,
-        optimizer_state: dict[str, torch.Tensor] | None = None,
-    ) -> None:
-        """A hashed table's rows for ``ids`` (1-D int64, unique), e.g. a TensorFlow
-        ``MutableHashTable``'s or a dynamic embedding's keys and values, and maybe their
-        row-wise optimizer state (the keys :meth:`give_optimizer_state` lists, one row per
-        id). Here they are the table's rows at once; given to a job, the chief's init sends
-        each ps the rows of its ids, and the job starts from them (a restored checkpoint wins).
-        Other ids start from the seed, as always.
-
-        Raises:
-            ValueError: for a fixed-size or attached table, bad ids (repeated, not int64, the
-                padding id), rows not ``[len(ids), embedding_dim]`` floats, or state that is not
-                the table's optimizer's.
-        """
-        if self.num_embeddings is not None:
-            raise ValueError(
-                f"{self._label()}: load_rows is for a hashed table (num_embeddings=None); a "
-                "fixed-size one takes its rows as its weight (from_pretrained)"
-            )
-        if self._source is not None:
-            raise ValueError(f"{self._label()} is attached: its rows are on the ps")
-        if ids.dtype != torch.int64 or ids.dim() != 1:
-            raise ValueError(
-                f"{self._label()}: ids must be a 1-D int64 tensor, got {ids.dtype} of shape "
-                f"{list(ids.shape)}"
-            )
-        ids = ids.detach().cpu()
-        if torch.unique(ids).numel() != ids.numel():
-            raise ValueError(f"{self._label()}: ids repeat")
-        if self.padding_idx is not None and bool((ids == self.padding_idx).any()):
-            raise ValueError(
-                f"{self._label()}: ids include the padding id {self.padding_idx}, whose row "
-                "is always zero"
-            )
-        if list(rows.shape) != [ids.numel(), self.embedding_dim] or not rows.is_floating_point():
-            raise ValueError(
-                f"{self._label()}: rows are {list(rows.shape)} {rows.dtype}; expected "
-                f"[len(ids), embedding_dim] = [{ids.numel()}, {self.embedding_dim}] floats"
-            )
-        rows = rows.detach().to("cpu", self._dtype)
-        if not ids.numel():  # none: the table holds no rows
-            self._held_ids, self._held_hashed, self._held_state = None, None, {}
-            self._fused = None
-            return
-        state = {}
-        if optimizer_state is not None:
-            state = self._checked_state(optimizer_state, ids.numel(), self._dtype)
-            state = {k: t.cpu() for k, t in state.items()}
-        self._held_ids, self._held_hashed, self._held_state = ids, rows, state
-        self._fused = None  # built again, with these rows, by the next forward here
-
-    def held(self) -> Held | None:
-        """What this module holds itself, taken once: a fixed table's weight (unless on the
-        meta device) and the optimizer state given with it (:meth:`give_optimizer_state`); a
-        hashed table's rows with their ids and optimizer state, as local training left them
-        once a forward pass here has used it (the rows given by :meth:`load_rows` among them),
-        or as given before. ``None`` for an attached table, one on the meta device, or a hashed
-        one that holds none. A job given the model starts the table from it."""
-        if self._source is not None:
-            return None
-        if self.num_embeddings is not None:
-            weight = self._parameters.get("weight")
-            if weight is None or weight.is_meta:
-                return None
-            return Held(weight.detach(), dict(self._held_state), None)
-        if self._fused is not None:
-            snap = self._fused.store.snapshot()
-            if not snap["ids"].numel():
-                return None
-            state = {
-                k.removeprefix(STATE_PREFIX): t
-                for k, t in snap.items()
-                if k.startswith(STATE_PREFIX)
-            }
-            return Held(snap["values"], state, snap["ids"])
-        if self._held_ids is None or self._held_hashed is None:
-            return None
-        return Held(self._held_hashed, dict(self._held_state), self._held_ids)
-
-    def held_ids(self) -> torch.Tensor | None:
-        """The ids of :meth:`held_rows` for a hashed table; ``None`` for a fixed table, or a
-        hashed one that holds none."""
-        held = self.held()
-        return None if held is None else held.ids
-
-    def held_state(self) -> dict[str, torch.Tensor]:
-        """The row-wise optimizer state of :meth:`held_rows`; empty when there is none."""
-        held = self.held()
-        return {} if held is None else held.state
-
-    # -- a hashed table in a state dict ------------------------------------------------------
-
-    _ROW_KEYS = ("ids", "rows")
-    _STATE_KEY = "opt."
-
-    def _save_to_state_dict(
-        self, destination: dict[str, Any], prefix: str, keep_vars: bool
-    ) -> None:
-        """A hashed table held here saves its rows as ``<prefix>ids`` (int64) and
-        ``<prefix>rows`` (``[len(ids), dim]``), and their row-wise optimizer state as
-        ``<prefix>opt.<state>``; empty ones when it holds none. Attached, it saves nothing: the
-        rows are on the ps (as a fixed table saves no ``weight`` then)."""
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.num_embeddings is not None or self._source is not None or self._on_meta:
-            return
-        held = self.held()
-        if held is None:
-            held = Held(torch.empty(0, self.embedding_dim, dtype=self._dtype), {}, None)
-        rows, state = held.rows, held.state
-        ids = held.ids if held.ids is not None else torch.empty(0, dtype=torch.int64)
-        destination[prefix + "ids"] = ids
-        destination[prefix + "rows"] = rows
-        for key, tensor in state.items():
-            destination[prefix + self._STATE_KEY + key] = tensor
-
-    def _load_from_state_dict(
-        self,
-        state_dict: dict[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
-        """A hashed table takes ``<prefix>ids`` and ``<prefix>rows`` as :meth:`load_rows`
-        does, with the ``<prefix>opt.<state>`` entries as their optimizer state if there are
-        any (fresh state otherwise: ``psflow checkpoint export`` writes none)."""
-        if self.num_embeddings is None:
-            ours = {prefix + k for k in self._ROW_KEYS}
-            mine = {k for k in state_dict if k in ours or k.startswith(prefix + self._STATE_KEY)}
-            rest = {k: v for k, v in state_dict.items() if k not in mine}
-        else:
-            mine, rest = set(), state_dict
-        super()._load_from_state_dict(
-            rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
-        if self.num_embeddings is None:
-            self._load_held(state_dict, prefix, mine, missing_keys, error_msgs)
-
-    def _load_held(
-        self,
-        state_dict: dict[str, Any],
-        prefix: str,
-        mine: set[str],
-        missing_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
-        absent = [prefix + k for k in self._ROW_KEYS if prefix + k not in mine]
-        if absent:
-            if not mine and (self._source is not None or self._on_meta):
-                return  # it saves none either
-            missing_keys.extend(absent)
-            return
-        state = {
-            k.removeprefix(prefix + self._STATE_KEY): state_dict[k]
-            for k in mine
-            if k.startswith(prefix + self._STATE_KEY)
-        }
-        try:
-            if self._source is not None:
-                raise ValueError(
-                    f"{self._label()} is attached: its rows are on the ps, and a state dict "
-                    "does not change them (a job restores its tables from its checkpoint)"
-                )
-            wrong = sorted(k for k in mine if not isinstance(state_dict[k], torch.Tensor))
-            if wrong:
-                raise ValueError(f"{self._label()}: {', '.join(wrong)} are not tensors")
-            self.load_rows(state_dict[prefix + "ids"], state_dict[prefix + "rows"], state or None)
-        except ValueError as e:
-            error_msgs.append(str(e))
-
-    @property
-    def frozen(self) -> bool:
-        """Whether the module holds a weight that does not train (``requires_grad=False``,
-        ``from_pretrained``'s default): a job leaves it on each worker as a plain weight."""
-        weight = self._parameters.get("weight")
-        return weight is not None and not weight.requires_grad
-
-    def held_rows(self) -> torch.Tensor | None:
-        """The rows this module holds itself, detached (see :meth:`held`)."""
-        held = self.held()
-        return None if held is None else held.rows
-
-    @property
-    def attached(self) -> bool:
-        """Whether the rows come from a :class:`RowSource` (see :meth:`attach`)."""
-        return self._source is not None
-
     def reset_parameters(self) -> None:
         """Start the rows again from :func:`psflow.sparse.initial_rows` (no-op when attached,
         or on the meta device)."""
@@ -549,10 +227,10 @@ class TableModule(nn.Module):
         assert self.num_embeddings is not None
         ids = torch.arange(self.num_embeddings, dtype=torch.int64)
         values = initial_rows(
-            self._spec.seed,
+            self.config.seed,
             ids,
             self.embedding_dim,
-            std=self._spec.init_std,
+            std=self.config.init_std,
             dtype=self._dtype,
             padding_idx=self.padding_idx,
         )
@@ -560,10 +238,6 @@ class TableModule(nn.Module):
             weight.copy_(values)
 
     # -- the forward pass's parts ----------------------------------------------------------
-
-    def _label(self) -> str:
-        shape = f"{type(self).__name__}({self.num_embeddings}, {self.embedding_dim})"
-        return shape if self._name is None else f"table {self._name!r} ({shape})"
 
     def _check_dtype(self, ids: torch.Tensor) -> None:
         if ids.dtype not in (torch.int64, torch.int32):
@@ -676,18 +350,19 @@ class TableModule(nn.Module):
     def _row_source(self) -> RowSource:
         if self._source is not None:
             return self._source
-        if self._fused is None:
-            if self._on_meta:
-                raise RuntimeError(
-                    f"{self._label()} was built on the meta device and holds no rows: "
-                    "attach() it to a row source (the worker does) before using it"
-                )
-            store = make_rows(self._spec, 0, 1)
-            if self._held_ids is not None and self._held_hashed is not None:
-                assert isinstance(store, HashedRows)
-                store.give(self._held_ids, self._held_hashed, self._held_state)
-            self._fused = _FusedRows(store)
-        return self._fused
+        if self._on_meta:
+            raise RuntimeError(
+                f"{self._label()} was built on the meta device and holds no rows: "
+                "attach() it to a row source (the worker does) before using it"
+            )
+        if torch.is_grad_enabled() and self._row_optimizer is None:
+            raise ValueError(
+                f"{self._label()}: a hashed table (num_embeddings=None) kept on this "
+                "process updates its rows in the backward pass with its own row-wise "
+                "optimizer: give one, e.g. optimizer='Adagrad' (or 'SGD', 'Adam', 'Ftrl', "
+                "or a RowOptimizerSpec), or look rows up with gradients off (torch.no_grad())"
+            )
+        return self._fused_rows()
 
     @property
     def _uses_rows(self) -> bool:
@@ -710,6 +385,7 @@ class TableModule(nn.Module):
     def _extra(self) -> str:
         if self._source is not None:
             return ", attached"
-        if self.num_embeddings is None and self._spec.optimizer is not None:
-            return f", optimizer={self._spec.optimizer.name!r}"
+        optimizer = self._row_optimizer
+        if self.num_embeddings is None and optimizer is not None:
+            return f", optimizer={optimizer.name!r}"
         return ""
