@@ -17,8 +17,10 @@
 - ``cli.py``: ``psflow checkpoint inspect|export``.
 - ``tf_checkpoint.py``: :class:`~psflow.train.tf_checkpoint.TFCheckpoint`, TensorFlow's
   checkpoints read without TensorFlow (tables in id order, optimizer slots as torch's state);
-  ``tf_objects.py``: a TensorFlow 2 checkpoint's object graph (Keras's variables and slots);
-  ``tf_bundle.py``: a checkpoint's index and entries; ``tf_proto.py``: protobuf's wire format.
+  ``tf_reader.py``: :class:`~psflow.train.tf_reader.BundleReader`, its base (the tensors, by
+  key or variable name, checked); ``tf_objects.py``: a TensorFlow 2 checkpoint's object graph
+  (Keras's variables and slots); ``tf_bundle.py``: a checkpoint's index and entries;
+  ``tf_proto.py``: protobuf's wire format.
 
 The shard-file format the ps tasks write is in :mod:`psflow.ps.checkpoint`.
 """

@@ -1,6 +1,6 @@
 """The files of a TensorFlow V2 checkpoint, as bytes: the index (a sorted table in LevelDB's
 format, each block checked by a masked CRC32C) and its ``BundleEntryProto`` entries (where each
-tensor, or slice of one, lies in the data files). :class:`~psflow.train.tf_checkpoint.TFCheckpoint`
+tensor, or slice of one, lies in the data files). :class:`~psflow.train.tf_reader.BundleReader`
 reads tensors through them.
 """
 
