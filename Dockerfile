@@ -34,13 +34,14 @@ COPY requirements/run.txt requirements/run.txt
 RUN pip install --extra-index-url "$TORCH_INDEX" -r requirements/run.txt
 COPY pyproject.toml setup.py README.md ./
 COPY psflow ./psflow
-# gcc only for the build: setup.py compiles the ps's fused row-wise updates
-# (psflow/sparse/_kernels.c), and the image keeps the compiled module, not the compiler.
+# gcc only for the build: setup.py compiles the ps's row kernels (psflow/sparse/_kernels.c) and
+# the data layer's hash and Example parser (psflow/data/_native.c), and the image keeps the
+# compiled modules, not the compiler.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && pip install --no-deps . \
     && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/* \
-    && python -c "import psflow, torch, zmq; from psflow.sparse import _kernels"
+    && python -c "import psflow, torch, zmq; from psflow.sparse import _kernels; from psflow.data import _native"
 
 # A fixed non-root uid/gid: the Kubernetes manifests set fsGroup 1000 so the keys Secret and
 # the logdir volume are readable and writable by it.

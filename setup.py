@@ -1,7 +1,13 @@
-"""The one compiled piece: psflow/sparse/_kernels.c, fused row-wise optimizer updates.
+"""psflow's compiled modules, one a concern, each optional: without a C compiler the install goes
+on without them, and psflow does the same work in Python (each wrapper says which path it takes).
 
-Optional: without a C compiler the install goes on without it, and the ps applies the same
-updates with torch's index operations (psflow/sparse/kernels.py says which it uses).
+- ``psflow.sparse._kernels`` (``psflow/sparse/_kernels.c``): row kernels, the ps's fused row-wise
+  updates, row gathers, the partition of ids to shards, a hashed table's id map; without it,
+  torch's index operations (``psflow/sparse/kernels.py``).
+- ``psflow.data._native`` (``psflow/data/_native.c`` binding ``_farmhash.c`` and ``_example.c``):
+  TensorFlow's string hash and the Example parser's fast path; without it, numpy and Python
+  (``psflow/data/native.py``).
+
 Everything else about the package is in pyproject.toml.
 """
 
@@ -16,6 +22,13 @@ setup(
             # the torch reference; errno-free sqrt lets the loops vectorize.
             extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno"],
             optional=True,
-        )
+        ),
+        Extension(
+            "psflow.data._native",
+            ["psflow/data/_native.c", "psflow/data/_farmhash.c", "psflow/data/_example.c"],
+            depends=["psflow/data/_native.h"],  # a change rebuilds it, and the sdist carries it
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
     ]
 )

@@ -30,9 +30,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # test.txt starts with `-r run.txt`: its stamp covers both files (and data.txt, installed
 # --no-deps for the tests).
-# setup.py and the C source: the install compiles psflow/sparse/_kernels.c (when they change, the
-# kernels are built again).
-built="pyproject.toml setup.py psflow/sparse/_kernels.c"
+# setup.py and the C sources: the install compiles psflow/sparse/_kernels.c and psflow/data/_native.c
+# with the files it binds (when any changes, the modules are built again).
+built="pyproject.toml setup.py $(find psflow -name '*.[ch]' | LC_ALL=C sort)"
 run_hash="$(cat requirements/run.txt $built | sha256sum | cut -d' ' -f1)"
 test_hash="$(cat requirements/run.txt requirements/test.txt requirements/data.txt $built | sha256sum | cut -d' ' -f1)"
 if [ "$what" = run ]; then want="$run_hash"; else want="$test_hash"; fi

@@ -85,15 +85,17 @@ def no_leaked_processes() -> Iterator[None]:
     assert not leaked, f"test left processes behind: {leaked}"
 
 
-@pytest.fixture(params=["kernels", "torch"])
+@pytest.fixture(params=["native", "fallback"])
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs a test on both paths of the sparse tables: psflow's C kernels and torch's index
-    operations (``PSFLOW_KERNELS=0``, or an install without a compiler)."""
-    from psflow.sparse import kernels
-    from tests.kernels import need_kernels
+    """Runs a test on both paths of psflow's compiled modules (``tests/kernels.py`` lists them):
+    the C code (the sparse tables' row kernels, the data layer's hash and Example parser) and
+    the fallback of an install without a compiler or ``PSFLOW_KERNELS=0`` (torch's index
+    operations; numpy and Python)."""
+    from tests.kernels import need_kernels, wrappers
 
-    if request.param == "torch":
-        monkeypatch.setattr(kernels, "KERNELS", None)
+    if request.param == "fallback":
+        for module, attr in wrappers():
+            monkeypatch.setattr(module, attr, None)
     else:
         need_kernels()
     return str(request.param)

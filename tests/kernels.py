@@ -1,22 +1,45 @@
-"""Both paths of the sparse kernels: psflow's C kernels (``psflow/sparse/_kernels.c``) and torch's
-index operations, for tests that run on each (the ``path`` fixture, in ``tests/conftest.py``)."""
+"""Both paths of psflow's compiled modules, for tests that run on each (the ``path`` fixture, in
+``tests/conftest.py``): the native one (``psflow/sparse/_kernels.c``, the row kernels;
+``psflow/data/_native.c``, hashing and Example parsing) and the fallback (torch's index
+operations; numpy and Python)."""
 
 from __future__ import annotations
 
+import importlib
 import shutil
 import sysconfig
+from types import ModuleType
 
 import pytest
 
-import psflow.sparse.kernels as kernels
+from psflow import env as envvars
+
+COMPILED = {
+    "psflow.sparse.kernels": ("KERNELS", "psflow/sparse/_kernels.c"),
+    "psflow.data.native": ("NATIVE", "psflow/data/_native.c"),
+}
+"""Each wrapper module, the attribute that holds its compiled module (``None`` where it is
+missing: the fallback), and the C source it is built from."""
+
+
+def wrappers() -> list[tuple[ModuleType, str]]:
+    """Each wrapper module with the name of its compiled module's attribute."""
+    return [(importlib.import_module(name), attr) for name, (attr, _) in COMPILED.items()]
 
 
 def need_kernels() -> None:
-    """Fails where the kernels should have been built (a C compiler is here) but were not;
-    skips only where the install could not build them."""
+    """Fails where the compiled modules should have been built (a C compiler is here) but were
+    not; skips only where the install could not build them, or ``PSFLOW_KERNELS=0`` turned
+    them off (a run of the fallback alone)."""
+    if not envvars.flag(envvars.PSFLOW_KERNELS, True):
+        pytest.skip(f"{envvars.PSFLOW_KERNELS}=0: the compiled modules are off")
     compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
-    if kernels.KERNELS is not None:
+    missing = [
+        src for name, (attr, src) in COMPILED.items()
+        if getattr(importlib.import_module(name), attr) is None
+    ]  # fmt: skip
+    if not missing:
         return
     if shutil.which(compiler) is not None:
-        pytest.fail(f"{compiler} is here, but psflow/sparse/_kernels.c was not built (setup.py)")
-    pytest.skip(f"no C compiler ({compiler}): the install could not build the kernels")
+        pytest.fail(f"{compiler} is here, but {', '.join(missing)} was not built (setup.py)")
+    pytest.skip(f"no C compiler ({compiler}): the install could not build {', '.join(missing)}")

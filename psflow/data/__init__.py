@@ -12,8 +12,9 @@ No TensorFlow at run time. Where things live:
   :func:`serialize_example`, :func:`example_to_dict`, :func:`make_sequence_example`,
   :func:`sequence_example_to_dict`
 - ``features.py``: :class:`FixedLenFeature`, :class:`VarLenFeature`, :class:`Ragged`,
-  :func:`parse_examples` (records sharing a layout decoded along it in ``layout.py``, the rest by
-  the general vectorized wire decoder in ``fastparse.py``; protobuf as reference)
+  :func:`parse_examples` (fixed-length numeric batches in one C pass, ``native.py``; records
+  sharing a layout decoded along it in ``layout.py``, the rest by the general vectorized wire
+  decoder in ``fastparse.py``; protobuf as reference)
 - ``encode.py``: :func:`serialize_examples` (many one-value-per-feature Examples at once, numpy)
 - ``ctr.py``: the Criteo-layout click-through-rate set, from its modules: ``ctr_layout.py`` (the
   features, ``serialize_ctr``, hex ids, file names), ``synth_ctr.py`` (``SynthCTRConfig``/
@@ -26,6 +27,9 @@ No TensorFlow at run time. Where things live:
   ``Fingerprint64`` modulo the buckets, as ``tf.strings.to_hash_bucket_fast``),
   :func:`hash_bucket_of_ints` (``categorical_column_with_hash_bucket`` on int64),
   :func:`fingerprint64`
+- ``native.py`` (+ ``_native.c`` binding ``_farmhash.c`` and ``_example.c``, optional): the
+  hash and the plain-form Example parser in C, no torch; Python where they were not built or
+  ``PSFLOW_KERNELS=0``
 - ``schema.py``: :func:`infer_schema`, :func:`format_schema`
 - ``pipeline.py``: file/record sharding, interleave, shuffle buffer, rebatching, prefetch
 - ``dataset.py``: :class:`TFRecordDataset` (a torch ``IterableDataset``), :class:`DatasetConfig`

@@ -20,7 +20,7 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from psflow.data import fastparse, layout, proto
+from psflow.data import fastparse, layout, native, proto
 from psflow.data.fastparse import BYTES, FLOAT, INT64, Column
 from psflow.data.tfrecord import RecordBatch
 
@@ -281,54 +281,26 @@ def _to_backend(arr: np.ndarray, backend: str) -> Any:
 def _fixed_numeric(
     batch: RecordBatch, spec: Mapping[str, FeatureSpec], backend: str
 ) -> dict[str, Any] | None:
-    """The batch by the compiled kernel (``psflow.sparse._kernels.parse_fixed``) when every
+    """The batch by the compiled parser (:func:`psflow.data.native.parse_fixed`) when every
     feature is a :class:`FixedLenFeature` of ``int64`` or ``float32`` values and every record
     holds each in the plain wire form, with its count: the common case (CTR data, dense
     features) in one C pass. ``None`` otherwise (a record missing a feature, another list kind
-    or count, an unusual encoding, the kernels not built): the general path decodes the batch,
+    or count, an unusual encoding, the parser not built): the general path decodes the batch,
     defaults and errors included."""
     n = len(batch)
-    if not n or not spec:
+    if not n or not spec or native.NATIVE is None:
         return None
-    fixed = [(n, s) for n, s in spec.items() if isinstance(s, FixedLenFeature)]
+    fixed = [(name, s) for name, s in spec.items() if isinstance(s, FixedLenFeature)]
     if len(fixed) != len(spec) or any(s.dtype not in ("int64", "float32") for _, s in fixed):
         return None
-    from psflow.sparse.kernels import KERNELS  # loads torch: only for numeric batches
-
-    if KERNELS is None:
-        return None
-    starts = np.ascontiguousarray(batch.starts, dtype=np.int64)
-    lengths = np.ascontiguousarray(batch.lengths, dtype=np.int64)
-    raw = np.frombuffer(batch.buffer, dtype=np.uint8)
-    if (starts < 0).any() or (lengths < 0).any() or (starts + lengths > len(raw)).any():
-        return None  # not a batch's own records: the general path names what is wrong
-    keys = [name.encode() for name, _ in fixed]
-    names = np.frombuffer(b"".join(keys) or b"\0", dtype=np.uint8)
-    name_len = np.array([len(k) for k in keys], dtype=np.int64)
-    name_off = np.zeros(len(keys), dtype=np.int64)
-    np.cumsum(name_len[:-1], out=name_off[1:])
-    kinds = np.array([DTYPES[s.dtype] for _, s in fixed], dtype=np.int64)
-    sizes = np.array([s.size for _, s in fixed], dtype=np.int64)
     outs: list[np.ndarray] = [
         np.empty((n, s.size), dtype=np.int64 if s.dtype == "int64" else np.float32)
         for _, s in fixed
     ]
-    out_ptrs = np.array([o.ctypes.data for o in outs], dtype=np.uintp)
-    bad = KERNELS.parse_fixed(
-        raw.ctypes.data,
-        starts.ctypes.data,
-        lengths.ctypes.data,
-        n,
-        names.ctypes.data,
-        name_off.ctypes.data,
-        name_len.ctypes.data,
-        kinds.ctypes.data,
-        sizes.ctypes.data,
-        len(keys),
-        out_ptrs.ctypes.data,
-    )
-    if bad >= 0:
-        return None
+    keys = [name.encode() for name, _ in fixed]
+    kinds = [DTYPES[s.dtype] for _, s in fixed]
+    if not native.parse_fixed(batch.buffer, batch.starts, batch.lengths, keys, kinds, outs):
+        return None  # not built, or a record not in the plain form or outside the buffer
     return {
         name: _to_backend(out.reshape((n, *s.shape)), backend)
         for (name, s), out in zip(fixed, outs, strict=True)

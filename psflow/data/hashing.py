@@ -4,8 +4,9 @@ keeps its rows for the same strings.
 ``tf.strings.to_hash_bucket_fast(s, n)`` (what ``tf.feature_column``'s
 ``categorical_column_with_hash_bucket`` uses) is FarmHash's ``Fingerprint64`` of the string's
 bytes, modulo ``n``; an int64 feature is hashed as its decimal string. :func:`fingerprint64`
-computes it in C (``psflow/sparse/_kernels.c``; a pure-Python transcription where the kernels
-were not built), checked against TensorFlow's output (``tests/unit/test_hashing.py``).
+computes it in C (``psflow/data/_farmhash.c``, through :mod:`psflow.data.native`; a pure-Python
+transcription where that module was not built or ``PSFLOW_KERNELS=0``), both checked against
+TensorFlow's output (``tests/unit/test_hashing.py``). Neither loads torch.
 
 Example:
     >>> to_hash_bucket_fast(["user_17", "user_42"], 1000).tolist()  # as TensorFlow gives them
@@ -19,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+
+from psflow.data import native
 
 __all__ = ["fingerprint64", "hash_bucket_of_ints", "to_hash_bucket_fast"]
 
@@ -47,18 +50,10 @@ def fingerprint64(values: Iterable[str | bytes] | np.ndarray) -> np.ndarray:
     """FarmHash's ``Fingerprint64`` of each value (``str`` as UTF-8), as uint64: TensorFlow's
     string fingerprint (``tensorflow::Fingerprint64``)."""
     strings = _as_bytes(values)
-    out = np.empty(len(strings), dtype=np.uint64)
-    if not strings:
-        return out
-    from psflow.sparse.kernels import KERNELS  # loads torch: only when hashing
-
-    if KERNELS is None:
+    out = native.fingerprint64(strings)
+    if out is None:
+        out = np.empty(len(strings), dtype=np.uint64)
         out[:] = [_fingerprint64(s) for s in strings]
-        return out
-    offsets = np.zeros(len(strings) + 1, dtype=np.int64)
-    np.cumsum([len(s) for s in strings], out=offsets[1:])
-    data = np.frombuffer(b"".join(strings) or b"\0", dtype=np.uint8)
-    KERNELS.fingerprint64(data.ctypes.data, offsets.ctypes.data, len(strings), out.ctypes.data)
     return out
 
 
@@ -83,7 +78,7 @@ def hash_bucket_of_ints(ids: Sequence[int] | np.ndarray, num_buckets: int) -> np
     )
 
 
-# -- the transcription, where the C kernels were not built ---------------------------------
+# -- the transcription, where psflow.data._native was not built ---------------------------
 
 
 def _u64(s: bytes, at: int) -> int:

@@ -1,4 +1,7 @@
-"""The fused row-wise updates and row gathers (``_kernels.c``), where the install built them.
+"""The row kernels (``_kernels.c``), where the install built them: fused row-wise updates, row
+gathers, the partition of ids to shards, and a hashed table's id map (:mod:`psflow.sparse.idmap`
+calls those itself). psflow's other compiled code, hashing and Example parsing, is the data
+layer's (:mod:`psflow.data.native`).
 
 torch applies a row-wise update as a chain of index operations, each one a pass over rows that
 lie scattered through a large table; the C kernels read and write each touched row once, its
@@ -10,7 +13,7 @@ for the kernel's figure.
 
 :func:`fused` answers whether a call can take the kernel: CPU tensors, float32 or float64,
 contiguous, int64 index; anything else (CUDA, half precision, a strided view) goes through
-torch. ``PSFLOW_KERNELS=0`` turns the kernels off.
+torch. ``PSFLOW_KERNELS=0`` turns the kernels off (and :mod:`psflow.data.native` with them).
 
 :func:`gather` and :func:`scatter_add` are ``index_select`` and its gradient for rows: one
 thread, the next rows' memory asked for ahead. torch runs them on all its threads, which on a
@@ -24,7 +27,6 @@ from __future__ import annotations
 import importlib
 import itertools
 import logging
-import os
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -37,7 +39,7 @@ log = logging.getLogger(__name__)
 
 
 def _load() -> ModuleType | None:
-    if os.environ.get(envvars.PSFLOW_KERNELS, "1") == "0":
+    if not envvars.flag(envvars.PSFLOW_KERNELS, True):
         return None
     try:
         # By name: the layer checks know no compiled module, and would take this import for

@@ -12,9 +12,15 @@ import pytest
 import torch
 
 from psflow.data import proto
-from psflow.data.features import FixedLenFeature, Ragged, VarLenFeature, parse_examples
+from psflow.data.features import (
+    FixedLenFeature,
+    Ragged,
+    VarLenFeature,
+    _fixed_numeric,
+    parse_examples,
+)
 from psflow.data.schema import format_schema, infer_schema
-from psflow.data.tfrecord import TFRecordReader, read_records
+from psflow.data.tfrecord import RecordBatch, TFRecordReader, read_records
 from tests.paths import TFRECORD_FIXTURES
 from tests.unit.protobytes import ld as _ld
 from tests.unit.protobytes import varint as _varint
@@ -176,6 +182,38 @@ def test_random_examples_fast_equals_protobuf() -> None:
             assert ref["i"].row(k).tolist() == d["i"].tolist()
 
 
+def test_fixed_numeric_batches_decode_alike_on_both_paths(path: str) -> None:
+    """int64 and float32 FixedLenFeatures: one C pass (``psflow/data/_example.c``) where it is
+    built, the general decoder on the fallback path; protobuf's answer on each."""
+    rng = np.random.default_rng(3)
+    records = [
+        proto.serialize_example(
+            {"label": int(rng.integers(-(2**62), 2**62)), "x": rng.standard_normal(3).tolist()}
+        )
+        for _ in range(40)
+    ]
+    spec = {
+        "label": FixedLenFeature(dtype="int64"),
+        "x": FixedLenFeature(dtype="float32", shape=(3,)),
+    }
+    batch = RecordBatch.from_records(records)
+    taken = _fixed_numeric(batch, spec, "numpy")
+    assert (taken is not None) == (path == "native")
+    for backend in ("numpy", "torch"):
+        fast = parse_examples(batch, spec, backend=backend)  # type: ignore[arg-type]
+        ref = parse_examples(records, spec, backend=backend, method="protobuf")  # type: ignore[arg-type]
+        for key in spec:
+            np.testing.assert_array_equal(np.asarray(fast[key]), np.asarray(ref[key]))
+            assert fast[key].dtype == ref[key].dtype and fast[key].shape == ref[key].shape
+    # A record outside the spec's plain form (a missing feature with a default) on either path.
+    short = [*records, proto.serialize_example({"label": 5})]
+    with_default = {**spec, "x": FixedLenFeature(dtype="float32", shape=(3,), default=0.5)}
+    assert _fixed_numeric(RecordBatch.from_records(short), with_default, "numpy") is None
+    got = parse_examples(short, with_default)
+    assert got["x"][-1].tolist() == [0.5] * 3 and got["label"][-1] == 5
+
+
+@pytest.mark.usefixtures("path")
 @pytest.mark.parametrize("method", ["fast", "protobuf"])
 def test_spec_mismatches_name_the_record_and_feature(method: str) -> None:
     records = [proto.serialize_example({"x": [1.0, 2.0]}), proto.serialize_example({"x": [1.0]})]

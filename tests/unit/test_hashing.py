@@ -1,11 +1,16 @@
 """TensorFlow's hashed ids (``tf.strings.to_hash_bucket_fast``) in psflow, against what
-TensorFlow computed (``tests/fixtures/make_tf_hash.py``): the C kernel and the pure-Python
-transcription used where the kernels were not built."""
+TensorFlow computed (``tests/fixtures/make_tf_hash.py``): the C hash (``psflow/data/_farmhash.c``)
+and the pure-Python transcription used where it was not built (the ``path`` fixture runs each);
+and neither, nor the Example parser beside it, loads torch."""
 
 from __future__ import annotations
 
 import doctest
+import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +18,10 @@ import numpy as np
 import pytest
 
 import psflow.data.hashing as hashing
-import psflow.sparse.kernels as kernels
+from psflow import env as envvars
+from psflow.data import native
 from psflow.data.hashing import fingerprint64, hash_bucket_of_ints, to_hash_bucket_fast
+from tests.kernels import need_kernels
 
 pytestmark = pytest.mark.unit
 
@@ -24,14 +31,9 @@ EXPECTED: dict[str, Any] = json.loads(
 STRINGS = [bytes.fromhex(h) for h in EXPECTED["strings_hex"]]
 
 
-@pytest.fixture(params=["kernel", "python"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "kernel":
-        if kernels.KERNELS is None:
-            pytest.skip("psflow.sparse._kernels is not built")
-    else:
-        monkeypatch.setattr(kernels, "KERNELS", None)
-    return str(request.param)
+def test_the_native_module_is_built() -> None:
+    need_kernels()
+    assert native.NATIVE is native._load()
 
 
 def test_every_string_lands_in_tensorflows_bucket(path: str) -> None:
@@ -48,7 +50,7 @@ def test_int_ids_hash_as_their_decimal_strings(path: str) -> None:
         assert got.tolist() == EXPECTED["int_hash_bucket"][str(n)], n
 
 
-def test_str_and_numpy_inputs_hash_as_their_bytes() -> None:
+def test_str_and_numpy_inputs_hash_as_their_bytes(path: str) -> None:
     text = ["ünïcødé user 用户", "68fd1e64", ""]
     want = fingerprint64([t.encode() for t in text])
     assert fingerprint64(text).tolist() == want.tolist()
@@ -75,3 +77,26 @@ def test_bad_arguments_are_named() -> None:
 
 def test_the_docstring_example() -> None:
     assert doctest.testmod(hashing).failed == 0
+
+
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_hashing_and_parsing_load_no_torch(kernels: str) -> None:
+    """A data reader hashes and parses without the tensor library, on either path."""
+    code = (
+        "import sys, numpy as np, psflow.data.hashing as h, psflow.data.features as f\n"
+        "from psflow.data import native, proto\n"
+        "records = [proto.serialize_example({'x': [1.0, 2.0], 'i': [7]})] * 3\n"
+        "spec = {'x': f.FixedLenFeature(dtype='float32', shape=(2,)),\n"
+        "        'i': f.FixedLenFeature(dtype='int64')}\n"
+        "out = f.parse_examples(records, spec)\n"
+        "assert out['x'].tolist() == [[1.0, 2.0]] * 3 and out['i'].tolist() == [7] * 3\n"
+        "assert h.to_hash_bucket_fast(['user_17'], 1000).tolist() == [627]\n"
+        "print(native.NATIVE is not None, 'torch' in sys.modules)\n"
+    )
+    env = {**os.environ, envvars.PSFLOW_KERNELS: kernels}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    built = kernels == "1" and importlib.util.find_spec("psflow.data._native") is not None
+    assert proc.stdout.split() == [str(built), "False"]

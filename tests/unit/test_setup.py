@@ -1,7 +1,7 @@
 """What ``bash scripts/run.sh`` and ``bash scripts/test.sh`` install, and when they install again.
 
 The scripts run for real, in a copy of ``scripts/``, ``requirements/``, ``pyproject.toml``,
-``setup.py`` and the C source it builds,
+``setup.py`` and the C sources it builds,
 whose ``.venv/bin/python`` and ``.venv/bin/psflow`` are stand-ins that record their arguments
 instead of installing or training: each test reads what a path asked pip for, with no network.
 """
@@ -30,6 +30,11 @@ TEST_TOOLS = {
     "import-linter",
     "grimp",
 }
+
+C_SOURCES = sorted(
+    str(p.relative_to(ROOT)) for p in (ROOT / "psflow").rglob("*") if p.suffix in (".c", ".h")
+)
+"""What setup.py compiles: psflow/sparse/_kernels.c, psflow/data/_native.c and the files it binds."""
 
 _RECORDER = '#!/bin/sh\necho "$(basename "$0") $*" >> "$(dirname "$0")/../calls.log"\n'
 
@@ -68,8 +73,9 @@ def checkout(tmp_path: Path) -> Path:
     shutil.copytree(ROOT / "requirements", tmp_path / "requirements")
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     shutil.copy(ROOT / "setup.py", tmp_path / "setup.py")
-    (tmp_path / "psflow" / "sparse").mkdir(parents=True)
-    shutil.copy(ROOT / "psflow/sparse/_kernels.c", tmp_path / "psflow/sparse/_kernels.c")
+    for source in C_SOURCES:
+        (tmp_path / source).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / source, tmp_path / source)
     (tmp_path / ".venv" / "bin").mkdir(parents=True)
     for tool in ("python", "psflow"):
         stand_in = tmp_path / ".venv" / "bin" / tool
@@ -145,10 +151,13 @@ def test_the_test_command_adds_the_tools_and_each_path_reinstalls_on_change(
     with (checkout / "pyproject.toml").open("a") as f:
         f.write("# changed\n")
     assert installed(checkout, run(checkout, "setup-venv.sh", "run"))
-    # A changed kernel source installs again: the install is what compiles it.
-    with (checkout / "psflow/sparse/_kernels.c").open("a") as f:
-        f.write("/* changed */\n")
-    assert "-e ." in " ".join(run(checkout, "setup-venv.sh", "run"))
+    # A changed C source installs again, each compiled module's: the install is what compiles
+    # them.
+    assert {"psflow/sparse/_kernels.c", "psflow/data/_native.c"} <= set(C_SOURCES), C_SOURCES
+    for source in C_SOURCES:
+        with (checkout / source).open("a") as f:
+            f.write("/* changed */\n")
+        assert "-e ." in " ".join(run(checkout, "setup-venv.sh", "run")), source
     with (checkout / "requirements" / "test.txt").open("a") as f:
         f.write("# changed\n")
     assert run(checkout, "setup-venv.sh", "run") == []

@@ -1,0 +1,28 @@
+/* The plain-C functions of psflow.data._native, one concern a file, bound to Python in
+ * _native.c: _farmhash.c (TensorFlow's string hash), _example.c (Example records of
+ * fixed-length numeric features). */
+#ifndef PSFLOW_DATA_NATIVE_H
+#define PSFLOW_DATA_NATIVE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* FarmHash's Fingerprint64 of the n bytes at s (tensorflow::Fingerprint64). */
+uint64_t psflow_fingerprint64(const uint8_t *s, size_t n);
+
+/* The list kinds of a Feature (its oneof's field numbers), as psflow/data/fastparse.py's. */
+#define EX_LIST_BYTES 1
+#define EX_LIST_FLOAT 2
+#define EX_LIST_INT64 3
+
+/* Records buf[starts[i] : starts[i] + lengths[i]] for i < n (the caller checks the bounds);
+ * wanted feature f named names[name_off[f] : + name_len[f]], a list of kind kinds[f]
+ * (EX_LIST_FLOAT or EX_LIST_INT64) of sizes[f] values, written to the array at outs[f] (row i
+ * at i * sizes[f]); seen: nf bytes of scratch. Returns -1 when every record was decoded, else
+ * the first that was not in the plain form (_example.c says which that is). */
+int64_t psflow_parse_fixed(const uint8_t *buf, const int64_t *starts, const int64_t *lengths,
+                           int64_t n, const uint8_t *names, const int64_t *name_off,
+                           const int64_t *name_len, const int64_t *kinds, const int64_t *sizes,
+                           int64_t nf, uint8_t *const *outs, uint8_t *seen);
+
+#endif
