@@ -31,7 +31,6 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
-import os
 import platform
 import sys
 
@@ -67,8 +66,9 @@ def tune() -> bool:
     _tuned = False
     if setting == "system" or platform.libc_ver()[0] != "glibc":
         return False
-    if "malloc" in os.environ.get("LD_PRELOAD", ""):
-        log.debug("%s is preloaded: leaving it alone", os.environ["LD_PRELOAD"])
+    preloaded = envvars.text("LD_PRELOAD") or ""
+    if "malloc" in preloaded:
+        log.debug("%s is preloaded: leaving it alone", preloaded)
         return False
     libc = _c_library()
     if libc is None:
@@ -95,10 +95,7 @@ def _c_library() -> ctypes.CDLL | None:
 
 
 def _setting() -> str:
-    setting = os.environ.get(envvars.PSFLOW_MALLOC, "tuned")
-    if setting not in ("tuned", "system"):
-        raise ValueError(f"{envvars.PSFLOW_MALLOC} must be 'tuned' or 'system', got {setting!r}")
-    return setting
+    return envvars.choice(envvars.PSFLOW_MALLOC, ("tuned", "system"), "tuned")
 
 
 def table_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -147,8 +144,12 @@ def freeze_gc() -> bool:
     process, but each full collection would walk all of it again: with torch imported, about
     50-130 ms a time, a few times a minute in a training loop. Frozen objects are still freed
     by reference counting; only a reference cycle among them is never collected.
+
+    Raises:
+        ValueError: when ``PSFLOW_GC_FREEZE`` is not a switch (``1/on/true/yes``,
+            ``0/off/false/no``).
     """
-    if os.environ.get(envvars.PSFLOW_GC_FREEZE, "1").lower() in ("0", "off", "false", "no"):
+    if not envvars.flag(envvars.PSFLOW_GC_FREEZE, True):
         return False
     gc.freeze()
     return True

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -23,6 +22,9 @@ from psflow import __version__
 from psflow import env as envvars
 from psflow.cluster.launcher import LAUNCH_MODES
 from psflow.deploy.layout import TARGETS
+
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+"""What ``PSFLOW_LOG_LEVEL`` may say (any case)."""
 
 _DEBUG_HELP = "on an error, show the Python traceback (so does PSFLOW_LOG_LEVEL=DEBUG)"
 
@@ -47,20 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    level = os.environ.get(envvars.PSFLOW_LOG_LEVEL, "INFO").upper()
-    debug = args.debug or level == "DEBUG"
-    try:
-        logging.basicConfig(
-            level="DEBUG" if debug else level,
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )
-    except ValueError:
+    level = (envvars.text(envvars.PSFLOW_LOG_LEVEL) or "INFO").strip().upper()
+    if level not in _LEVELS:
         print(
-            f"psflow: error: {envvars.PSFLOW_LOG_LEVEL}={level!r} is not DEBUG, INFO, WARNING "
-            "or ERROR",
+            f"psflow: error: {envvars.PSFLOW_LOG_LEVEL}={level!r} is not "
+            f"{', '.join(_LEVELS[:-1])} or {_LEVELS[-1]}",
             file=sys.stderr,
         )
         return 2
+    debug = args.debug or level == "DEBUG"
+    logging.basicConfig(
+        level="DEBUG" if debug else level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

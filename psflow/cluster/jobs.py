@@ -56,8 +56,8 @@ class JobFile:
 
 def jobs_dir(environ: dict[str, str] | None = None) -> Path:
     """The user's job directory (not created)."""
-    environ = dict(os.environ) if environ is None else environ
-    runtime = environ.get(envvars.XDG_RUNTIME_DIR)
+    name = envvars.XDG_RUNTIME_DIR
+    runtime = envvars.text(name) if environ is None else environ.get(name)
     if runtime and os.path.isdir(runtime):
         return Path(runtime) / "psflow" / "jobs"
     return Path(tempfile.gettempdir()) / f"psflow-{os.getuid()}" / "jobs"

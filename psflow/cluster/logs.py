@@ -12,7 +12,6 @@ stays silent, so no line shows twice. The root logger is never touched.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from collections.abc import Mapping
 from typing import TextIO
@@ -61,9 +60,9 @@ def configure(environ: Mapping[str, str] | None = None) -> None:
     Raises:
         ValueError: when ``PSFLOW_LOG_LEVEL`` names no level.
     """
-    environ = os.environ if environ is None else environ
+    name = envvars.PSFLOW_LOG_LEVEL
+    value = envvars.text(name) if environ is None else environ.get(name)
     logger = logging.getLogger(LOGGER)
-    value = environ.get(envvars.PSFLOW_LOG_LEVEL)
     if value is not None and value.strip():
         name = value.strip().upper()
         if name not in LEVELS:

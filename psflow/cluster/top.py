@@ -9,7 +9,6 @@ Where the tasks are: the ``psflow launch`` job running on this machine (its job 
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 from rich.console import Console
@@ -28,12 +27,14 @@ def targets_of(args: argparse.Namespace) -> tuple[dict[str, str], str]:
     Raises:
         ValueError: when no job is found, or several and no ``--pid`` says which.
     """
-    if args.cluster_file or (args.pid is None and os.environ.get(envvars.TF_CONFIG)):
+    tf_config = envvars.text(envvars.TF_CONFIG)
+    if args.cluster_file or (args.pid is None and tf_config):
         if args.cluster_file:
             cluster, _ = ClusterSpec.from_file(args.cluster_file)
             source = args.cluster_file
         else:
-            cluster, _ = ClusterSpec.from_tf_config(os.environ[envvars.TF_CONFIG])
+            assert tf_config is not None
+            cluster, _ = ClusterSpec.from_tf_config(tf_config)
             source = envvars.TF_CONFIG
         port = args.metrics_port if args.metrics_port is not None else metrics.metrics_port()
         if not port:
