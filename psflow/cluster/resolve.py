@@ -93,10 +93,10 @@ def _resolve_or_exit(
     *,
     alone: bool,
 ) -> tuple[TaskContext | None, list[str]]:
-    environ = os.environ if environ is None else environ
     if exit_on_error is None:
         exit_on_error = argv is None
     args = list(sys.argv[1:] if argv is None else argv)
+    debug = (_variable(environ, envvars.PSFLOW_LOG_LEVEL) or "").upper() == "DEBUG"
     try:
         logs.configure(environ)
         return _resolve(args, environ)
@@ -104,11 +104,11 @@ def _resolve_or_exit(
         if alone:
             return None, args
         error: ValueError = _NoClusterError(_NO_CLUSTER)
-        if not exit_on_error or environ.get(envvars.PSFLOW_LOG_LEVEL, "").upper() == "DEBUG":
+        if not exit_on_error or debug:
             raise
     except ValueError as e:
         error = e
-        if not exit_on_error or environ.get(envvars.PSFLOW_LOG_LEVEL, "").upper() == "DEBUG":
+        if not exit_on_error or debug:
             raise
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "psflow"
     print(f"{prog}: error: {error}", file=sys.stderr)
@@ -121,7 +121,15 @@ _NO_CLUSTER = (
 )
 
 
-def _resolve(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[TaskContext, list[str]]:
+def _variable(environ: Mapping[str, str] | None, name: str) -> str | None:
+    """The variable ``name`` from ``environ``, or (``None``) from this process's environment
+    through :mod:`psflow.env`."""
+    return envvars.text(name) if environ is None else environ.get(name)
+
+
+def _resolve(
+    argv: Sequence[str], environ: Mapping[str, str] | None
+) -> tuple[TaskContext, list[str]]:
     # allow_abbrev=False: argparse would otherwise take the script's --cluster for --cluster_file
     # and its --job for --job_name (prefix matching), and leave the script without them.
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
@@ -136,13 +144,13 @@ def _resolve(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[TaskConte
     source = ""
     task_source = ""
 
-    cluster_file = args.cluster_file or environ.get(envvars.PSFLOW_CLUSTER_FILE)
+    cluster_file = args.cluster_file or _variable(environ, envvars.PSFLOW_CLUSTER_FILE)
     if cluster_file:
         source = f"cluster file {cluster_file!r}"
         with _naming(source):
             cluster, task = ClusterSpec.from_file(cluster_file)
         task_source = source
-    tf_config = environ.get(envvars.TF_CONFIG)
+    tf_config = _variable(environ, envvars.TF_CONFIG)
     if tf_config:
         source = task_source = envvars.TF_CONFIG
         with _naming(source):
