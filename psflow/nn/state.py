@@ -63,7 +63,6 @@ class TableState(nn.Module):
 
     Args:
         config: the table.
-        dtype: its rows' dtype (the config's, resolved).
         on_meta: whether the module was built on the meta device (it holds no rows).
     """
 
@@ -73,15 +72,16 @@ class TableState(nn.Module):
     embedding_dim: int
     padding_idx: int | None
     _source: object | None
+    """The row source of an attached table (:meth:`~psflow.nn.table.TableModule.attach`)."""
 
-    def __init__(self, config: TableConfig, dtype: torch.dtype, on_meta: bool) -> None:
+    def __init__(self, config: TableConfig, on_meta: bool) -> None:
         super().__init__()
         self.config = config
         # torch's attributes, read by the forward pass as torch's modules read them.
         self.num_embeddings = config.num_embeddings
         self.embedding_dim = config.embedding_dim
         self.padding_idx = config.padding_idx
-        self._dtype = dtype
+        self._dtype = config.dtype  # the weight's, once attached (module.double() changes it)
         self._on_meta = on_meta
         self._name: str | None = None
         self._source = None
@@ -131,8 +131,8 @@ class TableState(nn.Module):
 
     def give_optimizer_state(self, state: dict[str, torch.Tensor]) -> None:
         """The row-wise optimizer's state for every row, kept with the weight for a job to
-        start the table from (see :meth:`psflow.nn.Embedding.from_pretrained`): the keys and shapes of
-        the table's ``optimizer`` (``"Adagrad"``: ``sum``; ``"Ftrl"``: ``accum`` and
+        start the table from (see :meth:`psflow.nn.Embedding.from_pretrained`): the keys and
+        shapes of the table's ``optimizer`` (``"Adagrad"``: ``sum``; ``"Ftrl"``: ``accum`` and
         ``linear``; ``"Adam"``: ``exp_avg``, ``exp_avg_sq`` and ``step``, one count a row).
 
         Raises:

@@ -145,8 +145,7 @@ class TableModule(TableState):
                 "parameter servers cannot be written by a worker's forward pass; leave "
                 "max_norm=None (renormalise the looked-up rows in the model if needed)"
             )
-        n, dim = config.num_embeddings, config.embedding_dim
-        dtype = config.dtype
+        n, dim, dtype = config.num_embeddings, config.embedding_dim, config.dtype
         if _weight is not None:
             if n is None:
                 raise ValueError(f"{kind}: a hashed table (num_embeddings=None) takes no _weight")
@@ -160,7 +159,7 @@ class TableModule(TableState):
         on_meta = (
             _weight.is_meta if _weight is not None else torch.device(device or "cpu").type == "meta"
         )
-        super().__init__(config, dtype, on_meta)
+        super().__init__(config, on_meta)
         self.max_norm = max_norm
         self.norm_type = norm_type
         self.scale_grad_by_freq = scale_grad_by_freq
