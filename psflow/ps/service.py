@@ -2,7 +2,10 @@
 
 A :class:`~psflow.ps.server.ParameterServer` dispatches every request to the one handler
 registered for its op (:class:`~psflow.protocol.Op`). Handlers come in :class:`Service` objects:
-the server's own ops (status, init, pull, push, done), the synchronous ones
+the shard's state and who is done (:class:`~psflow.ps.status.StatusService`), ``init``
+(:class:`~psflow.ps.init.InitService`), pull and push
+(:class:`~psflow.ps.exchange.ExchangeService`), the tables' ops
+(:class:`~psflow.ps.tables.TableService`), the synchronous ones
 (:class:`~psflow.ps.sync.SyncService`), the checkpoint ones
 (:class:`~psflow.ps.checkpoint.CheckpointService`). A service sees the server only as a
 :class:`ServiceHost`, so that the server may import its services and never the other way round.
