@@ -37,7 +37,7 @@ from psflow.ps import safefile
 from psflow.ps.service import Handler, Service, ServiceHost
 from psflow.ps.store import RowGrads
 from psflow.sparse import FixedRows, HashedRows, Rows, coalesce, make_rows
-from psflow.sparse.rows import RowSnapshot
+from psflow.sparse.snapshot import RowSnapshot
 from psflow.transport import Request
 
 log = logging.getLogger(__name__)

@@ -11,16 +11,23 @@ Pure torch, no sockets: the ps holds a :class:`Rows` per table it serves, and a 
 - ``kernels.py`` (+ ``_kernels.c``, optional): the row kernels in C, fused row-wise updates,
   row gathers and their gradient, ids grouped and indexed by shard, the id map's probes; torch's
   index operations where they were not built or ``PSFLOW_KERNELS=0``.
-- ``rows.py``: :class:`Rows`, one shard's part of one table; :class:`FixedRows` (dense, a range
-  of ids), :class:`HashedRows` (any int64 id, rows made on first update, admission and
-  eviction); :func:`make_rows`, the one a :class:`~psflow.protocol.TableSpec` needs.
+- ``rows.py``: :class:`Rows`, one shard's part of one table (the interface, shared checks).
+- ``fixed.py``: :class:`FixedRows` (dense, a range of ids).
+- ``hashed.py``: :class:`HashedRows` (any int64 id, rows made on first update, admission and
+  eviction).
+- ``make.py``: :func:`make_rows`, the one a :class:`~psflow.protocol.TableSpec` needs.
+- ``snapshot.py``: :class:`~psflow.sparse.snapshot.RowSnapshot`, a table's rows at one moment
+  (a checkpoint's), taken without a pause.
 """
 
+from psflow.sparse.fixed import FixedRows
+from psflow.sparse.hashed import HashedRows
 from psflow.sparse.idmap import IdMap
 from psflow.sparse.init import initial_rows
+from psflow.sparse.make import make_rows
 from psflow.sparse.optim import RowOptimizer
 from psflow.sparse.partition import Partition, coalesce
-from psflow.sparse.rows import FixedRows, HashedRows, Rows, make_rows
+from psflow.sparse.rows import Rows
 
 __all__ = [
     "FixedRows",

@@ -480,7 +480,7 @@ def test_a_snapshot_keeps_its_moment_while_training_goes_on(
 ) -> None:
     """A snapshot taken between two updates is what a full copy at that moment would be,
     rows and optimizer state alike, whatever the updates, evictions and growth after it."""
-    from psflow.sparse.rows import RowSnapshot
+    from psflow.sparse.snapshot import RowSnapshot
 
     spec, n = case
     monkeypatch.setattr(RowSnapshot, "CHUNK_ROWS", 7)  # several chunks, some half copied
@@ -633,7 +633,7 @@ def test_rows_a_hashed_table_grows_into_start_with_fresh_state(optimizer: str) -
     """A table that outgrows its storage twice over: its new storage is not filled (the pages
     of slots not yet taken stay untouched), and every row it then takes starts with the state
     of a fresh row, as one trained in a table that never grew."""
-    from psflow.sparse.rows import INITIAL_CAPACITY
+    from psflow.sparse.hashed import INITIAL_CAPACITY
 
     extra = {"initial_accumulator_value": 0.25} if optimizer != "Adam" else {}
     spec = hashed(optimizer=RowOptimizerSpec.of(optimizer, **extra))

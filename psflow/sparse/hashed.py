@@ -1,0 +1,300 @@
+"""A hashed table's rows on one shard: :class:`HashedRows`, any int64 id, rows made on demand.
+
+A row is made the first time its id is updated (after ``min_count`` pushes, counted in a
+count-min sketch), and past ``max_rows`` the least recently updated rows go.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import psflow.sparse.kernels as kernels
+from psflow import allocator
+from psflow.protocol import RowOptimizerSpec, TableSpec
+from psflow.sparse.idmap import IdMap
+from psflow.sparse.init import initial_rows, splitmix64
+from psflow.sparse.rows import Rows
+from psflow.sparse.snapshot import STATE_PREFIX, RowSnapshot
+
+INITIAL_CAPACITY = 1024
+"""Rows a hashed shard makes room for at first; it doubles as rows come (up to ``max_rows``)."""
+
+_SKETCH_DEPTH = 4
+_SKETCH_SALT = 0x632BE59BD9B4E019
+
+
+class HashedRows(Rows):
+    """The rows of a hashed table that one shard holds: any int64 id, rows made on demand.
+
+    A row is created the first time its id is updated (a lookup of an unknown id returns its
+    initial row without storing it). With ``min_count > 1`` an id's pushes are counted in a
+    count-min sketch (fixed memory, conservative update, counts never under-estimated) and its
+    gradients dropped until it has been pushed ``min_count`` times; the counts halve each time
+    the sketch's width in pushes of unknown ids has gone by (TinyLFU's aging), so that an id
+    has to come back while about ``16 * max_rows`` newcomers stream past, and the sketch never
+    fills up (which would admit everything). With ``max_rows`` the shard keeps at most that
+    many rows, evicting the least recently updated (never one the same push updates). The
+    id -> row map is an :class:`~psflow.sparse.idmap.IdMap`, asked once per request with all
+    its ids; everything is tensor operations.
+
+    Example:
+        >>> spec = TableSpec(name="ids", embedding_dim=4, num_embeddings=None, max_rows=2)
+        >>> rows = HashedRows(spec, shard=0, num_shards=1)
+        >>> for i in (7, 8, 9):
+        ...     rows.apply(torch.tensor([i]), torch.ones(1, 4))
+        >>> rows.num_rows, rows.stats["evicted"]
+        (2, 1)
+    """
+
+    values: torch.Tensor
+    state: dict[str, torch.Tensor]
+    slot_ids: torch.Tensor
+    """The global id in each slot (the first :attr:`num_rows` are used)."""
+    last_update: torch.Tensor
+    """The update count at which each slot was last updated (least recent: evicted first)."""
+
+    def __init__(
+        self,
+        spec: TableSpec,
+        shard: int,
+        num_shards: int,
+        *,
+        optimizer: RowOptimizerSpec | None = None,
+    ) -> None:
+        if spec.num_embeddings is not None:
+            raise ValueError(f"table {spec.name!r} has num_embeddings: use FixedRows")
+        super().__init__(spec, shard, num_shards, optimizer=optimizer)
+        self.max_rows = spec.max_rows
+        capacity = (
+            INITIAL_CAPACITY if self.max_rows is None else min(INITIAL_CAPACITY, self.max_rows)
+        )
+        self._n = 0
+        self._index = IdMap()
+        self._tick = 0
+        self._alloc(capacity)
+        self.counts = {"admitted": 0, "not_admitted": 0, "evicted": 0, "dropped_full": 0}
+        self._sketch: torch.Tensor | None = None
+        if spec.min_count > 1:
+            target = 16 * (self.max_rows or 1 << 16)
+            width = 1 << max(12, min(20, (target - 1).bit_length()))
+            self._sketch = torch.zeros(_SKETCH_DEPTH * width, dtype=torch.int32)
+            self._sketch_width = width
+            self._sketch_pushes = 0
+            self._sketch_salts = torch.arange(1, _SKETCH_DEPTH + 1, dtype=torch.int64) * (
+                _SKETCH_SALT
+            )
+            self._sketch_rows = torch.arange(_SKETCH_DEPTH, dtype=torch.int64) * width
+
+    # -- storage -----------------------------------------------------------------------------
+
+    def _alloc(self, capacity: int) -> None:
+        """Storage for ``capacity`` rows, the first ``self._n`` copied from the current one.
+        The rest is left as allocated: a slot gets its row and state as it is taken
+        (:meth:`_store` writes fresh ones; :meth:`load` every state key, as its check
+        requires), and the pages of slots never taken stay untouched (a table that just
+        doubled its capacity does not fill the new half)."""
+        n = self._n
+        values = allocator.table_empty((capacity, self.dim), self.dtype)
+        state = self.optimizer.new_state(capacity, self.dim, self.dtype, filled=False)
+        slot_ids = torch.empty(capacity, dtype=torch.int64)
+        last = torch.zeros(capacity, dtype=torch.int64)
+        if n:
+            values[:n] = self.values[:n]
+            for key, tensor in state.items():
+                tensor[:n] = self.state[key][:n]
+            slot_ids[:n] = self.slot_ids[:n]
+            last[:n] = self.last_update[:n]
+        self.values = values
+        self.state = state
+        self.slot_ids = slot_ids
+        self.last_update = last
+
+    @property
+    def capacity(self) -> int:
+        return self.values.shape[0]
+
+    def _slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each id's slot, -1 for ids not held."""
+        return self._index.get(ids)
+
+    def _take_slots(self, count: int) -> torch.Tensor:
+        """``count`` slots for new rows: free ones, by growing, or by evicting the least
+        recently updated rows (the caller has marked the rows it is updating as recent)."""
+        n = self._n
+        evict = 0 if self.max_rows is None else max(0, n + count - self.max_rows)
+        assert evict <= n
+        parts = []
+        if evict:
+            old = torch.topk(self.last_update[:n], evict, largest=False, sorted=False).indices
+            self._index.remove(self.slot_ids.index_select(0, old))
+            self.counts["evicted"] += evict
+            parts.append(old)
+        fresh = count - evict
+        if n + fresh > self.capacity:
+            capacity = self.capacity
+            while capacity < n + fresh:
+                capacity *= 2
+            if self.max_rows is not None:
+                capacity = min(capacity, self.max_rows)
+            self._alloc(capacity)
+        parts.append(torch.arange(n, n + fresh, dtype=torch.int64))
+        self._n = n + fresh
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def _store(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """Makes ``slots`` hold the initial rows of ``ids`` and fresh state."""
+        self._preserve(slots)
+        spec = self.spec
+        self.values.index_copy_(
+            0,
+            slots,
+            initial_rows(
+                spec.seed,
+                ids,
+                self.dim,
+                std=spec.init_std,
+                dtype=self.dtype,
+                padding_idx=spec.padding_idx,
+            ),
+        )
+        self.optimizer.reset_rows(self.state, slots)
+        self.slot_ids.index_copy_(0, slots, ids)
+        self._index.put(ids, slots)
+
+    def _admit(self, ids: torch.Tensor) -> torch.Tensor:
+        """Counts one push of each of ``ids`` (unique); which have now been pushed
+        ``min_count`` times (count-min estimate)."""
+        sketch = self._sketch
+        assert sketch is not None
+        h = splitmix64(ids[None, :] + self._sketch_salts[:, None])
+        cells = (h & (self._sketch_width - 1)).add_(self._sketch_rows[:, None])
+        # Conservative update: each cell rises to the id's new estimate, no further; counts
+        # saturate at min_count, all that admission needs.
+        count = sketch[cells].amin(0).add_(1).clamp_(max=self.spec.min_count)
+        sketch.scatter_reduce_(0, cells.view(-1), count.repeat(_SKETCH_DEPTH), reduce="amax")
+        self._sketch_pushes += ids.numel()
+        if self._sketch_pushes >= self._sketch_width:
+            sketch.bitwise_right_shift_(1)
+            self._sketch_pushes = 0
+        return count >= self.spec.min_count
+
+    # -- the interface -----------------------------------------------------------------------
+
+    def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        slots = self._slots(ids)
+        known = slots >= 0
+        if bool(known.all()):
+            return kernels.gather(self.values, slots, out)
+        spec = self.spec
+        rows = initial_rows(
+            spec.seed,
+            ids,
+            self.dim,
+            std=spec.init_std,
+            dtype=self.dtype,
+            padding_idx=spec.padding_idx,
+        )
+        if bool(known.any()):
+            where = known.nonzero().squeeze(1)
+            rows.index_copy_(0, where, kernels.gather(self.values, slots[where]))
+        if out is None:
+            return rows
+        return out.copy_(rows)
+
+    def apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        self._check_grads(ids, grads)
+        ids, grads = self._without_padding(ids, grads)
+        self._tick += 1
+        self.updates += 1
+        slots = self._slots(ids)
+        unknown = slots < 0
+        if bool(unknown.any()):
+            known_slots = slots[~unknown]
+            # Marked now, so that making room for the new rows never evicts these.
+            self.last_update.index_fill_(0, known_slots, self._tick)
+            new_pos = unknown.nonzero().squeeze(1)
+            if self._sketch is not None:
+                admitted = self._admit(ids[new_pos])
+                self.counts["not_admitted"] += int(admitted.numel() - admitted.sum())
+                new_pos = new_pos[admitted]
+            if self.max_rows is not None:
+                room = self.max_rows - known_slots.numel()
+                if new_pos.numel() > room:
+                    self.counts["dropped_full"] += new_pos.numel() - room
+                    new_pos = new_pos[:room]
+            if new_pos.numel():
+                new_slots = self._take_slots(new_pos.numel())
+                self._store(ids[new_pos], new_slots)
+                slots[new_pos] = new_slots
+                self.counts["admitted"] += new_pos.numel()
+            keep = slots >= 0
+            if not bool(keep.all()):
+                slots, grads = slots[keep], grads[keep]
+        self._preserve(slots)
+        self.optimizer.apply(self.values, self.state, slots, grads)
+        self.last_update.index_fill_(0, slots, self._tick)
+
+    @property
+    def num_rows(self) -> int:
+        return self._n
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.values, self.slot_ids, self.last_update, *self.state.values()]
+        if self._sketch is not None:
+            tensors.append(self._sketch)
+        return sum(t.nbytes for t in tensors) + self._index.nbytes
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {"rows": self._n, "capacity": self.capacity, "updates": self.updates, **self.counts}
+
+    def _begin_snapshot(self) -> RowSnapshot:
+        live = {
+            "ids": self.slot_ids,
+            "values": self.values,
+            **{STATE_PREFIX + k: v for k, v in self.state.items()},
+        }
+        return RowSnapshot(live, self._n, {})
+
+    def give(
+        self, ids: torch.Tensor, values: torch.Tensor, state: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """Rows given by id (``TableModule.load_rows``): :meth:`load` with ``state``, or with
+        a fresh row's state when none is given."""
+        if not state:
+            state = self.optimizer.new_state(ids.numel(), self.dim, self.dtype)
+        self.load(ids, values, state)
+
+    def load(self, ids: torch.Tensor, values: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        ids, values, state = self._snapshot_rows(ids, values, state)
+        if ids.numel() == 0:
+            return
+        if ids.unique().numel() != ids.numel():
+            raise ValueError(f"table {self.spec.name!r}: snapshot ids repeat")
+        self._tick += 1
+        slots = self._slots(ids)
+        unknown = slots < 0
+        if bool(unknown.any()):
+            self.last_update.index_fill_(0, slots[~unknown], self._tick)
+            new_pos = unknown.nonzero().squeeze(1)
+            if self.max_rows is not None:
+                room = self.max_rows - int((~unknown).sum())
+                if new_pos.numel() > room:
+                    self.counts["dropped_full"] += new_pos.numel() - room
+                    new_pos = new_pos[:room]
+            new_slots = self._take_slots(new_pos.numel())
+            new_ids = ids[new_pos]
+            self._preserve(new_slots)
+            self.slot_ids.index_copy_(0, new_slots, new_ids)
+            self._index.put(new_ids, new_slots)
+            slots[new_pos] = new_slots
+            keep = slots >= 0
+            if not bool(keep.all()):
+                slots, values = slots[keep], values[keep]
+                state = {k: v[keep] for k, v in state.items()}
+        self._preserve(slots)
+        self.values.index_copy_(0, slots, values)
+        for key, tensor in state.items():
+            self.state[key].index_copy_(0, slots, tensor)
+        self.last_update.index_fill_(0, slots, self._tick)

@@ -1,0 +1,73 @@
+"""A shard's rows of one table at one moment, for a checkpoint, taken without a pause.
+
+:class:`RowSnapshot` keeps references to the live tensors and copies a row only before it
+changes (:meth:`RowSnapshot.preserve`, called by :class:`~psflow.sparse.rows.Rows`), or when the
+thread that writes the checkpoint asks for the result.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+STATE_PREFIX = "opt/"
+"""Snapshot keys of the optimizer state: ``opt/<state name>``."""
+
+
+class RowSnapshot:
+    """A shard's rows of one table as they were at one moment, taken without a pause.
+
+    Taking it copies nothing: it keeps references to the live tensors. Before the shard writes
+    rows it has not copied yet, :meth:`preserve` copies those rows (what one update touches,
+    a few thousand rows); :meth:`result`, in the thread that writes the checkpoint, copies the
+    rest chunk by chunk. Each row's value and optimizer state are copied together, so they
+    belong to the same moment (DeepRec-AI/DeepRec#1023 is what happens otherwise). A shard
+    whose storage is replaced (a hashed table growing) leaves the old tensors unchanged, which
+    is all a snapshot needs of them.
+    """
+
+    CHUNK_ROWS = 1 << 16
+    """Rows copied at a time by :meth:`result`: how long the serving thread may wait on it."""
+
+    def __init__(self, live: dict[str, torch.Tensor], rows: int, fixed: dict[str, torch.Tensor]):
+        self._live = live
+        self._rows = rows
+        self._out = {k: torch.empty((rows, *t.shape[1:]), dtype=t.dtype) for k, t in live.items()}
+        self._copied = torch.zeros(rows, dtype=torch.bool)
+        self._fixed = fixed
+        self._lock = threading.Lock()
+        self.done = False
+
+    def preserve(self, slots: torch.Tensor) -> None:
+        """Copies the rows at ``slots`` that are not copied yet (call before writing them)."""
+        if self.done:
+            return
+        with self._lock:
+            if self.done:
+                return
+            slots = slots[slots < self._rows]
+            fresh = slots[~self._copied[slots]]
+            if fresh.numel():
+                for key, live in self._live.items():
+                    self._out[key][fresh] = live.index_select(0, fresh)
+                self._copied[fresh] = True
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """The snapshot, complete: copies the rows not copied yet (any thread)."""
+        for start in range(0, self._rows, self.CHUNK_ROWS):
+            stop = min(start + self.CHUNK_ROWS, self._rows)
+            with self._lock:
+                todo = ~self._copied[start:stop]
+                if bool(todo.all()):
+                    for key, live in self._live.items():
+                        self._out[key][start:stop] = live[start:stop]
+                elif bool(todo.any()):
+                    where = todo.nonzero().squeeze(1).add_(start)
+                    for key, live in self._live.items():
+                        self._out[key][where] = live.index_select(0, where)
+                self._copied[start:stop] = True
+        with self._lock:
+            self.done = True
+            self._live = {}
+        return {**self._fixed, **self._out}
