@@ -3,6 +3,9 @@
 - ``placement.py``: :class:`Placement`, :func:`place` (``greedy`` by bytes, ``round_robin``;
   partitioning), :class:`Piece`, :class:`ParamInfo`.
 - ``client.py``: :class:`ShardedClient`, every request a worker makes, to all shards at once.
+- ``calls.py``: :class:`~psflow.worker.calls.ShardCalls`, the round trips underneath: one
+  request per shard sent at once, the replies awaited together, a lost ps's refusal raised as
+  :class:`~psflow.transport.PeerLostError`.
 - ``exchange.py``: :class:`ParameterExchange`, a model's parameters on the ps: initial values,
   gradients per shard, pulled values back into the model.
 - ``modes.py``: :class:`ModeConfig` (the mode and its settings), :class:`Engine` (what every
