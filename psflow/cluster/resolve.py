@@ -70,16 +70,20 @@ def resolve_or_alone(
     environ: Mapping[str, str] | None = None,
     *,
     exit_on_error: bool | None = None,
-) -> tuple[TaskContext | None, list[str]]:
+) -> tuple[TaskContext, list[str]]:
     """Like :func:`resolve`, but a script given no cluster at all (no flags, no ``TF_CONFIG``,
-    no cluster file) runs alone: the context is ``None`` and the script trains in this one
-    process, as ``python script.py`` users expect.
+    no cluster file) runs alone: the context is a cluster of one
+    (:meth:`TaskContext.alone`, this process its chief, no ps), and a
+    :class:`~psflow.train.TrainingSession` over it trains in this one process, as
+    ``python script.py`` users expect, with the same script.
 
     Example:
-        >>> resolve_or_alone(["--lr", "0.1"], {})
-        (None, ['--lr', '0.1'])
+        >>> ctx, argv = resolve_or_alone(["--lr", "0.1"], {})
+        >>> ctx.is_alone, argv
+        (True, ['--lr', '0.1'])
     """
-    return _resolve_or_exit(argv, environ, exit_on_error, alone=True)
+    ctx, args = _resolve_or_exit(argv, environ, exit_on_error, alone=True)
+    return (TaskContext.alone() if ctx is None else ctx), args
 
 
 class _NoClusterError(ValueError):

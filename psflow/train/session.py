@@ -96,10 +96,12 @@ class SessionConfig:
     (asynchronous and synchronous modes; all-reduce has no ps). Default
     ``PSFLOW_RECOVERY_TIMEOUT``, else 300. ``None``: the error stops the worker."""
     stop_on_sigterm: bool = True
-    """SIGTERM (what Kubernetes sends a pod 30 s before SIGKILL) stops the session cleanly:
-    the step in progress ends, the loop's :meth:`TrainingSession.should_stop` turns true, and
-    closing saves the chief's final checkpoint and says ``done`` (when the session runs in the
-    main thread; the previous handler comes back at close)."""
+    """SIGTERM (what Kubernetes sends a pod 30 s before SIGKILL), and a first Ctrl-C of a
+    script run by hand, stop the session cleanly: the step in progress ends, the loop's
+    :meth:`TrainingSession.should_stop` turns true once the chief has saved its final
+    checkpoint (before anything the script does after its loop), and closing says ``done``
+    (when the session runs in the main thread; the previous handlers come back at close; a
+    second Ctrl-C raises ``KeyboardInterrupt`` at once)."""
 
     def __post_init__(self) -> None:
         for name in ("save_checkpoint_secs", "ready_timeout", "recovery_timeout"):
@@ -235,6 +237,8 @@ class TrainingSession:
         self._waiting_for_ps = False
         """In :meth:`_recover`'s wait for a lost ps: SIGTERM then ends the wait at once."""
         self._previous_sigterm: Any = None
+        self._previous_sigint: Any = None
+        self._signal_name = "SIGTERM"
         self._sigterm_installed = False
         self.hooks = self._builtin_hooks() + list(hooks)
         stops = [h.last_step for h in self.hooks if isinstance(h, StopAtStepHook)]
@@ -527,13 +531,25 @@ class TrainingSession:
         if by_signal:
             self._stop = True
             log.warning(
-                "%s: stopping at global step %d on SIGTERM%s%s",
+                "%s: stopping at global step %d on %s%s%s",
                 self.ctx.task,
                 self.global_step,
+                self._signal_name,
                 "" if self._terminated else " (to another rank)",
                 "; saving the final checkpoint" if self.checkpointer is not None else "",
             )
+            # Now, before the script's own end (an evaluation, an export): the grace period
+            # after SIGTERM (30 s on Kubernetes) may not outlast it. close() finds it saved.
+            if self.checkpointer is not None:
+                self._save_final()
         return self._stop
+
+    def pull(self) -> int:
+        """Brings the model up to date with the job's parameters (the ps's, or in all-reduce
+        mode and alone, its own), e.g. to evaluate it after the loop; returns the global
+        step."""
+        self.global_step = self.opt.pull()
+        return self.global_step
 
     def request_stop(self) -> None:
         self._stop = True
@@ -697,18 +713,7 @@ class TrainingSession:
                 for hook in self.hooks:
                     hook.end(self)
                 if self.checkpointer is not None:
-                    # After SIGTERM the grace period is short, and the others may not be
-                    # stopping at all (one evicted pod): save what the ps hold now.
-                    if self._client is not None and not self._terminated:
-                        self._wait_for_workers()
-                    self.opt.pull()
-                    self.global_step = self.opt.global_step
-                    self.checkpointer.wait()
-                    # Stopped by a signal (to any rank), a restart may follow: not the end.
-                    signalled = self._terminated or (
-                        self._allreduce is not None and self._allreduce.stop_requested
-                    )
-                    self._save(wait=True, final=not signalled)
+                    self._save_final()
             elif self.checkpointer is not None:
                 self.checkpointer.wait(raise_error=False)
         finally:
@@ -718,6 +723,22 @@ class TrainingSession:
             if self._client is not None:
                 self._client.close()
             self.opt.close(finished=error is None)
+
+    def _save_final(self) -> None:
+        """The chief's last checkpoint (an existing one of this step is not written again)."""
+        assert self.checkpointer is not None
+        # After SIGTERM the grace period is short, and the others may not be stopping at all
+        # (one evicted pod): save what the ps hold now.
+        if self._client is not None and not self._terminated:
+            self._wait_for_workers()
+        self.opt.pull()
+        self.global_step = self.opt.global_step
+        self.checkpointer.wait()
+        # Stopped by a signal (to any rank), a restart may follow: not the end.
+        signalled = self._terminated or (
+            self._allreduce is not None and self._allreduce.stop_requested
+        )
+        self._save(wait=True, final=not signalled)
 
     def _wait_for_workers(self) -> None:
         """The chief waits (bounded) for the other workers to finish (or die), so the final
@@ -752,11 +773,14 @@ class TrainingSession:
 
         def on_sigterm(signum: int, frame: FrameType | None) -> None:
             if os.getpid() != pid:  # a forked child (a DataLoader process) dies as it would have
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGTERM)
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
                 return
+            if signum == signal.SIGINT and self._terminated:
+                raise KeyboardInterrupt  # Ctrl-C twice: now, without the final checkpoint
             # Only flags: should_stop() says so (the main thread may be inside logging now).
             self._terminated = True
+            self._signal_name = signal.Signals(signum).name
             if self._waiting_for_ps:
                 # A wait of up to recovery_timeout for a lost ps: the stop must not wait for
                 # it (the launcher's or Kubernetes' grace period is shorter).
@@ -766,6 +790,10 @@ class TrainingSession:
                 self._allreduce.request_stop()
 
         self._previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            # Ctrl-C of a script run by hand (psflow launch's tasks never see it): the first
+            # stops as SIGTERM does, the second raises KeyboardInterrupt as usual.
+            self._previous_sigint = signal.signal(signal.SIGINT, on_sigterm)
         self._sigterm_installed = True
 
     def _restore_sigterm(self) -> None:
@@ -774,6 +802,9 @@ class TrainingSession:
         self._sigterm_installed = False
         previous = self._previous_sigterm  # None: a handler set from C, which cannot come back
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        if self._previous_sigint is not None:
+            signal.signal(signal.SIGINT, self._previous_sigint)
+            self._previous_sigint = None
 
     def __enter__(self) -> TrainingSession:
         return self

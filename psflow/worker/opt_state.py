@@ -146,7 +146,7 @@ def place_optimizer_state(
 
 
 def load_optimizer_state(
-    optimizer: torch.optim.Optimizer, params: Mapping[str, nn.Parameter], state: State
+    optimizer: torch.optim.Optimizer, params: Mapping[str, torch.Tensor], state: State
 ) -> None:
     """Loads ``state`` (checked) into a fresh ``optimizer`` over ``params``: all-reduce mode,
     where each rank holds the optimizer."""

@@ -5,6 +5,8 @@ job of 2 ps, and the job's restore alone."""
 from __future__ import annotations
 
 import math
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from psflow.cluster.spec import ClusterSpec, TaskContext
-from psflow.train import NanLossError, TrainingSession
+from psflow.train import CheckpointDir, NanLossError, TrainingSession
 from psflow.train.alone import LocalEngine
 
 from .support import local_cluster, quiet_session, start_ps, stop
@@ -171,3 +173,31 @@ def test_alone_writes_summaries_and_runs_the_hooks(tmp_path: Path) -> None:
         sess.step(loss=loss)
     for name, value in before.items():
         torch.testing.assert_close(dense(model)[name], value)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_saves_the_final_checkpoint_before_the_loop_ends(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    """SIGTERM, or a first Ctrl-C, ends the loop with the final checkpoint already saved, before
+    anything the script does after its loop; a second Ctrl-C raises at once."""
+    url = str(tmp_path / "ckpt")
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        model = Recommender()
+        with alone_session(model, url) as sess:
+            steps = 0
+            while not sess.should_stop():
+                train(sess, model, range(steps, steps + 1))
+                steps += 1
+                if steps == 3:
+                    os.kill(os.getpid(), signum)
+            assert steps == 3
+            assert CheckpointDir(url).latest() == "ckpt-3"  # in the loop's last should_stop()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        model = Recommender()
+        with pytest.raises(KeyboardInterrupt), alone_session(model, url) as sess:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, before)
