@@ -22,7 +22,7 @@
   (Keras's variables and slots); ``tf_bundle.py``: a checkpoint's index and entries;
   ``tf_proto.py``: protobuf's wire format.
 
-The shard-file format the ps tasks write is in :mod:`psflow.ps.checkpoint`.
+The shard-file format the ps tasks write is in :mod:`psflow.ps.shard_file`.
 """
 
 from psflow.train.checkpoint import Checkpoint, Checkpointer, export_state_dict, load_checkpoint

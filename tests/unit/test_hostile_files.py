@@ -25,7 +25,7 @@ import torch
 from psflow.data.features import VarLenFeature, parse_examples
 from psflow.data.tfrecord import DataLossError, RecordBatch, TFRecordReader, masked_crc32c
 from psflow.ps import safefile
-from psflow.ps.checkpoint import decode_shard, read_shard, safetensors_chunks
+from psflow.ps.shard_file import decode_shard, read_shard, safetensors_chunks
 from psflow.train.manifest import Manifest
 from tests.paths import TFRECORD_FIXTURES
 

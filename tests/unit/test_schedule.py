@@ -14,7 +14,8 @@ import torch
 
 from psflow.protocol import OptimizerSpec, ScheduleSpec
 from psflow.protocol.specs import SCHEDULES
-from psflow.ps.checkpoint import ShardCheckpointer, read_shard
+from psflow.ps.checkpoint import ShardCheckpointer
+from psflow.ps.shard_file import read_shard
 from psflow.ps.store import MAX_SCHEDULE_CATCH_UP, ShardStore
 from psflow.train.checkpoint import load_checkpoint
 from psflow.train.manifest import CheckpointDir, Manifest, VariableEntry

@@ -13,16 +13,13 @@ from safetensors.torch import load_file
 
 from psflow.cli import build_parser
 from psflow.protocol import OptimizerSpec
-from psflow.ps.checkpoint import (
-    ShardCheckpointer,
-    atomic_write,
+from psflow.ps.checkpoint import ShardCheckpointer, atomic_write, is_checkpoint_of, url_to_fs
+from psflow.ps.optimizer_state import (
     flatten_optimizer_state,
-    is_checkpoint_of,
     load_optimizer_state,
-    read_shard,
     split_init_tensors,
-    url_to_fs,
 )
+from psflow.ps.shard_file import read_shard
 from psflow.ps.store import ShardStore
 from psflow.train.checkpoint import export_state_dict, load_checkpoint
 from psflow.train.manifest import CheckpointDir, Manifest, VariableEntry
@@ -291,8 +288,8 @@ def test_a_shard_file_written_in_pieces_is_what_safetensors_writes(tmp_path: Pat
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from psflow.ps.checkpoint import safetensors_chunks
     from psflow.ps.files import atomic_write, url_to_fs
+    from psflow.ps.shard_file import safetensors_chunks
 
     tensors = {
         "w": torch.randn(5, 3),
