@@ -66,7 +66,7 @@ def tune() -> bool:
     _tuned = False
     if setting == "system" or platform.libc_ver()[0] != "glibc":
         return False
-    preloaded = envvars.text("LD_PRELOAD") or ""
+    preloaded = envvars.text(envvars.LD_PRELOAD) or ""
     if "malloc" in preloaded:
         log.debug("%s is preloaded: leaving it alone", preloaded)
         return False

@@ -25,6 +25,9 @@ when torch loads OpenMP: too late to set it from inside a script that has import
 show in every task without the script configuring logging."""
 
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
+"""OpenMP's (and torch's) threads per process: ``psflow launch`` sets it for each task it starts,
+unless the user does (:func:`threads_per_task`, or the count of its cores under
+``--bind-cores``); psflow itself never reads it."""
 
 
 def threads_per_task(tasks_here: int) -> str:
@@ -128,9 +131,12 @@ after its last one, yielding its core, before it sleeps on its FIFO (:mod:`psflo
 the doorbells); ``0`` sleeps at once. Looking spares both sides a wake-up per message."""
 
 PSFLOW_KERNELS = "PSFLOW_KERNELS"
-"""``1`` (default): a ps applies the row-wise optimizers of embedding tables with psflow's fused
-C kernels when the install built them (:mod:`psflow.sparse.kernels`); ``0`` uses torch's index
-operations (the reference, and the fallback without a C compiler)."""
+"""``1`` (default): psflow's C extensions are used where the install built them: a ps applies
+the row-wise optimizers of embedding tables with the fused kernels of
+:mod:`psflow.sparse.kernels`, and the data layer hashes ids (FarmHash) and decodes
+fixed-length Examples with :mod:`psflow.data.native`; ``0`` turns both off, for torch's index
+operations, the pure-Python hash and the vectorized decoder (the references, and the fallbacks
+without a C compiler)."""
 
 PSFLOW_METRICS_PORT = "PSFLOW_METRICS_PORT"
 """Port on which the task serves its Prometheus metrics (:mod:`psflow.metrics`) at
@@ -141,6 +147,11 @@ PSFLOW_METRICS_HOST = "PSFLOW_METRICS_HOST"
 """Address the metrics server binds (default: the host of the task's own address in the
 cluster spec; never all interfaces unless this says ``0.0.0.0``)."""
 
+LD_PRELOAD = "LD_PRELOAD"
+"""The dynamic linker's list of libraries loaded first: when it names an allocator
+(``jemalloc``, ``tcmalloc``: anything with ``malloc`` in it), :func:`psflow.allocator.tune`
+leaves malloc alone, as the user chose it."""
+
 XDG_RUNTIME_DIR = "XDG_RUNTIME_DIR"
 """The user's runtime directory (set by the login manager): ``psflow launch`` writes its job
 file under ``$XDG_RUNTIME_DIR/psflow/jobs`` for ``psflow top`` (else ``/tmp/psflow-<uid>/jobs``)."""
@@ -150,9 +161,18 @@ _TRUE = ("1", "on", "true", "yes")
 _FALSE = ("0", "off", "false", "no")
 
 
-def text(name: str, default: str | None = None) -> str | None:
-    """The value of the environment variable ``name``, else ``default`` (unset or empty)."""
-    raw = os.environ.get(name)
+def text(
+    name: str, default: str | None = None, *, environ: Mapping[str, str] | None = None
+) -> str | None:
+    """The value of the environment variable ``name``, else ``default`` (unset or empty).
+
+    Args:
+        name: the variable.
+        default: what an unset or empty variable gives.
+        environ: where to read it (a test's, or a task's about to start); default this
+            process's environment.
+    """
+    raw = (os.environ if environ is None else environ).get(name)
     return default if raw is None or raw.strip() == "" else raw
 
 

@@ -7,6 +7,7 @@ import errno
 import os
 
 from psflow.cluster.launcher import LaunchConfig, Launcher
+from psflow.cluster.modes import Mode
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -17,7 +18,7 @@ def launch(args: argparse.Namespace) -> int:
     config = LaunchConfig(
         script=args.script,
         args=args.args,
-        ps=args.ps if args.ps is not None else (0 if args.mode == "allreduce" else 1),
+        ps=args.ps if args.ps is not None else (0 if args.mode == Mode.ALLREDUCE else 1),
         workers=args.workers,
         chief=args.chief,
         evaluators=int(args.evaluator),

@@ -15,6 +15,7 @@ import os
 import stat
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,10 +55,10 @@ class JobFile:
         return job
 
 
-def jobs_dir(environ: dict[str, str] | None = None) -> Path:
-    """The user's job directory (not created)."""
-    name = envvars.XDG_RUNTIME_DIR
-    runtime = envvars.text(name) if environ is None else environ.get(name)
+def jobs_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """The user's job directory (not created); ``environ``: where ``XDG_RUNTIME_DIR`` is read
+    (default this process's environment)."""
+    runtime = envvars.text(envvars.XDG_RUNTIME_DIR, environ=environ)
     if runtime and os.path.isdir(runtime):
         return Path(runtime) / "psflow" / "jobs"
     return Path(tempfile.gettempdir()) / f"psflow-{os.getuid()}" / "jobs"

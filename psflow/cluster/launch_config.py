@@ -9,7 +9,10 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-LAUNCH_MODES = ("async", "sync", "allreduce")
+from psflow.cluster.modes import MODES, Mode
+
+LAUNCH_MODES = MODES
+"""The modes ``psflow launch --mode`` takes: every one (:data:`psflow.cluster.modes.MODES`)."""
 
 
 @dataclass(kw_only=True)
@@ -67,9 +70,9 @@ class LaunchConfig:
             raise ValueError(f"--workers must be >= 1 (or give --chief), got {self.workers}")
         if not os.path.isfile(self.script):
             raise ValueError(f"script {self.script!r} does not exist")
-        if self.mode is not None and self.mode not in LAUNCH_MODES:
-            raise ValueError(f"--mode must be one of {LAUNCH_MODES}, got {self.mode!r}")
-        if self.mode == "allreduce" and self.ps:
+        if self.mode is not None and self.mode not in MODES:
+            raise ValueError(f"--mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode == Mode.ALLREDUCE and self.ps:
             raise ValueError(f"--mode allreduce runs without ps tasks: drop --ps {self.ps}")
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int):
             raise TypeError(f"--max-restarts must be an integer, got {self.max_restarts!r}")

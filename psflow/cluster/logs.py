@@ -60,10 +60,9 @@ def configure(environ: Mapping[str, str] | None = None) -> None:
     Raises:
         ValueError: when ``PSFLOW_LOG_LEVEL`` names no level.
     """
-    name = envvars.PSFLOW_LOG_LEVEL
-    value = envvars.text(name) if environ is None else environ.get(name)
+    value = envvars.text(envvars.PSFLOW_LOG_LEVEL, environ=environ)
     logger = logging.getLogger(LOGGER)
-    if value is not None and value.strip():
+    if value is not None:
         name = value.strip().upper()
         if name not in LEVELS:
             raise ValueError(

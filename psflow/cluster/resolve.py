@@ -100,7 +100,8 @@ def _resolve_or_exit(
     if exit_on_error is None:
         exit_on_error = argv is None
     args = list(sys.argv[1:] if argv is None else argv)
-    debug = (_variable(environ, envvars.PSFLOW_LOG_LEVEL) or "").upper() == "DEBUG"
+    level = envvars.text(envvars.PSFLOW_LOG_LEVEL, environ=environ) or ""
+    debug = level.strip().upper() == "DEBUG"
     try:
         logs.configure(environ)
         return _resolve(args, environ)
@@ -125,12 +126,6 @@ _NO_CLUSTER = (
 )
 
 
-def _variable(environ: Mapping[str, str] | None, name: str) -> str | None:
-    """The variable ``name`` from ``environ``, or (``None``) from this process's environment
-    through :mod:`psflow.env`."""
-    return envvars.text(name) if environ is None else environ.get(name)
-
-
 def _resolve(
     argv: Sequence[str], environ: Mapping[str, str] | None
 ) -> tuple[TaskContext, list[str]]:
@@ -148,13 +143,13 @@ def _resolve(
     source = ""
     task_source = ""
 
-    cluster_file = args.cluster_file or _variable(environ, envvars.PSFLOW_CLUSTER_FILE)
+    cluster_file = args.cluster_file or envvars.text(envvars.PSFLOW_CLUSTER_FILE, environ=environ)
     if cluster_file:
         source = f"cluster file {cluster_file!r}"
         with _naming(source):
             cluster, task = ClusterSpec.from_file(cluster_file)
         task_source = source
-    tf_config = _variable(environ, envvars.TF_CONFIG)
+    tf_config = envvars.text(envvars.TF_CONFIG, environ=environ)
     if tf_config:
         source = task_source = envvars.TF_CONFIG
         with _naming(source):
