@@ -16,11 +16,16 @@ A training script, in full (``psflow launch --ps 1 --workers 2 train.py`` runs i
                 opt.step()
 
 The public API, by layer: cluster (:class:`ClusterSpec`, :class:`TaskSpec`,
-:class:`TaskContext`, :func:`resolve`), ps (:class:`ParameterServer`), protocol (:class:`OptimizerSpec`, :class:`ScheduleSpec`),
-worker (:class:`DistributedOptimizer` in async, sync or all-reduce mode, :class:`Towers`, :class:`Stages`), train (:class:`TrainingSession` and its hooks,
-checkpoints, :class:`Evaluator`), transport (:class:`TransportConfig`, errors). Data (TFRecord, Example, Spark) is
+:class:`TaskContext`, :func:`resolve`, :func:`resolve_or_alone`, :class:`Mode`), ps
+(:class:`ParameterServer`), protocol (:class:`OptimizerSpec`, :class:`ScheduleSpec`), worker
+(:class:`DistributedOptimizer` in async, sync or all-reduce mode, :class:`ModeConfig`,
+:class:`Towers`, :class:`Stages`), train (:class:`TrainingSession` and its hooks, checkpoints,
+:class:`Evaluator`), transport (:class:`TransportConfig`, errors), and :func:`auc`, the metric a
+click-through-rate script reports. Data (TFRecord, Example, Spark, the CTR and text readers) is
 in :mod:`psflow.data`, deployment templates in :mod:`psflow.deploy`, embedding tables that can
-live on the ps (``psflow.nn.Embedding``, ``psflow.nn.EmbeddingBag``) in :mod:`psflow.nn`.
+live on the ps (``psflow.nn.Embedding``, ``psflow.nn.EmbeddingBag``, ``psflow.nn.TableConfig``,
+``psflow.nn.RowOptimizerSpec``) in :mod:`psflow.nn`. One reference page lists it all:
+``docs/api.md``.
 
 ``import psflow`` imports nothing heavy: each name above is imported on first use, so that
 ``psflow --help``, ``psflow launch`` and a task's ``psflow.resolve()`` do not wait for torch and
@@ -41,6 +46,8 @@ _EXPORTS = {
     "TaskSpec": "psflow.cluster",
     "resolve": "psflow.cluster",
     "resolve_or_alone": "psflow.cluster",
+    "Mode": "psflow.cluster.modes",
+    "auc": "psflow.data.auc",
     "OptimizerSpec": "psflow.protocol",
     "ScheduleSpec": "psflow.protocol",
     "ParameterServer": "psflow.ps",
@@ -89,6 +96,7 @@ __all__ = [
     "Evaluator",
     "Hook",
     "LoggingHook",
+    "Mode",
     "ModeConfig",
     "ModeStatsHook",
     "MonitoredTrainingSession",
@@ -109,6 +117,7 @@ __all__ = [
     "TrainingSession",
     "TransportConfig",
     "__version__",
+    "auc",
     "export_state_dict",
     "load_checkpoint",
     "resolve",
@@ -117,7 +126,9 @@ __all__ = [
 
 if TYPE_CHECKING:
     from psflow.cluster import ClusterSpec, TaskContext, TaskSpec
+    from psflow.cluster.modes import Mode
     from psflow.cluster.resolve import resolve, resolve_or_alone
+    from psflow.data.auc import auc
     from psflow.protocol import OptimizerSpec, ScheduleSpec
     from psflow.ps import ParameterServer
     from psflow.train import (
