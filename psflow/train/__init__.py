@@ -1,7 +1,10 @@
 """Training supervision: the monitored session, checkpoints, summaries, hooks.
 
-- ``session.py``: :class:`TrainingSession` (alias :data:`MonitoredTrainingSession`),
-  :class:`SessionConfig`.
+- ``session.py``: :class:`TrainingSession` (alias :data:`MonitoredTrainingSession`); its
+  settings in ``session_config.py`` (:class:`SessionConfig`), its restore at start and recovery
+  from a lost ps in ``restoring.py``, its stop on SIGTERM/Ctrl-C in ``stopping.py``.
+- ``alone.py``: a cluster of one (no cluster given): :class:`~psflow.train.alone.LocalEngine`
+  and :class:`~psflow.train.alone.LocalTables`, the ps's parts in the session's process.
 - ``checkpoint.py``: :class:`Checkpointer` (saving through the ps), :func:`load_checkpoint`,
   :func:`export_state_dict`, :class:`Checkpoint`.
 - ``manifest.py``: :class:`CheckpointDir` (``latest`` pointer, retention), :class:`Manifest`.
@@ -38,7 +41,8 @@ from psflow.train.hooks import (
 )
 from psflow.train.manifest import CheckpointDir, Manifest
 from psflow.train.mode_stats import ModeStatsHook
-from psflow.train.session import MonitoredTrainingSession, SessionConfig, TrainingSession
+from psflow.train.session import MonitoredTrainingSession, TrainingSession
+from psflow.train.session_config import SessionConfig
 from psflow.train.summary import SummaryHook
 
 __all__ = [

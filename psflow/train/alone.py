@@ -32,7 +32,7 @@ from psflow.protocol import OptimizerSpec, ScheduleSpec, TableSpec
 from psflow.ps.store import RowGrads, ShardStore
 from psflow.ps.tables import FirstRows, build_tables, restore_tables, set_initial_rows
 from psflow.sparse import coalesce
-from psflow.worker.modes import Engine, ModeConfig
+from psflow.worker.modes import Engine, Mode, ModeConfig
 from psflow.worker.opt_state import State, load_optimizer_state
 from psflow.worker.placement import Piece, dense_parameters
 from psflow.worker.tables import TableModule, tables_of
@@ -118,7 +118,7 @@ class LocalEngine(Engine):
         optimizer_state: State | None = None,
         tables: Sequence[TableSpec] = (),
     ) -> None:
-        if mode.mode == "sync":
+        if mode.mode == Mode.SYNC:
             mode.replicas(1)  # refuses backup workers a cluster of one cannot have
         self.mode = mode.mode
         self.model = model

@@ -3,20 +3,20 @@
 The chief restores the latest checkpoint or initialises the ps, the other workers wait for a
 ready model, checkpoints are saved on a schedule (and at the end), summaries go to
 TensorBoard, and hooks run around every step. In all-reduce mode the chief saves and restores
-its own copy of the model (:mod:`psflow.train.local_shard`). SIGTERM ends a session cleanly.
+its own copy of the model (:mod:`psflow.train.local_shard`); alone, a cluster of one trains
+in this process (:mod:`psflow.train.alone`). SIGTERM ends a session cleanly.
+
+Its parts: :class:`~psflow.train.session_config.SessionConfig` (the settings),
+:class:`~psflow.train.restoring.Restoring` (restore at start, recovery from a lost ps),
+:class:`~psflow.train.stopping.StopOnSignals` (SIGTERM and Ctrl-C as a stop).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import signal
-import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,11 +26,9 @@ from psflow import env as envvars
 from psflow import metrics
 from psflow.cluster.resolve import resolve_or_alone
 from psflow.cluster.spec import TaskContext
-from psflow.protocol import Code, Key, OptimizerSpec, ScheduleSpec
-from psflow.protocol.messages import OPT_SEP
-from psflow.ps.checkpoint import decode_shard, shard_file_name
+from psflow.protocol import Key, OptimizerSpec, ScheduleSpec
 from psflow.train.alone import LocalEngine
-from psflow.train.checkpoint import Checkpoint, Checkpointer, ShardSaver, load_checkpoint
+from psflow.train.checkpoint import Checkpointer, ShardSaver
 from psflow.train.hooks import (
     Hook,
     LoggingHook,
@@ -40,8 +38,11 @@ from psflow.train.hooks import (
 )
 from psflow.train.local_shard import LocalShard
 from psflow.train.manifest import CheckpointDir
+from psflow.train.restoring import Restoring
+from psflow.train.session_config import SessionConfig
+from psflow.train.stopping import StopOnSignals
 from psflow.train.summary import SummaryHook
-from psflow.transport import PeerError, PeerLostError, PeerTimeoutError, TransportConfig
+from psflow.transport import PeerError, TransportConfig
 from psflow.worker import DistributedOptimizer, Mode, ModeConfig, Placement, ShardedClient
 from psflow.worker.optimizer import READY_TIMEOUT
 from psflow.worker.placement import Piece, dense_parameters
@@ -53,89 +54,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass(kw_only=True)
-class SessionConfig:
-    """How a :class:`TrainingSession` supervises training (TensorFlow's argument names)."""
-
-    checkpoint_dir: str | None = None
-    """Where checkpoints (and, by default, summaries) go: a path or fsspec URL. ``None``:
-    ``PSFLOW_LOGDIR`` when it is set (the rendered manifests and the image set it), else no
-    checkpoints and no summaries."""
-    summary_dir: str | None = None
-    """TensorBoard event files (a local path); default ``checkpoint_dir``."""
-    save_checkpoint_secs: float | None = None
-    """Save every this many seconds (default 600 when no ``save_checkpoint_steps``)."""
-    save_checkpoint_steps: int | None = None
-    """Save every this many global steps."""
-    max_to_keep: int | None = 5
-    """Complete checkpoints kept (older ones are deleted); ``None`` keeps all."""
-    save_summaries_steps: int | None = 100
-    """Scalar summaries every this many global steps; ``None``: no summaries."""
-    histogram_steps: int | None = 1000
-    """Parameter histograms every this many global steps; ``None``: none."""
-    log_step_count_steps: int | None = 100
-    """Progress line every this many steps on the chief (``None``: no progress output)."""
-    last_step: int | None = None
-    """Stop once the global step reaches this (a :class:`StopAtStepHook`)."""
-    nan_guard: bool = True
-    """Stop with an error on a non-finite loss or gradient, before it reaches the ps."""
-    restore: bool = True
-    """Whether the chief restores the latest checkpoint (when there is one)."""
-    ready_timeout: float | None = None
-    """Seconds a worker waits for the chief to make the model ready (default 300)."""
-    save_timeout: float = 300.0
-    """Seconds one checkpoint may take to write before it fails."""
-    end_timeout: float = 60.0
-    """Seconds the chief waits for the other workers before the final checkpoint."""
-    recovery_timeout: float | None = dataclasses.field(
-        default_factory=lambda: envvars.seconds(envvars.PSFLOW_RECOVERY_TIMEOUT, 300.0)
-    )
-    """Seconds a worker waits, after a ps failed to answer, for every ps to answer again (a
-    crashed one restarted by its cluster manager, a cut link mended); the chief then restores
-    the latest checkpoint into every shard if one came back empty, and training goes on
-    (asynchronous and synchronous modes; all-reduce has no ps). Default
-    ``PSFLOW_RECOVERY_TIMEOUT``, else 300. ``None``: the error stops the worker."""
-    stop_on_sigterm: bool = True
-    """SIGTERM (what Kubernetes sends a pod 30 s before SIGKILL), and a first Ctrl-C of a
-    script run by hand, stop the session cleanly: the step in progress ends, the loop's
-    :meth:`TrainingSession.should_stop` turns true once the chief has saved its final
-    checkpoint (before anything the script does after its loop), and closing says ``done``
-    (when the session runs in the main thread; the previous handlers come back at close; a
-    second Ctrl-C raises ``KeyboardInterrupt`` at once)."""
-
-    def __post_init__(self) -> None:
-        for name in ("save_checkpoint_secs", "ready_timeout", "recovery_timeout"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
-        for name in (
-            "save_checkpoint_steps",
-            "max_to_keep",
-            "save_summaries_steps",
-            "histogram_steps",
-            "log_step_count_steps",
-        ):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name} must be >= 1 or None, got {value!r}")
-        if self.last_step is not None and self.last_step < 0:
-            raise ValueError(f"last_step must be >= 0, got {self.last_step}")
-        if self.save_timeout <= 0 or self.end_timeout <= 0:
-            raise ValueError("save_timeout and end_timeout must be > 0 seconds")
-        if self.checkpoint_dir is None:
-            self.checkpoint_dir = envvars.text(envvars.PSFLOW_LOGDIR)
-        if self.checkpoint_dir is not None:
-            CheckpointDir(self.checkpoint_dir)  # validates the URL
-            if self.save_checkpoint_secs is None and self.save_checkpoint_steps is None:
-                self.save_checkpoint_secs = 600.0
-        if self.summary_dir is None:
-            self.summary_dir = self.checkpoint_dir
-
-
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(SessionConfig)}
 
 
-class TrainingSession:
+class TrainingSession(Restoring, StopOnSignals):
     """Trains ``model`` on the ps with supervision: restore or init, checkpoints, summaries, hooks.
 
     The PyTorch spelling of TensorFlow's ``tf.train.MonitoredTrainingSession`` (also exported
@@ -364,159 +286,6 @@ class TrainingSession:
             metrics=self.metrics,
         )
 
-    def _restore_or_nothing(self, timeout: float) -> None:
-        """The chief: restore the latest checkpoint into the ps (else the optimizer inits);
-        ``timeout`` bounds the ps's answer (they load the checkpoint's tables first)."""
-        cfg = self.config
-        if cfg.checkpoint_dir is None:
-            return
-        self._prune_incomplete(cfg.checkpoint_dir)
-        if cfg.restore:
-            self._restore(replace=False, timeout=timeout)
-
-    @staticmethod
-    def _prune_incomplete(checkpoint_dir: str) -> None:
-        removed = CheckpointDir(checkpoint_dir).prune(None, incomplete_below=2**62)
-        if removed:  # left by a task killed mid-save
-            log.info("removed incomplete checkpoints %s", ", ".join(removed))
-
-    def _start_allreduce(self) -> None:
-        """All-reduce mode, on every rank: the chief loads the latest checkpoint into its own
-        model and optimizer, and sends them to every other rank, which loads the same (the
-        engine's start already gave every rank the chief's parameters)."""
-        from psflow.worker.allreduce import AllReduceEngine  # torch.distributed: lazily
-
-        engine = self.opt.engine
-        assert isinstance(engine, AllReduceEngine)
-        self._allreduce = engine
-        self._local = LocalShard.of_model(
-            self.model,
-            engine.optimizer,
-            self.spec,
-            lambda: engine.global_step,
-            root=self.config.checkpoint_dir,
-        )
-        ckpt = None
-        if self.is_chief and self.config.checkpoint_dir is not None:
-            self._prune_incomplete(self.config.checkpoint_dir)
-            ckpt = load_checkpoint(self.config.checkpoint_dir) if self.config.restore else None
-            if ckpt is not None:
-                self._restore_local(ckpt)
-            else:
-                log.info("no checkpoint in %s: initialising", self.config.checkpoint_dir)
-        mine = None if ckpt is None else self._local.state_bytes(ckpt.global_step)
-        data = engine.broadcast_bytes(mine)  # every rank, with or without a checkpoint
-        if ckpt is not None:
-            engine.start_at(ckpt.global_step)
-        elif data:
-            state = decode_shard(data, f"the state {self.ctx.cluster.chief} restored")
-            self._local.load_shard(state)
-            engine.start_at(state.step)
-
-    def _start_alone(self) -> None:
-        """A cluster of one: the latest checkpoint (of any mode, any number of ps) into the
-        model, its optimizer and its tables, here; else the model as it is."""
-        engine = self.opt.engine
-        assert isinstance(engine, LocalEngine)
-        self._local = LocalShard(
-            engine.store,
-            engine.pieces_here,
-            lambda: engine.global_step,
-            root=self.config.checkpoint_dir,
-        )
-        self.pieces = engine.pieces_here
-        if self.config.checkpoint_dir is None:
-            return
-        self._prune_incomplete(self.config.checkpoint_dir)
-        ckpt = load_checkpoint(self.config.checkpoint_dir) if self.config.restore else None
-        if ckpt is None:
-            log.info("no checkpoint in %s: initialising", self.config.checkpoint_dir)
-            return
-        self._restore_local(ckpt, "")
-        engine.start_at(ckpt.global_step)
-
-    def _restore_local(self, ckpt: Checkpoint, then: str = "; sending it to every rank") -> None:
-        """The chief in all-reduce mode, or a cluster of one: ``ckpt`` (saved in any mode)
-        into its model (and a cluster of one's tables)."""
-        assert self._local is not None and self.config.checkpoint_dir is not None
-        ckpt.check_model({n: p.detach() for n, p in dense_parameters(self.model).items()})
-        refused = ckpt.optimizer_state_refused(self.spec)
-        if refused is not None:
-            log.warning("%s: optimizer state not restored: %s", ckpt.name, refused)
-        d = CheckpointDir(self.config.checkpoint_dir)
-        n = ckpt.manifest.num_shards
-        files = [d.url_of(f"{ckpt.name}/{shard_file_name(i, n)}") for i in range(n)]
-        self._local.load(ckpt, optimizer_state=refused is None, table_files=files)
-        self.restored_from = ckpt.name
-        log.info(
-            "restored %s from %s (global step %d, saved on %d ps)%s",
-            self.model.__class__.__name__,
-            d.url_of(ckpt.name),
-            ckpt.global_step,
-            n,
-            then,
-        )
-
-    def _restore(self, *, replace: bool, timeout: float) -> bool:
-        """The chief: loads the latest checkpoint into the ps; False when there is none.
-
-        With ``replace``, shards that are already initialised take its values too. ``timeout``
-        bounds the ps's answer, not one request's ``PSFLOW_TIMEOUT``: a ps loads the
-        checkpoint's tables before it answers.
-        """
-        cfg = self.config
-        assert cfg.checkpoint_dir is not None
-        d = CheckpointDir(cfg.checkpoint_dir)
-        ckpt = load_checkpoint(cfg.checkpoint_dir)
-        if ckpt is None:
-            log.info("no checkpoint in %s: initialising", cfg.checkpoint_dir)
-            return False
-        ckpt.check_model({n: p.detach() for n, p in dense_parameters(self.model).items()})
-        values, plain = ckpt.place(self.pieces)
-        assert self._client is not None
-        spec = self.spec
-        refused = ckpt.optimizer_state_refused(spec)
-        if refused is not None:
-            log.warning("%s: optimizer state not restored: %s", ckpt.name, refused)
-            values = {s: [(n, t) for n, t in ts if OPT_SEP not in n] for s, ts in values.items()}
-            plain = {}
-        saved_schedule = ckpt.manifest.lr_schedule
-        if saved_schedule != (self.lr_schedule.to_wire() if self.lr_schedule else None):
-            log.info(
-                "%s was saved with lr_schedule %s; the job's, %s, goes on from its step %d",
-                ckpt.name,
-                saved_schedule,
-                self.lr_schedule.describe() if self.lr_schedule else "none",
-                ckpt.global_step,
-            )
-        tables = table_specs(tables_of(self.model), spec)
-        fresh = self._client.initialize_restored(
-            values,
-            plain,
-            spec,
-            ckpt.global_step,
-            replace=replace,
-            schedule=self.lr_schedule,
-            tables=[t.to_wire() for t in tables],
-            tables_from=[
-                d.url_of(f"{ckpt.name}/{shard_file_name(i, ckpt.manifest.num_shards)}")
-                for i in range(ckpt.manifest.num_shards)
-            ],
-            timeout=timeout,
-        )
-        if fresh:
-            self.restored_from = ckpt.name
-            log.info(
-                "restored %s from %s (global step %d, saved on %d ps)",
-                self.model.__class__.__name__,
-                d.url_of(ckpt.name),
-                ckpt.global_step,
-                ckpt.manifest.num_shards,
-            )
-        else:
-            log.info("the ps were already initialised: not restoring %s", ckpt.name)
-        return True
-
     # -- the loop ---------------------------------------------------------------------------
 
     def should_stop(self) -> bool:
@@ -596,71 +365,6 @@ class TrainingSession:
                 self._save(wait=False)
             except PeerError as e:
                 self.global_step = self._recover(e)
-        return self.global_step
-
-    def _recover(self, error: PeerError) -> int:
-        """After a ps failed to answer: waits for every ps to answer again; the chief restores
-        the latest checkpoint into every shard when one came back empty (a crashed ps that its
-        cluster manager restarted); then a new optimizer pulls. Returns the global step.
-        """
-        timeout = self.config.recovery_timeout
-        lost = isinstance(error, PeerTimeoutError | PeerLostError)  # not a refused request
-        if timeout is None or not lost or self.opt.mode == Mode.ALLREDUCE:
-            raise error
-        log.warning(
-            "%s: %s; waiting up to %g s for every ps to answer", self.ctx.task, error, timeout
-        )
-        self._waiting_for_ps = True
-        try:
-            return self._wait_and_restore(error, timeout)
-        except _StopWaiting:
-            raise RuntimeError(
-                f"{self.ctx.task} stopped by SIGTERM while it waited for the ps ({error})"
-            ) from error
-        finally:
-            self._waiting_for_ps = False
-
-    def _wait_and_restore(self, error: PeerError, timeout: float) -> int:
-        self.opt.close(finished=False)
-        if self.checkpointer is not None:
-            self.checkpointer.wait(raise_error=False)  # a save the crash cut short
-        if self.is_chief:
-            if self._client is not None:
-                self._client.close()  # requests queued for the dead ps go with it
-            self._client = ShardedClient(self.ctx, self.transport)
-            if self.checkpointer is not None:
-                self.checkpointer.client = self._client
-            self._client.wait_ready(
-                timeout, initialized=False, setting=envvars.PSFLOW_RECOVERY_TIMEOUT
-            )
-            empty = [
-                self._client.shards[s]
-                for s, h in self._client.status().items()
-                if not h.get(Key.INITIALIZED)
-            ]
-            if empty:
-                names = ", ".join(empty)
-                restored = self.config.checkpoint_dir is not None and self._restore(
-                    replace=True, timeout=timeout
-                )
-                if not restored:
-                    raise RuntimeError(
-                        f"{names} came back empty and there is no checkpoint to restore it from"
-                    ) from error
-                log.warning(
-                    "%s came back empty: every shard restored from %s", names, self.restored_from
-                )
-        self.opt = self._optimizer(timeout)
-        log.warning("%s: training goes on at global step %d", self.ctx.task, self.opt.global_step)
-        return self.opt.global_step
-
-    def _ended_by_sigterm(self, error: PeerError) -> int:
-        """After SIGTERM: a synchronous step that can no longer complete (the other workers,
-        signalled too, finished first) ends the loop like the signal; the ps keep the last
-        complete step, which the final checkpoint saves. Any other error stands."""
-        if error.code != Code.STOPPING:
-            return self._recover(error)
-        log.warning("%s: %s; this step is dropped", self.ctx.task, error)
         return self.global_step
 
     def _save_due(self) -> bool:
@@ -761,60 +465,11 @@ class TrainingSession:
                 return
             time.sleep(0.05)
 
-    # -- SIGTERM ----------------------------------------------------------------------------
-
-    def _stop_on_sigterm(self) -> None:
-        """In the main thread, SIGTERM asks the session to stop, as a hook would: the loop ends
-        at :meth:`should_stop` and :meth:`close` saves. In all-reduce mode the request rides
-        with the next step's gradients, so that every rank stops after the same step."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-        pid = os.getpid()
-
-        def on_sigterm(signum: int, frame: FrameType | None) -> None:
-            if os.getpid() != pid:  # a forked child (a DataLoader process) dies as it would have
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
-                return
-            if signum == signal.SIGINT and self._terminated:
-                raise KeyboardInterrupt  # Ctrl-C twice: now, without the final checkpoint
-            # Only flags: should_stop() says so (the main thread may be inside logging now).
-            self._terminated = True
-            self._signal_name = signal.Signals(signum).name
-            if self._waiting_for_ps:
-                # A wait of up to recovery_timeout for a lost ps: the stop must not wait for
-                # it (the launcher's or Kubernetes' grace period is shorter).
-                self._waiting_for_ps = False
-                raise _StopWaiting
-            if self._allreduce is not None:
-                self._allreduce.request_stop()
-
-        self._previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            # Ctrl-C of a script run by hand (psflow launch's tasks never see it): the first
-            # stops as SIGTERM does, the second raises KeyboardInterrupt as usual.
-            self._previous_sigint = signal.signal(signal.SIGINT, on_sigterm)
-        self._sigterm_installed = True
-
-    def _restore_sigterm(self) -> None:
-        if not self._sigterm_installed or threading.current_thread() is not threading.main_thread():
-            return
-        self._sigterm_installed = False
-        previous = self._previous_sigterm  # None: a handler set from C, which cannot come back
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-        if self._previous_sigint is not None:
-            signal.signal(signal.SIGINT, self._previous_sigint)
-            self._previous_sigint = None
-
     def __enter__(self) -> TrainingSession:
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         self.close(exc)
-
-
-class _StopWaiting(Exception):
-    """SIGTERM arrived while the session waited for a lost ps."""
 
 
 MonitoredTrainingSession = TrainingSession

@@ -40,7 +40,7 @@ class Chief:
         self.model = torch.nn.Linear(2, 1)
         self.step = 0
         opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
-        local = LocalShard(self.model, opt, OptimizerSpec(name="SGD"), lambda: self.step)
+        local = LocalShard.of_model(self.model, opt, OptimizerSpec(name="SGD"), lambda: self.step)
         self.checkpointer = Checkpointer(
             str(directory),
             client=local,

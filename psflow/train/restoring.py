@@ -1,0 +1,287 @@
+"""The chief's restore at start, and every worker's recovery when a ps stopped answering: the
+part of :class:`~psflow.train.TrainingSession` that brings the job back to its last checkpoint.
+
+- at start (:meth:`Restoring._restore_or_nothing`): the latest checkpoint into the ps, or in
+  all-reduce mode and alone into the chief's own model (:meth:`Restoring._start_allreduce`,
+  :meth:`Restoring._start_alone`);
+- after a ps failed to answer (:meth:`Restoring._recover`): wait for every ps, restore the
+  shards that came back empty, go on with a new optimizer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from psflow import env as envvars
+from psflow.cluster.spec import TaskContext
+from psflow.protocol import Code, Key, OptimizerSpec, ScheduleSpec
+from psflow.protocol.messages import OPT_SEP
+from psflow.ps.checkpoint import decode_shard, shard_file_name
+from psflow.train.alone import LocalEngine
+from psflow.train.checkpoint import Checkpoint, Checkpointer, load_checkpoint
+from psflow.train.local_shard import LocalShard
+from psflow.train.manifest import CheckpointDir
+from psflow.train.session_config import SessionConfig
+from psflow.transport import PeerError, PeerLostError, PeerTimeoutError, TransportConfig
+from psflow.worker import DistributedOptimizer, Mode, ShardedClient
+from psflow.worker.placement import Piece, dense_parameters
+from psflow.worker.tables import table_specs, tables_of
+
+if TYPE_CHECKING:
+    from psflow.worker.allreduce import AllReduceEngine
+
+log = logging.getLogger(__name__)
+
+
+class StopWaiting(Exception):
+    """SIGTERM arrived while the session waited for a lost ps."""
+
+
+class Restoring:
+    """Restore and recovery, for :class:`~psflow.train.TrainingSession` (a mixin: the session
+    holds the state below)."""
+
+    config: SessionConfig
+    model: nn.Module
+    ctx: TaskContext
+    spec: OptimizerSpec
+    lr_schedule: ScheduleSpec | None
+    transport: TransportConfig
+    pieces: list[Piece]
+    opt: DistributedOptimizer
+    checkpointer: Checkpointer | None
+    restored_from: str | None
+    _client: ShardedClient | None
+    _local: LocalShard | None
+    _allreduce: AllReduceEngine | None
+    _terminated: bool
+    _waiting_for_ps: bool
+    global_step: int
+
+    @property
+    def is_chief(self) -> bool:
+        return self.ctx.is_chief
+
+    def _optimizer(self, ready_timeout: float) -> DistributedOptimizer:
+        raise NotImplementedError
+
+    def _restore_or_nothing(self, timeout: float) -> None:
+        """The chief: restore the latest checkpoint into the ps (else the optimizer inits);
+        ``timeout`` bounds the ps's answer (they load the checkpoint's tables first)."""
+        cfg = self.config
+        if cfg.checkpoint_dir is None:
+            return
+        self._prune_incomplete(cfg.checkpoint_dir)
+        if cfg.restore:
+            self._restore(replace=False, timeout=timeout)
+
+    @staticmethod
+    def _prune_incomplete(checkpoint_dir: str) -> None:
+        removed = CheckpointDir(checkpoint_dir).prune(None, incomplete_below=2**62)
+        if removed:  # left by a task killed mid-save
+            log.info("removed incomplete checkpoints %s", ", ".join(removed))
+
+    def _start_allreduce(self) -> None:
+        """All-reduce mode, on every rank: the chief loads the latest checkpoint into its own
+        model and optimizer, and sends them to every other rank, which loads the same (the
+        engine's start already gave every rank the chief's parameters)."""
+        from psflow.worker.allreduce import AllReduceEngine  # torch.distributed: lazily
+
+        engine = self.opt.engine
+        assert isinstance(engine, AllReduceEngine)
+        self._allreduce = engine
+        self._local = LocalShard.of_model(
+            self.model,
+            engine.optimizer,
+            self.spec,
+            lambda: engine.global_step,
+            root=self.config.checkpoint_dir,
+        )
+        ckpt = None
+        if self.is_chief and self.config.checkpoint_dir is not None:
+            self._prune_incomplete(self.config.checkpoint_dir)
+            ckpt = load_checkpoint(self.config.checkpoint_dir) if self.config.restore else None
+            if ckpt is not None:
+                self._restore_local(ckpt)
+            else:
+                log.info("no checkpoint in %s: initialising", self.config.checkpoint_dir)
+        mine = None if ckpt is None else self._local.state_bytes(ckpt.global_step)
+        data = engine.broadcast_bytes(mine)  # every rank, with or without a checkpoint
+        if ckpt is not None:
+            engine.start_at(ckpt.global_step)
+        elif data:
+            state = decode_shard(data, f"the state {self.ctx.cluster.chief} restored")
+            self._local.load_shard(state)
+            engine.start_at(state.step)
+
+    def _start_alone(self) -> None:
+        """A cluster of one: the latest checkpoint (of any mode, any number of ps) into the
+        model, its optimizer and its tables, here; else the model as it is."""
+        engine = self.opt.engine
+        assert isinstance(engine, LocalEngine)
+        self._local = LocalShard(
+            engine.store,
+            engine.pieces_here,
+            lambda: engine.global_step,
+            root=self.config.checkpoint_dir,
+        )
+        self.pieces = engine.pieces_here
+        if self.config.checkpoint_dir is None:
+            return
+        self._prune_incomplete(self.config.checkpoint_dir)
+        ckpt = load_checkpoint(self.config.checkpoint_dir) if self.config.restore else None
+        if ckpt is None:
+            log.info("no checkpoint in %s: initialising", self.config.checkpoint_dir)
+            return
+        self._restore_local(ckpt, "")
+        engine.start_at(ckpt.global_step)
+
+    def _restore_local(self, ckpt: Checkpoint, then: str = "; sending it to every rank") -> None:
+        """The chief in all-reduce mode, or a cluster of one: ``ckpt`` (saved in any mode)
+        into its model (and a cluster of one's tables)."""
+        assert self._local is not None and self.config.checkpoint_dir is not None
+        ckpt.check_model({n: p.detach() for n, p in dense_parameters(self.model).items()})
+        refused = ckpt.optimizer_state_refused(self.spec)
+        if refused is not None:
+            log.warning("%s: optimizer state not restored: %s", ckpt.name, refused)
+        d = CheckpointDir(self.config.checkpoint_dir)
+        n = ckpt.manifest.num_shards
+        files = [d.url_of(f"{ckpt.name}/{shard_file_name(i, n)}") for i in range(n)]
+        self._local.load(ckpt, optimizer_state=refused is None, table_files=files)
+        self.restored_from = ckpt.name
+        log.info(
+            "restored %s from %s (global step %d, saved on %d ps)%s",
+            self.model.__class__.__name__,
+            d.url_of(ckpt.name),
+            ckpt.global_step,
+            n,
+            then,
+        )
+
+    def _restore(self, *, replace: bool, timeout: float) -> bool:
+        """The chief: loads the latest checkpoint into the ps; False when there is none.
+
+        With ``replace``, shards that are already initialised take its values too. ``timeout``
+        bounds the ps's answer, not one request's ``PSFLOW_TIMEOUT``: a ps loads the
+        checkpoint's tables before it answers.
+        """
+        cfg = self.config
+        assert cfg.checkpoint_dir is not None
+        d = CheckpointDir(cfg.checkpoint_dir)
+        ckpt = load_checkpoint(cfg.checkpoint_dir)
+        if ckpt is None:
+            log.info("no checkpoint in %s: initialising", cfg.checkpoint_dir)
+            return False
+        ckpt.check_model({n: p.detach() for n, p in dense_parameters(self.model).items()})
+        values, plain = ckpt.place(self.pieces)
+        assert self._client is not None
+        spec = self.spec
+        refused = ckpt.optimizer_state_refused(spec)
+        if refused is not None:
+            log.warning("%s: optimizer state not restored: %s", ckpt.name, refused)
+            values = {s: [(n, t) for n, t in ts if OPT_SEP not in n] for s, ts in values.items()}
+            plain = {}
+        saved_schedule = ckpt.manifest.lr_schedule
+        if saved_schedule != (self.lr_schedule.to_wire() if self.lr_schedule else None):
+            log.info(
+                "%s was saved with lr_schedule %s; the job's, %s, goes on from its step %d",
+                ckpt.name,
+                saved_schedule,
+                self.lr_schedule.describe() if self.lr_schedule else "none",
+                ckpt.global_step,
+            )
+        tables = table_specs(tables_of(self.model), spec)
+        fresh = self._client.initialize_restored(
+            values,
+            plain,
+            spec,
+            ckpt.global_step,
+            replace=replace,
+            schedule=self.lr_schedule,
+            tables=[t.to_wire() for t in tables],
+            tables_from=[
+                d.url_of(f"{ckpt.name}/{shard_file_name(i, ckpt.manifest.num_shards)}")
+                for i in range(ckpt.manifest.num_shards)
+            ],
+            timeout=timeout,
+        )
+        if fresh:
+            self.restored_from = ckpt.name
+            log.info(
+                "restored %s from %s (global step %d, saved on %d ps)",
+                self.model.__class__.__name__,
+                d.url_of(ckpt.name),
+                ckpt.global_step,
+                ckpt.manifest.num_shards,
+            )
+        else:
+            log.info("the ps were already initialised: not restoring %s", ckpt.name)
+        return True
+
+    def _recover(self, error: PeerError) -> int:
+        """After a ps failed to answer: waits for every ps to answer again; the chief restores
+        the latest checkpoint into every shard when one came back empty (a crashed ps that its
+        cluster manager restarted); then a new optimizer pulls. Returns the global step.
+        """
+        timeout = self.config.recovery_timeout
+        lost = isinstance(error, PeerTimeoutError | PeerLostError)  # not a refused request
+        if timeout is None or not lost or self.opt.mode == Mode.ALLREDUCE:
+            raise error
+        log.warning(
+            "%s: %s; waiting up to %g s for every ps to answer", self.ctx.task, error, timeout
+        )
+        self._waiting_for_ps = True
+        try:
+            return self._wait_and_restore(error, timeout)
+        except StopWaiting:
+            raise RuntimeError(
+                f"{self.ctx.task} stopped by SIGTERM while it waited for the ps ({error})"
+            ) from error
+        finally:
+            self._waiting_for_ps = False
+
+    def _wait_and_restore(self, error: PeerError, timeout: float) -> int:
+        self.opt.close(finished=False)
+        if self.checkpointer is not None:
+            self.checkpointer.wait(raise_error=False)  # a save the crash cut short
+        if self.is_chief:
+            if self._client is not None:
+                self._client.close()  # requests queued for the dead ps go with it
+            self._client = ShardedClient(self.ctx, self.transport)
+            if self.checkpointer is not None:
+                self.checkpointer.client = self._client
+            self._client.wait_ready(
+                timeout, initialized=False, setting=envvars.PSFLOW_RECOVERY_TIMEOUT
+            )
+            empty = [
+                self._client.shards[s]
+                for s, h in self._client.status().items()
+                if not h.get(Key.INITIALIZED)
+            ]
+            if empty:
+                names = ", ".join(empty)
+                restored = self.config.checkpoint_dir is not None and self._restore(
+                    replace=True, timeout=timeout
+                )
+                if not restored:
+                    raise RuntimeError(
+                        f"{names} came back empty and there is no checkpoint to restore it from"
+                    ) from error
+                log.warning(
+                    "%s came back empty: every shard restored from %s", names, self.restored_from
+                )
+        self.opt = self._optimizer(timeout)
+        log.warning("%s: training goes on at global step %d", self.ctx.task, self.opt.global_step)
+        return self.opt.global_step
+
+    def _ended_by_sigterm(self, error: PeerError) -> int:
+        """After SIGTERM: a synchronous step that can no longer complete (the other workers,
+        signalled too, finished first) ends the loop like the signal; the ps keep the last
+        complete step, which the final checkpoint saves. Any other error stands."""
+        if error.code != Code.STOPPING:
+            return self._recover(error)
+        log.warning("%s: %s; this step is dropped", self.ctx.task, error)
+        return self.global_step
