@@ -1,4 +1,4 @@
-"""examples/ctr.py end to end on a tiny synth-ctr set: alone in one process, and as a job of
+"""examples/ctr.py end to end on a tiny synth-ctr set: alone (a cluster of one), and as a job of
 2 ps and 2 workers whose hashed table lives on the ps, with an evaluator task that scores each
 checkpoint (hashed tables loaded with no ps)."""
 
@@ -35,8 +35,9 @@ def _result(stdout: str) -> dict[str, object]:
     return json.loads(lines[0].split("RESULT ", 1)[1])  # type: ignore[no-any-return]
 
 
-def test_alone_it_learns(data: Path) -> None:
+def test_alone_it_learns_checkpoints_and_logs_its_score(data: Path, tmp_path: Path) -> None:
     args = ["--data", str(data), "--train_steps", "150", "--batch_size", "128"]
+    args += ["--logdir", str(tmp_path)]
     proc = subprocess.run(
         [sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, timeout=200
     )
@@ -46,6 +47,14 @@ def test_alone_it_learns(data: Path) -> None:
     best = json.loads((data / "_synth_ctr.json").read_text())["best_auc"]
     assert result["best_auc"] == best
     assert 0.55 < float(result["test_auc"]) <= 1.0, result  # type: ignore[arg-type]
+    # A cluster of one: the job's checkpoint, hashed table included, and the chief's score.
+    d = CheckpointDir(str(tmp_path))
+    assert d.latest() == "ckpt-150" and d.manifest("ckpt-150").tables["embedding"]["rows"] > 0
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    acc.Reload()
+    [score] = acc.Scalars("eval/auc")
+    assert score.step == 150 and abs(score.value - float(result["test_auc"])) < 1e-4  # type: ignore[arg-type]
+    assert [e.step for e in acc.Scalars("eval/loss")] == [150]
 
 
 def test_launched_on_two_ps_it_trains_checkpoints_and_is_evaluated(

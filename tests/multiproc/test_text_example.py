@@ -52,13 +52,22 @@ def _run(cmd: list[str]) -> str:
     return proc.stdout
 
 
-def test_alone_it_learns(data: Path) -> None:
+def test_alone_it_learns_and_logs_its_scores(data: Path, tmp_path: Path) -> None:
     args = ["--data", str(data), "--encoder", "bag", "--train_steps", "120", *SMALL]
+    args += ["--eval_steps", "60", "--logdir", str(tmp_path)]
     result = _result(_run([sys.executable, str(EXAMPLE), *args, *FAST]))
     assert result["global_step"] == 120
     # 20 groups: chance is 0.05 and a uniform guess's loss ln(20) = 3.0.
     assert result["test_accuracy"] > 0.12, result
     assert result["test_loss"] < math.log(20) - 0.2, result
+    # A cluster of one writes the job's summaries: at --eval_steps, then the final score.
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    acc.Reload()
+    accuracy = acc.Scalars("eval/accuracy")
+    assert [e.step for e in accuracy] == [60, 120, 120]
+    assert accuracy[-1].value == pytest.approx(result["test_accuracy"], abs=1e-4)
+    assert [e.step for e in acc.Scalars("eval/loss")] == [60, 120, 120]
+    assert CheckpointDir(str(tmp_path)).latest() == "ckpt-120"
 
 
 def test_towers_job_trains_and_writes_test_accuracy(data: Path, tmp_path: Path) -> None:
@@ -79,7 +88,9 @@ def test_towers_job_trains_and_writes_test_accuracy(data: Path, tmp_path: Path) 
     assert accuracy[-1].value == pytest.approx(result["test_accuracy"], abs=1e-4)
     assert len(acc.Scalars("eval/loss")) == len(accuracy)
     d = CheckpointDir(str(logdir))
-    table = d.manifest(d.latest()).tables
+    latest = d.latest()
+    assert latest is not None
+    table = d.manifest(latest).tables
     assert table["embedding"]["spec"]["num_embeddings"] > 2  # the table lived on the ps
     # The evaluator task scored every checkpoint once, at its step, table rows loaded with no ps.
     manifests = [d.manifest(c.name) for c in d.checkpoints() if c.complete]
