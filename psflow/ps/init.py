@@ -13,7 +13,8 @@ import logging
 from collections.abc import Callable, Mapping
 
 from psflow.protocol import Key, Op, OptimizerSpec, ScheduleSpec
-from psflow.ps.checkpoint import is_checkpoint_of, load_optimizer_state, split_init_tensors
+from psflow.ps.checkpoint import is_checkpoint_of
+from psflow.ps.optimizer_state import load_optimizer_state, split_init_tensors
 from psflow.ps.service import Handler, Service, ServiceHost
 from psflow.ps.tables import (
     FirstRows,
