@@ -203,7 +203,9 @@ def ctr_task(p: dict[str, Any], data: str, prefetch: bool) -> None:
         num_epochs=None,
     )
     losses = []
-    with psflow.DistributedOptimizer(model, ctx, optimizer="Adagrad", **adagrad) as opt:
+    with psflow.DistributedOptimizer(
+        model, ctx, optimizer=psflow.OptimizerSpec.of("Adagrad", **adagrad)
+    ) as opt:
         batch = next(batches)
         for i in range(p["steps"] + p["warmup"]):
             if i == p["warmup"]:

@@ -6,15 +6,11 @@
         --save_checkpoint_steps 500
     python examples/ctr.py --data data/ctr --logdir runs/ctr   # alone: a cluster of one
 
-DLRM (facebookresearch/dlrm): dense features through a bottom MLP, 26 categorical ones through
-embeddings, their pairwise dot products through a top MLP to a logit; beside it Wide & Deep's
-first-order term (``--wide``, FTRL). Each table is a ``psflow.nn.EmbeddingBag`` over hashed ids
-(value ``v`` of column ``c`` is row ``(c << 48) | v``), made on first use and held on the ps
-only. Each worker reads its share of Criteo-layout TFRecords (``psflow data synth-ctr`` or
-``psflow data criteo``); the chief scores the test split at the end into TensorBoard
-(``eval/auc``, ``eval/loss``) and a ``RESULT`` line; ``--evaluator`` scores every checkpoint
-(``<logdir>/eval``). ``--device cuda``: the dense layers and pulled rows on the GPU, the table
-on the ps's CPU (``scripts/gpu-check.sh``). Measured AUCs and speeds: docs/embeddings.md.
+DLRM (facebookresearch/dlrm) beside Wide & Deep's first-order term (``--wide``, FTRL), its
+tables ``psflow.nn.EmbeddingBag`` over hashed ids (value ``v`` of column ``c`` is row
+``(c << 48) | v``), held on the ps only. Each worker reads its share of Criteo-layout TFRecords
+(``psflow data synth-ctr`` or ``psflow data criteo``); the chief scores the test split into
+TensorBoard (``eval/auc``, ``eval/loss``) and a ``RESULT`` line. Figures: docs/embeddings.md.
 """
 
 from __future__ import annotations
@@ -209,8 +205,8 @@ def main() -> None:
         if sess.is_chief:  # the one who evaluates, logs and prints the result
             sess.pull()  # the model as the job holds it now (the ps's, or this process's)
             scores = evaluate(model, test, device)
-            sess.add_scalar("eval/auc", scores["auc"])
-            sess.add_scalar("eval/loss", scores["loss"])
+            for name, value in scores.items():
+                sess.add_scalar(f"eval/{name}", value)  # TensorBoard, beside the training's
             meta = Path(args.data, META_FILE)
             result = {
                 "global_step": sess.global_step,

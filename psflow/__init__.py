@@ -51,6 +51,7 @@ _EXPORTS = {
     "OptimizerSpec": "psflow.protocol",
     "ScheduleSpec": "psflow.protocol",
     "ParameterServer": "psflow.ps",
+    "ServerConfig": "psflow.ps",
     "Evaluator": "psflow.train",
     "Hook": "psflow.train",
     "LoggingHook": "psflow.train",
@@ -59,6 +60,8 @@ _EXPORTS = {
     "NanGuardHook": "psflow.train",
     "NanLossError": "psflow.train",
     "SessionConfig": "psflow.train",
+    "CheckpointConfig": "psflow.train",
+    "SummaryConfig": "psflow.train",
     "StopAtStepHook": "psflow.train",
     "TrainingSession": "psflow.train",
     "export_state_dict": "psflow.train",
@@ -68,6 +71,7 @@ _EXPORTS = {
     "TransportConfig": "psflow.transport",
     "DistributedOptimizer": "psflow.worker",
     "ModeConfig": "psflow.worker",
+    "OptimizerConfig": "psflow.worker",
     "SyncTimeoutError": "psflow.worker",
     "Towers": "psflow.worker",
     "Stages": "psflow.worker",
@@ -91,6 +95,7 @@ _SUBPACKAGES = frozenset(
 )
 
 __all__ = [
+    "CheckpointConfig",
     "ClusterSpec",
     "DistributedOptimizer",
     "Evaluator",
@@ -102,14 +107,17 @@ __all__ = [
     "MonitoredTrainingSession",
     "NanGuardHook",
     "NanLossError",
+    "OptimizerConfig",
     "OptimizerSpec",
     "ParameterServer",
     "PeerError",
     "PeerTimeoutError",
     "ScheduleSpec",
+    "ServerConfig",
     "SessionConfig",
     "Stages",
     "StopAtStepHook",
+    "SummaryConfig",
     "SyncTimeoutError",
     "TaskContext",
     "TaskSpec",
@@ -130,8 +138,9 @@ if TYPE_CHECKING:
     from psflow.cluster.resolve import resolve, resolve_or_alone
     from psflow.data.auc import auc
     from psflow.protocol import OptimizerSpec, ScheduleSpec
-    from psflow.ps import ParameterServer
+    from psflow.ps import ParameterServer, ServerConfig
     from psflow.train import (
+        CheckpointConfig,
         Evaluator,
         Hook,
         LoggingHook,
@@ -141,12 +150,20 @@ if TYPE_CHECKING:
         NanLossError,
         SessionConfig,
         StopAtStepHook,
+        SummaryConfig,
         TrainingSession,
         export_state_dict,
         load_checkpoint,
     )
     from psflow.transport import PeerError, PeerTimeoutError, TransportConfig
-    from psflow.worker import DistributedOptimizer, ModeConfig, Stages, SyncTimeoutError, Towers
+    from psflow.worker import (
+        DistributedOptimizer,
+        ModeConfig,
+        OptimizerConfig,
+        Stages,
+        SyncTimeoutError,
+        Towers,
+    )
 
 
 def __getattr__(name: str) -> Any:

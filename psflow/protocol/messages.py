@@ -30,12 +30,14 @@ else:  # pragma: no cover - Python 3.10
             return str(self.value).__format__(spec)
 
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Carried in every header (:attr:`Key.VERSION`); a peer speaking another version is refused.
 2: sync requests name their settings in full (``replicas_to_aggregate``, not ``r``), and every
 error reply carries a :class:`Code`. 3: an init may carry a learning-rate schedule
 (:attr:`Key.LR_SCHEDULE`), which a ps of version 2 would ignore without a word. 4: embedding
-tables (:attr:`Key.TABLES`, :attr:`Op.LOOKUP`, row gradients in pushes, :attr:`Key.ROWS`)."""
+tables (:attr:`Key.TABLES`, :attr:`Op.LOOKUP`, row gradients in pushes, :attr:`Key.ROWS`). 5: a
+save may ask for its directory to be named by the snapshot's step (:attr:`Key.BY_STEP`), which
+a ps of version 4 would ignore, writing where the chief guessed."""
 
 
 WORKER_TIMEOUT = 30.0
@@ -262,6 +264,10 @@ class Key(StrEnum):
     """The chief replaces initialised variables (a restore after a ps crashed)."""
     DIR = "dir"
     """A checkpoint directory ``.../ckpt-<step>``."""
+    BY_STEP = "by_step"
+    """A save: the directory is named by the step the shard's snapshot holds, beside the one
+    :attr:`DIR` names (``.../ckpt-<snapshot step>``); the reply's :attr:`SAVING` says where.
+    The chief asks shard 0 (the global step) so, then the others into the same directory."""
     REPLICAS_TO_AGGREGATE = "replicas_to_aggregate"
     """Sync: gradients averaged per step."""
     TOTAL_NUM_REPLICAS = "total_num_replicas"

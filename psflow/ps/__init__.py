@@ -2,7 +2,7 @@
 
 - ``server.py``: :class:`ParameterServer`, which serves a shard until every worker is done: the
   serving loop, the dispatch of each request to the service registered for its op, liveness,
-  start, stop and join.
+  start, stop and join; its settings in ``config.py`` (:class:`ServerConfig`).
 - ``host.py``: :class:`~psflow.ps.host.TransportHost`, what services use of the server's socket
   (a request's tensors, the reply, an error).
 - ``sigterm.py``: :class:`~psflow.ps.sigterm.Termination`, serving on after SIGTERM while the
@@ -32,6 +32,7 @@
 """
 
 from psflow.ps.checkpoint import CheckpointService, ShardCheckpointer
+from psflow.ps.config import ServerConfig
 from psflow.ps.exchange import ExchangeService
 from psflow.ps.init import InitService
 from psflow.ps.server import ParameterServer
@@ -51,6 +52,7 @@ __all__ = [
     "NotInitializedError",
     "ParameterServer",
     "RequestError",
+    "ServerConfig",
     "Service",
     "ServiceHost",
     "ShardCheckpointer",

@@ -75,7 +75,8 @@ class ShardCheckpointer:
         self._status: dict[str, dict[str, Any]] = {}
 
     def save(self, header: Mapping[str, Any]) -> dict[str, Any]:
-        """Handles a ``save`` request: ``{"dir": URL of ckpt-<n>}``; returns the reply header."""
+        """Handles a ``save`` request: ``{"dir": URL of ckpt-<n>}`` (with ``"by_step"``, the
+        ``ckpt-<step>`` beside it of the snapshot's step); returns the reply header."""
         if not self.store.initialized:
             raise ValueError("cannot save a shard that is not initialised")
         url = header.get(Key.DIR)
@@ -98,10 +99,15 @@ class ShardCheckpointer:
                 PSFLOW_CHECKPOINT_DIR,
                 url,
             )
+        by_step = header.get(Key.BY_STEP, False)
+        if not isinstance(by_step, bool):
+            raise ValueError(f"'{Key.BY_STEP}' must be true or false, got {wire.brief(by_step)}")
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 raise ValueError("a checkpoint of this shard is still being written")
         snap = snapshot(self.store, shard=self.shard, num_shards=self.num_shards)
+        if by_step:  # the directory beside the one asked for, named by what the snapshot holds
+            url = f"{url.rstrip('/').rsplit('/', 1)[0]}/ckpt-{snap.step}"
         if self.metrics is not None:
             self.metrics.checkpoint_pause.observe(snap.seconds)
         file_url = join(url.rstrip("/"), shard_file_name(self.shard, self.num_shards))

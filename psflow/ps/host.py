@@ -26,12 +26,12 @@ _OP, _STEP, _OK, _LR = Key.OP, Key.STEP, Op.OK, Key.LEARNING_RATE
 class TransportHost:
     """The :class:`~psflow.ps.service.ServiceHost` methods that use the server's socket.
 
-    The server sets :attr:`store` and :attr:`config`, and :attr:`_server` when it starts: these
+    The server sets :attr:`store` and :attr:`transport`, and :attr:`_server` when it starts: these
     methods are for handlers, which run only while it serves.
     """
 
     store: ShardStore
-    config: TransportConfig
+    transport: TransportConfig
     _server: Server | None
 
     def sender(self, request: Request) -> str:
@@ -81,4 +81,4 @@ class TransportHost:
         """Waits until every reply's tensors have left (call it before changing variables)."""
         # Values still being sent from their own memory must not change under the sender.
         assert self._server is not None
-        self._server.flush(self.config.timeout)
+        self._server.flush(self.transport.timeout)

@@ -40,23 +40,25 @@ import threading
 import time
 from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
+from typing import Any
 
 from psflow import allocator, metrics
 from psflow import env as envvars
 from psflow.cluster.spec import TaskContext
 from psflow.protocol import Code, Key, Op
 from psflow.ps.checkpoint import CheckpointService
+from psflow.ps.config import ServerConfig
 from psflow.ps.exchange import ExchangeService
 from psflow.ps.host import TransportHost
 from psflow.ps.init import InitService
-from psflow.ps.liveness import DEFAULT_TIMEOUT, Liveness
+from psflow.ps.liveness import Liveness
 from psflow.ps.service import Handler, NotInitializedError, RequestError, Service
 from psflow.ps.sigterm import Termination
 from psflow.ps.status import StatusService
 from psflow.ps.store import ShardStore
 from psflow.ps.sync import SyncService
 from psflow.ps.tables import TableService
-from psflow.transport import Request, Server, TransportConfig, wire
+from psflow.transport import Request, Server, wire
 from psflow.transport.monitor import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -81,10 +83,11 @@ CurveZMQ keys any peer can claim any name; with them, only holders of the job's 
 class ParameterServer(TransportHost):
     """Serves the shard of one ps task.
 
-    ``checkpoint_dir`` (default ``PSFLOW_CHECKPOINT_DIR``): the job's checkpoint directory,
-    the only place a ``save`` may write this shard to (its ``ckpt-<step>`` directories).
-    ``worker_timeout`` (default ``PSFLOW_WORKER_TIMEOUT``, 30): seconds of silence after which
-    a worker that has joined is dead (:mod:`psflow.ps.liveness`).
+    Its settings are one :class:`~psflow.ps.config.ServerConfig` (``config=``), or its fields
+    as keywords: ``checkpoint_dir`` (default ``PSFLOW_CHECKPOINT_DIR``: the job's checkpoint
+    directory, the only place a ``save`` may write this shard to), ``idle_timeout``,
+    ``worker_timeout`` (default ``PSFLOW_WORKER_TIMEOUT``, 30: seconds of silence after which a
+    worker that has joined is dead, :mod:`psflow.ps.liveness`) and ``transport``.
 
     Example:
         >>> # in the training script, for the ps tasks:
@@ -94,37 +97,24 @@ class ParameterServer(TransportHost):
     """
 
     def __init__(
-        self,
-        ctx: TaskContext,
-        config: TransportConfig | None = None,
-        *,
-        idle_timeout: float | None = None,
-        checkpoint_dir: str | None = None,
-        worker_timeout: float | None = None,
+        self, ctx: TaskContext, *, config: ServerConfig | None = None, **settings: Any
     ) -> None:
+        if config is not None and settings:
+            raise ValueError(f"give either config= or {sorted(settings)}, not both")
         if ctx.task.job != "ps":
             raise ValueError(f"a ParameterServer runs on a ps task, not {ctx.task}")
         self.ctx = ctx
-        if checkpoint_dir is None:
-            checkpoint_dir = envvars.text(envvars.PSFLOW_CHECKPOINT_DIR)
-        if checkpoint_dir is not None and not isinstance(checkpoint_dir, str):
-            raise TypeError(f"checkpoint_dir must be a path or URL, got {checkpoint_dir!r}")
-        self.checkpoint_dir = checkpoint_dir
+        self.config = config if config is not None else ServerConfig(**settings)
+        self.checkpoint_dir = self.config.checkpoint_dir
         """The job's checkpoint directory: ``save`` writes only into its ``ckpt-<step>``."""
-        self.config = config or TransportConfig.from_env()
-        if idle_timeout is None:
-            idle_timeout = envvars.seconds(envvars.PSFLOW_PS_IDLE_TIMEOUT, 1800)
-        if idle_timeout <= 0:
-            raise ValueError(f"idle_timeout must be > 0 seconds, got {idle_timeout}")
-        self.idle_timeout = idle_timeout
-        self._bad_log = RateLimitedLog(log, self.config.wait_log_seconds)
+        self.transport = self.config.transport
+        self.idle_timeout = self.config.idle_timeout
+        self._bad_log = RateLimitedLog(log, self.transport.wait_log_seconds)
         allocator.tune()
         self.store = ShardStore()
         self.trainers = {str(t) for t in ctx.cluster.trainers}
         self.finished: set[str] = set()
-        if worker_timeout is None:
-            worker_timeout = envvars.seconds(envvars.PSFLOW_WORKER_TIMEOUT, DEFAULT_TIMEOUT)
-        self.liveness = Liveness(self.trainers, worker_timeout)
+        self.liveness = Liveness(self.trainers, self.config.worker_timeout)
         """Who has been heard from lately; who is dead."""
         self._unjoined_since: float | None = None
         """When every joined worker was finished or dead while others had never joined."""
@@ -223,7 +213,7 @@ class ParameterServer(TransportHost):
             return self
         address = self.ctx.address
         assert address is not None
-        self._server = Server(address, self.config)
+        self._server = Server(address, self.transport)
         self._thread = threading.Thread(target=self._serve, name=f"psflow-{self.name}", daemon=True)
         self._thread.start()
         self.ready.set()
@@ -252,7 +242,7 @@ class ParameterServer(TransportHost):
         if self._thread.is_alive():
             raise TimeoutError(f"{self.name} still serving after {timeout} s")
         # Background work (a shard file still being written), within one timeout for all.
-        deadline = time.monotonic() + self.config.timeout
+        deadline = time.monotonic() + self.transport.timeout
         for service in self._services:
             service.wait(max(0.0, deadline - time.monotonic()))
         if self.error is not None:
@@ -335,7 +325,7 @@ class ParameterServer(TransportHost):
             for service in self._services:
                 service.on_stopping(reason)
             with contextlib.suppress(TimeoutError):
-                server.flush(self.config.timeout)
+                server.flush(self.transport.timeout)
             server.close(linger=2.0)  # let the last replies ('done') reach the workers
 
     def _heard(self, request: Request, now: float) -> None:

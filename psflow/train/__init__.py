@@ -1,7 +1,8 @@
 """Training supervision: the monitored session, checkpoints, summaries, hooks.
 
 - ``session.py``: :class:`TrainingSession` (alias :data:`MonitoredTrainingSession`); its
-  settings in ``session_config.py`` (:class:`SessionConfig`), its restore at start and recovery
+  settings in ``session_config.py`` (:class:`SessionConfig`, nesting
+  :class:`CheckpointConfig` and :class:`SummaryConfig`), its restore at start and recovery
   from a lost ps in ``restoring.py``, its stop on SIGTERM/Ctrl-C in ``stopping.py``.
 - ``alone.py``: a cluster of one (no cluster given): :class:`~psflow.train.alone.LocalEngine`
   and :class:`~psflow.train.alone.LocalTables`, the ps's parts in the session's process.
@@ -42,11 +43,12 @@ from psflow.train.hooks import (
 from psflow.train.manifest import CheckpointDir, Manifest
 from psflow.train.mode_stats import ModeStatsHook
 from psflow.train.session import MonitoredTrainingSession, TrainingSession
-from psflow.train.session_config import SessionConfig
+from psflow.train.session_config import CheckpointConfig, SessionConfig, SummaryConfig
 from psflow.train.summary import SummaryHook
 
 __all__ = [
     "Checkpoint",
+    "CheckpointConfig",
     "CheckpointDir",
     "Checkpointer",
     "EvalResult",
@@ -62,6 +64,7 @@ __all__ = [
     "SessionConfig",
     "StepContext",
     "StopAtStepHook",
+    "SummaryConfig",
     "SummaryHook",
     "TrainingSession",
     "export_state_dict",

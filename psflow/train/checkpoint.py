@@ -52,8 +52,9 @@ class ShardSaver(Protocol):
     @property
     def num_shards(self) -> int: ...
 
-    def save(self, url_of: dict[int, str]) -> dict[int, dict[str, Any]]:
-        """Snapshots each shard into its checkpoint directory; the replies, by shard."""
+    def save(self, url_of: dict[int, str], *, by_step: bool = False) -> dict[int, dict[str, Any]]:
+        """Snapshots each shard into its checkpoint directory; the replies, by shard. With
+        ``by_step``, each writes into the ``ckpt-<step>`` beside it of its snapshot's step."""
         ...
 
     def save_status(self, url_of: dict[int, str]) -> dict[int, dict[str, Any]]: ...
@@ -348,7 +349,9 @@ class Checkpointer:
         return self._thread is not None and self._thread.is_alive()
 
     def save(self, step: int, *, wait: bool = True, final: bool = False) -> str | None:
-        """Saves the ps state as ``ckpt-<step>``; returns its name (``None`` if skipped).
+        """Saves the ps state as ``ckpt-<n>``, ``n`` the global step it holds (``step``, the
+        caller's, unless other workers' updates came between); returns its name (``None`` if
+        skipped).
 
         With ``wait=False`` only the snapshot happens now; the rest runs in the background
         and a failure is raised by the next call (or :meth:`wait`). ``final`` marks the
@@ -363,9 +366,19 @@ class Checkpointer:
             if final:
                 self.dir.mark_final(name)
             return name
-        url = self.dir.url_of(name)
         start = time.perf_counter()
-        replies = self.client.save({s: url for s in range(self.client.num_shards)})
+        # Shard 0 first, naming the directory by the global step its snapshot holds; the others
+        # then write into that one.
+        replies = self.client.save({0: self.dir.url_of(name)}, by_step=True)
+        held = f"ckpt-{int(replies[0][Key.SNAPSHOT_STEP])}"
+        if held != name:
+            name = held
+            if any(c.name == name and c.complete for c in self.dir.checkpoints()):
+                return name  # shard 0 wrote the same state into it again; the rest holds
+        url = self.dir.url_of(name)
+        others = {s: url for s in range(1, self.client.num_shards)}
+        if others:
+            replies |= self.client.save(others)
         self.last_pause = time.perf_counter() - start
         self.last_snapshot_seconds = max(
             float(h.get(Key.SNAPSHOT_SECONDS, 0)) for h in replies.values()

@@ -96,10 +96,11 @@ class LocalShard:
 
     # -- what a Checkpointer asks of the ps -------------------------------------------------
 
-    def save(self, url_of: dict[int, str]) -> dict[int, dict[str, Any]]:
-        """Snapshots the model and optimizer now and writes them in the background."""
+    def save(self, url_of: dict[int, str], *, by_step: bool = False) -> dict[int, dict[str, Any]]:
+        """Snapshots the model and optimizer now and writes them in the background (with
+        ``by_step``, into the ``ckpt-<step>`` of the global step now)."""
         self.store.step = self._global_step()
-        return {0: self._writer.save({Key.DIR: url_of[0]})}
+        return {0: self._writer.save({Key.DIR: url_of[0], Key.BY_STEP: by_step})}
 
     def save_status(self, url_of: dict[int, str]) -> dict[int, dict[str, Any]]:
         return {0: self._writer.status({Key.DIR: url_of[0]})}

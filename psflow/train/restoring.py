@@ -71,7 +71,7 @@ class Restoring:
     def _restore_or_nothing(self, timeout: float) -> None:
         """The chief: restore the latest checkpoint into the ps (else the optimizer inits);
         ``timeout`` bounds the ps's answer (they load the checkpoint's tables first)."""
-        cfg = self.config
+        cfg = self.config.checkpoint
         if cfg.checkpoint_dir is None:
             return
         self._prune_incomplete(cfg.checkpoint_dir)
@@ -98,16 +98,20 @@ class Restoring:
             engine.optimizer,
             self.spec,
             lambda: engine.global_step,
-            root=self.config.checkpoint_dir,
+            root=self.config.checkpoint.checkpoint_dir,
         )
         ckpt = None
-        if self.is_chief and self.config.checkpoint_dir is not None:
-            self._prune_incomplete(self.config.checkpoint_dir)
-            ckpt = load_checkpoint(self.config.checkpoint_dir) if self.config.restore else None
+        if self.is_chief and self.config.checkpoint.checkpoint_dir is not None:
+            self._prune_incomplete(self.config.checkpoint.checkpoint_dir)
+            ckpt = (
+                load_checkpoint(self.config.checkpoint.checkpoint_dir)
+                if self.config.checkpoint.restore
+                else None
+            )
             if ckpt is not None:
                 self._restore_local(ckpt)
             else:
-                log.info("no checkpoint in %s: initialising", self.config.checkpoint_dir)
+                log.info("no checkpoint in %s: initialising", self.config.checkpoint.checkpoint_dir)
         mine = None if ckpt is None else self._local.state_bytes(ckpt.global_step)
         data = engine.broadcast_bytes(mine)  # every rank, with or without a checkpoint
         if ckpt is not None:
@@ -126,15 +130,19 @@ class Restoring:
             engine.store,
             engine.pieces_here,
             lambda: engine.global_step,
-            root=self.config.checkpoint_dir,
+            root=self.config.checkpoint.checkpoint_dir,
         )
         self.pieces = engine.pieces_here
-        if self.config.checkpoint_dir is None:
+        if self.config.checkpoint.checkpoint_dir is None:
             return
-        self._prune_incomplete(self.config.checkpoint_dir)
-        ckpt = load_checkpoint(self.config.checkpoint_dir) if self.config.restore else None
+        self._prune_incomplete(self.config.checkpoint.checkpoint_dir)
+        ckpt = (
+            load_checkpoint(self.config.checkpoint.checkpoint_dir)
+            if self.config.checkpoint.restore
+            else None
+        )
         if ckpt is None:
-            log.info("no checkpoint in %s: initialising", self.config.checkpoint_dir)
+            log.info("no checkpoint in %s: initialising", self.config.checkpoint.checkpoint_dir)
             return
         self._restore_local(ckpt, "")
         engine.start_at(ckpt.global_step)
@@ -142,12 +150,12 @@ class Restoring:
     def _restore_local(self, ckpt: Checkpoint, then: str = "; sending it to every rank") -> None:
         """The chief in all-reduce mode, or a cluster of one: ``ckpt`` (saved in any mode)
         into its model (and a cluster of one's tables)."""
-        assert self._local is not None and self.config.checkpoint_dir is not None
+        assert self._local is not None and self.config.checkpoint.checkpoint_dir is not None
         ckpt.check_model({n: p.detach() for n, p in dense_parameters(self.model).items()})
         refused = ckpt.optimizer_state_refused(self.spec)
         if refused is not None:
             log.warning("%s: optimizer state not restored: %s", ckpt.name, refused)
-        d = CheckpointDir(self.config.checkpoint_dir)
+        d = CheckpointDir(self.config.checkpoint.checkpoint_dir)
         n = ckpt.manifest.num_shards
         files = [d.url_of(f"{ckpt.name}/{shard_file_name(i, n)}") for i in range(n)]
         self._local.load(ckpt, optimizer_state=refused is None, table_files=files)
@@ -168,7 +176,7 @@ class Restoring:
         bounds the ps's answer, not one request's ``PSFLOW_TIMEOUT``: a ps loads the
         checkpoint's tables before it answers.
         """
-        cfg = self.config
+        cfg = self.config.checkpoint
         assert cfg.checkpoint_dir is not None
         d = CheckpointDir(cfg.checkpoint_dir)
         ckpt = load_checkpoint(cfg.checkpoint_dir)
@@ -263,7 +271,7 @@ class Restoring:
             ]
             if empty:
                 names = ", ".join(empty)
-                restored = self.config.checkpoint_dir is not None and self._restore(
+                restored = self.config.checkpoint.checkpoint_dir is not None and self._restore(
                     replace=True, timeout=timeout
                 )
                 if not restored:

@@ -22,11 +22,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from psflow import env as envvars
 from psflow import metrics
 from psflow.cluster.resolve import resolve_or_alone
 from psflow.cluster.spec import TaskContext
-from psflow.protocol import Key, OptimizerSpec, ScheduleSpec
+from psflow.protocol import Key
 from psflow.train.alone import LocalEngine
 from psflow.train.checkpoint import Checkpointer, ShardSaver
 from psflow.train.hooks import (
@@ -42,9 +41,8 @@ from psflow.train.restoring import Restoring
 from psflow.train.session_config import SessionConfig
 from psflow.train.stopping import StopOnSignals
 from psflow.train.summary import SummaryHook
-from psflow.transport import PeerError, TransportConfig
-from psflow.worker import DistributedOptimizer, Mode, ModeConfig, Placement, ShardedClient
-from psflow.worker.optimizer import READY_TIMEOUT
+from psflow.transport import PeerError
+from psflow.worker import DistributedOptimizer, Mode, Placement, ShardedClient
 from psflow.worker.placement import Piece, dense_parameters
 from psflow.worker.tables import table_specs, tables_of
 
@@ -61,29 +59,31 @@ class TrainingSession(Restoring, StopOnSignals):
     """Trains ``model`` on the ps with supervision: restore or init, checkpoints, summaries, hooks.
 
     The PyTorch spelling of TensorFlow's ``tf.train.MonitoredTrainingSession`` (also exported
-    under that name). It builds the optimizer spec, the mode settings and the placement once
-    and hands them to a :class:`~psflow.worker.DistributedOptimizer`; every keyword that is
-    neither named below nor a :class:`SessionConfig` field is an optimizer argument
-    (``lr=...``), checked against the optimizer at once.
+    under that name). Its settings are one :class:`~psflow.train.SessionConfig` (the training's,
+    the checkpoints', the summaries', the supervision's), given as ``config=`` or as flat
+    keywords with TensorFlow's names (:meth:`SessionConfig.of`; a misspelt one is a
+    ``ValueError`` naming it). It hands the training's part to a
+    :class:`~psflow.worker.DistributedOptimizer`. With no cluster (``ctx`` from
+    :func:`psflow.resolve_or_alone`, or ``None`` and no cluster given), it trains a cluster of
+    one in this process (:mod:`psflow.train.alone`).
 
     Args:
         model: the module to train (the same on every worker).
-        ctx: this task (default: from flags or ``TF_CONFIG``).
-        optimizer: a ``torch.optim`` class name, applied on the ps (or an
-            :class:`~psflow.protocol.OptimizerSpec`).
-        lr_schedule: a ``torch.optim.lr_scheduler`` schedule the ps apply by the global
-            step, as for ``DistributedOptimizer`` (``("StepLR", {"step_size": 1000,
-            "gamma": 0.5})``); it goes on from the restored step after a restore.
+        ctx: this task (default: from flags or ``TF_CONFIG``, else a cluster of one).
+        config: the settings as one :class:`SessionConfig`; or give them as keywords.
         hooks: extra :class:`~psflow.train.hooks.Hook` objects, run on every worker.
-        placement, partition_bytes, transport: as for ``DistributedOptimizer``.
-        mode, replicas_to_aggregate, total_num_replicas, max_staleness, sync_timeout: the
-            training mode, as for ``DistributedOptimizer`` (or ``mode`` a
-            :class:`~psflow.worker.ModeConfig`).
         optimizer_state: the optimizer's first state by parameter name, as for
             ``DistributedOptimizer`` (a TensorFlow model's:
             :meth:`~psflow.train.tf_checkpoint.TFCheckpoint.optimizer_state`). A checkpoint
             restored from ``checkpoint_dir`` wins.
-        config: a :class:`SessionConfig`; or give its fields as keyword arguments.
+        **settings: :meth:`SessionConfig.of`'s keywords: ``optimizer``, ``lr``,
+            ``lr_schedule``, ``mode`` (and ``replicas_to_aggregate``, ``total_num_replicas``,
+            ``max_staleness``, ``sync_timeout``), ``placement``, ``partition_bytes``,
+            ``transport``, ``ready_timeout``; ``checkpoint_dir``, ``save_checkpoint_secs``,
+            ``save_checkpoint_steps``, ``max_to_keep``, ``restore``, ``save_timeout``;
+            ``summary_dir``, ``save_summaries_steps``, ``histogram_steps``,
+            ``log_step_count_steps``; ``last_step``, ``nan_guard``, ``end_timeout``,
+            ``recovery_timeout``, ``stop_on_sigterm``.
 
     Example:
         >>> # ctx, argv = psflow.resolve()
@@ -103,43 +103,25 @@ class TrainingSession(Restoring, StopOnSignals):
         model: nn.Module,
         ctx: TaskContext | None = None,
         *,
-        optimizer: str | OptimizerSpec = "SGD",
-        lr_schedule: ScheduleSpec | tuple[str, Mapping[str, Any]] | str | None = None,
-        hooks: Sequence[Hook] = (),
-        placement: str | Placement = "greedy",
-        partition_bytes: int | None = Placement.partition_bytes,
-        transport: TransportConfig | None = None,
-        mode: str | ModeConfig | None = None,
-        replicas_to_aggregate: int | None = None,
-        total_num_replicas: int | None = None,
-        max_staleness: int | None = None,
-        sync_timeout: float | None = None,
-        optimizer_state: Mapping[str, Mapping[str, Any]] | None = None,
         config: SessionConfig | None = None,
-        **kwargs: Any,
+        hooks: Sequence[Hook] = (),
+        optimizer_state: Mapping[str, Mapping[str, Any]] | None = None,
+        **settings: Any,
     ) -> None:
+        if config is not None and settings:
+            raise ValueError(f"give either config= or {sorted(settings)}, not both")
+        self.config = config if config is not None else SessionConfig.of(**settings)
         if ctx is None:
             ctx, _ = resolve_or_alone()
         if ctx.task.job not in ("worker", "chief"):
             raise ValueError(f"a TrainingSession runs on worker or chief tasks, not {ctx.task}")
-        session_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _CONFIG_FIELDS}
-        if config is not None and session_kwargs:
-            raise ValueError(f"give either config= or {sorted(session_kwargs)}, not both")
-        self.config = config or SessionConfig(**session_kwargs)
         self.model = model
         self.ctx = ctx
-        self.transport = transport or TransportConfig.from_env()
-        self.spec = OptimizerSpec.of(optimizer, **kwargs)
-        self.lr_schedule = ScheduleSpec.of(lr_schedule)
-        if self.lr_schedule is not None:
-            self.lr_schedule.check(self.spec)
-        self.mode_config = ModeConfig.of(
-            mode,
-            replicas_to_aggregate=replicas_to_aggregate,
-            total_num_replicas=total_num_replicas,
-            max_staleness=max_staleness,
-            sync_timeout=sync_timeout,
-        )
+        training = self.config.training
+        self.transport = training.transport
+        self.spec = training.optimizer
+        self.lr_schedule = training.lr_schedule
+        self.mode_config = training.mode
         self.metrics = metrics.for_task(str(ctx.task), ctx.host).worker(ctx.cluster.num_tasks("ps"))
         """This task's Prometheus metrics (:mod:`psflow.metrics`)."""
         self._optimizer_state = optimizer_state
@@ -172,14 +154,15 @@ class TrainingSession(Restoring, StopOnSignals):
         """A cluster of one (:mod:`psflow.train.alone`): trains in this process, no ps."""
         self.pieces: list[Piece] = []
         """Where the parameters live on the ps (none in all-reduce mode; alone, one shard)."""
+        placement = training.placement
         if not self.alone and self.mode_config.mode != Mode.ALLREDUCE:
-            self.pieces = Placement.of(placement, partition_bytes=partition_bytes).place(
-                model, ctx.cluster.num_tasks("ps")
+            self.pieces = (
+                placement.place(model, ctx.cluster.num_tasks("ps"))
+                if isinstance(placement, Placement)
+                else list(placement)
             )
         self._client: ShardedClient | None = None
-        ready_timeout = self.config.ready_timeout
-        if ready_timeout is None:
-            ready_timeout = envvars.seconds(envvars.PSFLOW_READY_TIMEOUT, READY_TIMEOUT)
+        ready_timeout = training.ready_timeout
         try:
             if self.is_chief and not self.alone and self.mode_config.mode != Mode.ALLREDUCE:
                 self._client = ShardedClient(ctx, self.transport)
@@ -197,8 +180,8 @@ class TrainingSession(Restoring, StopOnSignals):
                 self.opt.close(finished=False)
             raise
         self.global_step = self._last_save_step = self.opt.global_step
-        if self.is_chief and self.config.checkpoint_dir is not None:
-            self.checkpointer = self._checkpointer(self.config.checkpoint_dir)
+        if self.is_chief and self.config.checkpoint.checkpoint_dir is not None:
+            self.checkpointer = self._checkpointer(self.config.checkpoint.checkpoint_dir)
         for hook in self.hooks:
             hook.begin(self)
         if self.config.stop_on_sigterm:
@@ -211,16 +194,14 @@ class TrainingSession(Restoring, StopOnSignals):
         return self.ctx.is_chief
 
     def _builtin_hooks(self) -> list[Hook]:
-        cfg = self.config
+        cfg, last_step = self.config.summaries, self.config.last_step
         hooks: list[Hook] = []
-        if cfg.nan_guard:
+        if self.config.nan_guard:
             hooks.append(NanGuardHook())
-        if cfg.last_step is not None:
-            hooks.append(StopAtStepHook(cfg.last_step))
+        if last_step is not None:
+            hooks.append(StopAtStepHook(last_step))
         if self.is_chief and cfg.log_step_count_steps is not None:
-            hooks.append(
-                LoggingHook(every_n_steps=cfg.log_step_count_steps, last_step=cfg.last_step)
-            )
+            hooks.append(LoggingHook(every_n_steps=cfg.log_step_count_steps, last_step=last_step))
         if self.is_chief and cfg.summary_dir is not None and cfg.save_summaries_steps is not None:
             self._summary = SummaryHook(
                 cfg.summary_dir,
@@ -236,8 +217,7 @@ class TrainingSession(Restoring, StopOnSignals):
             return DistributedOptimizer(
                 self.model,
                 self.ctx,
-                optimizer=self.spec,
-                mode=self.mode_config,
+                config=self.config.training,
                 engine=lambda given: LocalEngine(
                     self.model,
                     self.spec,
@@ -248,17 +228,11 @@ class TrainingSession(Restoring, StopOnSignals):
                 ),
                 optimizer_state=state,
             )
-        return DistributedOptimizer(
-            self.model,
-            self.ctx,
-            optimizer=self.spec,
-            lr_schedule=self.lr_schedule,
-            placement=self.pieces,
-            mode=self.mode_config,
-            config=self.transport,
-            ready_timeout=ready_timeout,
-            optimizer_state=state,
+        # The pieces placed once (the chief restored into them); the wait as the caller says.
+        training = dataclasses.replace(
+            self.config.training, placement=self.pieces, ready_timeout=ready_timeout
         )
+        return DistributedOptimizer(self.model, self.ctx, config=training, optimizer_state=state)
 
     def _checkpointer(self, checkpoint_dir: str) -> Checkpointer:
         """The chief's: through the ps, or in all-reduce mode from its own model."""
@@ -281,8 +255,8 @@ class TrainingSession(Restoring, StopOnSignals):
                 if local is not None
                 else lambda: ShardedClient(self.ctx, self.transport)
             ),
-            max_to_keep=self.config.max_to_keep,
-            timeout=self.config.save_timeout,
+            max_to_keep=self.config.checkpoint.max_to_keep,
+            timeout=self.config.checkpoint.save_timeout,
             metrics=self.metrics,
         )
 
@@ -368,7 +342,7 @@ class TrainingSession(Restoring, StopOnSignals):
         return self.global_step
 
     def _save_due(self) -> bool:
-        cfg = self.config
+        cfg = self.config.checkpoint
         if (
             cfg.save_checkpoint_steps
             and self.global_step - self._last_save_step >= cfg.save_checkpoint_steps
@@ -396,9 +370,9 @@ class TrainingSession(Restoring, StopOnSignals):
 
     @property
     def latest_checkpoint(self) -> str | None:
-        if self.config.checkpoint_dir is None:
+        if self.config.checkpoint.checkpoint_dir is None:
             return None
-        return CheckpointDir(self.config.checkpoint_dir).latest()
+        return CheckpointDir(self.config.checkpoint.checkpoint_dir).latest()
 
     def add_scalar(self, tag: str, value: float | torch.Tensor, step: int | None = None) -> None:
         """A user summary (chief only; a no-op on other workers)."""

@@ -15,6 +15,8 @@
 - ``staleness.py``: :class:`StalenessEngine`, bounded staleness.
 - ``allreduce.py``: :class:`~psflow.worker.allreduce.AllReduceEngine`, ``mode="allreduce"``
   over torch.distributed (imported when used).
+- ``config.py``: :class:`OptimizerConfig`, what a :class:`DistributedOptimizer` trains
+  with (the optimizer, its schedule, the mode, the placement, the transport) as one object.
 - ``optimizer.py``: :class:`DistributedOptimizer`, the training API: a composition of the
   above.
 - ``tables.py``: :class:`TableClient`, a model's :mod:`psflow.nn` embedding tables on the
@@ -25,6 +27,7 @@
 """
 
 from psflow.worker.client import ShardedClient
+from psflow.worker.config import OptimizerConfig
 from psflow.worker.engine import AsyncEngine
 from psflow.worker.exchange import ParameterExchange
 from psflow.worker.modes import MODES, Engine, Mode, ModeConfig, SyncTimeoutError
@@ -43,6 +46,7 @@ __all__ = [
     "Engine",
     "Mode",
     "ModeConfig",
+    "OptimizerConfig",
     "ParamInfo",
     "ParameterExchange",
     "Piece",

@@ -63,6 +63,7 @@ class AllReduceEngine(Engine):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         lr_schedule: ScheduleSpec | None = None,
         optimizer_state: State | None = None,
+        transport: TransportConfig | None = None,
     ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
@@ -81,7 +82,7 @@ class AllReduceEngine(Engine):
             )
         self.device = devices.pop()
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        timeout = config.timeout or TransportConfig.from_env().timeout
+        timeout = config.timeout or (transport or TransportConfig.from_env()).timeout
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
             host, port = parse_address(ctx.cluster.address(ctx.cluster.chief))

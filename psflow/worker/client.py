@@ -380,9 +380,13 @@ class ShardedClient(ShardCalls):
 
     # -- checkpoints ------------------------------------------------------------------------
 
-    def save(self, url_of: dict[int, str]) -> dict[int, dict[str, Any]]:
-        """Asks each shard to snapshot itself and write the file under ``url_of[shard]``."""
-        replies = self.call({s: {Key.OP: Op.SAVE, Key.DIR: url} for s, url in url_of.items()})
+    def save(self, url_of: dict[int, str], *, by_step: bool = False) -> dict[int, dict[str, Any]]:
+        """Asks each shard to snapshot itself and write the file under ``url_of[shard]`` (with
+        ``by_step``, under the ``ckpt-<step>`` beside it of its snapshot's step)."""
+        header: dict[str, Any] = (
+            {Key.OP: Op.SAVE, Key.BY_STEP: True} if by_step else {Key.OP: Op.SAVE}
+        )
+        replies = self.call({s: {**header, Key.DIR: url} for s, url in url_of.items()})
         return {s: h for s, (h, _) in replies.items()}
 
     def save_status(self, url_of: dict[int, str]) -> dict[int, dict[str, Any]]:

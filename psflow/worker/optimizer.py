@@ -7,28 +7,23 @@ validated once, and the :class:`~psflow.worker.modes.Engine` of the mode, which 
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import nn
 
 from psflow import allocator, metrics
-from psflow import env as envvars
 from psflow.cluster.resolve import resolve
 from psflow.cluster.spec import TaskContext
-from psflow.protocol import OptimizerSpec, ScheduleSpec
-from psflow.transport import TransportConfig
+from psflow.worker.config import SETTINGS, OptimizerConfig, unknown_setting
 from psflow.worker.engine import AsyncEngine, ExchangeEngine
 from psflow.worker.exchange import ParameterExchange
-from psflow.worker.modes import Engine, Mode, ModeConfig
+from psflow.worker.modes import Engine, Mode
 from psflow.worker.opt_state import State, check_optimizer_state
 from psflow.worker.placement import Piece, Placement, dense_parameters
 from psflow.worker.staleness import StalenessEngine
 from psflow.worker.sync import SyncEngine
 from psflow.worker.tables import tables_of
-
-READY_TIMEOUT = 300.0
-"""Seconds a worker waits for the ps and the chief by default (``PSFLOW_READY_TIMEOUT``)."""
 
 
 class DistributedOptimizer:
@@ -42,28 +37,9 @@ class DistributedOptimizer:
     Args:
         model: the module to train; its parameters are overwritten with the ps values.
         ctx: this task's cluster and identity (default: from flags or ``TF_CONFIG``).
-        optimizer: a ``torch.optim`` class name, applied on the ps, with its arguments as
-            keywords (``lr=0.01``); or an :class:`~psflow.protocol.OptimizerSpec`.
-        lr_schedule: a ``torch.optim.lr_scheduler`` schedule the ps apply by the global
-            step: ``("StepLR", {"step_size": 1000, "gamma": 0.5})`` or a
-            :class:`~psflow.protocol.ScheduleSpec` (see docs/training.md). Default: the
-            optimizer's learning rate throughout.
-        placement: ``"greedy"`` (by bytes) or ``"round_robin"``, or a
-            :class:`~psflow.worker.placement.Placement`, or the pieces one placed.
-        partition_bytes: a parameter larger than this is split across the shards along dim 0
-            (default 64 MiB; with a string ``placement`` only).
-        config: transport settings (timeouts, keys); default from the environment.
-        ready_timeout: seconds a worker waits for the chief to initialise the ps.
-        mode: ``"async"`` (default, or ``PSFLOW_MODE``), ``"sync"`` (gradients of
-            ``replicas_to_aggregate`` workers averaged per step on the ps) or ``"allreduce"``
-            (no ps: torch.distributed averages the gradients, each worker applies them); see
-            docs/sync.md. Or a :class:`~psflow.worker.modes.ModeConfig`.
-        replicas_to_aggregate, total_num_replicas: sync mode; more replicas than are
-            aggregated makes backup workers (default: every worker, no backup).
-        max_staleness: async mode: no worker pushes more than this many steps ahead of the
-            slowest (it waits).
-        sync_timeout: seconds a worker waits for its synchronous step (or for the slowest
-            worker) before it fails with :class:`~psflow.worker.SyncTimeoutError`.
+        config: the settings as one object (:class:`~psflow.worker.config.OptimizerConfig`:
+            the optimizer, its schedule, the mode, the placement, the transport, the ready
+            timeout); or give them as keywords (``**settings``).
         optimizer_state: the optimizer's first state, by parameter name, each a map of the
             optimizer's own state keys (``{"fc.weight": {"step": 3, "exp_avg": ...,
             "exp_avg_sq": ...}}``): training goes on from another's, a TensorFlow model's
@@ -74,7 +50,9 @@ class DistributedOptimizer:
         engine: builds the engine that trains, given the checked ``optimizer_state``, in
             place of the mode's own: a cluster of one's (:mod:`psflow.train.alone`), which
             holds the ps's parts in this process.
-        **optimizer_kwargs: the optimizer's arguments (``lr=0.01``, ``momentum=0.9``, ...).
+        **settings: :meth:`OptimizerConfig.of`'s keywords (``optimizer="SGD", lr=0.01,
+            mode="sync", transport=...``); see docs/sync.md for the modes and
+            docs/training.md for schedules.
 
     Example:
         >>> # ctx, _ = psflow.resolve()
@@ -91,65 +69,33 @@ class DistributedOptimizer:
         model: nn.Module,
         ctx: TaskContext | None = None,
         *,
-        optimizer: str | OptimizerSpec = "SGD",
-        lr_schedule: ScheduleSpec | tuple[str, Mapping[str, Any]] | str | None = None,
-        placement: str | Placement | Sequence[Piece] = "greedy",
-        partition_bytes: int | None = Placement.partition_bytes,
-        config: TransportConfig | None = None,
-        ready_timeout: float | None = None,
-        mode: str | ModeConfig | None = None,
-        replicas_to_aggregate: int | None = None,
-        total_num_replicas: int | None = None,
-        max_staleness: int | None = None,
-        sync_timeout: float | None = None,
+        config: OptimizerConfig | None = None,
         optimizer_state: Mapping[str, Mapping[str, Any]] | None = None,
         engine: Callable[[State], Engine] | None = None,
-        **optimizer_kwargs: Any,
+        **settings: Any,
     ) -> None:
+        if config is not None and settings:
+            raise ValueError(f"give either config= or {sorted(settings)}, not both")
+        for key in settings.keys() - SETTINGS:
+            unknown_setting(key, SETTINGS, "DistributedOptimizer")
+        config = config if config is not None else OptimizerConfig.of(**settings)
         if ctx is None:
             ctx, _ = resolve()
         if ctx.task.job not in ("worker", "chief"):
             raise ValueError(f"DistributedOptimizer runs on worker or chief tasks, not {ctx.task}")
-        if ready_timeout is None:
-            ready_timeout = envvars.seconds(envvars.PSFLOW_READY_TIMEOUT, READY_TIMEOUT)
         allocator.tune()
         self.model = model
         self.ctx = ctx
-        self.spec = OptimizerSpec.of(optimizer, **optimizer_kwargs)
-        self.lr_schedule = ScheduleSpec.of(lr_schedule)
-        if self.lr_schedule is not None:
-            self.lr_schedule.check(self.spec)  # here, rather than refused by every ps
-        self.mode_config = ModeConfig.of(
-            mode,
-            replicas_to_aggregate=replicas_to_aggregate,
-            total_num_replicas=total_num_replicas,
-            max_staleness=max_staleness,
-            sync_timeout=sync_timeout,
-        )
-        if isinstance(placement, str | Placement):
-            placement = Placement.of(placement, partition_bytes=partition_bytes)
-        elif partition_bytes != Placement.partition_bytes:
-            raise ValueError("partition_bytes applies to a placement strategy, not to pieces")
+        self.config = config
+        self.spec = config.optimizer
+        self.lr_schedule = config.lr_schedule
+        self.mode_config = config.mode
         given: State = {}
         if optimizer_state:
             given = check_optimizer_state(
                 self.spec, dense_parameters(model), optimizer_state, tables=list(tables_of(model))
             )
-        self.engine = (
-            engine(given)
-            if engine is not None
-            else _engine(
-                model,
-                ctx,
-                self.spec,
-                self.lr_schedule,
-                self.mode_config,
-                placement,
-                config,
-                ready_timeout,
-                given,
-            )
-        )
+        self.engine = engine(given) if engine is not None else _engine(model, ctx, config, given)
         self.metrics = metrics.for_task(str(ctx.task), ctx.host).worker(ctx.cluster.num_tasks("ps"))
         self._closed = False
         self._frozen = allocator.freeze_gc()  # what is alive now lives as long as the training
@@ -231,17 +177,10 @@ class DistributedOptimizer:
 
 
 def _engine(
-    model: nn.Module,
-    ctx: TaskContext,
-    spec: OptimizerSpec,
-    lr_schedule: ScheduleSpec | None,
-    mode: ModeConfig,
-    placement: Placement | Sequence[Piece],
-    transport: TransportConfig | None,
-    ready_timeout: float,
-    optimizer_state: State,
+    model: nn.Module, ctx: TaskContext, config: OptimizerConfig, optimizer_state: State
 ) -> Engine:
     """The mode's engine, started: the ps initialised (or restored) and the model pulled."""
+    mode, spec, placement = config.mode, config.optimizer, config.placement
     if mode.mode == Mode.ALLREDUCE:
         from psflow.worker.allreduce import AllReduceEngine  # torch.distributed: lazily
 
@@ -253,7 +192,19 @@ def _engine(
             )
 
         return AllReduceEngine(
-            model, ctx, spec, mode, lr_schedule=lr_schedule, optimizer_state=optimizer_state
+            model,
+            ctx,
+            spec,
+            mode,
+            lr_schedule=config.lr_schedule,
+            optimizer_state=optimizer_state,
+            transport=config.transport,
+        )
+    if ctx.cluster.num_tasks("ps") == 0:
+        raise ValueError(
+            f"the cluster has no ps task for mode={mode.mode.value!r}: give it ps tasks, or "
+            "train with mode='allreduce', or (one task, no cluster) through a "
+            "psflow.TrainingSession, which trains a cluster of one in its own process"
         )
     exchange = ParameterExchange(
         model,
@@ -261,10 +212,10 @@ def _engine(
         pieces=(
             placement.place(model, ctx.cluster.num_tasks("ps"))
             if isinstance(placement, Placement)
-            else placement
+            else list(placement)
         ),
-        transport=transport or TransportConfig.from_env(),
-        lr_schedule=lr_schedule,
+        transport=config.transport,
+        lr_schedule=config.lr_schedule,
         optimizer_state=optimizer_state,
     )
     try:
@@ -275,7 +226,7 @@ def _engine(
             engine = StalenessEngine(exchange, mode)
         else:
             engine = AsyncEngine(exchange)
-        engine.start(spec, ready_timeout=ready_timeout)
+        engine.start(spec, ready_timeout=config.ready_timeout)
     except BaseException:
         exchange.close(finished=False)
         raise

@@ -132,7 +132,7 @@ def test_unauthorised_clients_can_neither_read_nor_write(tmp_path: Path) -> None
     try:
         model = torch.nn.Linear(2, 1, bias=False)
         good = TransportConfig(keys=keys, timeout=10)
-        with psflow.DistributedOptimizer(model, worker_ctx(cluster), lr=1.0, config=good):
+        with psflow.DistributedOptimizer(model, worker_ctx(cluster), lr=1.0, transport=good):
             value = model.weight.detach().clone()
             other = CurveKeys.load(other_dir)
             intruder_keys = CurveKeys(
@@ -185,7 +185,7 @@ def test_a_hung_ps_is_named_in_the_workers_error() -> None:
     try:
         model = torch.nn.Linear(2, 1)
         config = TransportConfig(timeout=20.0)  # a loaded machine may start the ps slowly
-        opt = psflow.DistributedOptimizer(model, worker_ctx(cluster), config=config)
+        opt = psflow.DistributedOptimizer(model, worker_ctx(cluster), transport=config)
         config.timeout = 1.0
         freeze(ps.pid)
         model(torch.ones(1, 2)).sum().backward()
@@ -205,7 +205,7 @@ def test_a_dead_ps_is_named_at_once_through_its_lane() -> None:
     try:
         model = torch.nn.Linear(256, 512)  # 512 KB: through a shared-memory lane
         config = TransportConfig(timeout=30.0)
-        opt = psflow.DistributedOptimizer(model, worker_ctx(cluster), lr=0.1, config=config)
+        opt = psflow.DistributedOptimizer(model, worker_ctx(cluster), lr=0.1, transport=config)
         for _ in range(2):
             model(torch.ones(1, 256)).sum().backward()
             opt.step()
@@ -231,7 +231,9 @@ def test_a_lane_whose_request_timed_out_is_never_used_again() -> None:
         model = torch.nn.Linear(256, 512)  # 512 KB: through a shared-memory lane
         x = torch.randn(8, 256)
         config = TransportConfig(timeout=20.0)
-        with psflow.DistributedOptimizer(model, worker_ctx(cluster), lr=0.1, config=config) as opt:
+        with psflow.DistributedOptimizer(
+            model, worker_ctx(cluster), lr=0.1, transport=config
+        ) as opt:
             model(x).square().mean().backward()
             assert opt.step() == 1
             first = lanes(opt)["ps:0"]

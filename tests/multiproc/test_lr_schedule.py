@@ -20,7 +20,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import psflow
-from psflow.protocol import ScheduleSpec
+from psflow.protocol import OptimizerSpec, ScheduleSpec
 from psflow.train import CheckpointDir, TrainingSession, load_checkpoint
 from psflow.transport import TransportConfig
 
@@ -125,8 +125,7 @@ def test_synchronous_steps_on_two_shards_follow_the_schedule() -> None:
                 model,
                 worker_ctx(cluster, index),
                 mode="sync",
-                lr=lr,
-                momentum=0.9,
+                optimizer=OptimizerSpec.of("SGD", lr=lr, momentum=0.9),
                 lr_schedule=schedule,
                 sync_timeout=30,
             ) as opt:

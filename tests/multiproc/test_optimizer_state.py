@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from psflow.protocol import OptimizerSpec
 from psflow.train import TrainingSession, load_checkpoint
 from psflow.transport import TransportConfig
 from psflow.worker import DistributedOptimizer
@@ -37,14 +38,15 @@ def _sessions(
     finals: list[torch.Tensor] | None = None,
 ) -> None:
     """Jobs of one ps and one worker, one after the other, saving into ``url``: each a
-    ``TrainingSession`` of Adam with its run's keywords; ``check(run, session, model)`` once it
+    ``TrainingSession`` of Adam (with the run's ``adam`` arguments) and its run's keywords; ``check(run, session, model)`` once it
     has started, then two steps (the weight they end with appended to ``finals``)."""
     cluster = local_cluster(1, 1)
     for run, kwargs in enumerate(runs):
         ps = start_ps(cluster)
         try:
             model = torch.nn.Linear(24, 1)
-            with quiet_session(model, cluster, url, optimizer="Adam", lr=0.01, **kwargs) as sess:
+            adam = {"optimizer": OptimizerSpec.of("Adam", lr=0.01, **kwargs.pop("adam", {}))}
+            with quiet_session(model, cluster, url, **adam, **kwargs) as sess:
                 check(run, sess, model)
                 for step in range(2):
                     sess.zero_grad()
@@ -93,7 +95,7 @@ def test_a_partitioned_model_goes_on_from_a_torch_runs_adam_state(mode: dict[str
             lr=0.05,
             partition_bytes=2048,  # 0.weight (3,840 bytes) in two pieces
             optimizer_state=state,
-            config=TransportConfig(timeout=30),
+            transport=TransportConfig(timeout=30),
             sync_timeout=30.0,
             **mode,  # type: ignore[arg-type]
         )
@@ -162,7 +164,7 @@ def test_an_init_with_optimizer_state_the_ps_cannot_take_is_refused() -> None:
     variable the init does not give, or without a key the optimizer keeps gets an error reply
     naming it; the ps stays uninitialised (nothing half made), and the chief's good init then
     succeeds."""
-    from psflow.protocol import Key, OptimizerSpec
+    from psflow.protocol import Key
     from psflow.transport import PeerError
     from psflow.worker.client import ShardedClient
 
@@ -220,7 +222,7 @@ def test_a_checkpoint_whose_optimizer_state_the_job_cannot_take_restores_its_val
             assert sess.restored_from == "ckpt-2" and sess.global_step == 2
             assert torch.equal(model.weight.detach(), finals[0])  # the saved values
 
-    _sessions(url, [{}, {"amsgrad": True}], check, finals)
+    _sessions(url, [{}, {"adam": {"amsgrad": True}}], check, finals)
     saved = load_checkpoint(url)
     assert saved is not None and saved.name == "ckpt-4"
     assert "max_exp_avg_sq" in saved.opt_tensors["weight"]

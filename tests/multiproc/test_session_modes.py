@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from psflow.protocol import OptimizerSpec
 from psflow.train import CheckpointDir, TrainingSession
 
 from .support import ROOT, launch_cmd, local_cluster, quiet_session, start_ps, stop, worker_ctx
@@ -41,7 +42,9 @@ def test_mode_keywords_survive_a_restore(tmp_path: Path, mode: dict[str, object]
     cluster = local_cluster(1, 1)
 
     def session(model: torch.nn.Module) -> TrainingSession:
-        return quiet_session(model, cluster, url, optimizer="SGD", lr=0.1, momentum=0.5, **mode)
+        return quiet_session(
+            model, cluster, url, optimizer=OptimizerSpec.of("SGD", lr=0.1, momentum=0.5), **mode
+        )
 
     for run in range(2):
         ps = start_ps(cluster)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 import psflow.nn as pnn
 from psflow.cluster.spec import ClusterSpec
-from psflow.protocol import Key, Op, RowOptimizerSpec
+from psflow.protocol import Key, Op, OptimizerSpec, RowOptimizerSpec
 from psflow.train import CheckpointDir, Evaluator, TrainingSession, load_checkpoint
 from psflow.transport import PeerError, TransportConfig
 from psflow.worker import DistributedOptimizer
@@ -110,7 +110,11 @@ def test_one_worker_matches_one_process_adagrad(two_ps: ClusterSpec, device: str
     ref_items = torch.nn.Embedding(VOCAB, DIM, padding_idx=0)
     ref_items.weight.data.copy_(local.items.weight.data)
     opt = DistributedOptimizer(
-        remote, worker_ctx(two_ps), optimizer="Adagrad", lr=0.1, config=TransportConfig(timeout=30)
+        remote,
+        worker_ctx(two_ps),
+        optimizer="Adagrad",
+        lr=0.1,
+        transport=TransportConfig(timeout=30),
     )
     try:
         assert not any("items" in n for n, _ in opt.engine.exchange.params.items())
@@ -162,7 +166,7 @@ def test_a_table_on_the_jobs_optimizer_follows_its_schedule(two_ps: ClusterSpec)
         optimizer="SGD",
         lr=0.5,
         lr_schedule=schedule,
-        config=TransportConfig(timeout=30),
+        transport=TransportConfig(timeout=30),
     )
     try:
         ref_opt = torch.optim.SGD([*ref_items.parameters(), *ref_head.parameters()], lr=0.5)
@@ -207,7 +211,7 @@ def test_an_id_out_of_range_is_named_by_the_worker_before_any_request(
 def test_bad_ids_are_refused_and_the_ps_keeps_serving(two_ps: ClusterSpec) -> None:
     model = Recommender()
     opt = DistributedOptimizer(
-        model, worker_ctx(two_ps), lr=0.1, config=TransportConfig(timeout=30)
+        model, worker_ctx(two_ps), lr=0.1, transport=TransportConfig(timeout=30)
     )
     try:
         client = tables(opt).client
@@ -254,7 +258,7 @@ def test_sync_workers_equal_one_process_with_their_joint_batch() -> None:
                     optimizer="SGD",
                     lr=0.5,
                     mode="sync",
-                    config=TransportConfig(timeout=30),
+                    transport=TransportConfig(timeout=30),
                 )
             )
 
@@ -296,7 +300,11 @@ def test_staleness_mode_trains_tables() -> None:
     try:
         model = Recommender()
         opt = DistributedOptimizer(
-            model, worker_ctx(cluster), lr=0.05, max_staleness=1, config=TransportConfig(timeout=30)
+            model,
+            worker_ctx(cluster),
+            lr=0.05,
+            max_staleness=1,
+            transport=TransportConfig(timeout=30),
         )
         items, users, y = batch(0, 0, 16)
         first = None
@@ -415,7 +423,7 @@ def test_a_plain_torch_sparse_embedding_pushes_rows(two_ps: ClusterSpec, optimiz
         optimizer=optimizer,
         lr=0.1,
         partition_bytes=64,  # 40 x 4 floats: split by rows over both shards
-        config=TransportConfig(timeout=30),
+        transport=TransportConfig(timeout=30),
     )
     try:
         assert {p.shard for p in opt.pieces} == {0, 1}
@@ -461,7 +469,7 @@ def test_a_table_given_rows_trains_on_the_ps_from_them(two_ps: ClusterSpec, part
     ref_bag = torch.nn.EmbeddingBag.from_pretrained(pretrained.clone(), freeze=False, mode="sum")
     ref_items = torch.nn.Embedding.from_pretrained(loaded.clone(), freeze=False)
     opt = DistributedOptimizer(
-        remote, worker_ctx(two_ps), optimizer="SGD", lr=0.5, config=TransportConfig(timeout=30)
+        remote, worker_ctx(two_ps), optimizer="SGD", lr=0.5, transport=TransportConfig(timeout=30)
     )
     try:
         assert remote.bag.attached and remote.items.attached
@@ -516,7 +524,11 @@ def test_a_hashed_table_given_rows_by_id_trains_on_the_ps_from_them(two_ps: Clus
     assert torch.equal(trained[[1, 2, 4]], rows[[1, 2, 4]])  # untouched here
     assert not torch.allclose(trained[[0, 3]], rows[[0, 3]])  # 3 and 12 trained
     opt = DistributedOptimizer(
-        remote, worker_ctx(two_ps), optimizer="Adagrad", lr=0.1, config=TransportConfig(timeout=30)
+        remote,
+        worker_ctx(two_ps),
+        optimizer="Adagrad",
+        lr=0.1,
+        transport=TransportConfig(timeout=30),
     )
     try:
         assert torch.equal(table_rows(opt, "users", first), trained)  # before any step
@@ -588,13 +600,11 @@ def test_a_tensorflow_trained_model_takes_its_next_step_in_psflow(
     opt = DistributedOptimizer(
         model,
         worker_ctx(two_ps),
-        optimizer="Adagrad",
-        lr=0.1,
-        initial_accumulator_value=0.1,
+        optimizer=OptimizerSpec.of("Adagrad", lr=0.1, initial_accumulator_value=0.1),
         optimizer_state=(
             {"kernel": ckpt.optimizer_state("dense/kernel", "Adagrad")} if with_state else None
         ),
-        config=TransportConfig(timeout=30),
+        transport=TransportConfig(timeout=30),
     )
     try:
         step = expected["step"]
@@ -656,12 +666,9 @@ def test_a_tensorflow_model_trained_with_adam_goes_on_in_psflow(two_ps: ClusterS
     opt = DistributedOptimizer(
         model,
         worker_ctx(two_ps),
-        optimizer="Adam",
-        lr=settings["lr"],
-        betas=betas,
-        eps=settings["epsilon"],
+        optimizer=OptimizerSpec.of("Adam", lr=settings["lr"], betas=betas, eps=settings["epsilon"]),
         optimizer_state={"kernel": ckpt.optimizer_state("hidden/kernel", "Adam")},
-        config=TransportConfig(timeout=30),
+        transport=TransportConfig(timeout=30),
     )
     try:
         x, y = torch.tensor(expected["x"]), torch.tensor(expected["y"])
@@ -718,10 +725,9 @@ def test_a_keras_model_goes_on_in_psflow(two_ps: ClusterSpec) -> None:
     opt = DistributedOptimizer(
         model,
         worker_ctx(two_ps),
-        optimizer="Adagrad",
+        optimizer=OptimizerSpec.of("Adagrad", **adagrad),
         optimizer_state=state,
-        config=TransportConfig(timeout=30),
-        **adagrad,
+        transport=TransportConfig(timeout=30),
     )
     try:
         opt.zero_grad()
@@ -747,7 +753,7 @@ def test_a_frozen_table_stays_on_the_worker(two_ps: ClusterSpec) -> None:
     model.add_module("frozen", pnn.Embedding.from_pretrained(pretrained.clone()))
     model.add_module("head", torch.nn.Linear(DIM, 1))
     opt = DistributedOptimizer(
-        model, worker_ctx(two_ps), optimizer="SGD", lr=0.5, config=TransportConfig(timeout=30)
+        model, worker_ctx(two_ps), optimizer="SGD", lr=0.5, transport=TransportConfig(timeout=30)
     )
     try:
         assert not model.frozen.attached and not tables(opt)
@@ -817,7 +823,7 @@ def test_prefetched_rows_ride_the_step_and_train_the_same() -> None:
             worker_ctx(cluster),
             optimizer="Adagrad",
             lr=0.1,
-            config=TransportConfig(timeout=30),
+            transport=TransportConfig(timeout=30),
         )
         client = tables(opt).client
         lookups: list[dict[int, list[tuple[str, torch.Tensor]]]] = []

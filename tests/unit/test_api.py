@@ -19,6 +19,7 @@ import psflow
 import psflow.nn
 from psflow import env
 from psflow.protocol import ROW_OPTIMIZERS
+from psflow.train.session_config import SETTINGS as SESSION_SETTINGS
 
 pytestmark = pytest.mark.unit
 
@@ -119,7 +120,10 @@ def test_every_session_setting_is_on_the_page() -> None:
     spans = set(code_spans())
     fields = [f.name for f in dataclasses.fields(psflow.SessionConfig)]
     assert not [f for f in fields if f not in spans]
-    params = [p for p in inspect.signature(psflow.TrainingSession).parameters if p != "kwargs"]
+    # Every flat setting too: the nested configs' fields and the training's keywords.
+    settings = SESSION_SETTINGS
+    assert not [s for s in settings if s not in spans and s not in TEXT], settings
+    params = [p for p in inspect.signature(psflow.TrainingSession).parameters if p != "settings"]
     assert not [p for p in params if p not in TEXT]
 
 

@@ -109,14 +109,17 @@ def test_fault_schedule_parsing() -> None:
 )
 def test_session_config_rejects_bad_values(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        SessionConfig(**kwargs)
+        SessionConfig.of(**kwargs)
 
 
 def test_session_config_defaults_follow_tensorflow() -> None:
-    cfg = SessionConfig(checkpoint_dir="/tmp/x")
-    assert cfg.save_checkpoint_secs == 600.0 and cfg.summary_dir == "/tmp/x"
+    cfg = SessionConfig.of(checkpoint_dir="/tmp/x")
+    assert cfg.checkpoint.save_checkpoint_secs == 600.0 and cfg.summaries.summary_dir == "/tmp/x"
     assert (
-        SessionConfig(checkpoint_dir="/tmp/x", save_checkpoint_steps=5).save_checkpoint_secs is None
+        SessionConfig.of(
+            checkpoint_dir="/tmp/x", save_checkpoint_steps=5
+        ).checkpoint.save_checkpoint_secs
+        is None
     )
 
 
