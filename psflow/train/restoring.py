@@ -33,7 +33,7 @@ from psflow.worker.tables import table_specs, tables_of
 if TYPE_CHECKING:
     from psflow.worker.allreduce import AllReduceEngine
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("psflow.train.session")  # the session's own lines, by its name
 
 
 class StopWaiting(Exception):
