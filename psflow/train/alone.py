@@ -32,6 +32,7 @@ from psflow.protocol import OptimizerSpec, ScheduleSpec, TableSpec
 from psflow.ps.store import RowGrads, ShardStore
 from psflow.ps.tables import FirstRows, build_tables, restore_tables, set_initial_rows
 from psflow.sparse import coalesce
+from psflow.worker.exchange import clear_grads
 from psflow.worker.modes import Engine, Mode, ModeConfig
 from psflow.worker.opt_state import State, load_optimizer_state
 from psflow.worker.placement import Piece, dense_parameters
@@ -167,13 +168,7 @@ class LocalEngine(Engine):
         return self.store.step  # the model's parameters are the store's variables
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.model.parameters():
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-            else:
-                p.grad.detach_().zero_()
+        clear_grads(self.model.parameters(), set_to_none)
         self.tables.clear()
 
     def close(self, *, finished: bool) -> None:

@@ -29,7 +29,6 @@ from psflow.ps.checkpoint import (
     ShardFile,
     atomic_write,
     read_shard,
-    shard_file_name,
     url_to_fs,
 )
 from psflow.ps.tables import read_table_tensors
@@ -294,9 +293,8 @@ def table_tensors(
 ) -> dict[str, list[dict[str, torch.Tensor]]]:
     """Every embedding table's rows in ``ckpt``'s shard files: per table, one map (``ids``,
     ``values``, ``opt/<key>``) per shard file that holds part of it."""
-    d = CheckpointDir(checkpoint_dir)
-    n = ckpt.manifest.num_shards
-    return read_table_tensors([d.url_of(f"{ckpt.name}/{shard_file_name(i, n)}") for i in range(n)])
+    urls = CheckpointDir(checkpoint_dir).shard_urls(ckpt.name, ckpt.manifest.num_shards)
+    return read_table_tensors(urls)
 
 
 class Checkpointer:

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from psflow.ps.checkpoint import CKPT_DIR_RE, atomic_write, join, url_to_fs
+from psflow.ps.shard_file import shard_file_name
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +193,10 @@ class CheckpointDir:
 
     def url_of(self, name: str) -> str:
         return join(self.url, name)
+
+    def shard_urls(self, name: str, num_shards: int) -> list[str]:
+        """The shard files of checkpoint ``name``, saved by ``num_shards`` ps, in shard order."""
+        return [self.url_of(f"{name}/{shard_file_name(i, num_shards)}") for i in range(num_shards)]
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """Every ``ckpt-<step>`` directory, oldest first."""

@@ -19,7 +19,7 @@ from psflow import env as envvars
 from psflow.cluster.spec import TaskContext
 from psflow.protocol import Code, Key, OptimizerSpec, ScheduleSpec
 from psflow.protocol.messages import OPT_SEP
-from psflow.ps.checkpoint import decode_shard, shard_file_name
+from psflow.ps.checkpoint import decode_shard
 from psflow.train.alone import LocalEngine
 from psflow.train.checkpoint import Checkpoint, Checkpointer, load_checkpoint
 from psflow.train.local_shard import LocalShard
@@ -157,8 +157,9 @@ class Restoring:
             log.warning("%s: optimizer state not restored: %s", ckpt.name, refused)
         d = CheckpointDir(self.config.checkpoint.checkpoint_dir)
         n = ckpt.manifest.num_shards
-        files = [d.url_of(f"{ckpt.name}/{shard_file_name(i, n)}") for i in range(n)]
-        self._local.load(ckpt, optimizer_state=refused is None, table_files=files)
+        self._local.load(
+            ckpt, optimizer_state=refused is None, table_files=d.shard_urls(ckpt.name, n)
+        )
         self.restored_from = ckpt.name
         log.info(
             "restored %s from %s (global step %d, saved on %d ps)%s",
@@ -210,10 +211,7 @@ class Restoring:
             replace=replace,
             schedule=self.lr_schedule,
             tables=[t.to_wire() for t in tables],
-            tables_from=[
-                d.url_of(f"{ckpt.name}/{shard_file_name(i, ckpt.manifest.num_shards)}")
-                for i in range(ckpt.manifest.num_shards)
-            ],
+            tables_from=d.shard_urls(ckpt.name, ckpt.manifest.num_shards),
             timeout=timeout,
         )
         if fresh:

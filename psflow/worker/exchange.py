@@ -9,7 +9,7 @@ it can. The engines (:mod:`psflow.worker.engine`) decide only *when* to push and
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -201,13 +201,7 @@ class ParameterExchange:
         """Clears the gradients of the placed parameters, like ``torch.optim.Optimizer``
         (and forgets the tables' lookups since the last step)."""
         self.tables.clear()
-        for p in self.params.values():  # the parameters we train: no walk over submodules
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-            else:
-                p.grad.detach_().zero_()
+        clear_grads(self.params.values(), set_to_none)  # what we train: no walk over submodules
 
     # -- values -----------------------------------------------------------------------------
 
@@ -357,3 +351,14 @@ def _in_request_area(header: dict[str, Any]) -> bool:
 
 def _rows(t: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
     return t if rows is None else t[rows[0] : rows[1]]
+
+
+def clear_grads(params: Iterable[torch.Tensor], set_to_none: bool = True) -> None:
+    """Clears the gradients of ``params`` as ``torch.optim.Optimizer.zero_grad`` does."""
+    for p in params:
+        if p.grad is None:
+            continue
+        if set_to_none:
+            p.grad = None
+        else:
+            p.grad.detach_().zero_()

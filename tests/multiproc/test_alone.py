@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,15 +73,6 @@ def job_rows(sess: TrainingSession) -> dict[str, torch.Tensor]:
 
 def dense(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.head.named_parameters()}
-
-
-@pytest.fixture
-def two_ps() -> Iterator[ClusterSpec]:
-    cluster = local_cluster(2, 1)
-    procs = [start_ps(cluster, i) for i in range(2)]
-    yield cluster
-    for p in procs:
-        stop(p, timeout=5)
 
 
 def test_alone_trains_as_one_worker_on_two_ps(two_ps: ClusterSpec, tmp_path: Path) -> None:

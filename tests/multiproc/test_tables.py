@@ -8,7 +8,6 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -74,15 +73,6 @@ def table_rows(opt: DistributedOptimizer, name: str, ids: torch.Tensor) -> torch
     rows = client.rows(client.modules[name], ids).detach().clone()
     client.clear()
     return rows
-
-
-@pytest.fixture
-def two_ps() -> Iterator[ClusterSpec]:
-    cluster = local_cluster(2, 1)
-    procs = [start_ps(cluster, i) for i in range(2)]
-    yield cluster
-    for p in procs:
-        stop(p, timeout=5)
 
 
 def _ps(cluster: ClusterSpec) -> list[subprocess.Popen[str]]:
