@@ -43,6 +43,7 @@ from psflow.train.stopping import StopOnSignals
 from psflow.train.summary import SummaryHook
 from psflow.transport import PeerError
 from psflow.worker import DistributedOptimizer, Mode, Placement, ShardedClient
+from psflow.worker.config import check_has_ps
 from psflow.worker.placement import Piece, dense_parameters
 from psflow.worker.tables import table_specs, tables_of
 
@@ -148,13 +149,18 @@ class TrainingSession(Restoring, StopOnSignals):
         stops = [h.last_step for h in self.hooks if isinstance(h, StopAtStepHook)]
         if stops:
             self.metrics.last_step.set(min(stops))
-        self.alone = ctx.cluster.num_tasks("ps") == 0 and (
-            ctx.is_alone or self.mode_config.mode != Mode.ALLREDUCE
+        self.alone = ctx.is_alone or (
+            ctx.cluster.num_tasks("ps") == 0
+            and len(ctx.cluster.trainers) == 1
+            and self.mode_config.mode != Mode.ALLREDUCE
         )
-        """A cluster of one (:mod:`psflow.train.alone`): trains in this process, no ps."""
+        """A cluster of one (:mod:`psflow.train.alone`): one task that trains, no ps; it trains
+        in this process. (Several workers without ps train in all-reduce mode, or not at all.)"""
         self.pieces: list[Piece] = []
         """Where the parameters live on the ps (none in all-reduce mode; alone, one shard)."""
         placement = training.placement
+        if not self.alone:
+            check_has_ps(ctx, self.mode_config.mode)
         if not self.alone and self.mode_config.mode != Mode.ALLREDUCE:
             self.pieces = (
                 placement.place(model, ctx.cluster.num_tasks("ps"))

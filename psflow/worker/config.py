@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from psflow import env as envvars
+from psflow.cluster.spec import TaskContext
 from psflow.protocol import OptimizerSpec, ScheduleSpec
 from psflow.transport import TransportConfig
 from psflow.worker.modes import Mode, ModeConfig
@@ -160,3 +161,13 @@ def unknown_setting(key: str, known: Collection[str], owner: str) -> NoReturn:
         f"unexpected keyword argument {key!r}: no setting of {owner} has that name{hint} "
         f"(the settings: {', '.join(sorted(known))})"
     )
+
+
+def check_has_ps(ctx: TaskContext, mode: Mode) -> None:
+    """Raises ``ValueError`` when ``mode`` trains against ps tasks and the cluster has none."""
+    if mode != Mode.ALLREDUCE and ctx.cluster.num_tasks("ps") == 0:
+        raise ValueError(
+            f"the cluster has no ps task for mode={mode.value!r}: give it ps tasks, or train "
+            "with mode='allreduce', or (one task that trains) through a psflow.TrainingSession, "
+            "which trains a cluster of one in its own process"
+        )

@@ -15,7 +15,7 @@ from torch import nn
 from psflow import allocator, metrics
 from psflow.cluster.resolve import resolve
 from psflow.cluster.spec import TaskContext
-from psflow.worker.config import SETTINGS, OptimizerConfig, unknown_setting
+from psflow.worker.config import SETTINGS, OptimizerConfig, check_has_ps, unknown_setting
 from psflow.worker.engine import AsyncEngine, ExchangeEngine
 from psflow.worker.exchange import ParameterExchange
 from psflow.worker.modes import Engine, Mode
@@ -200,12 +200,7 @@ def _engine(
             optimizer_state=optimizer_state,
             transport=config.transport,
         )
-    if ctx.cluster.num_tasks("ps") == 0:
-        raise ValueError(
-            f"the cluster has no ps task for mode={mode.mode.value!r}: give it ps tasks, or "
-            "train with mode='allreduce', or (one task, no cluster) through a "
-            "psflow.TrainingSession, which trains a cluster of one in its own process"
-        )
+    check_has_ps(ctx, mode.mode)
     exchange = ParameterExchange(
         model,
         ctx,

@@ -18,7 +18,7 @@ from psflow.cluster.spec import ClusterSpec, TaskContext
 from psflow.train import CheckpointDir, NanLossError, TrainingSession
 from psflow.train.alone import LocalEngine
 
-from .support import local_cluster, quiet_session, start_ps, stop
+from .support import local_cluster, quiet_session, start_ps, stop, worker_ctx
 from .test_tables import Recommender, batch, loss_of, table_rows
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
@@ -191,3 +191,17 @@ def test_a_stop_saves_the_final_checkpoint_before_the_loop_ends(
             os.kill(os.getpid(), signal.SIGINT)
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_a_launched_job_of_one_worker_and_no_ps_is_a_cluster_of_one(tmp_path: Path) -> None:
+    """A real cluster spec with one worker and no ps trains in that process; with two workers
+    and no ps (not all-reduce) the session refuses, naming what is missing."""
+    one = local_cluster(0, 1)
+    model = Recommender()
+    with TrainingSession(model, worker_ctx(one), **SETTINGS, log_step_count_steps=None) as sess:
+        assert sess.alone
+        train(sess, model, range(2))
+        assert sess.global_step == 2
+    two = local_cluster(0, 2)
+    with pytest.raises(ValueError, match="no ps task"):
+        TrainingSession(Recommender(), worker_ctx(two), **SETTINGS, log_step_count_steps=None)
