@@ -4,7 +4,7 @@ A hashed table's shard maps each id it holds to the slot of its row. A Python di
 a microsecond per id and 100 bytes per entry; this map answers a batch of ids with a few tensor
 operations per probe round (linear probing at a load of at most one half, so a handful of
 rounds), and costs 16 bytes per cell. With the compiled kernels (``idmap_find``,
-``idmap_put`` in ``_kernels.c``) each id is probed in one C loop over the same cells instead:
+``idmap_put`` in ``_ids.c``) each id is probed in one C loop over the same cells instead:
 the same layout and hash, so either path reads what the other wrote.
 """
 

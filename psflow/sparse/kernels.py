@@ -1,7 +1,7 @@
-"""The row kernels (``_kernels.c``), where the install built them: fused row-wise updates, row
-gathers, the partition of ids to shards, and a hashed table's id map (:mod:`psflow.sparse.idmap`
-calls those itself). psflow's other compiled code, hashing and Example parsing, is the data
-layer's (:mod:`psflow.data.native`).
+"""The row kernels (``_rows.c`` and ``_ids.c``, bound by ``_kernels.c``), where the install
+built them: fused row-wise updates, row gathers, the partition of ids to shards, and a hashed
+table's id map (:mod:`psflow.sparse.idmap` calls those itself). psflow's other compiled code,
+hashing and Example parsing, is the data layer's (:mod:`psflow.data.native`).
 
 torch applies a row-wise update as a chain of index operations, each one a pass over rows that
 lie scattered through a large table; the C kernels read and write each touched row once, its

@@ -1,5 +1,5 @@
 """Fixed-length numeric features by the compiled kernel (``parse_fixed`` in
-``psflow/sparse/_kernels.c``), against the protobuf reference: the same output for every batch
+``psflow/data/_example.c``), against the protobuf reference: the same output for every batch
 it takes, and every batch it does not take handed to the general path (defaults, errors)."""
 
 from __future__ import annotations

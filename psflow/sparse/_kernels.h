@@ -1,0 +1,101 @@
+/* The plain-C functions of psflow.sparse._kernels, one concern a file, bound to Python in
+ * _kernels.c: _rows.c (row gathers, their gradient, the row-wise optimizer updates), _ids.c
+ * (ids partitioned to shards, a request's ids checked, a batch's grouped, a hashed table's id
+ * map). No Python here: the binding parses the arguments, checks the indices
+ * (psflow_first_bad), allocates any scratch and releases the GIL around each call. Sizes and
+ * counts are ptrdiff_t (Py_ssize_t's type).
+ */
+#ifndef PSFLOW_SPARSE_KERNELS_H
+#define PSFLOW_SPARSE_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef double f64;
+typedef float f32;
+
+/* -1 when every index is in [0, rows), else the position of the first that is not: the
+ * binding's check before any kernel below touches memory (inline there, as it was). */
+static inline ptrdiff_t psflow_first_bad(const int64_t *index, ptrdiff_t n, ptrdiff_t rows) {
+    for (ptrdiff_t i = 0; i < n; i++) {
+        if (index[i] < 0 || index[i] >= rows) return i;
+    }
+    return -1;
+}
+
+/* -- _rows.c ------------------------------------------------------------------------------ */
+
+/* out[i] = src[index[i]] for rows of `bytes` bytes (any dtype): a lookup's rows. */
+void psflow_gather_rows(char *out, const char *src, const int64_t *index, ptrdiff_t n,
+                        ptrdiff_t bytes);
+
+/* out[i] = row index[i] of rows held in parts: part p holds rows [starts[p], starts[p + 1]) at
+ * srcs[p]. */
+void psflow_gather_parts(char *out, const char *const *srcs, const int64_t *starts,
+                         ptrdiff_t parts, const int64_t *index, ptrdiff_t n, ptrdiff_t bytes);
+
+/* out = zeros(rows, dim), then out[index[i]] += src[i]; `out` may come uninitialised, `seen`:
+ * `rows` zeroed bytes. */
+void psflow_scatter_add_f32(f32 *out, const f32 *src, const int64_t *index, ptrdiff_t n,
+                            ptrdiff_t dim, ptrdiff_t rows, unsigned char *seen);
+void psflow_scatter_add_f64(f64 *out, const f64 *src, const int64_t *index, ptrdiff_t n,
+                            ptrdiff_t dim, ptrdiff_t rows, unsigned char *seen);
+
+/* The row-wise updates, in place on rows index[i] (every index in range: psflow_first_bad
+ * first) with gradient row i of g; _rows.c gives each one's arithmetic. */
+void psflow_sgd_f32(f32 *w, const int64_t *index, const f32 *g, ptrdiff_t n, ptrdiff_t dim,
+                    f32 alpha);
+void psflow_sgd_f64(f64 *w, const int64_t *index, const f64 *g, ptrdiff_t n, ptrdiff_t dim,
+                    f64 alpha);
+void psflow_adagrad_f32(f32 *w, f32 *sum, const int64_t *index, const f32 *g, ptrdiff_t n,
+                        ptrdiff_t dim, f32 neg_lr, f32 eps);
+void psflow_adagrad_f64(f64 *w, f64 *sum, const int64_t *index, const f64 *g, ptrdiff_t n,
+                        ptrdiff_t dim, f64 neg_lr, f64 eps);
+void psflow_adam_f32(f32 *w, f32 *m, f32 *v, int64_t *step, const int64_t *index, const f32 *g,
+                     ptrdiff_t n, ptrdiff_t dim, double lr, double b1, double b2, f32 eps);
+void psflow_adam_f64(f64 *w, f64 *m, f64 *v, int64_t *step, const int64_t *index, const f64 *g,
+                     ptrdiff_t n, ptrdiff_t dim, double lr, double b1, double b2, f64 eps);
+void psflow_ftrl_f32(f32 *w, f32 *accum, f32 *linear, const int64_t *index, const f32 *g,
+                     ptrdiff_t n, ptrdiff_t dim, f32 lr, f32 l1, f32 two_l2, f32 neg_power,
+                     int sqrt_power);
+void psflow_ftrl_f64(f64 *w, f64 *accum, f64 *linear, const int64_t *index, const f64 *g,
+                     ptrdiff_t n, ptrdiff_t dim, f64 lr, f64 l1, f64 two_l2, f64 neg_power,
+                     int sqrt_power);
+
+/* -- _ids.c ------------------------------------------------------------------------------- */
+
+/* Each id's row in its shard's storage (Partition.local_index), into out. */
+void psflow_local_index(const int64_t *ids, ptrdiff_t n, int div, long long shards, long long q,
+                        long long r, long long boundary, int64_t *out);
+
+/* A request's ids checked in one pass; set, used: scratch of `slots` cells (a power of two of
+ * at least 2n), used zeroed. Returns 0 when all are good, else 1 out of range | 2 another
+ * shard's | 3 twice, with the position of the first such id in *at. */
+int psflow_check_ids(const int64_t *ids, ptrdiff_t n, long long num_embeddings, int div,
+                     int num_shards, int shard, long long q, long long r, long long boundary,
+                     ptrdiff_t slots, int64_t *set, unsigned char *used, ptrdiff_t *at);
+
+/* psflow_group_ids's outcomes. */
+#define GROUP_IDS_OK 0
+#define GROUP_IDS_OUT_OF_RANGE 1 /* an id outside [0, limit): *id */
+#define GROUP_IDS_NO_SHARD 2     /* an id no shard holds (outside a div table): *id */
+
+/* A batch's unique ids grouped by shard (unique, positions, counts: _ids.c says what); keys,
+ * vals: `slots` cells (a power of two of at least 2n); first, place: n cells (at least 1);
+ * start: num_shards + 1 zeroed. *m: how many unique ids. */
+int psflow_group_ids(const int64_t *ids, ptrdiff_t n, int div, long long num_shards, long long q,
+                     long long r, long long boundary, long long limit, int64_t *unique,
+                     int64_t *positions, int64_t *counts, ptrdiff_t slots, int64_t *keys,
+                     int64_t *vals, int64_t *first, int64_t *place, int64_t *start, ptrdiff_t *m,
+                     int64_t *id);
+
+/* out[i] = the cell of ids[i] (with slots: its slot), -1 where it is absent. */
+void psflow_idmap_find(const int64_t *keys, const int64_t *vals, long long mask,
+                       const int64_t *ids, ptrdiff_t n, int64_t *out, int slots);
+
+/* Adds each id at its slot; how many removed cells it reused, or -1 when a probe found no
+ * room. */
+long long psflow_idmap_put(int64_t *keys, int64_t *vals, long long mask, const int64_t *ids,
+                           const int64_t *slots, ptrdiff_t n);
+
+#endif
