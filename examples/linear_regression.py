@@ -3,6 +3,7 @@
     psflow launch --ps 1 --workers 2 examples/linear_regression.py --logdir runs/linreg
     psflow launch --workers 2 --mode allreduce examples/linear_regression.py --logdir runs/ar
     psflow launch --ps 1 --workers 2 --evaluator examples/linear_regression.py --logdir runs/linreg
+    python examples/linear_regression.py --logdir runs/alone   # alone: a cluster of one
 
 Every task runs this same script and learns its role from TF_CONFIG (set by the launcher) or
 the classic flags (--ps_hosts --worker_hosts --job_name --task_index). The ps tasks hold W and
@@ -14,7 +15,8 @@ again after killing it (or after it finished) and it resumes from the last check
 stops it cleanly with a final checkpoint. With `--mode allreduce` there is no ps: the workers
 average their gradients with torch.distributed and the chief saves its own copy. With
 `--evaluator` an evaluator task scores each checkpoint on 1,000 held-out points (`eval/loss` in
-TensorBoard, under runs/linreg/eval) and exits after the final one.
+TensorBoard, under runs/linreg/eval) and exits after the final one. Started with no cluster, the
+same script trains in its one process, with the same checkpoints and summaries.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def points(n: int, generator: torch.Generator | None = None) -> tuple[torch.Tens
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    ctx, argv = psflow.resolve()
+    ctx, argv = psflow.resolve_or_alone()  # no cluster given: a cluster of one, this process
     parser = argparse.ArgumentParser()
     parser.add_argument("--train_steps", type=int, default=10000, help="global steps to train")
     parser.add_argument("--lr", type=float, default=0.001)

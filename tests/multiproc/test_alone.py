@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -205,3 +208,24 @@ def test_a_launched_job_of_one_worker_and_no_ps_is_a_cluster_of_one(tmp_path: Pa
     two = local_cluster(0, 2)
     with pytest.raises(ValueError, match="no ps task"):
         TrainingSession(Recommender(), worker_ctx(two), **SETTINGS, log_step_count_steps=None)
+
+
+def test_the_readme_example_runs_alone_and_resumes(tmp_path: Path) -> None:
+    """`python examples/linear_regression.py` with no cluster: the same script trains in its one
+    process, checkpoints, and a second run goes on from the first's last checkpoint."""
+    script = Path(__file__).resolve().parents[2] / "examples" / "linear_regression.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "PSFLOW_CLUSTER_FILE")}
+    args = ["--logdir", str(tmp_path / "run"), "--log_step_count_steps", "100"]
+    for steps, restored in ((300, None), (500, "ckpt-300")):
+        proc = subprocess.run(
+            [sys.executable, str(script), "--train_steps", str(steps), *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert re.search(r"^W=[-\d.]+ b=[-\d.]+$", proc.stdout, re.M), proc.stdout
+        assert CheckpointDir(str(tmp_path / "run")).latest() == f"ckpt-{steps}"
+        if restored is not None:
+            assert f"restored Linear from {tmp_path / 'run' / restored}" in proc.stderr
