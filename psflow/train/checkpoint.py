@@ -372,7 +372,10 @@ class Checkpointer:
         if held != name:
             name = held
             if any(c.name == name and c.complete for c in self.dir.checkpoints()):
-                return name  # shard 0 wrote the same state into it again; the rest holds
+                # Shard 0 writes the same state into it again: waited for, so that the next
+                # save does not find it still writing; the other shards' files hold.
+                self._await_shards(self.client, self.dir.url_of(name), shards=[0])
+                return name
         url = self.dir.url_of(name)
         others = {s: url for s in range(1, self.client.num_shards)}
         if others:
@@ -435,9 +438,11 @@ class Checkpointer:
             log.error("checkpoint %s failed: %s", name, e)
             self._error = e
 
-    def _await_shards(self, client: ShardSaver, url: str) -> None:
+    def _await_shards(
+        self, client: ShardSaver, url: str, shards: Sequence[int] | None = None
+    ) -> None:
         deadline = time.monotonic() + self.timeout
-        pending = set(range(client.num_shards))
+        pending = set(range(client.num_shards) if shards is None else shards)
         while pending:
             statuses = client.save_status({s: url for s in pending})
             for s, h in statuses.items():

@@ -63,6 +63,7 @@ class Restoring:
 
     @property
     def is_chief(self) -> bool:
+        """This task is the job's chief: it restores, checkpoints and writes summaries."""
         return self.ctx.is_chief
 
     def _optimizer(self, ready_timeout: float) -> DistributedOptimizer:

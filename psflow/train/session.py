@@ -195,10 +195,6 @@ class TrainingSession(Restoring, StopOnSignals):
 
     # -- start ------------------------------------------------------------------------------
 
-    @property
-    def is_chief(self) -> bool:
-        return self.ctx.is_chief
-
     def _builtin_hooks(self) -> list[Hook]:
         cfg, last_step = self.config.summaries, self.config.last_step
         hooks: list[Hook] = []
