@@ -389,14 +389,20 @@ def _add_render(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     p = _command(
         subparsers,
         "render",
-        help="render manifests for Kubernetes, Kubeflow TFJob, docker compose or Marathon",
+        help="render manifests for Kubernetes, Kubeflow TFJob or Trainer v2, Volcano, docker "
+        "compose or Marathon",
         description=(
             "Render a training job for a cluster manager. Options come from the field defaults, "
             "then the YAML --job-file, then these flags (each overriding the one before)."
         ),
     )
     p.add_argument("target", choices=TARGETS, help="what to render")
-    p.add_argument("--job-file", help="YAML file of job options (the JobConfig field names)")
+    p.add_argument(
+        "--job-file",
+        "--values",
+        dest="job_file",
+        help="YAML file of job options, the JobConfig field names (a values file)",
+    )
     p.add_argument("--template-dir", help="directory of templates that override the packaged ones")
     p.add_argument(
         "-o", "--output-dir", help="write the manifest into this directory instead of stdout"
@@ -455,6 +461,44 @@ def _add_render(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         action=argparse.BooleanOptionalAction,
         help="also a PodMonitor for the Prometheus operator (kubernetes, tfjob)",
     )
+
+    c = p.add_argument_group("cluster settings (Kubernetes targets unless said)")
+    c.add_argument("--mode", help="training mode of every task: async, sync or allreduce")
+    c.add_argument("--cpu-limit", help="CPU limit per task, a Kubernetes quantity")
+    c.add_argument("--memory-limit", help="memory limit per task, a Kubernetes quantity")
+    c.add_argument(
+        "--node-selector", action="append", metavar="KEY=VALUE", help="node label (repeatable)"
+    )
+    c.add_argument(
+        "--toleration",
+        dest="tolerations",
+        action="append",
+        metavar="KEY[=VALUE][:EFFECT]",
+        help="taint every pod tolerates, as kubectl taint writes it (repeatable)",
+    )
+    c.add_argument("--priority-class", help="PriorityClass of every pod")
+    c.add_argument("--data-claim", help="PersistentVolumeClaim with the data, read-only")
+    c.add_argument("--data-host-dir", help="compose/Marathon host directory with the data")
+    c.add_argument("--data-dir", help="where the data appears in the container (default /data)")
+    c.add_argument(
+        "--queue", help="Kueue LocalQueue (kubernetes, tfjob, trainer) or Volcano queue (volcano)"
+    )
+    c.add_argument("--image-pull-policy", help="Always, IfNotPresent or Never")
+    c.add_argument(
+        "--image-pull-secret",
+        dest="image_pull_secrets",
+        action="append",
+        metavar="SECRET",
+        help="registry credentials Secret (repeatable)",
+    )
+    c.add_argument("--gang", help="gang scheduling: volcano, or coscheduling (trainer)")
+    c.add_argument(
+        "--quota",
+        action="append",
+        metavar="RESOURCE=AMOUNT",
+        help="quota the whole job must fit: pods, cpu, memory, nvidia.com/gpu (repeatable)",
+    )
+    c.add_argument("--runtime-kind", help="trainer: ClusterTrainingRuntime or TrainingRuntime")
 
     # PARSER (not REMAINDER) so that options before the script are still read as psflow's own:
     # everything from the script on belongs to the script.
