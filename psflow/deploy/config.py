@@ -17,6 +17,7 @@ from typing import Any
 
 from psflow import env as envvars
 from psflow.cluster.spec import read_yaml
+from psflow.deploy.settings import check_settings
 
 DNS_LABEL_MAX = 63
 """Kubernetes (and Mesos-DNS) limit on one DNS label: every task name must fit in it."""
@@ -163,15 +164,48 @@ class JobConfig:
     """Kubernetes Job and TFJob: retries of a failing task before the job fails."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for every task (e.g. ``PSFLOW_TIMEOUT``)."""
+    mode: str | None = None
+    """Training mode of every task (``PSFLOW_MODE``: async, sync, allreduce); a ps mode needs a
+    ps, allreduce none. ``None`` leaves it to the script."""
+    cpu_limit: str | None = None
+    """CPU limit of every task, a Kubernetes quantity (compose: ``deploy.resources.limits``)."""
+    memory_limit: str | None = None
+    """Memory limit of every task, a Kubernetes quantity (above it the pod is OOM-killed)."""
+    node_selector: dict[str, str] = field(default_factory=dict)
+    """Kubernetes: node labels every pod must match (e.g. ``{node.kubernetes.io/instance-type:
+    m7i.4xlarge}``)."""
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    """Kubernetes: taints every pod tolerates (``key``, ``operator``, ``value``, ``effect``,
+    ``tolerationSeconds``)."""
+    priority_class: str | None = None
+    """Kubernetes: the PriorityClass of every pod (and of Volcano's job)."""
+    data_claim: str | None = None
+    """Kubernetes: PersistentVolumeClaim with the training data, mounted read-only at
+    ``data_dir``."""
+    data_host_dir: str | None = None
+    """Compose and Marathon: host directory with the training data, read-only at ``data_dir``."""
+    data_dir: str = "/data"
+    """Where the data volume appears inside the container."""
+    queue: str | None = None
+    """Kubernetes, TFJob and Trainer: the Kueue LocalQueue (label ``kueue.x-k8s.io/queue-name``);
+    Volcano: the Volcano queue."""
+    image_pull_policy: str | None = None
+    """Always, IfNotPresent or Never (compose: always, missing, never)."""
+    image_pull_secrets: list[str] = field(default_factory=list)
+    """Kubernetes: Secrets with the registry's credentials (``kubectl create secret
+    docker-registry``)."""
+    gang: str | None = None
+    """Gang scheduling (all pods or none): ``volcano`` (kubernetes: a Volcano PodGroup; trainer:
+    the runtime's podGroupPolicy) or ``coscheduling`` (trainer: the scheduler-plugins')."""
+    quota: dict[str, Any] = field(default_factory=dict)
+    """The quota the job must fit (``pods``, ``cpu``, ``memory``, ``nvidia.com/gpu``): a job
+    asking more in all fails to render, as its gang could never be scheduled."""
+    runtime_kind: str = "ClusterTrainingRuntime"
+    """Trainer: the runtime kind, ``ClusterTrainingRuntime`` (cluster-wide) or
+    ``TrainingRuntime`` (in ``namespace``)."""
 
     def __post_init__(self) -> None:
         _check_dns(self.name, what="name", pattern=_DNS1035_RE, kind="DNS-1035 label")
-        if (
-            not isinstance(self.image, str)
-            or not self.image
-            or any(c.isspace() for c in self.image)
-        ):
-            raise ValueError(f"image {self.image!r} must be a non-empty image reference")
         _check_int(self.ps, what="ps", low=0)
         _check_int(self.workers, what="workers", low=0)
         _check_int(self.evaluators, what="evaluators", low=0)
@@ -249,6 +283,7 @@ class JobConfig:
         if self.pod_monitor and not self.metrics_port:
             raise ValueError("pod_monitor needs metrics: give a metrics_port other than 0")
         self._check_env()
+        check_settings(self)
 
     def _check_command(self) -> None:
         if self.script is not None and self.command is not None:

@@ -6,14 +6,36 @@ so that all four targets agree on them and the tests can check them without pars
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal
 
 from psflow.cluster import ClusterSpec, TaskSpec
 from psflow.deploy.config import JobConfig, parse_quantity
+from psflow.deploy.targets import check_settings_for
 
-TARGETS = ("kubernetes", "tfjob", "compose", "marathon")
+TARGETS = ("kubernetes", "tfjob", "trainer", "volcano", "compose", "marathon")
 """What ``psflow render`` can produce."""
+
+K8S_TARGETS = ("kubernetes", "tfjob", "trainer", "volcano")
+"""The targets whose tasks are Kubernetes pods."""
+
+TASK_INDEX_VAR = "PSFLOW_TASK_INDEX"
+"""Trainer and Volcano: the pod's index within its job, from the downward API; Kubernetes
+expands ``$(PSFLOW_TASK_INDEX)`` in the ``TF_CONFIG`` value after it, so one pod template gives
+every pod its own ``TF_CONFIG`` (psflow itself never reads it)."""
+
+INDEX_FIELDS = {
+    # JobSet's child Jobs are Indexed: each pod carries its completion index.
+    "trainer": "metadata.annotations['batch.kubernetes.io/job-completion-index']",
+    # Volcano's job controller annotates each pod with its index within its task.
+    "volcano": "metadata.annotations['volcano.sh/task-index']",
+}
+"""Where a pod of each target finds its index (a downward-API field path)."""
+
+TRAINER_NODE = "node"
+"""Trainer v2 applies a TrainJob's image, args, numNodes and resourcesPerNode to the replicated
+job labelled as the trainer step, in its container of this name: psflow's workers."""
 
 TENSORBOARD_PORT = 6006
 """TensorBoard's own default port."""
@@ -53,6 +75,30 @@ class Task:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Group:
+    """The tasks of one job as one pod template: a Trainer v2 replicated job or a Volcano task."""
+
+    job: str
+    """chief, ps, worker or evaluator."""
+    name: str
+    """The replicated job's or task's name (Trainer's workers: :data:`TRAINER_NODE`)."""
+    replicas: int
+    """Its pods."""
+    host: str | None
+    """The host of its first task (``None``: an evaluator, which nobody calls)."""
+    port: int
+    """The port its tasks listen on."""
+    tf_config: str
+    """``TF_CONFIG`` with ``$(PSFLOW_TASK_INDEX)`` for the index: Kubernetes expands it."""
+    gpus: int
+    """GPUs each of its pods asks for."""
+    index_field: str
+    """The downward-API field path that holds a pod's index."""
+    index: None = None
+    """A group stands for every index: its pods' labels carry none."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """A job laid out for one target."""
 
@@ -62,6 +108,8 @@ class Plan:
     """The cluster every task's ``TF_CONFIG`` describes."""
     tasks: tuple[Task, ...]
     """Every task, chief first, evaluators last."""
+    groups: tuple[Group, ...] = ()
+    """Trainer and Volcano: one pod template per job, in the order of :attr:`tasks`."""
 
 
 def host_for(config: JobConfig, target: str, job: str, index: int) -> str:
@@ -73,14 +121,26 @@ def host_for(config: JobConfig, target: str, job: str, index: int) -> str:
     if target == "marathon":
         # Mesos-DNS names an app `/<group>/<app>` as `<app>-<group>.marathon.mesos`.
         return f"{job}-{index}-{config.name}.marathon.mesos"
+    if target == "trainer":
+        # JobSet (named as the TrainJob) names replicated job R's Indexed Job `<set>-R-0`, its
+        # pods' host names `<set>-R-0-<index>`, in the headless Service (subdomain) `<set>`.
+        return f"{config.name}-{group_name(target, job)}-0-{index}.{config.name}"
+    if target == "volcano":
+        # Volcano's svc plugin: pod `<job>-<task>-<index>` in the headless Service `<job>`.
+        return f"{config.name}-{job}-{index}.{config.name}"
     return name
+
+
+def group_name(target: str, job: str) -> str:
+    """The replicated job (Trainer) or task (Volcano) that runs ``job``'s tasks."""
+    return TRAINER_NODE if target == "trainer" and job == "worker" else job
 
 
 def check_target(config: JobConfig, target: str) -> None:
     """Raises ``ValueError`` when ``config`` asks for something ``target`` cannot give."""
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}: expected one of {', '.join(TARGETS)}")
-    k8s = target in ("kubernetes", "tfjob")
+    k8s = target in K8S_TARGETS
     # Silently dropping the keys would run the job unencrypted while the user thinks otherwise.
     if k8s and config.keys_host_dir is not None and config.keys_secret is None:
         raise ValueError(
@@ -130,6 +190,7 @@ def plan(config: JobConfig, target: str) -> Plan:
         ['mnist-ps-0:2222', 'mnist-worker-0:2222']
     """
     check_target(config, target)
+    check_settings_for(config, target)
     counts = config.counts()
     # The v1 training operator lists evaluators in `cluster` too; psflow reads both forms.
     in_cluster = (
@@ -164,7 +225,29 @@ def plan(config: JobConfig, target: str) -> Plan:
                 gpus=config.gpus if spec.job in ("chief", "worker") else 0,
             )
         )
-    return Plan(target=target, cluster=cluster, tasks=tuple(tasks))
+    groups: list[Group] = []
+    if target in INDEX_FIELDS:
+        for job, n in counts.items():
+            if not n:
+                continue
+            first = TaskSpec(job=job, index=0)
+            # A sentinel index, replaced by the variable reference in the JSON text.
+            data = json.loads(cluster.to_tf_config(first))
+            data["task"]["index"] = -(10**9)
+            text = json.dumps(data, sort_keys=True).replace(str(-(10**9)), f"$({TASK_INDEX_VAR})")
+            groups.append(
+                Group(
+                    job=job,
+                    name=group_name(target, job),
+                    replicas=n,
+                    host=host_for(config, target, job, 0) if job != "evaluator" else None,
+                    port=config.port,
+                    tf_config=text,
+                    gpus=config.gpus if job in ("chief", "worker") else 0,
+                    index_field=INDEX_FIELDS[target],
+                )
+            )
+    return Plan(target=target, cluster=cluster, tasks=tuple(tasks), groups=tuple(groups))
 
 
 def cpus(config: JobConfig) -> float:

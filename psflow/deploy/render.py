@@ -16,8 +16,8 @@ import jinja2
 import yaml
 
 from psflow import env as envvars
-from psflow.deploy import layout
-from psflow.deploy.config import JobConfig
+from psflow.deploy import layout, settings
+from psflow.deploy.config import JobConfig, parse_quantity
 
 METRICS_PATH = "/metrics"
 """Where a task serves its metrics (``psflow.metrics.PATH``: deploy does not import it)."""
@@ -25,6 +25,8 @@ METRICS_PATH = "/metrics"
 OUTPUT_FILES = {
     "kubernetes": "kubernetes.yaml",
     "tfjob": "tfjob.yaml",
+    "trainer": "trainer.yaml",
+    "volcano": "volcano.yaml",
     # The name `docker compose` looks for by default, so no `-f` is needed.
     "compose": "compose.yaml",
     "marathon": "marathon.json",
@@ -85,6 +87,7 @@ def environment(template_dir: str | Path | None = None) -> jinja2.Environment:
     )
     env.filters["q"] = _yaml_quote
     env.filters["json"] = _json
+    env.filters["pull_secret"] = lambda name: {"name": name}
     return env
 
 
@@ -98,11 +101,19 @@ def context(config: JobConfig, target: str) -> dict[str, Any]:
     metrics_port = config.metrics_port if target != "marathon" else 0
     if metrics_port:
         env_vars.setdefault(envvars.PSFLOW_METRICS_PORT, str(metrics_port))
+    if config.mode is not None:
+        env_vars[envvars.PSFLOW_MODE] = config.mode
     return {
         "job": config,
         "target": target,
         "cluster": laid_out.cluster,
         "tasks": laid_out.tasks,
+        "groups": laid_out.groups,
+        "task_index_var": layout.TASK_INDEX_VAR,
+        "trainer_node": layout.TRAINER_NODE,
+        "runtime_name": f"psflow-{config.name}",
+        "resources": lambda gpus: resources(config, gpus),
+        "gang_demand": settings.gang_demand(config),
         "argv": config.argv(),
         "env": env_vars,
         "tf_config_var": envvars.TF_CONFIG,
@@ -112,10 +123,56 @@ def context(config: JobConfig, target: str) -> dict[str, Any]:
         "metrics_path": METRICS_PATH,
         "cpus": layout.cpus(config),
         "memory_mib": layout.memory_mib(config),
+        "compose_pull_policy": _COMPOSE_PULL.get(config.image_pull_policy or "", ""),
+        "compose_cpu_limit": (
+            float(parse_quantity(config.cpu_limit, what="cpu_limit")) if config.cpu_limit else None
+        ),
+        "compose_memory_limit": (
+            layout.compose_bytes(config.memory_limit) if config.memory_limit else None
+        ),
+        "marathon_volumes": _marathon_volumes(config),
         "compose_memory": (
             layout.compose_bytes(config.memory) if config.memory is not None else None
         ),
     }
+
+
+_COMPOSE_PULL = {"Always": "always", "IfNotPresent": "missing", "Never": "never"}
+"""Kubernetes' image pull policies in compose's words."""
+
+
+def _marathon_volumes(config: JobConfig) -> list[dict[str, str]]:
+    out = []
+    for path, host, mode in (
+        (config.logdir, config.logdir_host_dir, "RW"),
+        (config.keys_mount, config.keys_host_dir, "RO"),
+        (config.data_dir, config.data_host_dir, "RO"),
+    ):
+        if host:
+            out.append({"containerPath": path, "hostPath": host, "mode": mode})
+    return out
+
+
+def resources(config: JobConfig, gpus: int) -> dict[str, dict[str, Any]]:
+    """A container's ``resources``: the requests, the limits and ``gpus`` GPUs (empty: none).
+
+    Example:
+        >>> job = JobConfig(name="a", image="i", cpu="1", memory_limit="2Gi", script="t.py")
+        >>> resources(job, 1)
+        {'requests': {'cpu': '1'}, 'limits': {'memory': '2Gi', 'nvidia.com/gpu': 1}}
+    """
+    out: dict[str, dict[str, Any]] = {}
+    requests = {k: v for k, v in (("cpu", config.cpu), ("memory", config.memory)) if v}
+    limits: dict[str, Any] = {
+        k: v for k, v in (("cpu", config.cpu_limit), ("memory", config.memory_limit)) if v
+    }
+    if gpus:
+        limits["nvidia.com/gpu"] = gpus
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
 
 
 def render(config: JobConfig, target: str, *, template_dir: str | Path | None = None) -> Rendered:
