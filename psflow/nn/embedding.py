@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from psflow.nn.config import UNSET, TableConfig, Unset, table_config
+from psflow.nn.frozen import snapshot_index, traced
 from psflow.nn.gather import GatherRows, lookup
 from psflow.nn.table import TableModule
 from psflow.protocol import RowOptimizerSpec
@@ -109,6 +110,10 @@ class Embedding(TableModule):
         )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        snap = self._snapshot(input.device)
+        if snap is not None:  # a hashed table in eval mode: read-only, zeros for ids not held
+            self._check_dtype(input)
+            return F.embedding(snapshot_index(snap, input, self.padding_idx), snap.table)
         if not self._uses_rows:
             self._local_ids(input)
             return F.embedding(
@@ -266,12 +271,37 @@ class EmbeddingBag(TableModule):
         offsets: torch.Tensor | None = None,
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        snap = self._snapshot(input.device)
+        onnx_by_tracing = torch.onnx.is_in_onnx_export() and torch.jit.is_tracing()
+        if self.padding_idx is not None and onnx_by_tracing:
+            raise RuntimeError(
+                f"{self._label()} has a padding id, and torch.onnx.export(dynamo=False) "
+                "cannot export embedding_bag with one: use torch.onnx.export(..., "
+                "dynamo=True), the default"
+            )
         mode = self.mode
         checked = mode == "sqrtn" or (mode == "mean" and per_sample_weights is not None)
         if checked:  # TensorFlow's combiner: torch's "sum", each weight over its bag's norm
             self._check_bags(input, offsets, per_sample_weights)
             per_sample_weights = self._normalised(input, offsets, per_sample_weights)
             mode = "sum"
+        if snap is not None:  # a hashed table in eval mode: read-only, zeros for ids not held
+            if not checked:
+                self._check_bags(input, offsets, per_sample_weights)
+            self._check_dtype(input)
+            return F.embedding_bag(
+                snapshot_index(snap, input, self.padding_idx),
+                snap.table,
+                offsets,
+                None,
+                2.0,
+                False,
+                mode,
+                False,
+                per_sample_weights,
+                self.include_last_offset,
+                None if self.padding_idx is None else snap.padding,
+            )
         if not self._uses_rows:
             self._local_ids(input)
             return F.embedding_bag(
@@ -348,6 +378,15 @@ class EmbeddingBag(TableModule):
             else torch.cat([offsets[1:], offsets.new_tensor([input.numel()])])
         )
         starts = offsets[:-1] if self.include_last_offset else offsets
+        if traced():
+            # No value-dependent size or check recorded: each id's bag is the last one
+            # starting at or before it (the same for offsets that cover the ids in order).
+            at = torch.arange(input.numel(), device=input.device)
+            bag = torch.searchsorted(starts, at, right=True) - 1
+            norm = torch.zeros(len(starts), device=w.device, dtype=w.dtype).index_add(
+                0, bag, w.square() if sqrtn else w
+            )
+            return _divided(w, (norm.sqrt() if sqrtn else norm)[bag])
         bag = torch.repeat_interleave(
             torch.arange(len(starts), device=input.device), (ends - starts).clamp_min(0)
         )

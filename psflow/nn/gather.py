@@ -7,12 +7,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import psflow.sparse.kernels as kernels
-from psflow.nn.table import TableModule
+
+if TYPE_CHECKING:
+    from psflow.nn.table import TableModule
 
 
 class GatherRows(torch.autograd.Function):

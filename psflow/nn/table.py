@@ -9,7 +9,9 @@
   backward pass by a row-wise optimizer (TorchRec's fused backward and optimizer).
 
 The table itself is a :class:`~psflow.nn.config.TableConfig` (``config.py``); what the module
-holds on this process and saves, :class:`~psflow.nn.state.TableState` (``state.py``).
+holds on this process and saves, :class:`~psflow.nn.state.TableState` (``state.py``); its eval
+mode and what tracing and exporting may record, :class:`~psflow.nn.frozen.FrozenTable`
+(``frozen.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 from psflow.nn.config import DTYPES, TableConfig
-from psflow.nn.state import TableState
+from psflow.nn.frozen import FrozenTable, traced
 from psflow.protocol import TableSpec
 from psflow.sparse import initial_rows
 
@@ -73,7 +75,7 @@ def batch_rows(
     return source.rows(table, unique), positions
 
 
-class TableModule(TableState):
+class TableModule(FrozenTable):
     """What :class:`Embedding` and :class:`EmbeddingBag` share: a table that a worker can place
     on the parameter servers, built from its :class:`~psflow.nn.config.TableConfig`.
 
@@ -89,9 +91,21 @@ class TableModule(TableState):
     - attached (:meth:`attach`): no weight; each forward pass asks the :class:`RowSource` for the
       rows of the unique ids of its batch.
 
+    In eval mode (``module.eval()``) a local hashed table is read-only, as a served model is:
+    its rows are read from a :class:`~psflow.nn.frozen.Snapshot` of what it holds, an id it
+    does not hold reads a row of zeros (as the padding id does), and nothing is trained in the
+    backward pass. In training mode an id not held reads its initial row, as on the ps.
+
+    Tracing and exporting (``torch.jit.trace``, ``torch.export``, ONNX) record the local forward
+    pass exactly: a fixed table's ``F.embedding``, a hashed table's snapshot lookup (eval mode
+    only). What cannot be recorded is refused with an error that says what to do instead: an
+    attached table (its rows are on the ps), a hashed table in training mode, any table under
+    ``torch.jit.script``.
+
     Ids out of range (negative, or ``>= num_embeddings``) are refused with the table and the
-    id named, before any row is asked for. ``max_norm`` is refused: it renormalises rows in place
-    in the forward pass, which a table held by the ps cannot do.
+    id named, before any row is asked for (not when traced: there ``F.embedding`` checks).
+    ``max_norm`` is refused: it renormalises rows in place in the forward pass, which a table
+    held by the ps cannot do.
 
     Args:
         config: the table.
@@ -257,6 +271,8 @@ class TableModule(TableState):
     def _local_ids(self, ids: torch.Tensor) -> None:
         """Check the ids of a batch for the local weight."""
         self._check_dtype(ids)
+        if traced():  # a value-dependent check is not recorded; F.embedding's own index is
+            return
         # On CPU only: on an accelerator, reading the extremes back would stall every forward
         # pass of a module meant to cost what torch's costs; there torch's own (asynchronous)
         # index check reports a bad id, without the table's name.

@@ -239,6 +239,12 @@ class HashedRows(Rows):
         return self._n
 
     @property
+    def version(self) -> int:
+        """A count that changes whenever the rows held do (an update or a load): a copy taken
+        at one version is still the rows while it stays."""
+        return self._tick
+
+    @property
     def nbytes(self) -> int:
         tensors = [self.values, self.slot_ids, self.last_update, *self.state.values()]
         if self._sketch is not None:
