@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from typing import Any
 
 import torch
+from fsspec.implementations.local import LocalFileSystem
 from safetensors.torch import load as st_load
 
 from psflow.ps.files import url_to_fs
@@ -126,21 +129,96 @@ def decode(data: bytes, source: str) -> tuple[dict[str, torch.Tensor], dict[str,
         raise _fail(source, str(e)) from None
 
 
-def read_bytes(url: str) -> bytes:
-    """A safetensors file's bytes, its header length checked before the rest is read."""
+def _kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def _inside(path: str, root: str) -> bool:
+    real, base = os.path.realpath(path), os.path.realpath(root)
+    return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
+
+
+def check_regular(url: str, root: str | None = None) -> None:
+    """Refuses, before it is opened, anything at ``url`` but a regular file: a FIFO (whose
+    ``open`` would block until a writer came), a device, a directory where a file belongs, and
+    with ``root`` a symlink (or a path through one) that leads out of ``root``.
+
+    Raises:
+        FileNotFoundError: when there is nothing at ``url``.
+        ValueError: naming ``url`` and what it is.
+    """
     fs, path = url_to_fs(url)
-    size = fs.size(path)
-    with fs.open(path, "rb") as f:
+    if not isinstance(fs, LocalFileSystem):
+        kind = fs.info(path).get("type")
+        if kind != "file":
+            raise ValueError(f"{url}: a {kind or 'non-file'} where a file belongs (not read)")
+        return
+    os.lstat(path)  # FileNotFoundError for nothing there
+    if root is not None:
+        _, root_path = url_to_fs(root)
+        if not _inside(path, root_path):
+            raise ValueError(
+                f"{url}: a symlink to {os.path.realpath(path)}, outside {root} (not read)"
+            )
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{url}: {_kind(mode)} where a file belongs (not read)")
+
+
+def open_regular(url: str, root: str | None = None) -> Any:
+    """``url`` opened for reading (binary) once :func:`check_regular` passed it; a local file
+    is opened without blocking and checked again on its descriptor, so that a FIFO put there
+    since the check is refused, not waited on."""
+    check_regular(url, root)
+    fs, path = url_to_fs(url)
+    if not isinstance(fs, LocalFileSystem):
+        return fs.open(path, "rb")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"{url}: {_kind(mode)} where a file belongs (not read)")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_bytes(url: str, root: str | None = None) -> bytes:
+    """A safetensors file's bytes, its header length checked before the rest is read; a
+    special file (and with ``root``, a symlink out of it) refused before it is opened."""
+    with open_regular(url, root) as f:
+        size = _size(f)
         head = f.read(8)
-    check_header_length(head, int(size), url)
-    data: bytes = fs.cat_file(path)
+        check_header_length(head, size, url)
+        data: bytes = head + f.read(size - len(head))
+    if len(data) != size:
+        raise _fail(url, f"{len(data)} bytes read of {size}: it changed while it was read")
     return data
 
 
-def read(url: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def _size(f: Any) -> int:
+    try:
+        return os.fstat(f.fileno()).st_size
+    except (AttributeError, OSError, ValueError):
+        return int(f.size)
+
+
+def read(url: str, root: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors and metadata of the safetensors file at ``url`` (local path or fsspec URL).
 
     Raises:
-        ValueError: naming the file (and the byte offset) when it is not a consistent file.
+        ValueError: naming the file (and the byte offset) when it is not a consistent file, or
+            not a regular file (see :func:`check_regular`; ``root`` as there).
     """
-    return decode(read_bytes(url), url)
+    return decode(read_bytes(url, root), url)

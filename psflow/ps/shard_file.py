@@ -174,15 +174,17 @@ def encode_shard(snap: ShardSnapshot) -> bytes:
     return st_save({n: t.contiguous() for n, t in snap.tensors.items()}, metadata=snap.metadata)
 
 
-def read_shard(url: str) -> ShardFile:
+def read_shard(url: str, root: str | None = None) -> ShardFile:
     """Reads one shard file (safetensors only: nothing in it can run code).
 
     Raises:
         ValueError: naming the file (and the byte offset where one applies) when it is not a
             psflow shard: truncated, corrupt, or with a header length past its end (refused
-            before the rest of the file is read).
+            before the rest of the file is read); or when it is not a regular file, or with
+            ``root`` (the checkpoint directory) a symlink out of it (refused before it is
+            opened).
     """
-    return decode_shard(safefile.read_bytes(url), url)
+    return decode_shard(safefile.read_bytes(url, root), url)
 
 
 def decode_shard(data: bytes, source: str) -> ShardFile:

@@ -5,10 +5,13 @@ goes on training; a background thread waits for every shard file, then publishes
 and the ``latest`` pointer (:class:`~psflow.train.manifest.CheckpointDir`) and prunes. In
 all-reduce mode the one "ps" is the chief's own model (:class:`~psflow.train.local_shard.LocalShard`).
 
-Restoring (:func:`load_checkpoint`, :meth:`Checkpoint.place`): the shard files are read back,
-partitions are concatenated into whole parameters (optimizer state tensors of the parameter's
-shape with them; scalars such as Adam's ``step`` copied), and the result is re-placed for the
-current number of ps tasks, which need not be the number that saved it.
+Restoring (:func:`load_checkpoint`, :meth:`Checkpoint.place`; in
+:mod:`psflow.train.checkpoint_read`): the shard files are read back and checked
+(:mod:`psflow.train.checkpoint_check`), partitions are concatenated into whole parameters
+(optimizer state tensors of the parameter's shape with them; scalars such as Adam's ``step``
+copied), and the result is re-placed for the current number of ps tasks, which need not be the
+number that saved it. Exporting (:func:`export_state_dict`): in
+:mod:`psflow.train.checkpoint_export`. Both are re-exported here.
 """
 
 from __future__ import annotations
@@ -17,26 +20,33 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from safetensors.torch import save as st_save
 
 from psflow.metrics import WorkerMetrics
-from psflow.protocol import Key, OptimizerSpec, SaveState, ScheduleSpec, TableSpec
-from psflow.ps.checkpoint import (
-    ShardFile,
-    atomic_write,
-    read_shard,
-    url_to_fs,
+from psflow.protocol import Key, SaveState
+from psflow.train.checkpoint_export import (
+    export_state_dict,
+    fixed_tables,
+    hashed_tables,
+    table_tensors,
 )
-from psflow.ps.tables import read_table_tensors
+from psflow.train.checkpoint_read import Checkpoint, load_checkpoint
 from psflow.train.manifest import CheckpointDir, Manifest, VariableEntry
 from psflow.transport.wire import dtype_name
-from psflow.worker.client import Tensors
-from psflow.worker.opt_state import place_optimizer_state
 from psflow.worker.placement import Piece
+
+__all__ = [
+    "Checkpoint",
+    "Checkpointer",
+    "ShardSaver",
+    "export_state_dict",
+    "fixed_tables",
+    "hashed_tables",
+    "load_checkpoint",
+    "table_tensors",
+]
 
 log = logging.getLogger(__name__)
 
@@ -59,242 +69,6 @@ class ShardSaver(Protocol):
     def save_status(self, url_of: dict[int, str]) -> dict[int, dict[str, Any]]: ...
 
     def close(self) -> None: ...
-
-
-@dataclass(kw_only=True)
-class Checkpoint:
-    """A checkpoint reassembled into whole parameters, independent of any placement."""
-
-    name: str
-    manifest: Manifest
-    params: dict[str, torch.Tensor]
-    opt_tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-    opt_plain: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    @property
-    def global_step(self) -> int:
-        return self.manifest.global_step
-
-    @property
-    def optimizer(self) -> OptimizerSpec:
-        return OptimizerSpec.from_wire(self.manifest.optimizer)
-
-    @property
-    def lr_schedule(self) -> ScheduleSpec | None:
-        """The learning-rate schedule the job trained with (``None``: none).
-
-        Raises:
-            ValueError: when this torch cannot run it (``manifest.lr_schedule`` is the data).
-        """
-        wired = self.manifest.lr_schedule
-        return None if wired is None else ScheduleSpec.from_wire(wired)
-
-    def check_model(self, params: dict[str, torch.Tensor]) -> None:
-        """Raises ``ValueError`` naming the first parameter that differs from the checkpoint."""
-        missing = sorted(set(params) - set(self.params))
-        extra = sorted(set(self.params) - set(params))
-        if missing or extra:
-            raise ValueError(
-                f"checkpoint {self.name} does not match the model: missing {missing}, "
-                f"not in the model {extra}"
-            )
-        for name, p in params.items():
-            t = self.params[name]
-            if t.shape != p.shape or t.dtype != p.dtype:
-                raise ValueError(
-                    f"checkpoint {self.name}: {name!r} is {dtype_name(t.dtype)}{list(t.shape)}, "
-                    f"the model has {dtype_name(p.dtype)}{list(p.shape)}"
-                )
-
-    def optimizer_state_refused(self, spec: OptimizerSpec) -> str | None:
-        """Why the optimizer state saved here cannot go to ``spec``'s optimizer (``None`` when
-        it can): another optimizer, or state without a key that ``spec`` keeps (saved by
-        ``Adam``, restored into ``Adam(amsgrad=True)``, whose every step would fail on the ps
-        for want of ``max_exp_avg_sq``). Keys ``spec`` does not keep are harmless: dropped."""
-        if self.optimizer.name != spec.name:
-            return f"it was saved with {self.optimizer.name}, the job uses {spec.name}"
-        return spec.lacking(
-            (
-                var,
-                self.params[var].dtype if var in self.params else torch.float32,
-                {*self.opt_tensors.get(var, {}), *self.opt_plain.get(var, {})},
-            )
-            for var in sorted(set(self.opt_tensors) | set(self.opt_plain))
-        )
-
-    def place(
-        self, pieces: Sequence[Piece]
-    ) -> tuple[dict[int, Tensors], dict[int, dict[str, dict[str, Any]]]]:
-        """Each shard's variables and optimizer-state tensors, and its non-tensor state."""
-        values: dict[int, Tensors] = {}
-        for p in pieces:
-            values.setdefault(p.shard, []).append((p.var, _rows(self.params[p.param], p.rows)))
-        state, plain = place_optimizer_state(pieces, self.opt_tensors, self.opt_plain)
-        for shard, tensors in state.items():
-            values.setdefault(shard, []).extend(tensors)
-        return values, plain
-
-
-def _rows(t: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
-    return t if rows is None else t[rows[0] : rows[1]].contiguous()
-
-
-def load_checkpoint(checkpoint_dir: str, name: str | None = None) -> Checkpoint | None:
-    """Reads a checkpoint (the latest complete one by default); ``None`` when there is none.
-
-    Example:
-        >>> load_checkpoint("memory://nothing-here") is None
-        True
-    """
-    d = CheckpointDir(checkpoint_dir)
-    name = name or d.latest()
-    if name is None:
-        return None
-    manifest = d.manifest(name)
-    files: dict[str, ShardFile] = {}
-    for entry in manifest.variables:
-        if entry.file not in files:
-            url = d.url_of(f"{name}/{entry.file}")
-            try:
-                files[entry.file] = read_shard(url)
-            except FileNotFoundError:
-                raise ValueError(f"{url}, named in {name}'s manifest, does not exist") from None
-    by_param: dict[str, list[VariableEntry]] = {}
-    for entry in manifest.variables:
-        by_param.setdefault(entry.param, []).append(entry)
-    params: dict[str, torch.Tensor] = {}
-    opt_tensors: dict[str, dict[str, torch.Tensor]] = {}
-    opt_plain: dict[str, dict[str, Any]] = {}
-    for param, entries in by_param.items():
-        entries.sort(key=lambda e: e.rows[0] if e.rows else 0)
-        parts, states = [], []
-        for e in entries:
-            shard = files[e.file]
-            value = shard.tensors.get(e.var)
-            if value is None:
-                raise ValueError(f"{name}/{e.file} lacks variable {e.var!r} named in the manifest")
-            if list(value.shape) != list(e.shape):
-                raise ValueError(
-                    f"{name}/{e.file}: {e.var!r} has shape {list(value.shape)}, "
-                    f"the manifest says {e.shape}"
-                )
-            parts.append(value)
-            states.append(shard.optimizer_tensors().get(e.var, {}))
-            if e.var in shard.opt_state:
-                opt_plain.setdefault(param, shard.opt_state[e.var])
-        where = f"{name}/{','.join(sorted({e.file for e in entries}))}"
-        params[param] = _join(parts, where, repr(param))
-        keys = set().union(*states)
-        for key in sorted(keys):
-            ts = [s[key] for s in states if key in s]
-            if len(ts) != len(parts):
-                raise ValueError(f"{where}: optimizer state {key!r} missing for part of {param!r}")
-            joined = ts[0] if len(ts) == 1 or ts[0].dim() == 0 else _join(ts, where, key)
-            opt_tensors.setdefault(param, {})[key] = joined
-        expected = manifest.params.get(param, {}).get("shape")
-        if expected is not None and list(params[param].shape) != list(expected):
-            raise ValueError(
-                f"{name}: {param!r} reassembles to {list(params[param].shape)}, "
-                f"the manifest says {expected}"
-            )
-    return Checkpoint(
-        name=name, manifest=manifest, params=params, opt_tensors=opt_tensors, opt_plain=opt_plain
-    )
-
-
-def _join(parts: list[torch.Tensor], where: str, what: str) -> torch.Tensor:
-    """Row-partitioned parts concatenated; parts that do not fit together are the files' fault."""
-    if len(parts) == 1:
-        return parts[0]
-    try:
-        return torch.cat(parts)
-    except RuntimeError as e:
-        raise ValueError(f"{where}: the parts of {what} do not fit together: {e}") from None
-
-
-def export_state_dict(checkpoint_dir: str, out: str, name: str | None = None) -> Checkpoint:
-    """Writes the checkpoint's parameters as a plain safetensors state dict.
-
-    ``model.load_state_dict(safetensors.torch.load_file(out))`` loads it with no cluster
-    (use ``strict=False`` for a model with buffers: the ps holds parameters only). Each
-    fixed-size embedding table is written whole as ``<table>.weight``, the name a
-    ``torch.nn.Embedding`` (or ``psflow.nn.Embedding``) at that path loads; each hashed table
-    as ``<table>.ids`` and ``<table>.rows`` (its rows in id order), which a hashed
-    ``psflow.nn`` table at that path loads (optimizer state is not written, as for the
-    fixed ones).
-    """
-    ckpt = load_checkpoint(checkpoint_dir, name)
-    if ckpt is None:
-        raise ValueError(f"no complete checkpoint in {checkpoint_dir}")
-    tensors = {n: t.contiguous() for n, t in ckpt.params.items()}
-    if ckpt.manifest.tables:
-        saved = table_tensors(checkpoint_dir, ckpt)
-        tensors.update(fixed_tables(checkpoint_dir, ckpt, saved))
-        tensors.update(hashed_tables(ckpt, saved))
-    data = st_save(tensors, metadata={"global_step": str(ckpt.global_step), "source": ckpt.name})
-    fs, path = url_to_fs(out)
-    atomic_write(fs, path, data)
-    return ckpt
-
-
-def fixed_tables(
-    checkpoint_dir: str,
-    ckpt: Checkpoint,
-    saved: dict[str, list[dict[str, torch.Tensor]]] | None = None,
-) -> dict[str, torch.Tensor]:
-    """The checkpoint's fixed-size embedding tables, each assembled whole from its shards'
-    rows, as ``<table>.weight`` (from ``saved``, :func:`table_tensors`, when given)."""
-    specs = _table_specs(ckpt, hashed=False)
-    if not specs:
-        return {}
-    if saved is None:
-        saved = table_tensors(checkpoint_dir, ckpt)
-    out = {}
-    for table, spec in specs.items():
-        assert spec.num_embeddings is not None
-        weight = torch.zeros(
-            (spec.num_embeddings, spec.embedding_dim), dtype=getattr(torch, spec.dtype)
-        )
-        for part in saved.get(table, []):
-            weight[part["ids"]] = part["values"]
-        out[f"{table}.weight"] = weight
-    return out
-
-
-def hashed_tables(
-    ckpt: Checkpoint, saved: dict[str, list[dict[str, torch.Tensor]]]
-) -> dict[str, torch.Tensor]:
-    """The checkpoint's hashed tables (from ``saved``, :func:`table_tensors`), each as
-    ``<table>.ids`` and ``<table>.rows``, its shards' rows together in id order."""
-    out = {}
-    for table, spec in _table_specs(ckpt, hashed=True).items():
-        parts = saved.get(table, [])
-        where = f"{ckpt.name}: table {table!r}"
-        if parts:
-            ids = _join([p["ids"] for p in parts], where, "ids")
-            rows = _join([p["values"] for p in parts], where, "rows")
-        else:
-            ids = torch.empty(0, dtype=torch.int64)
-            rows = torch.empty(0, spec.embedding_dim, dtype=getattr(torch, spec.dtype))
-        order = torch.argsort(ids)
-        out[f"{table}.ids"] = ids[order]
-        out[f"{table}.rows"] = rows[order]
-    return out
-
-
-def _table_specs(ckpt: Checkpoint, *, hashed: bool) -> dict[str, TableSpec]:
-    """The checkpoint's hashed tables' specs, or its fixed-size ones', by name."""
-    specs = {n: TableSpec.from_wire(t["spec"]) for n, t in ckpt.manifest.tables.items()}
-    return {n: spec for n, spec in specs.items() if (spec.num_embeddings is None) == hashed}
-
-
-def table_tensors(
-    checkpoint_dir: str, ckpt: Checkpoint
-) -> dict[str, list[dict[str, torch.Tensor]]]:
-    """Every embedding table's rows in ``ckpt``'s shard files: per table, one map (``ids``,
-    ``values``, ``opt/<key>``) per shard file that holds part of it."""
-    urls = CheckpointDir(checkpoint_dir).shard_urls(ckpt.name, ckpt.manifest.num_shards)
-    return read_table_tensors(urls)
 
 
 class Checkpointer:

@@ -35,16 +35,18 @@ def _tf_prefix(path: str) -> str | None:
 
 
 def inspect(args: argparse.Namespace) -> int:
+    from psflow.train.checkpoint import load_checkpoint
     from psflow.train.manifest import CheckpointDir
 
     prefix = _tf_prefix(args.dir)
     if prefix is not None:
         return _inspect_tf(prefix)
     d = CheckpointDir(args.dir)
-    name = args.name or d.latest()
-    if name is None:
+    # Read and checked whole, as export and a restore read it: what one refuses, all refuse.
+    ckpt = load_checkpoint(args.dir, args.name)
+    if ckpt is None:
         raise ValueError(f"no complete checkpoint in {args.dir}")
-    m = d.manifest(name)
+    name, m = ckpt.name, ckpt.manifest
     if args.json:
         print(m.to_json())
         return 0
@@ -67,17 +69,13 @@ def inspect(args: argparse.Namespace) -> int:
         print("embedding tables:")
         width = max(len(t) for t in m.tables)
         for table, entry in sorted(m.tables.items()):
-            spec = entry["spec"]
-            size = spec.get("num_embeddings")
-            kind = (
-                f"{size} x {spec.get('embedding_dim')}"
-                if size
-                else f"hashed x {spec.get('embedding_dim')}"
-            )
-            optimizer = (spec.get("optimizer") or {}).get("name")
+            spec = ckpt.table_specs[table]
+            size = spec.num_embeddings
+            kind = f"{size} x {spec.embedding_dim}" if size else f"hashed x {spec.embedding_dim}"
+            optimizer = spec.optimizer.name if spec.optimizer else None
             print(
                 f"  {table:<{width}}  {kind:<20} rows {entry['rows']:<10} "
-                f"{entry['bytes'] / 1e6:.1f} MB  partition {spec.get('partition')}  "
+                f"{entry['bytes'] / 1e6:.1f} MB  partition {spec.partition}  "
                 f"row-wise {optimizer}"
             )
     return 0

@@ -31,7 +31,7 @@ from psflow import env as envvars
 from psflow.protocol import RowOptimizerSpec, TableSpec
 from psflow.ps.checkpoint import CKPT_DIR_RE, join, url_to_fs
 from psflow.sparse import Rows, make_rows
-from psflow.train.checkpoint import fixed_tables, load_checkpoint, table_tensors
+from psflow.train.checkpoint import fixed_tables, load_checkpoint
 from psflow.train.manifest import MANIFEST, CheckpointDir, CheckpointInfo, Manifest
 from psflow.worker.placement import dense_parameters
 from psflow.worker.tables import tables_of
@@ -299,8 +299,8 @@ class Evaluator:
             for n, p in params.items():
                 p.copy_(ckpt.params[n])
             if modules:
-                saved = table_tensors(self.dir.url, ckpt)
-                weights = fixed_tables(self.dir.url, ckpt, saved)
+                saved = ckpt.tables  # read and checked by load_checkpoint
+                weights = fixed_tables(self.dir.url, ckpt)
                 for table, module in modules.items():
                     spec = TableSpec.from_wire(ckpt.manifest.tables[table]["spec"])
                     mine = (module.num_embeddings, module.embedding_dim)

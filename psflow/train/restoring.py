@@ -204,17 +204,25 @@ class Restoring:
                 ckpt.global_step,
             )
         tables = table_specs(tables_of(self.model), spec)
-        fresh = self._client.initialize_restored(
-            values,
-            plain,
-            spec,
-            ckpt.global_step,
-            replace=replace,
-            schedule=self.lr_schedule,
-            tables=[t.to_wire() for t in tables],
-            tables_from=d.shard_urls(ckpt.name, ckpt.manifest.num_shards),
-            timeout=timeout,
-        )
+        try:
+            fresh = self._client.initialize_restored(
+                values,
+                plain,
+                spec,
+                ckpt.global_step,
+                replace=replace,
+                schedule=self.lr_schedule,
+                tables=[t.to_wire() for t in tables],
+                tables_from=d.shard_urls(ckpt.name, ckpt.manifest.num_shards),
+                timeout=timeout,
+            )
+        except PeerError as e:
+            if isinstance(e, PeerTimeoutError | PeerLostError):
+                raise  # no answer: the recovery's to handle, not a refusal
+            # The ps's own one-line reason is what the user needs, not the client's traceback.
+            raise ValueError(
+                f"{d.url_of(ckpt.name)}: {e.peer} refused the restore: {e.detail}"
+            ) from None
         if fresh:
             self.restored_from = ckpt.name
             log.info(
