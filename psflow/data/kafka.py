@@ -1,0 +1,474 @@
+"""Reading a Kafka topic: each worker its share of the partitions, at an exact, saveable position.
+
+:class:`KafkaReader` assigns itself partitions ``worker_index, worker_index + num_workers, ...``
+of the topic's partitions in order (no consumer group, no rebalance: a worker's share is fixed
+by its index, as its share of files is), and hands out records in each partition's order. Its
+:meth:`~KafkaReader.state` is the offset of the next record to hand out in each partition of its
+share, plain data (``{"source": "kafka", "topic": ..., "offsets": {"0": 17, ...}}``) that a
+checkpoint can hold; :meth:`~KafkaReader.restore` goes back there. The states of all workers
+merge into one (:func:`merge_states`) that any number of workers can restore from, each taking
+its own partitions' offsets.
+
+Records are ``tf.train.Example`` bytes, parsed a batch at a time by
+:func:`psflow.data.parse_examples` (:meth:`~KafkaReader.read_examples`), or anything a parser
+given to the reader turns bytes into (:meth:`~KafkaReader.read`). A record that does not parse
+is counted and skipped, or stops the reader (:class:`BadRecordError`), as
+:attr:`KafkaConfig.on_bad_record` says; either way the topic, partition and offset are named.
+
+A broker that goes away: each read waits at most its timeout and returns what it has; while no
+broker answers, the reader logs whom it is waiting for (every ``wait_log_s``), and goes on from
+its position when the broker is back; past ``max_wait_s`` (if set) it raises ``TimeoutError``
+naming the broker. Every call to the client has a timeout.
+
+The client is confluent-kafka (librdkafka), ``pip install psflow[kafka]``, imported when a
+reader is made.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+from psflow.data.features import FeatureSpec, parse_examples
+
+log = logging.getLogger(__name__)
+
+SOURCE = "kafka"
+"""The ``source`` of a Kafka reader's state."""
+
+
+@dataclass(kw_only=True)
+class KafkaConfig:
+    """A Kafka reader: the topic, this worker's place among those sharing it, and its waits."""
+
+    brokers: str
+    """Bootstrap brokers, ``host:port[,host:port...]``."""
+    topic: str
+    """The topic to read."""
+    worker_index: int = 0
+    """This worker's index among ``num_workers``: it reads the topic's partitions
+    ``worker_index, worker_index + num_workers, ...`` (in partition order)."""
+    num_workers: int = 1
+    """Workers sharing the topic; at most its number of partitions."""
+    start: Literal["earliest", "latest"] = "earliest"
+    """Where a partition of the share starts when no restored state gives its offset: its
+    oldest record on the broker, or the next one to arrive."""
+    on_bad_record: Literal["skip", "raise"] = "skip"
+    """A record that does not parse: counted (``stats["bad_records"]``), logged and skipped,
+    or :class:`BadRecordError` (the position stays at the record, for a later read to retry)."""
+    poll_timeout_s: float = 1.0
+    """The longest one call to the client waits for records."""
+    request_timeout_s: float = 10.0
+    """The longest a metadata or offset request to the broker waits."""
+    wait_log_s: float = 10.0
+    """While no broker answers: how often the reader logs whom it waits for."""
+    max_wait_s: float | None = None
+    """How long the reader waits for a broker that went away (or a topic that is not there)
+    before ``TimeoutError``; ``None``: as long as it takes (a job that trains from a stream
+    waits for it), logging every ``wait_log_s``."""
+    client: Mapping[str, Any] = field(default_factory=dict)
+    """More librdkafka settings (``security.protocol``, ``sasl.*``, ``fetch.*`` ...)."""
+
+    def __post_init__(self) -> None:
+        if not self.brokers or not isinstance(self.brokers, str):
+            raise ValueError(
+                f"KafkaConfig: brokers must be 'host:port[,...]', got {self.brokers!r}"
+            )
+        if not self.topic:
+            raise ValueError("KafkaConfig: topic is empty")
+        if self.num_workers < 1 or not 0 <= self.worker_index < self.num_workers:
+            raise ValueError(
+                f"KafkaConfig: worker_index={self.worker_index} must be in "
+                f"[0, num_workers={self.num_workers})"
+            )
+        if self.start not in ("earliest", "latest"):
+            raise ValueError(
+                f"KafkaConfig: start must be 'earliest' or 'latest', got {self.start!r}"
+            )
+        if self.on_bad_record not in ("skip", "raise"):
+            raise ValueError(
+                f"KafkaConfig: on_bad_record must be 'skip' or 'raise', got {self.on_bad_record!r}"
+            )
+        for name in ("poll_timeout_s", "request_timeout_s", "wait_log_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"KafkaConfig: {name} must be > 0, got {getattr(self, name)!r}")
+        if self.max_wait_s is not None and not self.max_wait_s > 0:
+            raise ValueError(
+                f"KafkaConfig: max_wait_s must be > 0 or None, got {self.max_wait_s!r}"
+            )
+
+
+class StreamRecord(NamedTuple):
+    """One record handed out: where it was, and its value (parsed, or the bytes)."""
+
+    partition: int
+    offset: int
+    value: Any
+
+
+class BadRecordError(ValueError):
+    """A record that does not parse, with ``on_bad_record="raise"``; names where it is."""
+
+    def __init__(self, topic: str, partition: int, offset: int, reason: str) -> None:
+        super().__init__(
+            f"kafka topic {topic!r} partition {partition} offset {offset}: the record does not "
+            f"parse: {reason} (KafkaConfig(on_bad_record='skip') counts and skips such records)"
+        )
+        self.topic, self.partition, self.offset = topic, partition, offset
+
+
+def merge_states(states: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """The states of the readers sharing one topic as one (each partition's offset from the
+    reader that holds it), which any number of readers can :meth:`~KafkaReader.restore` from."""
+    topic: str | None = None
+    offsets: dict[str, int] = {}
+    for state in states:
+        checked = _checked_state(state, topic)
+        topic = checked["topic"]
+        for p, off in checked["offsets"].items():
+            if str(p) in offsets:
+                raise ValueError(f"kafka states: partition {p} of {topic!r} is in two of them")
+            offsets[str(p)] = off
+    if topic is None:
+        raise ValueError("kafka states: none given")
+    return {"source": SOURCE, "topic": topic, "offsets": offsets}
+
+
+def _checked_state(state: Mapping[str, Any], topic: str | None) -> dict[str, Any]:
+    if not isinstance(state, Mapping) or state.get("source") != SOURCE:
+        raise ValueError(f"not a kafka reader's state: {state!r:.200}")
+    name = state.get("topic")
+    if not isinstance(name, str) or (topic is not None and name != topic):
+        raise ValueError(f"kafka state: topic {name!r}, expected {topic!r}")
+    offsets = state.get("offsets")
+    if not isinstance(offsets, Mapping):
+        raise ValueError(
+            f"kafka state of {name!r}: offsets must be a mapping, got {offsets!r:.200}"
+        )
+    out: dict[int, int] = {}
+    for p, off in offsets.items():
+        try:
+            part = int(p)
+        except (TypeError, ValueError):
+            raise ValueError(f"kafka state of {name!r}: partition {p!r} is not a number") from None
+        if isinstance(off, bool) or not isinstance(off, int) or off < 0 or part < 0:
+            raise ValueError(f"kafka state of {name!r}: partition {p!r} offset {off!r} is invalid")
+        out[part] = off
+    return {"topic": name, "offsets": out}
+
+
+class KafkaReader:
+    """Reads this worker's share of a Kafka topic's partitions, at an exact position.
+
+    Args:
+        config: the topic, the worker's place, the waits.
+        parser: turns a record's bytes into what :meth:`read` hands out (an exception: a bad
+            record); ``None``: the bytes themselves.
+
+    Example:
+        >>> reader = KafkaReader(KafkaConfig(brokers="127.0.0.1:9092", topic="clicks",
+        ...                                  worker_index=ctx.worker_index,
+        ...                                  num_workers=ctx.num_workers))  # doctest: +SKIP
+        >>> batch = reader.read_examples(512, ctr_spec())    # doctest: +SKIP
+        >>> saved = reader.state()   # plain data: the next offset of each partition
+        >>> reader.restore(saved)    # doctest: +SKIP
+    """
+
+    def __init__(
+        self, config: KafkaConfig, *, parser: Callable[[bytes], Any] | None = None
+    ) -> None:
+        try:
+            import confluent_kafka
+        except ImportError as e:  # an extra
+            raise ImportError(
+                "psflow.data.kafka needs confluent-kafka: pip install 'psflow[kafka]'"
+            ) from e
+        self._ck = confluent_kafka
+        self.config = config
+        self.parser = parser
+        self.stats = {"records": 0, "bad_records": 0, "broker_waits": 0}
+        self.waiting_for: str | None = None
+        """Whom the reader is waiting for now (the client's last error), ``None`` if no one."""
+        self._error: str | None = None
+        self._wait_since: float | None = None
+        self._logged_at = 0.0
+        self._probed_at = 0.0
+        settings = {
+            "bootstrap.servers": config.brokers,
+            # librdkafka wants a group even for assigned partitions; nothing is committed.
+            "group.id": f"psflow-{config.topic}",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "error",  # an offset gone from the broker is an error, named
+            "enable.partition.eof": False,
+            "socket.timeout.ms": int(config.request_timeout_s * 1000),
+            "reconnect.backoff.ms": 100,
+            "reconnect.backoff.max.ms": 2000,
+            "error_cb": self._on_error,
+            "logger": logging.getLogger(f"{__name__}.client"),
+            **config.client,
+        }
+        self._consumer = confluent_kafka.Consumer(settings)
+        self._closed = False
+        try:
+            self.partitions = self._share()
+            self._next: dict[int, int] = {}
+            self._resolve_start(self.partitions)
+            self._assign()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the share and the position ----------------------------------------------------------
+
+    def _share(self) -> list[int]:
+        """This worker's partitions, once the broker says which the topic has."""
+        cfg = self.config
+        while True:
+            try:
+                md = self._consumer.list_topics(cfg.topic, timeout=cfg.request_timeout_s)
+                topic = md.topics.get(cfg.topic)
+                if topic is not None and topic.error is None and topic.partitions:
+                    break
+                reason = f"topic {cfg.topic!r}: {topic.error if topic else 'not on the broker'}"
+            except self._ck.KafkaException as e:
+                reason = f"brokers {cfg.brokers}: {e}"
+            self._waiting(reason)
+        self._done_waiting()
+        every = sorted(topic.partitions)
+        if cfg.num_workers > len(every):
+            raise ValueError(
+                f"kafka topic {cfg.topic!r} has {len(every)} partitions, fewer than the "
+                f"{cfg.num_workers} workers sharing it: worker {cfg.worker_index} would read none "
+                "(add partitions, or read with fewer workers)"
+            )
+        return every[cfg.worker_index :: cfg.num_workers]
+
+    def _resolve_start(self, partitions: list[int]) -> None:
+        """Each partition without a position starts at a concrete offset (the oldest record
+        or the next to come), so that a state saved before it hands out any record is exact."""
+        cfg = self.config
+        for p in partitions:
+            tp = self._ck.TopicPartition(cfg.topic, p)
+            while True:
+                try:
+                    low, high = self._consumer.get_watermark_offsets(
+                        tp, timeout=cfg.request_timeout_s, cached=False
+                    )
+                    break
+                except self._ck.KafkaException as e:
+                    self._waiting(f"topic {cfg.topic!r} partition {p}'s offsets: {e}")
+            self._next[p] = low if cfg.start == "earliest" else high
+        self._done_waiting()
+
+    def _assign(self) -> None:
+        topic = self.config.topic
+        self._consumer.assign(
+            [self._ck.TopicPartition(topic, p, self._next[p]) for p in self.partitions]
+        )
+
+    def state(self) -> dict[str, Any]:
+        """Where the reader is: the offset of the next record it will hand out in each
+        partition of its share. Plain data (strings and ints), for a checkpoint to hold."""
+        offsets = {str(p): self._next[p] for p in self.partitions}
+        return {"source": SOURCE, "topic": self.config.topic, "offsets": offsets}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Goes back to ``state`` (this reader's, or :func:`merge_states` of several): each
+        partition of this worker's share at its offset there; one the state does not hold at
+        ``config.start``. Partitions of other workers' shares in it are left to them.
+
+        Raises:
+            ValueError: for a state that is not a Kafka reader's, or of another topic.
+        """
+        checked = _checked_state(state, self.config.topic)
+        missing = [p for p in self.partitions if p not in checked["offsets"]]
+        for p in self.partitions:
+            if p in checked["offsets"]:
+                self._next[p] = checked["offsets"][p]
+        if missing:
+            self._resolve_start(missing)
+        self._assign()
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def read(self, max_records: int = 500, timeout_s: float | None = None) -> list[StreamRecord]:
+        """Up to ``max_records`` records, each parsed by the reader's parser, waiting at most
+        ``timeout_s`` (``config.poll_timeout_s`` by default) for the first; ``[]`` if none came.
+        The position moves past every record returned (and every bad record skipped)."""
+        messages = self._fetch(max_records, timeout_s)
+        out, moved = [], {}
+        for i, m in enumerate(messages):
+            p, off = m.partition(), m.offset()
+            moved[p] = off + 1
+            try:
+                value = m.value() if self.parser is None else self.parser(m.value())
+            except Exception as e:  # the user's parser: any failure is this record's
+                self._bad(messages, i, f"{type(e).__name__}: {e}")
+                continue
+            out.append(StreamRecord(p, off, value))
+        self._next.update(moved)
+        self.stats["records"] += len(out)
+        return out
+
+    def read_examples(
+        self, batch_size: int, spec: Mapping[str, FeatureSpec], timeout_s: float | None = None
+    ) -> dict[str, Any] | None:
+        """A batch of ``tf.train.Example`` records parsed by ``spec``
+        (:func:`psflow.data.parse_examples`, numpy), up to ``batch_size`` records: as many as
+        came within ``timeout_s`` (``config.poll_timeout_s`` by default) of the first, which it
+        waits for as long; ``None`` if none came. Bad records are dealt with as
+        ``config.on_bad_record`` says."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        wait = self.config.poll_timeout_s if timeout_s is None else timeout_s
+        messages = self._fetch(batch_size, wait)
+        deadline = time.monotonic() + wait
+        while messages and len(messages) < batch_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            more = self._fetch(batch_size - len(messages), left)
+            if not more:
+                break
+            messages += more
+        if not messages:
+            return None
+        moved = {m.partition(): m.offset() + 1 for m in messages}  # in each one's order
+        values = [m.value() for m in messages]
+        try:
+            parsed: dict[str, Any] | None = parse_examples(values, spec)
+        except ValueError:  # find which: each alone, then the good ones again together
+            good = []
+            for i, v in enumerate(values):
+                try:
+                    parse_examples([v], spec)
+                except ValueError as e:
+                    self._bad(messages, i, str(e))
+                    continue
+                good.append(v)
+            parsed = parse_examples(good, spec) if good else None
+            values = good
+        self._next.update(moved)
+        self.stats["records"] += len(values)
+        return parsed
+
+    def _bad(self, messages: list[Any], i: int, reason: str) -> None:
+        m = messages[i]
+        p, off = m.partition(), m.offset()
+        if self.config.on_bad_record == "raise":
+            # Records before it in this fetch were not handed out: fetched again later.
+            self._assign()
+            raise BadRecordError(self.config.topic, p, off, reason)
+        self.stats["bad_records"] += 1
+        log.warning(
+            "kafka topic %r partition %d offset %d: skipped a record that does not parse: %s",
+            self.config.topic, p, off, reason,
+        )  # fmt: skip
+
+    def _fetch(self, max_records: int, timeout_s: float | None) -> list[Any]:
+        """The next records of the share, at most ``timeout_s`` waited; errors on them raised
+        with the topic, partition and offset named, a missing broker or topic waited for."""
+        if self._closed:
+            raise RuntimeError(f"kafka reader of {self.config.topic!r} is closed")
+        wait = self.config.poll_timeout_s if timeout_s is None else timeout_s
+        messages = self._consumer.consume(num_messages=max_records, timeout=wait)
+        out = []
+        for m in messages:
+            err = m.error()
+            if err is None:
+                out.append(m)
+            elif err.code() == self._ck.KafkaError._AUTO_OFFSET_RESET:
+                p = m.partition()
+                at = None if p is None else self._next.get(p)
+                raise RuntimeError(
+                    f"kafka topic {self.config.topic!r} partition {p}: offset {at} is "
+                    f"no longer on the broker ({err.str()}): the records there were deleted "
+                    "(retention) or lost, so reading on would skip them; restore an earlier "
+                    "state, or restore one without this partition to start it from "
+                    "config.start"
+                )
+            elif err.code() == self._ck.KafkaError.UNKNOWN_TOPIC_OR_PART:
+                self._error = f"topic {self.config.topic!r}: {err.str()}"
+            elif err.fatal():
+                raise RuntimeError(f"kafka topic {self.config.topic!r}: {err.str()}")
+            else:
+                self._error = err.str()
+        # Records may come from what the client fetched before the broker went: only a broker
+        # that answers ends a wait.
+        if self._error is not None:
+            if not out:
+                self._waiting(self._error, sleep=False)
+            if self._wait_since is not None and self._broker_answers():
+                self._done_waiting()
+        return out
+
+    def _broker_answers(self) -> bool:
+        """Whether the broker gives the topic's metadata now (asked at most once a poll)."""
+        now = time.monotonic()
+        if now - self._probed_at < self.config.poll_timeout_s:
+            return False
+        self._probed_at = now
+        topic = self.config.topic
+        try:
+            md = self._consumer.list_topics(topic, timeout=self.config.poll_timeout_s)
+        except self._ck.KafkaException:
+            return False
+        found = md.topics.get(topic)
+        return found is not None and found.error is None and bool(found.partitions)
+
+    # -- waiting for a broker ----------------------------------------------------------------
+
+    def _on_error(self, err: Any) -> None:
+        """The client's error callback (served inside its calls): a broker not answering."""
+        self._error = err.str()
+
+    def _waiting(self, reason: str, *, sleep: bool = True) -> None:
+        """Notes that the reader waits for ``reason``; logs it every ``wait_log_s``; raises
+        past ``max_wait_s``."""
+        cfg = self.config
+        now = time.monotonic()
+        if self._wait_since is None:
+            self._wait_since = now
+            self._logged_at = 0.0
+            self.stats["broker_waits"] += 1
+        self.waiting_for = reason
+        waited = now - self._wait_since
+        if now - self._logged_at >= cfg.wait_log_s:
+            self._logged_at = now
+            log.warning(
+                "kafka topic %r: waiting for %s (%.1f s so far; partitions %s at offsets %s)",
+                cfg.topic, reason, waited, self.partitions if hasattr(self, "partitions") else
+                "not known yet", getattr(self, "_next", {}),
+            )  # fmt: skip
+        if cfg.max_wait_s is not None and waited > cfg.max_wait_s:
+            raise TimeoutError(
+                f"kafka topic {cfg.topic!r}: waited {waited:.1f} s (max_wait_s) for {reason}"
+            )
+        if sleep:
+            time.sleep(min(cfg.poll_timeout_s, 0.5))  # between requests that failed at once
+
+    def _done_waiting(self) -> None:
+        if self._wait_since is not None:
+            log.warning(
+                "kafka topic %r: going on after waiting %.1f s for %s",
+                self.config.topic, time.monotonic() - self._wait_since, self.waiting_for,
+            )  # fmt: skip
+        self._wait_since = None
+        self.waiting_for = None
+        self._error = None
+
+    def close(self) -> None:
+        """Leaves the broker (commits nothing: the position is :meth:`state`'s)."""
+        if not self._closed:
+            self._closed = True
+            self._consumer.close()
+
+    def __enter__(self) -> KafkaReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

