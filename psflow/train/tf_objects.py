@@ -127,6 +127,10 @@ class ObjectGraph:
         (one, unless two variables of the graph share the name)."""
         return {name: list(keys) for name, keys in self._names.items()}
 
+    def saved_keys(self) -> list[str]:
+        """The checkpoint key of every variable value the graph names."""
+        return list(self._by_key)
+
     def keys_of(self, name: str) -> list[str]:
         """The keys of the variables named ``name`` (none, one, or more that share it)."""
         return list(self._names.get(name, ()))

@@ -37,6 +37,7 @@ import google_crc32c
 import numpy as np
 import torch
 
+from psflow.ps import safefile
 from psflow.train.tf_bundle import (
     Entry,
     index_entries,
@@ -83,8 +84,12 @@ class BundleReader:
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
         self._fs, self._path = fsspec.core.url_to_fs(prefix)
+        self._root = prefix.rsplit("/", 1)[0] if "/" in prefix else "."
+        """The checkpoint's directory: no file it reads may lead out of it."""
         what = f"{prefix}.index"
-        with self._fs.open(self._path + ".index", "rb") as f:
+        # A FIFO, a device or a directory is refused before it is opened (an open would block,
+        # a read never end), as is a symlink out of the checkpoint's directory.
+        with safefile.open_regular(what, self._root) as f:
             data = f.read()
         self._sizes: dict[str, int] = {}
         self._entries: dict[str, Entry] = {}
@@ -161,9 +166,17 @@ class BundleReader:
             if len(data) != 1:
                 raise ValueError(f"{self.prefix}: {GRAPH_KEY} holds {len(data)} strings, not 1")
             try:
-                self._graph = ObjectGraph(data[0])
+                graph = ObjectGraph(data[0])
             except ValueError as e:
                 raise ValueError(f"{self.prefix}: {GRAPH_KEY}: {e}") from None
+            # Every variable the graph names must be in the index: one it lacks was dropped.
+            lacking = sorted(key for key in graph.saved_keys() if key not in self._entries)
+            if lacking:
+                raise ValueError(
+                    f"{self.prefix}.index lacks {len(lacking)} tensor(s) its object graph names "
+                    f"(first: {lacking[0]!r})"
+                )
+            self._graph = graph
         return self._graph
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -237,8 +250,9 @@ class BundleReader:
             self._data_file(name, piece)
         if nbytes > sum(self._sizes.values()):  # slices that repeat one region of a file
             raise ValueError(f"{self.prefix}: {name!r} claims more bytes than its data files hold")
-        out = torch.empty(entry.shape, dtype=dtype)
-        covered = 0
+        out = torch.zeros(entry.shape, dtype=dtype)
+        # Coverage by place, not by count: slices that overlap can add up to the whole.
+        covered = torch.zeros(entry.shape, dtype=torch.bool)
         for extents, piece in zip(wanted, pieces, strict=True):
             if len(extents) != len(entry.shape):
                 raise ValueError(f"{self.prefix}: a slice of {name!r} of another rank")
@@ -254,10 +268,17 @@ class BundleReader:
                     f"{self.prefix}: a slice of {name!r} holds {list(piece.shape)}, its place "
                     f"{list(target.shape)}"
                 )
+            place = covered[tuple(index)]
+            if bool(place.any()):
+                raise ValueError(
+                    f"{self.prefix}: the slices of {name!r} overlap at "
+                    f"{_box(extents, entry.shape)} (a part of it saved twice, another not at all)"
+                )
+            place.fill_(True)
             target.copy_(self._read(name, piece))
-            covered += target.numel()
-        if covered != out.numel():
-            raise ValueError(f"{self.prefix}: the slices of {name!r} do not cover it")
+        if not bool(covered.all()):
+            hole = [int(i) for i in (~covered).nonzero()[0]]
+            raise ValueError(f"{self.prefix}: the slices of {name!r} leave {hole} unsaved")
         return out
 
     # -- reading --------------------------------------------------------------------------
@@ -272,6 +293,10 @@ class BundleReader:
             raise ValueError(f"{self.prefix}: {name!r} has TensorFlow dtype {entry.dtype}")
         return _DTYPES[entry.dtype][0]
 
+    def _data_url(self, path: str) -> str:
+        """The URL of the data file at ``path`` (the prefix's own spelling, protocol kept)."""
+        return self.prefix + path[len(self._path) :]
+
     def _data_file(self, name: str, entry: Entry) -> str:
         """The data file that holds ``entry``, checked to hold all of it."""
         if not 0 <= entry.shard < self.num_shards:
@@ -281,6 +306,7 @@ class BundleReader:
         path = f"{self._path}.data-{entry.shard:05d}-of-{self.num_shards:05d}"
         size = self._sizes.get(path)
         if size is None:
+            safefile.check_regular(self._data_url(path), self._root)
             size = self._sizes[path] = int(self._fs.size(path))
         if entry.offset < 0 or entry.size < 0 or entry.offset + entry.size > size:
             raise ValueError(
@@ -292,7 +318,7 @@ class BundleReader:
     def _bytes(self, name: str, entry: Entry) -> tuple[str, bytes]:
         """The data file that holds ``entry``, and its bytes there."""
         path = self._data_file(name, entry)
-        with self._fs.open(path, "rb") as f:
+        with safefile.open_regular(self._data_url(path), self._root) as f:
             f.seek(entry.offset)
             raw = f.read(entry.size)
         if len(raw) != entry.size:
@@ -343,3 +369,12 @@ class BundleReader:
         values = np.frombuffer(raw, dtype=np_dtype).reshape(entry.shape)
         tensor = torch.from_numpy(values.copy())
         return tensor.view(torch.bfloat16) if dtype == torch.bfloat16 else tensor
+
+
+def _box(extents: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> str:
+    """A slice as ``[0:4, 0:3]``."""
+    spans = [
+        f"{start}:{dim if length < 0 else start + length}"
+        for (start, length), dim in zip(extents, shape, strict=True)
+    ]
+    return "[" + ", ".join(spans) + "]"

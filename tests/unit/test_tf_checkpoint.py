@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 import psflow.nn as pnn
 from psflow.train.tf_checkpoint import TFCheckpoint
+from tests import tf_index
 
 pytestmark = pytest.mark.unit
 
@@ -229,39 +230,7 @@ def test_a_tables_adagrad_slot_is_its_row_wise_state_in_id_order() -> None:
 # -- a crafted checkpoint: an index that claims more than its files hold --------------------
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _field(number: int, value: int | bytes) -> bytes:
-    if isinstance(value, bytes):
-        return _varint(number << 3 | 2) + _varint(len(value)) + value
-    return _varint(number << 3) + _varint(value)
-
-
-def _block(entries: list[tuple[bytes, bytes]]) -> bytes:
-    """A LevelDB table block, no key sharing, with its trailer (type 0, masked CRC32C)."""
-    import google_crc32c
-
-    body = b"".join(_varint(0) + _varint(len(k)) + _varint(len(v)) + k + v for k, v in entries)
-    body += (0).to_bytes(4, "little") + (1).to_bytes(4, "little")  # one restart, at 0
-    crc = google_crc32c.value(body + b"\0")
-    masked = (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-    return body + b"\0" + masked.to_bytes(4, "little")
-
-
-def _index_file(entries: list[tuple[bytes, bytes]]) -> bytes:
-    data = _block(entries)
-    handle = _varint(0) + _varint(len(data) - 5)
-    index = _block([(entries[-1][0], handle)])
-    footer = _varint(0) + _varint(0) + _varint(len(data)) + _varint(len(index) - 5)
-    footer = footer.ljust(40, b"\0") + (0xDB4775248B80FB57).to_bytes(8, "little")
-    return data + index + footer
+_varint, _field, _index_file = tf_index.varint, tf_index.field, tf_index.index_file
 
 
 def test_slices_that_repeat_one_region_of_a_file_are_refused(tmp_path: Path) -> None:
@@ -441,3 +410,89 @@ def test_dense_state_that_cannot_be_read_is_named() -> None:
         ckpt.optimizer_state("hidden/bias", "Momentum", transpose=True)
     with pytest.raises(ValueError, match=r"holds no \['b1', 'b2'\]"):
         ckpt.optimizer_state("hidden/kernel", "Adam", beta_powers=("b1", "b2"))
+
+
+# -- hostile checkpoints (issue 36) ----------------------------------------------------------
+
+
+def test_slices_that_overlap_and_leave_a_hole_are_refused(tmp_path: Path) -> None:
+    """Issue 36, 1: a partitioned variable's second slice made equal to its first (``(0, 4)``),
+    every CRC valid: the element count added up, and rows 4:8 came back as uninitialised
+    memory. The slices are now placed by interval."""
+    rows = [torch.arange(16, dtype=torch.float32).reshape(4, 4) + 100 * i for i in range(2)]
+    raw = [r.numpy().tobytes() for r in rows]
+    whole = tf_index.entry(1, [8, 4], slices=[[(0, 4), (0, -1)], [(0, 4), (0, -1)]])
+    pieces = [
+        tf_index.entry(1, [4, 4], offset=64 * i, size=64, crc=tf_index.masked_crc32c(raw[i]))
+        for i in range(2)
+    ]
+    entries = [(b"", tf_index.field(1, 1)), (b"emb/Adagrad", whole)]
+    entries += [(tf_index.slice_key("emb/Adagrad", i), pieces[i]) for i in range(2)]
+    (tmp_path / "m.index").write_bytes(tf_index.index_file(sorted(entries)))
+    (tmp_path / "m.data-00000-of-00001").write_bytes(b"".join(raw))
+    ckpt = TFCheckpoint(str(tmp_path / "m"))
+    with pytest.raises(ValueError, match=r"the slices of 'emb/Adagrad' overlap at \[0:4, 0:4\]"):
+        ckpt.tensor("emb/Adagrad")
+    proc = _psflow("checkpoint", "export", str(tmp_path / "m"), str(tmp_path / "out.safetensors"))
+    assert proc.returncode == 2 and "overlap" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_keras_index_entry_the_object_graph_names_dropped_is_named(tmp_path: Path) -> None:
+    """Issue 36, 4: ``inspect`` raised KeyError when the index lacked a tensor its object
+    graph named. Now the graph is refused with the key named, and the tensors go by key."""
+    from psflow.train.tf_bundle import index_entries
+
+    src = Path(__file__).parent.parent / "fixtures" / "tf_keras" / "keras3_adam"
+    for f in src.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    index = tmp_path / "ckpt-1.index"
+    entries = list(index_entries(index.read_bytes(), "x"))
+    dropped = next(k for k, _ in entries if k.startswith(b"optimizer/_trainable_variables/0/"))
+    index.write_bytes(tf_index.index_file([e for e in entries if e[0] != dropped]))
+    prefix = str(tmp_path / "ckpt-1")
+    with pytest.raises(ValueError, match=rf"lacks 1 tensor.*{dropped.decode()}"):
+        TFCheckpoint(prefix).variables()
+    proc = _psflow("checkpoint", "inspect", prefix)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "lacks 1 tensor" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("which", ["index", "data"])
+@pytest.mark.parametrize("what", ["fifo", "directory", "symlink"])
+def test_special_files_of_a_tensorflow_checkpoint_are_refused_unopened(
+    tmp_path: Path, which: str, what: str
+) -> None:
+    """Issue 36, 5: a FIFO in a checkpoint blocked its reader in ``open`` for ever."""
+    import os
+    import threading
+
+    prefix = copy(tmp_path)
+    path = tmp_path / (INDEX if which == "index" else DATA)
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    outside.write_bytes(path.read_bytes())
+    path.unlink()
+    if what == "fifo":
+        os.mkfifo(path)
+    elif what == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to(outside)
+    kind = {"fifo": "a FIFO", "directory": "a directory", "symlink": "a symlink to .*, outside"}
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def read() -> None:
+        try:
+            with pytest.raises(ValueError, match=rf"{path.name}: {kind[what]}"):
+                ckpt = TFCheckpoint(prefix)
+                ckpt.tensor("scale")
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    assert done.wait(20), "the reader blocked"
+    if errors:
+        raise errors[0]
