@@ -1,0 +1,345 @@
+"""Reading a growing set of TFRecord files: each file once, at an exact, saveable position.
+
+:class:`FileStreamReader` watches a glob (a local path or any fsspec URL, ``s3://.../*.tfrecord``)
+for files that land while it reads, as hourly drops do (what Monolith's and Paddle's streaming
+training read). Each worker reads the files whose path hashes to it (a file keeps its worker as
+others land: no listing order decides), oldest name first, each file once. Its
+:meth:`~FileStreamReader.state` is the files it has read whole and the record it is at in the one
+it is reading, plain data (``{"source": "files", "pattern": ..., "done": [...], "partial":
+{path: next_record}}``) that a checkpoint can hold; :meth:`~FileStreamReader.restore` goes back
+there, and the states of all workers merge into one (:func:`merge_file_states`) that any number
+of workers can restore from.
+
+A file must appear whole: written elsewhere and renamed (or moved) into the glob's reach, as
+Spark and Hadoop commit their output; names starting with ``_`` or ``.`` are never read. Records
+are ``tf.train.Example`` bytes (:meth:`~FileStreamReader.read_examples`, by
+:func:`psflow.data.parse_examples`) or anything a parser makes of the bytes
+(:meth:`~FileStreamReader.read`); one that does not parse (or a corrupt record) is counted and
+skipped, or stops the reader naming the file and the record, as ``on_bad_record`` says.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+from psflow.data import fs
+from psflow.data.features import FeatureSpec, parse_examples
+from psflow.data.tfrecord_framing import DataLossError
+from psflow.data.tfrecord_reader import TFRecordReader
+
+log = logging.getLogger(__name__)
+
+SOURCE = "files"
+"""The ``source`` of a file stream reader's state."""
+
+
+@dataclass(kw_only=True)
+class FileStreamConfig:
+    """A growing set of TFRecord files: where, this worker's place, how often to look."""
+
+    pattern: str
+    """A glob (``/data/hourly/*.tfrecord``, ``s3://bucket/clicks/*/part-*``) or a directory."""
+    worker_index: int = 0
+    """This worker's index among ``num_workers``: it reads the files whose path hashes to it."""
+    num_workers: int = 1
+    """Workers sharing the files."""
+    compression: str | None = "auto"
+    """``""``, ``"GZIP"``, ``"ZLIB"`` or ``"auto"`` (by each file's suffix)."""
+    poll_interval_s: float = 1.0
+    """How often the glob is listed again while there is no file to read."""
+    on_bad_record: Literal["skip", "raise"] = "skip"
+    """A record that does not parse or is corrupt: counted and skipped, or ``ValueError`` /
+    :class:`~psflow.data.DataLossError` naming the file and the record (the position stays
+    before it)."""
+
+    def __post_init__(self) -> None:
+        if not self.pattern:
+            raise ValueError("FileStreamConfig: pattern is empty")
+        if self.num_workers < 1 or not 0 <= self.worker_index < self.num_workers:
+            raise ValueError(
+                f"FileStreamConfig: worker_index={self.worker_index} must be in "
+                f"[0, num_workers={self.num_workers})"
+            )
+        if not self.poll_interval_s > 0:
+            raise ValueError(
+                f"FileStreamConfig: poll_interval_s must be > 0, got {self.poll_interval_s!r}"
+            )
+        if self.on_bad_record not in ("skip", "raise"):
+            raise ValueError(
+                "FileStreamConfig: on_bad_record must be 'skip' or 'raise', got "
+                f"{self.on_bad_record!r}"
+            )
+
+
+class FileRecord(NamedTuple):
+    """One record handed out: its file, its index there, its value (parsed, or the bytes)."""
+
+    path: str
+    record: int
+    value: Any
+
+
+def owner(path: str, num_workers: int) -> int:
+    """The worker that reads ``path`` (a hash of the path: stable as other files land)."""
+    return zlib.crc32(path.encode()) % num_workers
+
+
+def merge_file_states(states: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """The states of the readers sharing one glob as one, which any number of readers can
+    :meth:`~FileStreamReader.restore` from."""
+    pattern: str | None = None
+    done: set[str] = set()
+    partial: dict[str, int] = {}
+    for state in states:
+        checked = _checked(state, pattern)
+        pattern = checked["pattern"]
+        done |= set(checked["done"])
+        for path, index in checked["partial"].items():
+            if path in partial:
+                raise ValueError(f"file stream states: {path!r} is being read in two of them")
+            partial[path] = index
+    if pattern is None:
+        raise ValueError("file stream states: none given")
+    both = sorted(done & set(partial))
+    if both:
+        raise ValueError(f"file stream states: {both[0]!r} is both read whole and being read")
+    return {"source": SOURCE, "pattern": pattern, "done": sorted(done), "partial": partial}
+
+
+def _checked(state: Mapping[str, Any], pattern: str | None) -> dict[str, Any]:
+    if not isinstance(state, Mapping) or state.get("source") != SOURCE:
+        raise ValueError(f"not a file stream reader's state: {state!r:.200}")
+    got = state.get("pattern")
+    if not isinstance(got, str) or (pattern is not None and got != pattern):
+        raise ValueError(f"file stream state: pattern {got!r}, expected {pattern!r}")
+    done, partial = state.get("done"), state.get("partial")
+    if not isinstance(done, list) or not all(isinstance(p, str) for p in done):
+        raise ValueError(f"file stream state of {got!r}: done must be a list of paths")
+    if not isinstance(partial, Mapping) or not all(
+        isinstance(p, str) and isinstance(i, int) and not isinstance(i, bool) and i >= 0
+        for p, i in partial.items()
+    ):
+        raise ValueError(
+            f"file stream state of {got!r}: partial must map paths to record indices >= 0, "
+            f"got {partial!r:.200}"
+        )
+    return {"pattern": got, "done": list(done), "partial": dict(partial)}
+
+
+class FileStreamReader:
+    """Reads this worker's share of a growing set of TFRecord files, each file once.
+
+    Args:
+        config: the glob, the worker's place, how often to look.
+        parser: turns a record's bytes into what :meth:`read` hands out (an exception: a bad
+            record); ``None``: the bytes themselves.
+
+    Example:
+        >>> reader = FileStreamReader(FileStreamConfig(pattern="/data/hourly/*.tfrecord"))
+        >>> batch = reader.read_examples(512, ctr_spec(), timeout_s=60)  # doctest: +SKIP
+        >>> saved = reader.state()  # the files read, and the record reached in the current one
+    """
+
+    def __init__(
+        self, config: FileStreamConfig, *, parser: Callable[[bytes], Any] | None = None
+    ) -> None:
+        self.config = config
+        self.parser = parser
+        self.stats = {"records": 0, "bad_records": 0, "files": 0}
+        self._done: set[str] = set()
+        self._partial: dict[str, int] = {}
+        """Files being read (restored from a state, or this one's current), at their next
+        record."""
+        self._current: str | None = None
+        self._records: Iterator[bytes] | None = None
+        self._reader: TFRecordReader | None = None
+        self._listed_at = float("-inf")
+        self._listed: list[str] = []
+        self._before: tuple[set[str], dict[str, int], dict[str, int]] = (set(), {}, {})
+
+    # -- position ----------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """The files read whole, and the next record of those being read: plain data."""
+        return {
+            "source": SOURCE,
+            "pattern": self.config.pattern,
+            "done": sorted(self._done),
+            "partial": dict(self._partial),
+        }
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Goes back to ``state`` (this reader's, or :func:`merge_file_states` of several):
+        files read whole there are not read again, files being read go on at their record.
+
+        Raises:
+            ValueError: for a state that is not a file stream reader's, or of another glob.
+        """
+        checked = _checked(state, self.config.pattern)
+        self._close_file()
+        self._done = set(checked["done"])
+        self._partial = dict(checked["partial"])
+        self._listed_at = float("-inf")
+
+    # -- files -------------------------------------------------------------------------------
+
+    def pending(self) -> list[str]:
+        """The files of this worker's share not read whole yet, those begun first (as listed
+        last, at most every ``poll_interval_s``)."""
+        now = time.monotonic()
+        if now - self._listed_at >= self.config.poll_interval_s:
+            self._listed_at = now
+            if fs.is_url(self.config.pattern):  # fsspec caches listings: look again
+                fs.file_system(self.config.pattern).invalidate_cache()
+            try:
+                self._listed = fs.expand_paths(self.config.pattern)
+            except FileNotFoundError:
+                self._listed = []
+        n, me = self.config.num_workers, self.config.worker_index
+        mine = [p for p in self._listed if owner(p, n) == me and p not in self._done]
+        begun = sorted(p for p in self._partial if owner(p, n) == me and p not in self._done)
+        return begun + [p for p in mine if p not in self._partial]
+
+    def _open_next(self, deadline: float) -> bool:
+        """Opens the next file to read, waiting for one until ``deadline``; whether it did."""
+        while True:
+            files = self.pending()
+            if files:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(left, self.config.poll_interval_s))
+        path = files[0]
+        skip = self._partial.get(path, 0)
+        self._reader = TFRecordReader(
+            path,
+            compression=self.config.compression,
+            skip_corrupt=self.config.on_bad_record == "skip",
+        )
+        records = iter(self._reader)
+        for _ in range(skip):  # the records handed out before: read again, not handed out
+            if next(records, None) is None:
+                break
+        self._current, self._records = path, records
+        self._partial[path] = skip
+        return True
+
+    def _close_file(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+        self._reader = self._records = self._current = None
+
+    def _next_records(self, max_records: int, timeout_s: float | None) -> list[FileRecord]:
+        """Up to ``max_records`` raw records, from the current file and the next ones, waiting
+        at most ``timeout_s`` (``poll_interval_s`` by default) for a file to land. The position
+        moves past them as they are read (:meth:`_fetch` puts it back on an error)."""
+        wait = self.config.poll_interval_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + wait
+        out: list[FileRecord] = []
+        while len(out) < max_records:
+            if self._records is None and not self._open_next(deadline if not out else 0):
+                break
+            path, records = self._current, self._records
+            assert path is not None and records is not None
+            for i, raw in enumerate(records, self._partial[path]):
+                out.append(FileRecord(path, i, raw))
+                self._partial[path] = i + 1
+                if len(out) == max_records:
+                    break
+            else:  # the file is read whole
+                if self._reader is not None and self._reader.skipped:
+                    self.stats["bad_records"] += self._reader.skipped
+                self._done.add(path)
+                del self._partial[path]
+                self.stats["files"] += 1
+                self._close_file()
+        return out
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def read(self, max_records: int = 500, timeout_s: float | None = None) -> list[FileRecord]:
+        """Up to ``max_records`` records, each parsed by the reader's parser, waiting at most
+        ``timeout_s`` (``config.poll_interval_s`` by default) for a file to land; ``[]`` if none
+        came. The position moves past every record returned (and every bad record skipped)."""
+        raw = self._fetch(max_records, timeout_s)
+        out = []
+        for r in raw:
+            try:
+                value = r.value if self.parser is None else self.parser(r.value)
+            except Exception as e:  # the user's parser: any failure is this record's
+                self._bad(r, f"{type(e).__name__}: {e}")
+                continue
+            out.append(FileRecord(r.path, r.record, value))
+        self.stats["records"] += len(out)
+        return out
+
+    def read_examples(
+        self, batch_size: int, spec: Mapping[str, FeatureSpec], timeout_s: float | None = None
+    ) -> dict[str, Any] | None:
+        """A batch of up to ``batch_size`` ``tf.train.Example`` records parsed by ``spec``
+        (:func:`psflow.data.parse_examples`, numpy), across files; ``None`` if no record came
+        within ``timeout_s`` (``config.poll_interval_s`` by default)."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        records = self._fetch(batch_size, timeout_s)
+        values = [r.value for r in records]
+        parsed: dict[str, Any] | None = None
+        try:
+            parsed = parse_examples(values, spec) if values else None
+        except ValueError:  # find which: each alone, then the good ones again together
+            good = []
+            for r in records:
+                try:
+                    parse_examples([r.value], spec)
+                except ValueError as e:
+                    self._bad(r, str(e))
+                    continue
+                good.append(r.value)
+            parsed = parse_examples(good, spec) if good else None
+            values = good
+        self.stats["records"] += len(values)
+        return parsed
+
+    def _fetch(self, max_records: int, timeout_s: float | None) -> list[FileRecord]:
+        """The next raw records; a corrupt one (``on_bad_record="raise"``) raised with the
+        position left where it was."""
+        self._before = (set(self._done), dict(self._partial), dict(self.stats))
+        try:
+            return self._next_records(max_records, timeout_s)
+        except DataLossError:
+            self._rewind()
+            raise
+
+    def _bad(self, r: FileRecord, reason: str) -> None:
+        if self.config.on_bad_record == "raise":
+            self._rewind()
+            raise ValueError(
+                f"file {r.path!r} record {r.record}: the record does not parse: {reason} "
+                "(FileStreamConfig(on_bad_record='skip') counts and skips such records)"
+            )
+        self.stats["bad_records"] += 1
+        log.warning(
+            "file %r record %d: skipped a record that does not parse: %s", r.path, r.record, reason
+        )
+
+    def _rewind(self) -> None:
+        """Back to where the last fetch began: its records are read again."""
+        self._close_file()
+        done, partial, stats = self._before
+        self._done, self._partial, self.stats = set(done), dict(partial), dict(stats)
+
+    def close(self) -> None:
+        """Closes the file being read (the position is :meth:`state`'s)."""
+        self._close_file()
+
+    def __enter__(self) -> FileStreamReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
