@@ -34,6 +34,12 @@ No TensorFlow at run time. Where things live:
 - ``pipeline.py``: file/record sharding, interleave, shuffle buffer, rebatching, prefetch
 - ``dataset.py``: :class:`TFRecordDataset` (a torch ``IterableDataset``), :class:`DatasetConfig`
 - ``fs.py``: :func:`expand_paths` (local paths, fsspec URLs, globs)
+- ``kafka.py``: :class:`KafkaReader`, :class:`KafkaConfig`, :func:`merge_states`: a Kafka topic,
+  each worker its share of the partitions, its position (each partition's next offset) saved
+  and restored as plain data (confluent-kafka imported when a reader is made: ``psflow[kafka]``)
+- ``stream.py``: :class:`FileStreamReader`, :class:`FileStreamConfig`,
+  :func:`merge_file_states`: a glob watched for TFRecord files that land while it is read, each
+  file once, its position (files read, the record reached) saved and restored as plain data
 - ``spark.py``: :func:`write_dataframe`, :func:`read_dataframe` (pyspark imported lazily)
 - ``convert.py``: :func:`convert_table` (CSV/Parquet to TFRecord, pyarrow imported lazily)
 - ``cli.py``: ``psflow data inspect``, ``convert``, ``synth-ctr`` and ``text``
@@ -51,6 +57,7 @@ from psflow.data.encode import serialize_examples
 from psflow.data.features import FixedLenFeature, Ragged, VarLenFeature, parse_examples
 from psflow.data.fs import expand_paths
 from psflow.data.hashing import fingerprint64, hash_bucket_of_ints, to_hash_bucket_fast
+from psflow.data.kafka import BadRecordError, KafkaConfig, KafkaReader, merge_states
 from psflow.data.proto import (
     Example,
     Feature,
@@ -66,6 +73,7 @@ from psflow.data.proto import (
 )
 from psflow.data.schema import format_schema, infer_schema
 from psflow.data.spark import read_dataframe, write_dataframe
+from psflow.data.stream import FileStreamConfig, FileStreamReader, merge_file_states
 from psflow.data.tfrecord import (
     DataLossError,
     RecordBatch,
@@ -79,11 +87,16 @@ if TYPE_CHECKING:
     from psflow.data.dataset import DatasetConfig, TFRecordDataset
 
 __all__ = [
+    "BadRecordError",
     "DataLossError",
     "DatasetConfig",
     "Example",
     "Feature",
+    "FileStreamConfig",
+    "FileStreamReader",
     "FixedLenFeature",
+    "KafkaConfig",
+    "KafkaReader",
     "Ragged",
     "RecordBatch",
     "SequenceExample",
@@ -102,6 +115,8 @@ __all__ = [
     "int64_feature",
     "make_example",
     "make_sequence_example",
+    "merge_file_states",
+    "merge_states",
     "parse_examples",
     "read_dataframe",
     "read_records",

@@ -173,7 +173,7 @@ class KafkaReader:
         ...                                  worker_index=ctx.worker_index,
         ...                                  num_workers=ctx.num_workers))  # doctest: +SKIP
         >>> batch = reader.read_examples(512, ctr_spec())    # doctest: +SKIP
-        >>> saved = reader.state()   # plain data: the next offset of each partition
+        >>> saved = reader.state()   # plain data: the next offset of each partition  # doctest: +SKIP
         >>> reader.restore(saved)    # doctest: +SKIP
     """
 

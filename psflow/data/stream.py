@@ -140,9 +140,11 @@ class FileStreamReader:
             record); ``None``: the bytes themselves.
 
     Example:
-        >>> reader = FileStreamReader(FileStreamConfig(pattern="/data/hourly/*.tfrecord"))
+        >>> cfg = FileStreamConfig(pattern="/data/hourly/*.tfrecord")
+        >>> reader = FileStreamReader(cfg)
         >>> batch = reader.read_examples(512, ctr_spec(), timeout_s=60)  # doctest: +SKIP
-        >>> saved = reader.state()  # the files read, and the record reached in the current one
+        >>> reader.state()["done"]  # the files read whole; "partial": the record reached
+        []
     """
 
     def __init__(

@@ -8,6 +8,7 @@ restore exactly, into one reader or several. Local paths and fsspec (``memory://
 
 from __future__ import annotations
 
+import doctest
 import logging
 import os
 import uuid
@@ -143,3 +144,11 @@ def test_bad_states_are_named(tmp_path: Path) -> None:
         r.restore({**r.state(), "partial": {"x": -1}})
     with pytest.raises(ValueError, match=r"not a file stream reader's state"):
         r.restore({"source": "kafka"})
+
+
+def test_the_docstring_examples_run() -> None:
+    import psflow.data.kafka
+    import psflow.data.stream
+
+    for module in (psflow.data.stream, psflow.data.kafka):
+        assert doctest.testmod(module).failed == 0
