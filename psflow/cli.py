@@ -350,6 +350,12 @@ def _add_data(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     crit.add_argument("--shards", type=int, default=4, help="training files (default 4)")
     crit.add_argument("--compression", default="", help="'', GZIP or ZLIB")
+    crit.add_argument(
+        "--max-line-bytes",
+        type=int,
+        default=1 << 20,
+        help="the longest input line read (default 1 MiB); a longer one stops the conversion",
+    )
     crit.set_defaults(func=_runs("psflow.data.cli", "criteo"))
 
     text = _command(
@@ -379,6 +385,12 @@ def _add_data(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
     text.add_argument("--test-shards", type=int, default=1, help="test files (default 1)")
     text.add_argument("--compression", default="", help="'', GZIP or ZLIB")
     text.add_argument("--seed", type=int, default=0, help="shuffle of the training documents")
+    text.add_argument(
+        "--max-line-bytes",
+        type=int,
+        default=16 << 20,
+        help="the longest input line (one document) read (default 16 MiB)",
+    )
     text.set_defaults(func=_runs("psflow.data.cli", "text"))
 
 
