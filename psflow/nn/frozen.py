@@ -128,6 +128,8 @@ class FrozenTable(TableState):
             self._check_traceable()
         if self.num_embeddings is not None or self.training or self._source is not None:
             return None
+        if self._on_meta:
+            return None  # the usual path says it holds no rows
         snap = self._current_snapshot()
         if snap is None:
             if torch.compiler.is_compiling():

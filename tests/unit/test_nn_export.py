@@ -258,3 +258,9 @@ def test_a_fixed_table_traces_in_training_mode_too() -> None:
     assert torch.equal(traced(ids), emb(ids))
     with pytest.raises(RuntimeError, match="index out of range"):  # torch's own check
         traced(torch.tensor([10]))
+
+
+def test_a_hashed_table_on_the_meta_device_still_says_it_holds_no_rows_in_eval_mode() -> None:
+    emb = Embedding(None, DIM, device="meta").eval()
+    with pytest.raises(RuntimeError, match="meta device and holds no rows"):
+        emb(torch.tensor([1]))
