@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from psflow.data import FixedLenFeature, serialize_example, write_records
+from psflow.data import DataLossError, FixedLenFeature, serialize_example, write_records
 from psflow.data.stream import (
     FileStreamConfig,
     FileStreamReader,
@@ -152,3 +152,16 @@ def test_the_docstring_examples_run() -> None:
 
     for module in (psflow.data.stream, psflow.data.kafka):
         assert doctest.testmod(module).failed == 0
+
+
+def test_a_corrupt_file_is_skipped_and_counted_or_stops_the_reader(tmp_path: Path) -> None:
+    path = land(tmp_path, 0)
+    with open(path, "r+b") as f:  # the last record cut short
+        f.truncate(os.path.getsize(path) - 3)
+    strict = reader(tmp_path, on_bad_record="raise")
+    with pytest.raises(DataLossError, match=r"part-000.tfrecord: corrupted record .*index 9"):
+        strict.read(20, timeout_s=0.05)
+    assert strict.state()["partial"] == {} and strict.state()["done"] == []
+    lenient = reader(tmp_path)
+    assert [x.value for x in lenient.read(20, timeout_s=0.05)] == list(range(9))
+    assert lenient.stats["bad_records"] == 1 and lenient.state()["done"] == [path]
