@@ -119,6 +119,7 @@ def criteo(args: argparse.Namespace) -> int:
         test_fraction=args.test_fraction,
         shards=args.shards,
         compression=args.compression,
+        max_line_bytes=args.max_line_bytes,
         log=print,
     )
     print(f"wrote {args.out} in {result['seconds']:.1f} s; figures in {META_FILE}")
@@ -144,6 +145,7 @@ def text(args: argparse.Namespace) -> int:
         test_shards=args.test_shards,
         compression=args.compression.upper(),
         seed=args.seed,
+        max_line_bytes=args.max_line_bytes,
     )
     result = prepare_text(train, test, args.out, config, log=print)
     print(

@@ -25,17 +25,17 @@ that is not Criteo's stops the conversion, naming its file and line:
 
 from __future__ import annotations
 
-import gzip
 import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
 from psflow.data import fs
 from psflow.data.ctr import CATEGORICAL, DENSE, HEX_DIGIT, serialize_ctr, shard_name
+from psflow.data.line_input import line_blocks
 from psflow.data.tfrecord import TFRecordWriter
 
 META_FILE = "_criteo.json"
@@ -47,6 +47,10 @@ FIELDS = 1 + len(DENSE) + len(CATEGORICAL)
 
 BLOCK_BYTES = 8 << 20
 """Text parsed at a time (about 35,000 of Criteo's lines)."""
+
+MAX_LINE_BYTES = 1 << 20
+"""The longest line read by default (Criteo's are under 1 KB): a file that is not Criteo's
+text, or a decompression bomb, stops at it (``--max-line-bytes`` raises it)."""
 
 _TAB, _NL, _MINUS = 9, 10, 45
 _MAX_DIGITS = 18
@@ -168,58 +172,49 @@ def _hashes(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndar
     return value
 
 
-def _open(path: str) -> IO[bytes]:
-    raw = fs.open_read(path)
-    if path.endswith(".gz"):
-        return gzip.GzipFile(fileobj=raw)  # type: ignore[return-value]
-    return raw
+def blocks(
+    path: str, block_bytes: int | None = None, max_line_bytes: int = MAX_LINE_BYTES
+) -> Iterator[bytes]:
+    """``path``'s text (gzipped when its name ends in ``.gz``, zlib's for ``.zlib``) in pieces of
+    whole lines, each ending in ``\\n``; ``\\r\\n`` is taken as ``\\n``, and blank lines at the
+    end are dropped. Read by :func:`~psflow.data.line_input.line_blocks`: a regular file only,
+    each line at most ``max_line_bytes``, damaged compressed data named with its offset.
 
-
-def blocks(path: str, block_bytes: int | None = None) -> Iterator[bytes]:
-    """``path``'s text (gzipped when its name ends in ``.gz``) in pieces of whole lines, each
-    ending in ``\\n``; ``\\r\\n`` is taken as ``\\n``, and blank lines at the end are dropped."""
-    with _open(path) as f:
-        rest = b""
-        blank = b""  # blank lines held back: dropped at the end, else a bad line
-        while True:
-            chunk = f.read(block_bytes or BLOCK_BYTES)
-            if not chunk:
-                break
-            text = rest + chunk
-            cut = text.rfind(b"\n") + 1
-            rest = text[cut:]
-            if not cut:
-                continue
-            piece = _unix(text[:cut])
-            body = piece.rstrip(b"\n")
-            if body:
-                yield blank + body + b"\n"
-                blank = b"\n" * (len(piece) - len(body) - 1)
-            else:
-                blank += piece
-        tail = _unix(rest).rstrip(b"\n")
-        if tail:
-            yield blank + tail + b"\n"
+    Raises:
+        ValueError: naming the file (and its line, or compressed byte offset).
+    """
+    blank = b""  # blank lines held back: dropped at the end, else a bad line
+    for _, text in line_blocks(
+        path, max_line_bytes=max_line_bytes, block_bytes=block_bytes or BLOCK_BYTES
+    ):
+        piece = _unix(text)
+        body = piece.rstrip(b"\n")
+        if body:
+            yield blank + body + b"\n"
+            blank = b"\n" * (len(piece) - len(body) - 1)
+        else:
+            blank += piece
 
 
 def _unix(text: bytes) -> bytes:
     return text.replace(b"\r\n", b"\n") if b"\r" in text else text
 
 
-def count_lines(paths: Sequence[str]) -> int:
+def count_lines(paths: Sequence[str], max_line_bytes: int = MAX_LINE_BYTES) -> int:
     """Lines in ``paths`` (what :func:`blocks` gives)."""
-    return sum(block.count(b"\n") for path in paths for block in blocks(path))
+    return sum(block.count(b"\n") for path in paths for block in blocks(path, None, max_line_bytes))
 
 
-def read_criteo(paths: Sequence[str]) -> Iterator[CriteoRows]:
+def read_criteo(paths: Sequence[str], max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[CriteoRows]:
     """Each file's lines, parsed a block at a time.
 
     Raises:
-        ValueError: for a line that is not Criteo's, naming its file and line (from 1).
+        ValueError: for a line that is not Criteo's, naming its file and line (from 1); a line
+            over ``max_line_bytes``; a file that is not a regular file; damaged compressed data.
     """
     for path in paths:
         line = 0
-        for block in blocks(path):
+        for block in blocks(path, None, max_line_bytes):
             try:
                 rows = parse_lines(block)
             except BadLine as e:
@@ -280,6 +275,7 @@ def convert_criteo(
     test_fraction: float = 0.1,
     shards: int = 4,
     compression: str = "",
+    max_line_bytes: int = MAX_LINE_BYTES,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Writes Criteo's text files ``inputs`` as TFRecord splits in ``out_dir``, with
@@ -292,6 +288,8 @@ def convert_criteo(
             lines of ``inputs`` (they are counted first: a gzipped file is read twice).
         shards: training files; the rows are dealt out over them in turn.
         compression: ``""``, ``"GZIP"`` or ``"ZLIB"``.
+        max_line_bytes: the longest line read (a longer one stops the conversion, named: a
+            decompression bomb or a file that is not Criteo's text stops there).
         log: a callable taking one line of progress (e.g. ``print``), or None.
 
     Returns:
@@ -305,6 +303,8 @@ def convert_criteo(
         raise ValueError("no input files")
     if shards < 1:
         raise ValueError(f"shards must be at least 1, got {shards}")
+    if max_line_bytes < 1:
+        raise ValueError(f"max_line_bytes must be at least 1, got {max_line_bytes}")
     if not test and not 0 < test_fraction < 1:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
     compression = compression.upper()
@@ -312,7 +312,7 @@ def convert_criteo(
         raise ValueError(f"compression must be '', GZIP or ZLIB, got {compression!r}")
     held_from = None
     if not test:
-        total = count_lines(inputs)
+        total = count_lines(inputs, max_line_bytes)
         held_from = total - round(total * test_fraction)
         if log is not None:
             log(f"{total:,} lines; the last {total - held_from:,} are held out")
@@ -320,14 +320,14 @@ def convert_criteo(
     held = _Split(out_dir, "test", 1, compression)
     try:
         seen = 0
-        for rows in read_criteo(inputs):
+        for rows in read_criteo(inputs, max_line_bytes):
             cut = len(rows) if held_from is None else min(max(held_from - seen, 0), len(rows))
             train.write(rows.rows(slice(0, cut)))
             held.write(rows.rows(slice(cut, None)))
             seen += len(rows)
             if log is not None and seen // 1_000_000 != (seen - len(rows)) // 1_000_000:
                 log(f"{seen:,} lines")
-        for rows in read_criteo(test):
+        for rows in read_criteo(test, max_line_bytes):
             held.write(rows)
     finally:
         train.close()

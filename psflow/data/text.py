@@ -23,6 +23,7 @@ document, their lengths and labels, this worker's share only.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -33,6 +34,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from psflow.data.line_input import iter_lines
 from psflow.data.proto import serialize_example
 from psflow.data.tfrecord import TFRecordWriter
 
@@ -45,6 +47,8 @@ SPECIAL = ("<pad>", "<unk>")
 VOCAB_FILE = "_vocab.txt"
 LABELS_FILE = "_labels.txt"
 META_FILE = "_text.json"
+MAX_LINE_BYTES = 16 << 20
+"""The longest line (one document) read by default (``--max-line-bytes`` raises it)."""
 
 _WORD = re.compile(r"[^\W_]+")
 _ORANGE_TYPES = {"d", "discrete", "c", "continuous", "s", "string", "t", "time", "text"}
@@ -85,39 +89,41 @@ def corpus_files(name: str) -> tuple[str, str]:
     return train, test
 
 
-def read_tsv(path: str) -> Iterator[tuple[str, str]]:
+def read_tsv(path: str, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[str, str]]:
     """(label, text) pairs of a tab-separated file (or an Orange ``.tab`` file, its header
-    recognised), in file order.
+    recognised), in file order; GZIP- or ZLIB-compressed when its name ends in ``.gz`` or
+    ``.zlib`` (read by :func:`~psflow.data.line_input.iter_lines`: a regular file only, each
+    line at most ``max_line_bytes``).
 
     Raises:
-        ValueError: a line without a tab, or an empty label, naming the file and line.
+        ValueError: a line without a tab, an empty label, a line that is not UTF-8 or is over
+            ``max_line_bytes``, naming the file and line; damaged compressed data, naming the
+            file and the compressed byte offset; a file that is not a regular file.
     """
-    with open(path, encoding="utf-8") as f:
-        lines = iter(enumerate(f, 1))
-        head = [line.rstrip("\r\n") for _, line in _take(lines, 3)]
-        label_col, text_col, first = _orange_columns(path, head)
-        pending = [] if first == len(head) else list(enumerate(head, 1))
-        for number, raw in [*pending, *lines]:
-            line = raw.rstrip("\r\n")
-            if not line.strip():
-                continue
-            fields = line.split("\t")
-            if label_col is None:
-                if len(fields) < 2:
-                    raise ValueError(
-                        f"{path}:{number}: expected 'label<TAB>text', found no tab: {line[:60]!r}"
-                    )
-                label, text = fields[0], "\t".join(fields[1:])
-            else:
-                if len(fields) <= max(label_col, text_col):
-                    raise ValueError(
-                        f"{path}:{number}: {len(fields)} columns, the header names "
-                        f"{max(label_col, text_col) + 1} or more"
-                    )
-                label, text = fields[label_col], fields[text_col]
-            if not label.strip():
-                raise ValueError(f"{path}:{number}: empty label")
-            yield label.strip(), text
+    lines = iter_lines(path, max_line_bytes=max_line_bytes)
+    head = [line for _, line in _take(lines, 3)]
+    label_col, text_col, first = _orange_columns(path, head)
+    pending = [] if first == len(head) else list(enumerate(head, 1))
+    for number, line in itertools.chain(pending, lines):
+        if not line.strip():
+            continue
+        fields = line.split("\t")
+        if label_col is None:
+            if len(fields) < 2:
+                raise ValueError(
+                    f"{path}:{number}: expected 'label<TAB>text', found no tab: {line[:60]!r}"
+                )
+            label, text = fields[0], "\t".join(fields[1:])
+        else:
+            if len(fields) <= max(label_col, text_col):
+                raise ValueError(
+                    f"{path}:{number}: {len(fields)} columns, the header names "
+                    f"{max(label_col, text_col) + 1} or more"
+                )
+            label, text = fields[label_col], fields[text_col]
+        if not label.strip():
+            raise ValueError(f"{path}:{number}: empty label")
+        yield label.strip(), text
 
 
 def _take(lines: Iterator[tuple[int, str]], n: int) -> list[tuple[int, str]]:
@@ -175,8 +181,12 @@ class TextConfig:
     """``""``, ``"GZIP"`` or ``"ZLIB"``."""
     seed: int = 0
     """The shuffle of the training documents before sharding."""
+    max_line_bytes: int = MAX_LINE_BYTES
+    """The longest line (one document) read: a longer one stops the preparation, named."""
 
     def __post_init__(self) -> None:
+        if self.max_line_bytes < 1:
+            raise ValueError(f"max_line_bytes must be >= 1, got {self.max_line_bytes}")
         if self.min_count < 1:
             raise ValueError(f"min_count must be >= 1, got {self.min_count}")
         if self.max_size is not None and self.max_size < 1:
@@ -226,10 +236,10 @@ def prepare_text(
     """
     config = config or TextConfig()
     start = time.perf_counter()
-    train_docs = [(label, tokenize(text)) for label, text in read_tsv(train)]
+    train_docs = [(label, tokenize(text)) for label, text in read_tsv(train, config.max_line_bytes)]
     if not train_docs:
         raise ValueError(f"{train}: no documents")
-    test_docs = [(label, tokenize(text)) for label, text in read_tsv(test)]
+    test_docs = [(label, tokenize(text)) for label, text in read_tsv(test, config.max_line_bytes)]
     labels = sorted({label for label, _ in train_docs})
     unknown = sorted({label for label, _ in test_docs} - set(labels))
     if unknown:
