@@ -26,6 +26,7 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from psflow.data import FixedLenFeature, serialize_example
+from psflow.data.ctr import ctr_arrays, ctr_spec, serialize_ctr
 from psflow.data.kafka import (
     BadRecordError,
     KafkaConfig,
@@ -246,3 +247,26 @@ def test_bad_settings_and_states_are_named(broker: Broker) -> None:
             reader.restore({"source": "kafka", "topic": "few", "offsets": {"0": -1}})
     with pytest.raises(TimeoutError, match=r"waited .* for topic 'absent'"):
         KafkaReader(config(broker, "absent", max_wait_s=1.0))
+
+
+def test_ctr_layout_records_read_as_examples_ctr_reads_its_files(broker: Broker) -> None:
+    n = 64
+    rng = np.random.default_rng(0)
+    label = rng.integers(0, 2, n)
+    dense = rng.integers(0, 100, (n, 13))
+    ids = rng.integers(0, 2**31, (n, 26))
+    data, offsets = serialize_ctr(label, dense, ids)
+    records = [data[offsets[i] : offsets[i + 1]] for i in range(n)]
+    broker.topic("ctr", partitions=1)
+    broker.produce("ctr", [(0, bytes(r)) for r in records])
+    got: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    with KafkaReader(config(broker, "ctr")) as reader:
+        deadline = time.monotonic() + 15
+        while sum(len(g[2]) for g in got) < n:
+            assert time.monotonic() < deadline
+            batch = reader.read_examples(24, ctr_spec())
+            if batch is not None:
+                got.append(ctr_arrays(batch))
+    d, c, y = (np.concatenate([g[k] for g in got]) for k in range(3))
+    assert np.array_equal(c, ids) and np.array_equal(y, label.astype(np.float32))
+    assert np.allclose(d, np.log1p(dense.astype(np.float32)))
