@@ -174,6 +174,29 @@ def _add_launch(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "first, then the ps; with more tasks than cores a ps shares a trainer's core",
     )
     _add_launch_watching(p)
+    r = p.add_argument_group("on Ray (--backend ray)")
+    r.add_argument(
+        "--backend",
+        choices=("local", "ray"),
+        default="local",
+        help="local: processes on this machine (default); ray: each task a Ray actor",
+    )
+    r.add_argument(
+        "--address",
+        help="the Ray cluster's head, HOST:PORT (default: RAY_ADDRESS, else a Ray started here)",
+    )
+    r.add_argument(
+        "--placement",
+        default="SPREAD",
+        help="placement group strategy: SPREAD (default) or PACK (STRICT_SPREAD, STRICT_PACK)",
+    )
+    r.add_argument("--cpus-per-task", type=float, default=1.0, help="CPUs of each task's actor")
+    r.add_argument(
+        "--gpus-per-task", type=float, default=0.0, help="GPUs of each worker's (and chief's) actor"
+    )
+    r.add_argument(
+        "--node-ip", help="this machine's address in the Ray cluster, where Ray cannot tell"
+    )
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=_runs("psflow.cluster.cli", "launch"))
