@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -355,6 +355,30 @@ class KafkaReader:
         self._next.update(moved)
         self.stats["records"] += len(values)
         return parsed
+
+    def iter_examples(
+        self,
+        batch_size: int,
+        spec: Mapping[str, FeatureSpec],
+        *,
+        idle_timeout_s: float | None = None,
+    ) -> Iterator[dict[str, Any]]:
+        """:meth:`read_examples` batches for a training loop: for ever (a stream), or until
+        no record came for ``idle_timeout_s``. After each batch is yielded, :meth:`state` is
+        the position just past it.
+
+        Example:
+            >>> for batch in reader.iter_examples(512, ctr_spec()):  # doctest: +SKIP
+            ...     dense, categorical, label = ctr_arrays(batch)
+        """
+        idle_since = time.monotonic()
+        while True:
+            batch = self.read_examples(batch_size, spec)
+            if batch is not None:
+                idle_since = time.monotonic()
+                yield batch
+            elif idle_timeout_s is not None and time.monotonic() - idle_since > idle_timeout_s:
+                return
 
     def _bad(self, messages: list[Any], i: int, reason: str) -> None:
         m = messages[i]

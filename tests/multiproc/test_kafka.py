@@ -261,12 +261,11 @@ def test_ctr_layout_records_read_as_examples_ctr_reads_its_files(broker: Broker)
     broker.produce("ctr", [(0, bytes(r)) for r in records])
     got: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     with KafkaReader(config(broker, "ctr")) as reader:
-        deadline = time.monotonic() + 15
-        while sum(len(g[2]) for g in got) < n:
-            assert time.monotonic() < deadline
-            batch = reader.read_examples(24, ctr_spec())
-            if batch is not None:
-                got.append(ctr_arrays(batch))
+        for batch in reader.iter_examples(24, ctr_spec(), idle_timeout_s=15):
+            got.append(ctr_arrays(batch))
+            if sum(len(g[2]) for g in got) == n:
+                break
+        assert reader.state()["offsets"] == {"0": n}
     d, c, y = (np.concatenate([g[k] for g in got]) for k in range(3))
     assert np.array_equal(c, ids) and np.array_equal(y, label.astype(np.float32))
     assert np.allclose(d, np.log1p(dense.astype(np.float32)))

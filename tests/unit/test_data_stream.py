@@ -165,3 +165,18 @@ def test_a_corrupt_file_is_skipped_and_counted_or_stops_the_reader(tmp_path: Pat
     lenient = reader(tmp_path)
     assert [x.value for x in lenient.read(20, timeout_s=0.05)] == list(range(9))
     assert lenient.stats["bad_records"] == 1 and lenient.state()["done"] == [path]
+
+
+def test_iter_examples_ends_after_an_idle_timeout_with_the_position_past_each_batch(
+    tmp_path: Path,
+) -> None:
+    land(tmp_path, 0, [serialize_example({"n": i}) for i in range(5)])
+    r = reader(tmp_path)
+    seen, states = [], []
+    for batch in r.iter_examples(2, {"n": FixedLenFeature(dtype="int64")}, idle_timeout_s=0.05):
+        seen += batch["n"].tolist()
+        states.append(r.state())
+    assert seen == [0, 1, 2, 3, 4]
+    path = str(tmp_path / "part-000.tfrecord")
+    assert [s["partial"] for s in states[:2]] == [{path: 2}, {path: 4}]
+    assert states[2] == {**states[2], "done": [path], "partial": {}}
