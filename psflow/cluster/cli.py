@@ -32,4 +32,16 @@ def launch(args: argparse.Namespace) -> int:
         progress=args.progress,
         bind_cores=args.bind_cores,
     )
+    if getattr(args, "backend", "local") == "ray":
+        # Imported here: Ray is an optional extra (psflow[ray]).
+        from psflow.cluster.ray_backend import RayLauncher, RayOptions
+
+        options = RayOptions(
+            address=args.address,
+            strategy=args.placement,
+            task_cpus=args.cpus_per_task,
+            trainer_gpus=args.gpus_per_task,
+            node_ip=args.node_ip,
+        )
+        return RayLauncher(config, options).run()
     return Launcher(config).run()

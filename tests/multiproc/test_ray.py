@@ -1,0 +1,261 @@
+"""``psflow launch --backend ray`` on a real Ray cluster of two nodes on this machine.
+
+One module-scoped cluster serves every test: a head (``ray start --head --block``) and a second
+node (``ray start --address --block``), each on its own loopback address (127.0.0.2, 127.0.0.3:
+Ray turns 127.0.0.1 into the machine's outward address, which a second node would then dial, and
+127.0.0.1 with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` refuses a second node), every port chosen
+free and outside Ray's worker range 10002-19999. They are started detached (not this process's
+children: Ray's worker processes come and go) and stopped by the pids of their ``--block``
+processes, never ``ray stop`` (which ends every Ray process on the machine); whatever they had
+started and left is then killed by pid.
+
+Jobs run as real ``psflow launch`` (and Python) processes driving the cluster: the linear
+regression example across both nodes through the socket path (``PSFLOW_SHM=0``), a worker and
+a ps killed mid-run (``tests/faults.py``) and restarted by Ray as ``psflow launch
+--max-restarts`` restarts them, a stop by SIGTERM and a failed task's exit status.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from psflow.cluster.ports import free_ports
+from tests.faults import FAULTS
+
+from .support import ROOT
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(150)]
+
+RAY = str(Path(sys.executable).with_name("ray"))
+EXAMPLE = ROOT / "examples" / "linear_regression.py"
+HEAD_IP, NODE_IP = "127.0.0.2", "127.0.0.3"
+START_TIMEOUT = 90.0
+
+
+@dataclass
+class RayCluster:
+    address: str
+    pids: list[int]
+
+
+def _descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                for child in map(int, Path(f"/proc/{pid}/task/{tid}/children").read_text().split()):
+                    out += [child, *_descendants(child)]
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _detached(cmd: list[str], log: Path) -> int:
+    """Starts ``cmd`` in its own session, reparented away from this process; its pid."""
+    line = " ".join(f"'{c}'" for c in cmd)
+    out = subprocess.run(
+        ["sh", "-c", f"setsid {line} >'{log}' 2>&1 </dev/null & echo $!"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
+    return int(out.stdout.strip())
+
+
+def _wait_for(log: Path, text: str, pid: int) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while text not in (log.read_text() if log.exists() else ""):
+        assert _alive(pid), f"{log.name}: ray start exited:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"{log.name}: not up:\n{log.read_text()[-3000:]}"
+        time.sleep(0.1)
+
+
+def _stop(pids: list[int]) -> None:
+    """SIGTERM to each ``--block`` process (it stops what it started), then SIGKILL, by pid, to
+    anything of theirs still there."""
+    everything = {p: _descendants(p) for p in pids}
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    for pid in [p for ps in everything.values() for p in ps] + pids:
+        if _alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
+    d = tmp_path_factory.mktemp("ray")
+    port, client, dash, agent1, agent2 = free_ports(5, HEAD_IP)
+    common = ["--num-cpus", "2", "--disable-usage-stats", "--object-store-memory", "100000000"]
+    head = [
+        RAY, "start", "--head", "--block", "--node-ip-address", HEAD_IP, "--port", str(port),
+        "--include-dashboard=false", "--dashboard-port", str(dash), "--temp-dir", str(d / "t"),
+        "--ray-client-server-port", str(client), "--dashboard-agent-listen-port", str(agent1),
+        *common,
+    ]  # fmt: skip
+    pids: list[int] = []
+    try:
+        pids.append(_detached(head, d / "head.log"))
+        _wait_for(d / "head.log", "Ray runtime started", pids[0])
+        node = [
+            RAY, "start", "--block", "--address", f"{HEAD_IP}:{port}", "--node-ip-address",
+            NODE_IP, "--dashboard-agent-listen-port", str(agent2), *common,
+        ]  # fmt: skip
+        pids.append(_detached(node, d / "node.log"))
+        _wait_for(d / "node.log", "Ray runtime started", pids[1])
+        yield RayCluster(address=f"{HEAD_IP}:{port}", pids=pids)
+    finally:
+        _stop(list(reversed(pids)))
+
+
+def _launch(
+    cluster: RayCluster, *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "psflow.cli", "launch", "--backend", "ray"]
+    return subprocess.run(
+        [*cmd, "--address", cluster.address, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PSFLOW_SHM": "0", **(env or {})},
+        cwd=ROOT,
+    )
+
+
+def _result(stdout: str) -> tuple[float, float]:
+    m = re.search(r"^\[worker:0\] W=(\S+) b=(\S+)$", stdout, re.M)
+    assert m, stdout[-2000:]
+    return float(m.group(1)), float(m.group(2))
+
+
+def test_linear_regression_across_both_nodes(ray_cluster: RayCluster, tmp_path: Path) -> None:
+    proc = _launch(
+        ray_cluster,
+        *("--ps", "1", "--workers", "2", str(EXAMPLE)),
+        *("--train_steps", "2000", "--lr", "0.01", "--logdir", str(tmp_path / "run")),
+    )
+    err = proc.stderr
+    assert proc.returncode == 0, err[-4000:]
+    m = re.search(r"3 tasks as Ray actors \(SPREAD\): (.*)", err)
+    assert m, err[-3000:]
+    hosts = set(re.findall(r"(\d+\.\d+\.\d+\.\d+):\d+", m.group(1)))
+    assert hosts == {HEAD_IP, NODE_IP}, m.group(1)  # the tasks span both nodes
+    # Each task's output comes back prefixed with its name, as psflow launch relays it.
+    assert re.search(r"^\[ps:0\] INFO psflow.ps.server: ps:0 serving on ", err + proc.stdout, re.M)
+    w, b = _result(proc.stdout)
+    assert abs(w - 2.0) < 0.1 and abs(b - 0.3) < 0.1
+    assert "job finished: 3 tasks exited 0" in err
+
+
+def test_a_killed_ps_and_worker_are_restarted_by_ray(
+    ray_cluster: RayCluster, tmp_path: Path
+) -> None:
+    faults = [
+        *("--once", str(tmp_path / "faults")),
+        # The ps after the checkpoint at 500 (the chief restores it), then a worker (it rejoins).
+        *("--kill-at", "ps:0@1000"),
+        *("--kill-at", "worker:1@1500"),
+    ]
+    proc = _launch(
+        ray_cluster,
+        *("--ps", "1", "--workers", "2", "--max-restarts", "2", str(FAULTS), *faults),
+        *(str(EXAMPLE), "--train_steps", "2500", "--lr", "0.01"),
+        *("--save_checkpoint_steps", "500", "--logdir", str(tmp_path / "run")),
+    )
+    err = proc.stderr
+    assert proc.returncode == 0, err[-5000:]
+    restarted = re.findall(
+        r"task (\S+) failed with signal 9; Ray restarts its actor with the same address and "
+        r"TF_CONFIG \(restart (\d) of 2",
+        err,
+    )
+    assert restarted == [("ps:0", "1"), ("worker:1", "2")], err[-5000:]
+    assert re.search(r"ps:0 came back empty: every shard restored from ckpt-\d+\b", err), err[
+        -4000:
+    ]
+    w, b = _result(proc.stdout)
+    assert abs(w - 2.0) < 0.1 and abs(b - 0.3) < 0.1
+    assert "job finished: 3 tasks exited 0" in err
+
+
+def test_python_call_stop_and_exit_status(ray_cluster: RayCluster, tmp_path: Path) -> None:
+    """The same launcher called from Python: SIGTERM stops every task (exit 143, as psflow
+    launch gives), and a task failing with no restart left fails the job, named."""
+    script = tmp_path / "serve.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "print('started', os.getpid(), flush=True)\n"
+        "if len(sys.argv) > 1: sys.exit(int(sys.argv[1]))\n"
+        "time.sleep(600)\n"
+    )
+    call = (
+        "import sys\n"
+        "from psflow.cluster.launch_config import LaunchConfig\n"
+        "from psflow.cluster.ray_backend import RayLauncher, RayOptions\n"
+        "config = LaunchConfig(script=sys.argv[1], args=sys.argv[3:], ps=1, workers=1)\n"
+        "sys.exit(RayLauncher(config, RayOptions(address=sys.argv[2], strategy='PACK')).run())\n"
+    )
+    cmd = [sys.executable, "-c", call, str(script), ray_cluster.address]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    assert proc.stdout is not None
+    started: dict[str, int] = {}
+    while len(started) < 2:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read() if proc.stderr else ""
+        m = re.fullmatch(r"\[(\S+)\] started (\d+)\n", line)
+        if m:
+            started[m.group(1)] = int(m.group(2))
+    assert set(started) == {"ps:0", "worker:0"}
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "received SIGTERM; stopping every task" in err
+    for pid in started.values():  # the scripts themselves are gone
+        assert not _alive(pid)
+
+    failed = subprocess.run([*cmd, "3"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    assert re.search(
+        r"task (ps:0|worker:0) failed with exit code 3; stopping the other tasks", failed.stderr
+    )
+
+
+def test_an_address_that_does_not_answer_fails_within_the_ready_timeout() -> None:
+    (port,) = free_ports(1)
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "psflow.cli", "launch", "--backend", "ray", "--address",
+         f"127.0.0.1:{port}", str(EXAMPLE)],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PSFLOW_READY_TIMEOUT": "2"},
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"psflow launch: error: the Ray cluster at 127.0.0.1:{port} did not answer within 2 s "
+        "(PSFLOW_READY_TIMEOUT): is its head running?"
+    )
+    assert time.monotonic() - started < 15
