@@ -1,15 +1,20 @@
 """A seeded fuzzer of the file readers, for long runs: mutated TFRecord files (plain, GZIP,
-ZLIB), checkpoint shard files and manifests.
+ZLIB), checkpoint shard files and manifests; TensorFlow checkpoints (the fixtures TensorFlow
+wrote), whole psflow checkpoints through ``export``, ``inspect`` and the restores, and the
+Criteo and text converters' input, each against an oracle for silent results
+(``tests/fuzz_readers.py``).
 
     python tests/fuzz_files.py --cases 100000 --seed 7          # each kind in turn, JSON last
     python tests/fuzz_files.py --kinds gzip zlib --minutes 30
+    python tests/fuzz_files.py --kinds tf_checkpoint psflow_checkpoint criteo text
 
-The mutations and the checks are those of the suite's short run
-(``tests/unit/test_hostile_files.py``): each case must end in valid data or in an error that
-names the file (and the byte offset where the format has one). Anything else stops the run
-with the kind, the seed and the case's number, which replay it: another exception, a case
-that takes longer than ``--case-timeout`` (a hang), or memory traced past the bound while a
-kind runs (an allocation sized by a corrupted field).
+The mutations and the checks are those of the suite's short runs
+(``tests/unit/test_hostile_files.py``, ``tests/unit/test_fuzz_readers.py``): each case must end
+in the known values or in an error that names the file (and the byte offset where the format
+has one). Anything else stops the run with the kind, the seed and the case's number, which
+replay it: a wrong value, another exception, a case that takes longer than ``--case-timeout``
+(a hang: a FIFO opened, say), or memory traced past the bound while a kind runs (an
+allocation sized by a corrupted field). Each reader's outcomes are counted per kind.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from types import FrameType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.fuzz_readers import CASES, warm
 from tests.unit.test_hostile_files import (
     MEMORY_BOUND,
     manifest_case,
@@ -37,7 +43,7 @@ from tests.unit.test_hostile_files import (
     tfrecord_case,
 )
 
-KINDS = ("tfrecord", "gzip", "zlib", "shard", "manifest")
+KINDS = ("tfrecord", "gzip", "zlib", "shard", "manifest", *CASES)
 _COMPRESSION = {"tfrecord": "", "gzip": "GZIP", "zlib": "ZLIB"}
 
 
@@ -49,8 +55,11 @@ class FuzzFailure(Exception):
     """A case broke the rule; its message names the kind, the seed and the case."""
 
 
-def _case(kind: str, rng: random.Random, tmp: Path, i: int) -> str:
-    """One case of ``kind``: ``"ok"`` or ``"error"`` (named), raising on anything else."""
+def _case(kind: str, rng: random.Random, tmp: Path, i: int) -> str | list[tuple[str, str]]:
+    """One case of ``kind``: ``"ok"`` or ``"error"`` (named), or each reader's outcome;
+    raising on anything else."""
+    if kind in CASES:
+        return CASES[kind](rng, tmp, i)
     if kind in _COMPRESSION:
         compression = _COMPRESSION[kind]
         path, _ = tfrecord_case(rng, tmp, compression)
@@ -76,6 +85,7 @@ def run(
 
     previous: Callable[..., object] | int | None = signal.signal(signal.SIGALRM, alarm)
     counts: Counter[str] = Counter()
+    readers: dict[str, Counter[str]] = {}
     start = time.monotonic()
     tracemalloc.start()
     i = 0
@@ -83,7 +93,12 @@ def run(
         while i < cases and time.monotonic() - start < seconds:
             signal.setitimer(signal.ITIMER_REAL, case_timeout)
             try:
-                counts[_case(kind, rng, tmp, i)] += 1
+                outcome = _case(kind, rng, tmp, i)
+                if isinstance(outcome, str):
+                    counts[outcome] += 1
+                else:
+                    for reader, verdict in outcome:
+                        readers.setdefault(reader, Counter())[verdict] += 1
             except Exception as e:
                 raise FuzzFailure(f"{kind}, seed {seed}, case {i}: {type(e).__name__}: {e}") from e
             finally:
@@ -96,11 +111,15 @@ def run(
     if peak >= MEMORY_BOUND:
         raise FuzzFailure(f"{kind}, seed {seed}: {peak} bytes traced, over {MEMORY_BOUND}")
     took = time.monotonic() - start
+    outcomes: dict[str, object] = (
+        {"readers": {r: dict(sorted(c.items())) for r, c in sorted(readers.items())}}
+        if kind in CASES
+        else {"ok": counts["ok"], "error": counts["error"]}
+    )
     return {
         "kind": kind,
         "cases": i,
-        "ok": counts["ok"],
-        "error": counts["error"],
+        **outcomes,
         "seconds": round(took, 1),
         "cases_per_s": round(i / took, 1) if took else None,
         "peak_traced_bytes": peak,
@@ -120,6 +139,7 @@ def main() -> None:
     seconds = float("inf") if args.minutes is None else args.minutes * 60
     results = []
     with tempfile.TemporaryDirectory(prefix="fuzz-files-") as d:
+        warm(Path(d))
         for kind in args.kinds:
             result = run(kind, args.seed, args.cases, seconds, args.case_timeout, Path(d))
             print(json.dumps(result), file=sys.stderr, flush=True)

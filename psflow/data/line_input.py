@@ -129,6 +129,11 @@ class _Inflated:
     def _inflate(self) -> bytes:
         assert self._zlib is not None
         if self._zlib.eof:  # another GZIP member follows the last (``cat a.gz b.gz``)
+            if self.compression != "GZIP":
+                raise ValueError(
+                    f"{self.path}: data after the end of the {self.compression} stream at "
+                    f"compressed byte offset {self.offset}"
+                )
             self._zlib = zlib.decompressobj(self._wbits)
             self._started = False
         before = self._zlib.copy()
@@ -143,7 +148,7 @@ class _Inflated:
         rest = self._zlib.unused_data if self._zlib.eof else self._zlib.unconsumed_tail
         self.offset += len(raw) - len(rest)
         self._started = True
-        if self._zlib.eof and rest and not rest.strip(b"\0"):
+        if self._zlib.eof and rest and not rest.strip(b"\0") and self.compression == "GZIP":
             self.offset += len(rest)  # zeros after a member: padding, as gzip's reader skips
             rest = b""
         self._pending = rest

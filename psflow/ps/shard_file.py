@@ -109,6 +109,8 @@ class ShardFile:
     """The schedule the shard followed, as data (``ScheduleSpec.from_wire`` reads it; its
     learning rate at :attr:`step` is in :attr:`param_groups`). Kept as data: a schedule this
     torch no longer has does not make the file unreadable."""
+    tables: dict[str, Any] = field(default_factory=dict)
+    """The specs of the tables whose rows the file holds, as data (``psflow.tables``)."""
 
     def variables(self) -> dict[str, torch.Tensor]:
         return {
@@ -205,6 +207,7 @@ def decode_shard(data: bytes, source: str) -> ShardFile:
             opt_state=json.loads(meta.get("psflow.opt_state", "{}")),
             param_groups=json.loads(meta.get("psflow.param_groups", "[]")),
             lr_schedule=json.loads(meta.get("psflow.lr_schedule", "null")),
+            tables=json.loads(meta.get("psflow.tables", "{}")),
         )
     except KeyError as e:
         raise ValueError(f"{source} is not a readable psflow shard file: no metadata {e}") from None
@@ -232,5 +235,7 @@ def _check_shard_metadata(f: ShardFile, source: str) -> None:
         problem = "psflow.param_groups is not a list of maps"
     elif f.lr_schedule is not None and not isinstance(f.lr_schedule, dict):
         problem = "psflow.lr_schedule is not a map"
+    elif not isinstance(f.tables, dict) or not all(isinstance(v, dict) for v in f.tables.values()):
+        problem = "psflow.tables is not a map of maps"
     if problem is not None:
         raise ValueError(f"{source} is not a readable psflow shard file: bad metadata: {problem}")

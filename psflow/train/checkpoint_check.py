@@ -22,13 +22,16 @@ Every error is a ``ValueError`` naming the checkpoint's file and the tensor, tab
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
-from psflow.protocol import TableSpec
+from psflow.protocol import RowOptimizerSpec, TableSpec
 from psflow.ps.shard_file import ShardFile
 from psflow.ps.tables import TABLE_PREFIX, split_table_tensor_name
+from psflow.sparse.optim import RowOptimizer
+from psflow.sparse.partition import Partition
 from psflow.train.manifest import Manifest, VariableEntry
 from psflow.transport.wire import DTYPES
 
@@ -56,14 +59,14 @@ def check_manifest(manifest: Manifest, source: str) -> dict[str, TableSpec]:
         shape, dtype = meta.get("shape"), meta.get("dtype")
         if shape is not None and not _sizes(shape):
             raise ValueError(f"{source}: params.{param}.shape = {shape!r} is not a list of sizes")
-        if dtype is not None and dtype not in DTYPES:
+        if dtype is not None and (not isinstance(dtype, str) or dtype not in DTYPES):
             raise ValueError(f"{source}: params.{param}.dtype = {dtype!r} is not a dtype")
     seen: set[str] = set()
     for v in manifest.variables:
         if v.var in seen:
             raise ValueError(f"{source}: variable {v.var!r} is listed twice")
         seen.add(v.var)
-        if v.dtype not in DTYPES:
+        if not isinstance(v.dtype, str) or v.dtype not in DTYPES:
             raise ValueError(f"{source}: variable {v.var!r} has dtype {v.dtype!r}")
     specs = {}
     for table, entry in manifest.tables.items():
@@ -167,6 +170,7 @@ def check_tables(
     parts: TableParts = {table: [] for table in specs}
     urls: dict[str, list[str]] = {table: [] for table in specs}
     for url, shard in files:
+        saved_specs = _saved_specs(shard, url)
         grouped: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in shard.tensors.items():
             if not key.startswith(TABLE_PREFIX):
@@ -179,12 +183,60 @@ def check_tables(
             spec = specs.get(table)
             if spec is None:
                 raise ValueError(f"{url}: rows of table {table!r}, which {name}'s manifest lacks")
+            saved = saved_specs.get(table)
+            if saved != spec:
+                raise ValueError(f"{url}: table {table!r}: {_differ(saved, spec)}")
             _check_part(part, spec, f"{url}: table {table!r}")
+            _check_placement(part["ids"], spec, shard, f"{url}: table {table!r}")
             parts[table].append(part)
             urls[table].append(url)
     for table, spec in specs.items():
         _check_ids(table, spec, parts[table], urls[table], name)
     return parts
+
+
+def _saved_specs(shard: ShardFile, url: str) -> dict[str, TableSpec]:
+    """The specs a shard file's own metadata gives its tables."""
+    out = {}
+    for table, wire in shard.tables.items():
+        try:
+            out[table] = TableSpec.from_wire(wire)
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"{url}: psflow.tables.{table}: {e}") from None
+    return out
+
+
+def _differ(saved: TableSpec | None, spec: TableSpec) -> str:
+    """How the file's own spec of a table differs from the manifest's."""
+    if saved is None:
+        return "the file's metadata (psflow.tables) has no spec of it"
+    diff = [
+        f"{f.name} {getattr(saved, f.name)!r} in the file's metadata, "
+        f"{getattr(spec, f.name)!r} in the manifest"
+        for f in dataclasses.fields(spec)
+        if getattr(saved, f.name) != getattr(spec, f.name)
+    ]
+    return "; ".join(diff)
+
+
+def _check_placement(ids: torch.Tensor, spec: TableSpec, shard: ShardFile, where: str) -> None:
+    """A ps saves only the rows it holds: each id of shard ``s``'s file maps to ``s``."""
+    if not ids.numel() or shard.num_shards == 1:
+        return
+    if spec.num_embeddings is not None:
+        bad = (ids < 0) | (ids >= spec.num_embeddings)
+        if bool(bad.any()):
+            at = int(bad.nonzero()[0])
+            raise ValueError(f"{where}: id {int(ids[at])} out of range [0, {spec.num_embeddings})")
+    partition = Partition(spec.partition, spec.num_embeddings, shard.num_shards)
+    wrong = partition.shard_of(ids) != shard.shard
+    if bool(wrong.any()):
+        at = int(wrong.nonzero()[0])
+        raise ValueError(
+            f"{where}: id {int(ids[at])} belongs to shard "
+            f"{int(partition.shard_of(ids[at : at + 1])[0])} ({spec.partition} over "
+            f"{shard.num_shards}), not this file's {shard.shard}"
+        )
 
 
 def _check_part(part: dict[str, torch.Tensor], spec: TableSpec, where: str) -> None:
@@ -200,10 +252,21 @@ def _check_part(part: dict[str, torch.Tensor], spec: TableSpec, where: str) -> N
             f"{where}: values are {_name_of(values.dtype)} {list(values.shape)}, the manifest's "
             f"spec says {spec.dtype} {want}"
         )
-    for key, tensor in part.items():
-        if key.startswith("opt/") and (tensor.dim() == 0 or tensor.shape[0] != n):
+    # The row-wise optimizer's state, as the ps that restores it checks it (sparse.rows).
+    optimizer = RowOptimizer(spec.optimizer or RowOptimizerSpec())
+    fresh = optimizer.new_state(1, spec.embedding_dim, DTYPES[spec.dtype])
+    state = {k.removeprefix("opt/"): t for k, t in part.items() if k.startswith("opt/")}
+    if set(state) != set(optimizer.state_names):
+        raise ValueError(
+            f"{where}: optimizer state {sorted(state)}, its row optimizer "
+            f"{optimizer.spec.name} keeps {sorted(optimizer.state_names)}"
+        )
+    for key, tensor in state.items():
+        want_shape = [n, *fresh[key].shape[1:]]
+        if list(tensor.shape) != want_shape or tensor.dtype != fresh[key].dtype:
             raise ValueError(
-                f"{where}: {key} has shape {list(tensor.shape)}, not one row for each of {n} ids"
+                f"{where}: opt/{key} is {_name_of(tensor.dtype)} {list(tensor.shape)}, its row "
+                f"optimizer keeps {_name_of(fresh[key].dtype)} {want_shape}"
             )
 
 

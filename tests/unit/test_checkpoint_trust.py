@@ -44,13 +44,23 @@ def _refused(run: Path, match: str) -> str:
     return message
 
 
-def _rewrite_shard(path: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> None:
+def _rewrite_shard(
+    path: Path,
+    change: Callable[[dict[str, torch.Tensor]], None],
+    tables: Callable[[dict[str, Any]], None] | None = None,
+) -> None:
+    """The shard file rewritten with ``change`` made to its tensors (and ``tables`` to the
+    specs of its metadata), every header consistent: a forgery, not damage."""
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
         meta = f.metadata()
     tensors = load_file(str(path))
     change(tensors)
+    if tables is not None:
+        specs = json.loads(meta["psflow.tables"])
+        tables(specs)
+        meta["psflow.tables"] = json.dumps(specs)
     save_file(tensors, str(path), metadata=meta)
 
 
@@ -95,14 +105,22 @@ def test_a_table_id_held_twice_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_huge_num_embeddings_is_refused_before_allocating(tmp_path: Path) -> None:
-    """Issue 36, 3: num_embeddings = 10**8 on a 5 KB checkpoint allocated 1.6 GB."""
-    run, _ = psflow_checkpoint.copy(tmp_path)
+    """Issue 36, 3: num_embeddings = 10**8 on a 5 KB checkpoint allocated 1.6 GB. Refused
+    against the shard files' own specs; forged there too, against the rows they hold."""
     for size in (10**8, 10**12):
+        run, _ = psflow_checkpoint.copy(tmp_path)
 
         def huge(m: dict[str, Any], size: int = size) -> None:
             m["tables"]["items"]["spec"]["num_embeddings"] = size
 
         _edit_manifest(run, huge)
+        _refused(run, rf"'items': num_embeddings 40 in the file's metadata, {size} in the manifest")
+        for shard in (SHARD0, SHARD1):
+            _rewrite_shard(
+                run / shard,
+                lambda t: None,
+                tables=lambda specs: huge({"tables": {"items": {"spec": specs["items"]}}}),
+            )
         tracemalloc.start()
         try:
             _refused(run, rf"table 'items': the spec says {size} rows .* files hold 40")
