@@ -277,6 +277,14 @@ def _check_ids(
     ids = torch.cat([p["ids"] for p in parts]) if parts else torch.empty(0, dtype=torch.int64)
     n = spec.num_embeddings
     where = f"{name}: table {table!r}"
+    pad = spec.padding_idx
+    if n is None and pad is not None and bool((ids == pad).any()):
+        # A hashed table keeps no row for its padding id (always zero): one saved is forged,
+        # and a model's load_state_dict of the export would refuse it.
+        at = int((ids == pad).nonzero()[0])
+        raise ValueError(
+            f"{_url_of(at, parts, urls)}: table {table!r} holds a row for its padding id {pad}"
+        )
     if n is not None:
         # Counted first: num_embeddings is a manifest's word, the rows are what the files hold.
         if ids.numel() != n:
