@@ -97,7 +97,9 @@ class TaskRunner:
             self._proc = subprocess.Popen(
                 argv,
                 env=env,
-                cwd=cwd,
+                # The driver's directory where this node has it (a shared file system, or the
+                # same image); else the actor's own.
+                cwd=cwd if os.path.isdir(cwd) else None,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,

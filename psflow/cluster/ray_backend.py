@@ -110,6 +110,8 @@ class RayLauncher:
         self.cluster: ClusterSpec | None = None
         self.tasks: dict[TaskSpec, _Task] = {}
         self.restarts = 0
+        """Tasks restarted by Ray (at most ``max_restarts`` for the job)."""
+        self._count_lock = threading.Lock()
         self._pg: Any = None
         self._out_lock = threading.RLock()
         self._changed = threading.Event()
@@ -316,11 +318,17 @@ class RayLauncher:
             if run != task.run:
                 if task.run is not None and not task.restarting:
                     # Ray restarted it without our asking: its process or node died.
-                    self.restarts += 1
+                    with self._count_lock:
+                        self.restarts += 1
+                        n = self.restarts
+                    limit = self.config.max_restarts
+                    if n > limit:
+                        task.lost = f"Ray restarted its actor past --max-restarts {limit}"
+                        self._changed.set()
+                        return
                     self._say(
                         f"task {task.spec}'s actor died; Ray restarted it with the same address "
-                        f"and TF_CONFIG (restart {self.restarts} of {self.config.max_restarts} "
-                        "for the job)"
+                        f"and TF_CONFIG (restart {n} of {limit} for the job)"
                     )
                 task.run, task.restarting = run, False
             if code is not None and task.code is None and not task.restarting:
@@ -337,7 +345,8 @@ class RayLauncher:
             return False
         if any(t.spec.job == "ps" and t.code == 0 for t in self.tasks.values()):
             return False
-        self.restarts += 1
+        with self._count_lock:
+            self.restarts += 1
         self._say(
             f"task {task.spec} failed with {how}; Ray restarts its actor with the same address "
             f"and TF_CONFIG (restart {self.restarts} of {limit} for the job)"
