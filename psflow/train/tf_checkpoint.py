@@ -31,6 +31,7 @@ import re
 import fsspec
 import torch
 
+from psflow.ps import safefile
 from psflow.train.tf_objects import Slots
 from psflow.train.tf_reader import BundleReader
 
@@ -86,7 +87,8 @@ class TFCheckpoint(BundleReader):
         state = path.rstrip("/") + "/checkpoint"
         if not fs.exists(state):
             return None
-        with fs.open(state, "rb") as f:
+        # A FIFO (or a directory, a device) there is refused, not opened: an open would block.
+        with safefile.open_regular(directory.rstrip("/") + "/checkpoint", directory) as f:
             text = f.read(1 << 20).decode(errors="replace")
         found = re.search(r'^model_checkpoint_path:\s*"((?:[^"\\]|\\.)*)"', text, re.MULTILINE)
         if found is None:

@@ -496,3 +496,22 @@ def test_special_files_of_a_tensorflow_checkpoint_are_refused_unopened(
     assert done.wait(20), "the reader blocked"
     if errors:
         raise errors[0]
+
+
+def test_a_fifo_as_the_checkpoint_state_file_is_refused(tmp_path: Path) -> None:
+    """``psflow checkpoint inspect DIR`` reads TensorFlow's ``checkpoint`` state file to find
+    the latest prefix: a FIFO there blocked it in ``open``."""
+    import os
+    import threading
+
+    copy(tmp_path)
+    os.mkfifo(tmp_path / "checkpoint")
+    done = threading.Event()
+    proc: list[subprocess.CompletedProcess[str]] = []
+    threading.Thread(
+        target=lambda: (proc.append(_psflow("checkpoint", "inspect", str(tmp_path))), done.set()),
+        daemon=True,
+    ).start()
+    assert done.wait(30), "inspect blocked"
+    assert proc[0].returncode == 2
+    assert f"{tmp_path}/checkpoint: a FIFO where a file belongs" in proc[0].stderr
