@@ -6,8 +6,10 @@
   from a lost ps in ``restoring.py``, its stop on SIGTERM/Ctrl-C in ``stopping.py``.
 - ``alone.py``: a cluster of one (no cluster given): :class:`~psflow.train.alone.LocalEngine`
   and :class:`~psflow.train.alone.LocalTables`, the ps's parts in the session's process.
-- ``checkpoint.py``: :class:`Checkpointer` (saving through the ps), :func:`load_checkpoint`,
-  :func:`export_state_dict`, :class:`Checkpoint`.
+- ``checkpoint.py``: :class:`Checkpointer` (saving through the ps); re-exports
+  :func:`load_checkpoint` and :class:`Checkpoint` (``checkpoint_read.py``: a checkpoint read
+  back whole) and :func:`export_state_dict` (``checkpoint_export.py``); ``checkpoint_check.py``:
+  the checks every reader of a checkpoint makes, in one place.
 - ``manifest.py``: :class:`CheckpointDir` (``latest`` pointer, retention), :class:`Manifest`.
 - ``local_shard.py``: :class:`~psflow.train.local_shard.LocalShard`, all-reduce mode's
   checkpoints (the chief's own model and optimizer saved and restored as one ps shard).
