@@ -20,7 +20,7 @@ from tests.fuzz_readers import CASES, warm
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 MEMORY_BOUND = 64 << 20
-RUNS = {"tf_checkpoint": 60, "psflow_checkpoint": 50, "criteo": 100, "text": 200}
+RUNS = {"tf_checkpoint": 40, "psflow_checkpoint": 40, "criteo": 80, "text": 150}
 """Cases per kind in the suite (a few seconds each)."""
 
 

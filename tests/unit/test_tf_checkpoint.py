@@ -415,7 +415,9 @@ def test_dense_state_that_cannot_be_read_is_named() -> None:
 # -- hostile checkpoints (issue 36) ----------------------------------------------------------
 
 
-def test_slices_that_overlap_and_leave_a_hole_are_refused(tmp_path: Path) -> None:
+def test_slices_that_overlap_and_leave_a_hole_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Issue 36, 1: a partitioned variable's second slice made equal to its first (``(0, 4)``),
     every CRC valid: the element count added up, and rows 4:8 came back as uninitialised
     memory. The slices are now placed by interval."""
@@ -433,12 +435,17 @@ def test_slices_that_overlap_and_leave_a_hole_are_refused(tmp_path: Path) -> Non
     ckpt = TFCheckpoint(str(tmp_path / "m"))
     with pytest.raises(ValueError, match=r"the slices of 'emb/Adagrad' overlap at \[0:4, 0:4\]"):
         ckpt.tensor("emb/Adagrad")
-    proc = _psflow("checkpoint", "export", str(tmp_path / "m"), str(tmp_path / "out.safetensors"))
-    assert proc.returncode == 2 and "overlap" in proc.stderr, proc.stderr
-    assert not (tmp_path / "out.safetensors").exists()
+    from psflow.cli import main
+
+    assert main(["checkpoint", "export", str(tmp_path / "m"), str(tmp_path / "o.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "overlap" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "o.safetensors").exists()
 
 
-def test_a_keras_index_entry_the_object_graph_names_dropped_is_named(tmp_path: Path) -> None:
+def test_a_keras_index_entry_the_object_graph_names_dropped_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Issue 36, 4: ``inspect`` raised KeyError when the index lacked a tensor its object
     graph named. Now the graph is refused with the key named, and the tensors go by key."""
     from psflow.train.tf_bundle import index_entries
@@ -453,9 +460,11 @@ def test_a_keras_index_entry_the_object_graph_names_dropped_is_named(tmp_path: P
     prefix = str(tmp_path / "ckpt-1")
     with pytest.raises(ValueError, match=rf"lacks 1 tensor.*{dropped.decode()}"):
         TFCheckpoint(prefix).variables()
-    proc = _psflow("checkpoint", "inspect", prefix)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stderr.count("\n") == 1 and "lacks 1 tensor" in proc.stderr, proc.stderr
+    from psflow.cli import main
+
+    assert main(["checkpoint", "inspect", prefix]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "lacks 1 tensor" in err, err
 
 
 @pytest.mark.parametrize("which", ["index", "data"])
@@ -504,14 +513,22 @@ def test_a_fifo_as_the_checkpoint_state_file_is_refused(tmp_path: Path) -> None:
     import os
     import threading
 
+    from psflow.train.cli import _tf_prefix
+
     copy(tmp_path)
     os.mkfifo(tmp_path / "checkpoint")
     done = threading.Event()
-    proc: list[subprocess.CompletedProcess[str]] = []
-    threading.Thread(
-        target=lambda: (proc.append(_psflow("checkpoint", "inspect", str(tmp_path))), done.set()),
-        daemon=True,
-    ).start()
-    assert done.wait(30), "inspect blocked"
-    assert proc[0].returncode == 2
-    assert f"{tmp_path}/checkpoint: a FIFO where a file belongs" in proc[0].stderr
+    errors: list[BaseException] = []
+
+    def find() -> None:
+        try:
+            _tf_prefix(str(tmp_path))
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=find, daemon=True).start()
+    assert done.wait(20), "inspect blocked"
+    assert isinstance(errors[0], ValueError)
+    assert f"{tmp_path}/checkpoint: a FIFO where a file belongs" in str(errors[0])
