@@ -32,6 +32,10 @@ WORKDIR /opt/psflow
 # changes do not reinstall torch.
 COPY requirements/run.txt requirements/run.txt
 RUN pip install --extra-index-url "$TORCH_INDEX" -r requirements/run.txt
+# Data and checkpoints on object storage (psflow[s3], psflow[gcs]: s3://, gs:// through fsspec),
+# at the pins the tests use. HDFS: fsspec's needs Hadoop's libhdfs,
+# which no Python registry package carries.
+RUN pip install "s3fs==2026.9.0" "gcsfs==2026.10.1"
 COPY pyproject.toml setup.py README.md ./
 COPY psflow ./psflow
 # gcc only for the build: setup.py compiles the ps's row kernels (psflow/sparse/_kernels.c) and

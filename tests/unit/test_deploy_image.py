@@ -32,3 +32,15 @@ def test_dockerignore_keeps_environments_history_and_caches_out() -> None:
     assert {".venv", ".git", "**/__pycache__", ".mypy_cache", ".pytest_cache"} <= lines
     # What `pip install .` needs must stay in the context.
     assert not lines & {"psflow", "pyproject.toml", "README.md", "requirements"}
+
+
+def test_dockerfile_installs_the_object_storage_extras_at_the_tested_pins() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    tested = dict(
+        re.findall(r"^(s3fs|gcsfs)==(\S+)$", (ROOT / "requirements" / "test.txt").read_text(), re.M)
+    )
+    assert set(tested) == {"s3fs", "gcsfs"}
+    for name, version in tested.items():
+        assert re.search(rf'^RUN pip install .*"{name}=={re.escape(version)}"', dockerfile, re.M), (
+            name
+        )
