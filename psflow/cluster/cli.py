@@ -33,6 +33,11 @@ def launch(args: argparse.Namespace) -> int:
         bind_cores=args.bind_cores,
     )
     if getattr(args, "backend", "local") == "ray":
+        # What only a local job has: refused rather than ignored.
+        if args.bind_cores:
+            raise ValueError("--bind-cores binds local processes: give Ray --cpus-per-task")
+        if args.host != "127.0.0.1":
+            raise ValueError("--host is the local launcher's: on Ray each task listens on its node")
         # Imported here: Ray is an optional extra (psflow[ray]).
         from psflow.cluster.ray_backend import RayLauncher, RayOptions
 
