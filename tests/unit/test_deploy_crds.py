@@ -133,6 +133,14 @@ def validate_crd(doc: dict[str, Any]) -> None:
     )
     meta = doc["metadata"]
     assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", meta["name"])
+    if doc["kind"] == "TrainJob":
+        # The CRD's own CEL rules on the name (jsonschema cannot run CEL): a DNS-1035 label.
+        assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", meta["name"]) and len(meta["name"]) <= 63
+    if doc["kind"] in ("ClusterTrainingRuntime", "TrainingRuntime"):
+        # CEL: at most one framework policy; psflow's runtime is the plain one (none).
+        assert not {"torch", "mpi", "jax", "xgboost", "flux"} & set(doc["spec"]["mlPolicy"])
+    if doc["kind"] == "ClusterTrainingRuntime":
+        assert "namespace" not in meta  # cluster-scoped
     for template in _pod_templates(doc):
         kubernetes_validate.validate(
             {
@@ -239,6 +247,8 @@ def _trainer_pods(objects: list[dict[str, Any]]) -> list[tuple[str, str, int, di
     runtime, trainjob = objects[0], objects[1]
     assert trainjob["spec"]["runtimeRef"]["name"] == runtime["metadata"]["name"]
     assert trainjob["spec"]["runtimeRef"]["kind"] == runtime["kind"]
+    if runtime["kind"] == "TrainingRuntime":  # found in the TrainJob's own namespace
+        assert runtime["metadata"].get("namespace") == trainjob["metadata"].get("namespace")
     jobset = trainjob["metadata"]["name"]  # Trainer names the JobSet as the TrainJob
     spec = runtime["spec"]["template"]["spec"]
     assert spec["network"]["enableDNSHostnames"] is True
@@ -287,7 +297,9 @@ INDEX_FIELD = {
 
 
 @pytest.mark.parametrize("target", ["trainer", "volcano"])
-@pytest.mark.parametrize("name", ["minimal", "full", "gang-volcano", "no-metrics"])
+@pytest.mark.parametrize(
+    "name", ["minimal", "full", "gang-volcano", "no-metrics", "namespaced-runtime"]
+)
 def test_every_pods_tf_config_agrees_with_psflows_cluster_spec(target: str, name: str) -> None:
     config = job(**JOBS[name])
     laid_out = plan(config, target)
