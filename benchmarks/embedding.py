@@ -86,6 +86,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "memory": {"tables": [10_000, 1_000_000], "steps": 5, "warmup": 1},
     },
 }
+# profile: one long run of each path, for a sampling profiler to attach to
+# (benchmarks/results/profile.md).
+PRESETS["profile"] = {
+    "sparse": {"rows": 2_000_000, "steps": 4000, "warmup": 30, "repeat": 1, "prefetch": False},
+}
 PRESETS["example"] |= {k: v for k, v in PRESETS["full"].items() if k != "ctr"}
 DIM = 64
 UNIQUE_IDS = 4096

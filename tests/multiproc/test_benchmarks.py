@@ -80,3 +80,17 @@ def test_embedding_benchmark(workload: str) -> None:
         assert large["table_rows"] > small["table_rows"]
         # No worker holds a table: its memory does not grow with the table's size.
         assert large["worker_peak_rss_mb"] < small["worker_peak_rss_mb"] + 64
+
+
+@pytest.mark.timeout(240)
+def test_scaling_benchmark() -> None:
+    # Three ceiling runs and two launched jobs, one after the other: about a minute here.
+    result = run_benchmark_smoke("scaling.py", timeout=220)
+    assert result["benchmark"] == "scaling" and result["cores"] == 2
+    assert result["ceiling_procs"] > 0 and result["ceiling_threads"] > 0
+    (job,) = result["jobs"]
+    assert (job["ps"], job["workers"]) == (1, 1)
+    for path in ("shm", "socket"):
+        assert job[f"{path}_samples_per_s"] > 0
+        share = job[f"{path}_samples_per_s"] / (result["ceiling_per_core"] * job["cores"])
+        assert job[f"{path}_efficiency"] == pytest.approx(share, abs=2e-3)

@@ -1,0 +1,270 @@
+"""scaling: the CTR job at growing sizes against what its cores do without communication.
+
+    .venv/bin/python benchmarks/scaling.py [--preset smoke|full] [--jobs 1x1,2x4,4x8,4x12]
+
+The model is ``examples/ctr.py``'s DLRM in DeepRec's shape (embedding dim 16, bottom MLP
+512-256-64-16, top MLP 512-256-1, batch 512 per worker, no wide term, every id admitted), on a
+``psflow data synth-ctr`` set (made in a temporary directory unless ``--data`` names one).
+
+- **Ceiling** (no communication): the same model in plain torch (``torch.nn.EmbeddingBag``
+  over the hashed ids modulo ``--ceiling_rows``, sparse Adagrad on it, Adam on the MLPs), its
+  batches read into memory first, one thread per process. ``procs``: one such process per core,
+  all at once, their samples/s summed (so the machine's shared memory bandwidth and clocks
+  count, as they do for the job); ``threads``: one process with a thread per core.
+- **Jobs**: ``psflow launch --ps P --workers W examples/ctr.py ...`` for each ``PxW`` of
+  ``--jobs`` (default: by the host's cores), through shared memory and through the socket
+  (``PSFLOW_SHM=0``), alternately; each worker's own samples/s line, summed.
+
+Printed per job and path: samples/s, samples/s per core (the cores the job's processes may
+use: ``min(P + W, cores)``), and efficiency: the job's samples/s over the ``procs`` ceiling of
+that many cores (each process's rate times the cores; measured once on all of them, so a
+machine whose clock drops with load is not flattered). The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "full": {
+        "examples": 1_000_000,
+        "dim": 16,
+        "bottom": "512,256,64",
+        "top": "512,256",
+        "batch": 512,
+        "steps_per_worker": 600,
+        "ceiling_steps": 300,
+        "ceiling_batches": 40,
+        "repeat": 1,
+    },
+    # The suite's: the plumbing of every part on a tiny model, one job of each path.
+    "smoke": {
+        "examples": 4_000,
+        "dim": 8,
+        "bottom": "16",
+        "top": "16",
+        "batch": 64,
+        "steps_per_worker": 15,
+        "ceiling_steps": 10,
+        "ceiling_batches": 4,
+        "repeat": 1,
+        "jobs": "1x1",
+        "cores": 2,
+    },
+}
+
+WORKER_LINE = re.compile(r"\[worker:(\d+)\] (\d+) steps, ([\d,]+) samples/s \(this worker\)")
+
+
+def default_jobs(cores: int) -> str:
+    """``PxW`` sizes up to the host's cores: as many processes as cores at the largest, with
+    roughly one ps to every two or three workers (the shapes of the 16-core figures in
+    ``docs/`` and issue 35)."""
+    if cores <= 2:
+        return "1x1,2x2"
+    sizes = [(1, 1), (1, 2), (2, 4), (2, 6), (3, 9), (4, 12), (5, 15), (8, 24)]
+    return ",".join(f"{p}x{w}" for p, w in sizes if p + w <= cores + cores // 4)
+
+
+def parse_jobs(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        ps, sep, workers = item.strip().partition("x")
+        if not sep or not ps.isdigit() or not workers.isdigit() or int(workers) < 1:
+            raise SystemExit(f"--jobs: {item!r} is not PSxWORKERS (for example 2x4)")
+        out.append((int(ps), int(workers)))
+    return out
+
+
+# --- the ceiling: plain torch, no communication --------------------------------------------
+
+
+def ceiling_task(p: dict[str, Any], data: str, threads: int, rows: int) -> None:
+    """One process of the ceiling: trains the plain-torch model on batches held in memory;
+    prints ``RESULT {"samples": ..., "seconds": ...}``."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from psflow.data.ctr import ctr_batches
+
+    torch.set_num_threads(threads)
+    sys.path.insert(0, str(ROOT / "examples"))
+    import psflow.nn as pnn
+
+    from dlrm import DLRM
+
+    class PlainTable(nn.Module):
+        """The hashed ids' rows from a plain ``torch.nn.EmbeddingBag`` of ``rows`` rows."""
+
+        def __init__(self, dim: int) -> None:
+            super().__init__()
+            self.bag = nn.EmbeddingBag(rows, dim, mode="sum", sparse=True)
+            nn.init.normal_(self.bag.weight, std=0.01)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.bag(ids.remainder(rows))
+
+    torch.manual_seed(0)
+    bottom = [int(x) for x in p["bottom"].split(",")]
+    top = [int(x) for x in p["top"].split(",")]
+    model = DLRM(p["dim"], bottom, top, pnn.RowOptimizerSpec.of("Adagrad", lr=0.05))
+    model.embedding = PlainTable(p["dim"])
+    table = list(model.embedding.parameters())
+    dense = [q for n, q in model.named_parameters() if not n.startswith("embedding.")]
+    opts = [torch.optim.Adam(dense, lr=1e-3), torch.optim.Adagrad(table, lr=0.05)]
+    source = ctr_batches(f"{data}/train-*", batch_size=p["batch"], num_epochs=None)
+    batches = [next(source) for _ in range(p["ceiling_batches"])]
+    warmup = 3
+    for i in range(warmup + p["ceiling_steps"]):
+        if i == warmup:
+            start = time.perf_counter()
+        batch = batches[i % len(batches)]
+        for opt in opts:
+            opt.zero_grad()
+        logits = model(batch.dense, batch.categorical)
+        F.binary_cross_entropy_with_logits(logits, batch.label).backward()
+        for opt in opts:
+            opt.step()
+    seconds = time.perf_counter() - start
+    print("RESULT " + json.dumps({"samples": p["ceiling_steps"] * p["batch"], "seconds": seconds}))
+
+
+def run_ceiling(
+    args: argparse.Namespace, p: dict[str, Any], data: str, procs: int, threads: int
+) -> float:
+    """Samples/s of ``procs`` ceiling processes of ``threads`` threads each, started at once
+    and summed."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    cmd = [sys.executable, __file__, "--role", "ceiling", "--preset", args.preset, "--data", data]
+    cmd += ["--threads", str(threads), "--ceiling_rows", str(args.ceiling_rows)]
+    running = [
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) for _ in range(procs)
+    ]
+    total = 0.0
+    for proc in running:
+        out, _ = proc.communicate(timeout=args.timeout)
+        if proc.returncode != 0:
+            raise SystemExit(f"a ceiling process exited with {proc.returncode}")
+        (line,) = [x for x in out.splitlines() if x.startswith("RESULT ")]
+        r = json.loads(line[len("RESULT ") :])
+        total += r["samples"] / r["seconds"]
+    return total
+
+
+# --- psflow jobs -----------------------------------------------------------------------------
+
+
+def run_psflow(
+    args: argparse.Namespace, p: dict[str, Any], data: str, ps: int, workers: int, shm: bool
+) -> float:
+    """The job's samples/s: each worker's own line (``examples/ctr.py``), summed."""
+    steps = p["steps_per_worker"] * workers
+    cmd = [sys.executable, "-m", "psflow.cli", "launch", "--ps", str(ps), "--workers"]
+    cmd += [str(workers), str(ROOT / "examples" / "ctr.py"), "--data", data]
+    cmd += ["--train_steps", str(steps), "--dim", str(p["dim"]), "--bottom", p["bottom"]]
+    cmd += ["--top", p["top"], "--batch_size", str(p["batch"]), "--no-wide", "--min_count", "0"]
+    cmd += ["--prefetch"]
+    env = dict(os.environ, PSFLOW_SHM="1" if shm else "0")
+    proc = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT
+    )
+    rates = {int(m[1]): float(m[3].replace(",", "")) for m in WORKER_LINE.finditer(proc.stdout)}
+    if proc.returncode != 0 or len(rates) != workers:
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        raise SystemExit(f"psflow job {ps}x{workers} failed ({proc.returncode}):\n{tail}")
+    return sum(rates.values())
+
+
+def synthesize(out: str, p: dict[str, Any]) -> None:
+    cmd = [sys.executable, "-m", "psflow.cli", "data", "synth-ctr", out]
+    cmd += ["--examples", str(p["examples"]), "--test-examples", "1000"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
+    parser.add_argument("--data", help="a `psflow data synth-ctr` directory (default: new)")
+    parser.add_argument("--jobs", help="PSxWORKERS sizes, comma-separated (default: by cores)")
+    parser.add_argument("--cores", type=int, help="cores to count on (default: this host's)")
+    parser.add_argument("--ceiling_rows", type=int, default=1 << 20, help="plain table rows")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    parser.add_argument("--role", choices=["ceiling"], help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    p = PRESETS[args.preset]
+    if args.role == "ceiling":
+        return ceiling_task(p, args.data, args.threads, args.ceiling_rows)
+
+    sys.path.insert(0, str(HERE))
+    from common import emit, machine
+
+    cores = args.cores or p.get("cores") or len(os.sched_getaffinity(0))
+    jobs = parse_jobs(args.jobs or p.get("jobs") or default_jobs(cores))
+    with tempfile.TemporaryDirectory(prefix="psflow-scaling-") as tmp:
+        data = args.data or os.path.join(tmp, "ctr")
+        if not args.data:
+            synthesize(data, p)
+        one = run_ceiling(args, p, data, 1, 1)
+        ceiling_procs = run_ceiling(args, p, data, cores, 1)
+        ceiling_threads = run_ceiling(args, p, data, 1, cores)
+        per_core = ceiling_procs / cores
+        print(
+            f"ceiling: 1 process {one:,.0f} samples/s; {cores} processes {ceiling_procs:,.0f} "
+            f"({per_core:,.0f} a core); 1 process of {cores} threads {ceiling_threads:,.0f}",
+            flush=True,
+        )
+        rows = []
+        for ps, workers in jobs:
+            used = min(ps + workers, cores)
+            entry: dict[str, Any] = {"ps": ps, "workers": workers, "cores": used}
+            for _ in range(p["repeat"]):
+                for path, shm in (("shm", True), ("socket", False)):
+                    rate = run_psflow(args, p, data, ps, workers, shm)
+                    entry.setdefault(f"{path}_runs", []).append(round(rate))
+            for path in ("shm", "socket"):
+                runs = sorted(entry[f"{path}_runs"])
+                rate = runs[len(runs) // 2]
+                entry[f"{path}_samples_per_s"] = rate
+                entry[f"{path}_per_core"] = round(rate / used)
+                entry[f"{path}_efficiency"] = round(rate / (per_core * used), 3)
+            print(json.dumps(entry), flush=True)
+            rows.append(entry)
+    result = {
+        "benchmark": "scaling",
+        "preset": args.preset,
+        "cores": cores,
+        "model": {k: p[k] for k in ("dim", "bottom", "top", "batch")},
+        "ceiling_one_process": round(one),
+        "ceiling_procs": round(ceiling_procs),
+        "ceiling_per_core": round(per_core),
+        "ceiling_threads": round(ceiling_threads),
+        "jobs": rows,
+        # On a small host the issue's yardstick: the job against one process of all threads.
+        "vs_threads": {
+            f"{r['ps']}x{r['workers']}": {
+                "shm": round(r["shm_samples_per_s"] / ceiling_threads, 3),
+                "socket": round(r["socket_samples_per_s"] / ceiling_threads, 3),
+            }
+            for r in rows
+        },
+        "machine": machine(),
+    }
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()
