@@ -20,9 +20,11 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -107,11 +109,13 @@ def _stop(pids: list[int]) -> None:
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
     d = tmp_path_factory.mktemp("ray")
+    # Ray's sockets live under its temp dir, and a Unix socket's path may not pass 107 bytes.
+    short = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
     port, client, dash, agent1, agent2 = free_ports(5, HEAD_IP)
     common = ["--num-cpus", "2", "--disable-usage-stats", "--object-store-memory", "100000000"]
     head = [
         RAY, "start", "--head", "--block", "--node-ip-address", HEAD_IP, "--port", str(port),
-        "--include-dashboard=false", "--dashboard-port", str(dash), "--temp-dir", str(d / "t"),
+        "--include-dashboard=false", "--dashboard-port", str(dash), "--temp-dir", str(short),
         "--ray-client-server-port", str(client), "--dashboard-agent-listen-port", str(agent1),
         *common,
     ]  # fmt: skip
@@ -128,6 +132,7 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster
         yield RayCluster(address=f"{HEAD_IP}:{port}", pids=pids)
     finally:
         _stop(list(reversed(pids)))
+        shutil.rmtree(short, ignore_errors=True)
 
 
 def _launch(
