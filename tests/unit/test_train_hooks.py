@@ -69,6 +69,31 @@ def test_nan_guard_names_the_step_task_and_last_checkpoint() -> None:
         guard.before_step(_ctx(sess, 3, 0.5))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nan_guard_finds_a_bad_value_in_any_gradient_of_any_dtype(bad: float) -> None:
+    sess = FakeSession()
+    sess.model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).to(
+        torch.bfloat16
+    )
+    sess.model[0].float()  # two dtypes on one device, checked together
+    table = torch.nn.Embedding(10, 2, sparse=True)
+    sess.model.add_module("table", table)
+    for p in sess.model.parameters():
+        p.grad = torch.zeros_like(p)
+    table.weight.grad = torch.sparse_coo_tensor([[1, 7]], torch.ones(2, 2), (10, 2))
+    guard = NanGuardHook()
+    guard.before_step(_ctx(sess, 1))  # all finite
+    sess.model[1].bias.grad[1] = bad
+    with pytest.raises(NanLossError, match="gradient of '1.bias'"):
+        guard.before_step(_ctx(sess, 2))
+    sess.model[1].bias.grad.zero_()
+    table.weight.grad = torch.sparse_coo_tensor(
+        [[1, 7]], torch.tensor([[0.0, bad], [1, 1]]), (10, 2)
+    )
+    with pytest.raises(NanLossError, match="gradient of 'table.weight'"):
+        guard.before_step(_ctx(sess, 3))
+
+
 def test_logging_hook_prints_rate_loss_and_eta_lines_when_not_a_tty() -> None:
     out = io.StringIO()
     hook = LoggingHook(every_n_steps=10, last_step=100, stream=out)
