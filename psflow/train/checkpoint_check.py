@@ -171,6 +171,9 @@ def check_tables(
     urls: dict[str, list[str]] = {table: [] for table in specs}
     for url, shard in files:
         saved_specs = _saved_specs(shard, url)
+        lacking = sorted(set(saved_specs) - set(specs))
+        if lacking:
+            raise ValueError(f"{url}: holds tables {lacking}, which {name}'s manifest lacks")
         grouped: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in shard.tensors.items():
             if not key.startswith(TABLE_PREFIX):

@@ -158,9 +158,12 @@ def load_checkpoint(checkpoint_dir: str, name: str | None = None) -> Checkpoint 
     by_param: dict[str, list[VariableEntry]] = {}
     for entry in manifest.variables:
         by_param.setdefault(entry.param, []).append(entry)
-    unsaved = sorted(set(manifest.params) - set(by_param)) if manifest.variables else []
+    unsaved = sorted(set(manifest.params) - set(by_param))
     if unsaved:
         raise ValueError(f"{manifest_url}: parameters {unsaved} are in no shard file")
+    unknown = sorted(set(by_param) - set(manifest.params)) if manifest.params else []
+    if unknown:
+        raise ValueError(f"{manifest_url}: variables of {unknown}, which params lacks")
     params: dict[str, torch.Tensor] = {}
     opt_tensors: dict[str, dict[str, torch.Tensor]] = {}
     opt_plain: dict[str, dict[str, Any]] = {}
@@ -193,7 +196,7 @@ def load_checkpoint(checkpoint_dir: str, name: str | None = None) -> Checkpoint 
             joined = ts[0] if len(ts) == 1 or ts[0].dim() == 0 else _join(ts, where, key)
             opt_tensors.setdefault(param, {})[key] = joined
     urls = [(d.url_of(f"{name}/{f}"), files[f]) for f in sorted(files)]
-    tables = check_tables(d.url_of(name), specs, urls) if specs else {}
+    tables = check_tables(d.url_of(name), specs, urls)
     return Checkpoint(
         name=name,
         manifest=manifest,
