@@ -16,7 +16,7 @@ import jinja2
 import yaml
 
 from psflow import env as envvars
-from psflow.deploy import layout, settings
+from psflow.deploy import layout
 from psflow.deploy.config import JobConfig, parse_quantity
 
 METRICS_PATH = "/metrics"
@@ -113,7 +113,6 @@ def context(config: JobConfig, target: str) -> dict[str, Any]:
         "trainer_node": layout.TRAINER_NODE,
         "runtime_name": f"psflow-{config.name}",
         "resources": lambda gpus: resources(config, gpus),
-        "gang_demand": settings.gang_demand(config),
         "argv": config.argv(),
         "env": env_vars,
         "tf_config_var": envvars.TF_CONFIG,

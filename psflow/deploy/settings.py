@@ -51,7 +51,7 @@ def check_image(image: Any) -> None:
 
     Example:
         >>> check_image("registry.example.com:5000/ml/psflow:0.1.0")
-        >>> check_image("Psflow:1")
+        >>> check_image("Psflow:1")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         ValueError: image 'Psflow:1' is not an image reference Kubernetes accepts: ...
