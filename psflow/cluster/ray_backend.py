@@ -116,6 +116,7 @@ class RayLauncher:
         self._out_lock = threading.RLock()
         self._changed = threading.Event()
         self._stopping = threading.Event()
+        self._kill_now = threading.Event()
         self._done = threading.Event()
         self._signal: signal.Signals | None = None
         self._threads: list[threading.Thread] = []
@@ -276,12 +277,17 @@ class RayLauncher:
     # -- supervise --------------------------------------------------------------------------
 
     def _on_signal(self, signum: int, _frame: object) -> None:
+        if self._stopping.is_set():
+            if not self._kill_now.is_set():
+                self._kill_now.set()
+                self._say(f"received {signal.Signals(signum).name} again; killing every task now")
+            return
         self._signal = signal.Signals(signum)
         self._stopping.set()
         self._changed.set()
         self._say(
             f"received {self._signal.name}; stopping every task (SIGTERM, then SIGKILL after "
-            f"{self.config.grace:g} s)"
+            f"{self.config.grace:g} s; {self._signal.name} again kills at once)"
         )
 
     def _follow(self, task: _Task) -> None:
@@ -412,8 +418,11 @@ class RayLauncher:
         for first in (True, False):
             group = [t for t in self.tasks.values() if (t.spec.job != "ps") == first]
             refs = [t.actor.stop.remote(self.config.grace) for t in group if t.code is None]
-            with contextlib.suppress(Exception):
-                ray.get(refs, timeout=self.config.grace + 15)
+            deadline = time.monotonic() + self.config.grace + 15
+            while refs and not self._kill_now.is_set() and time.monotonic() < deadline:
+                with contextlib.suppress(Exception):
+                    _, refs = ray.wait(refs, num_returns=len(refs), timeout=0.2)
+        # Killing an actor's process kills its script too (the parent-death signal).
         for t in self.tasks.values():
             with contextlib.suppress(Exception):
                 ray.kill(t.actor, no_restart=True)

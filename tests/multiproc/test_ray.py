@@ -206,11 +206,13 @@ def test_a_killed_ps_and_worker_are_restarted_by_ray(
 
 
 def test_python_call_stop_and_exit_status(ray_cluster: RayCluster, tmp_path: Path) -> None:
-    """The same launcher called from Python: SIGTERM stops every task (exit 143, as psflow
-    launch gives), and a task failing with no restart left fails the job, named."""
+    """The same launcher called from Python: SIGTERM stops every task, a second one kills them
+    at once without waiting out the grace period (exit 143, as psflow launch gives), and a task
+    failing with no restart left fails the job, named."""
     script = tmp_path / "serve.py"
     script.write_text(
-        "import os, sys, time\n"
+        "import os, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL ends it\n"
         "print('started', os.getpid(), flush=True)\n"
         "if len(sys.argv) > 1: sys.exit(int(sys.argv[1]))\n"
         "time.sleep(600)\n"
@@ -236,11 +238,22 @@ def test_python_call_stop_and_exit_status(ray_cluster: RayCluster, tmp_path: Pat
             started[m.group(1)] = int(m.group(2))
     assert set(started) == {"ps:0", "worker:0"}
     proc.send_signal(signal.SIGTERM)
+    assert proc.stderr is not None
+    seen = ""
+    while "received SIGTERM; stopping every task" not in seen:
+        line = proc.stderr.readline()
+        assert line, seen[-3000:]
+        seen += line
+    again = time.monotonic()
+    proc.send_signal(signal.SIGTERM)  # the scripts ignore SIGTERM: the grace (30 s) would pass
     _out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
-    assert "received SIGTERM; stopping every task" in err
-    for pid in started.values():  # the scripts themselves are gone
-        assert not _alive(pid)
+    assert proc.returncode == 128 + signal.SIGTERM, (seen + err)[-3000:]
+    assert "received SIGTERM again; killing every task now" in err
+    assert time.monotonic() - again < 20
+    deadline = time.monotonic() + 15
+    while any(_alive(pid) for pid in started.values()):  # the scripts themselves go too
+        assert time.monotonic() < deadline, started
+        time.sleep(0.05)
 
     failed = subprocess.run([*cmd, "3"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert failed.returncode == 1, failed.stderr[-3000:]
