@@ -18,6 +18,7 @@ a ps killed mid-run (``tests/faults.py``) and restarted by Ray as ``psflow launc
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -33,6 +34,7 @@ from pathlib import Path
 import pytest
 
 from psflow.cluster.ports import free_ports
+from psflow.train import CheckpointDir
 from tests.faults import FAULTS
 
 from .support import ROOT
@@ -155,28 +157,18 @@ def _result(stdout: str) -> tuple[float, float]:
     return float(m.group(1)), float(m.group(2))
 
 
-def test_linear_regression_across_both_nodes(ray_cluster: RayCluster, tmp_path: Path) -> None:
-    proc = _launch(
-        ray_cluster,
-        *("--ps", "1", "--workers", "2", str(EXAMPLE)),
-        *("--train_steps", "2000", "--lr", "0.01", "--logdir", str(tmp_path / "run")),
-    )
-    err = proc.stderr
-    assert proc.returncode == 0, err[-4000:]
-    m = re.search(r"3 tasks as Ray actors \(SPREAD\): (.*)", err)
+def _hosts(err: str, tasks: int) -> set[str]:
+    """The node addresses the job's tasks listen on, from the launcher's first line."""
+    m = re.search(rf"{tasks} tasks as Ray actors \(SPREAD\): (.*)", err)
     assert m, err[-3000:]
-    hosts = set(re.findall(r"(\d+\.\d+\.\d+\.\d+):\d+", m.group(1)))
-    assert hosts == {HEAD_IP, NODE_IP}, m.group(1)  # the tasks span both nodes
-    # Each task's output comes back prefixed with its name, as psflow launch relays it.
-    assert re.search(r"^\[ps:0\] INFO psflow.ps.server: ps:0 serving on ", err + proc.stdout, re.M)
-    w, b = _result(proc.stdout)
-    assert abs(w - 2.0) < 0.1 and abs(b - 0.3) < 0.1
-    assert "job finished: 3 tasks exited 0" in err
+    return set(re.findall(r"(\d+\.\d+\.\d+\.\d+):\d+", m.group(1)))
 
 
-def test_a_killed_ps_and_worker_are_restarted_by_ray(
+def test_linear_regression_across_both_nodes_survives_a_killed_ps_and_worker(
     ray_cluster: RayCluster, tmp_path: Path
 ) -> None:
+    """The linear-regression example on both nodes through the socket path; its ps and a worker
+    are SIGKILLed mid-run and Ray restarts them as psflow launch --max-restarts would."""
     faults = [
         *("--once", str(tmp_path / "faults")),
         # The ps after the checkpoint at 500 (the chief restores it), then a worker (it rejoins).
@@ -191,6 +183,9 @@ def test_a_killed_ps_and_worker_are_restarted_by_ray(
     )
     err = proc.stderr
     assert proc.returncode == 0, err[-5000:]
+    assert _hosts(err, 3) == {HEAD_IP, NODE_IP}  # the tasks span both nodes
+    # Each task's output comes back prefixed with its name, as psflow launch relays it.
+    assert re.search(r"^\[ps:0\] INFO psflow.ps.server: ps:0 serving on ", err, re.M)
     restarted = re.findall(
         r"task (\S+) failed with signal 9; Ray restarts its actor with the same address and "
         r"TF_CONFIG \(restart (\d) of 2",
@@ -203,6 +198,33 @@ def test_a_killed_ps_and_worker_are_restarted_by_ray(
     w, b = _result(proc.stdout)
     assert abs(w - 2.0) < 0.1 and abs(b - 0.3) < 0.1
     assert "job finished: 3 tasks exited 0" in err
+
+
+def test_the_ctr_examples_smoke_run_across_both_nodes(
+    ray_cluster: RayCluster, tmp_path: Path
+) -> None:
+    """examples/ctr.py (its hashed tables on the ps) on 2 ps and 2 workers, over both nodes."""
+    data = tmp_path / "ctr"
+    cmd = [sys.executable, "-m", "psflow.cli", "data", "synth-ctr", str(data)]
+    cmd += ["--examples", "4000", "--test-examples", "1000", "--scale", "0.001"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    proc = _launch(
+        ray_cluster,
+        *("--ps", "2", "--workers", "2", str(ROOT / "examples" / "ctr.py")),
+        *("--data", str(data), "--train_steps", "40", "--batch_size", "64"),
+        *("--logdir", str(tmp_path / "run")),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert _hosts(proc.stderr, 4) == {HEAD_IP, NODE_IP}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[worker:0] RESULT ")]
+    assert len(lines) == 1, proc.stdout[-3000:]
+    result = json.loads(lines[0].split("RESULT ", 1)[1])
+    assert result["global_step"] >= 40 and 0.0 <= result["test_auc"] <= 1.0, result
+    saved = CheckpointDir(str(tmp_path / "run"))
+    latest = saved.latest()
+    assert latest is not None and int(latest.split("-")[1]) >= 40
+    assert saved.manifest(latest).tables["embedding"]["rows"] > 0  # the table lived on the ps
+    assert "job finished: 4 tasks exited 0" in proc.stderr
 
 
 def test_python_call_stop_and_exit_status(ray_cluster: RayCluster, tmp_path: Path) -> None:
