@@ -512,6 +512,9 @@ def _add_render(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         help="taint every pod tolerates, as kubectl taint writes it (repeatable)",
     )
     c.add_argument("--priority-class", help="PriorityClass of every pod")
+    c.add_argument(
+        "--service-account", help="ServiceAccount of every pod (e.g. a workload identity)"
+    )
     c.add_argument("--data-claim", help="PersistentVolumeClaim with the data, read-only")
     c.add_argument("--data-host-dir", help="compose/Marathon host directory with the data")
     c.add_argument("--data-dir", help="where the data appears in the container (default /data)")
