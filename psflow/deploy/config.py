@@ -179,6 +179,9 @@ class JobConfig:
     ``tolerationSeconds``)."""
     priority_class: str | None = None
     """Kubernetes: the PriorityClass of every pod (and of Volcano's job)."""
+    service_account: str | None = None
+    """Kubernetes: the ServiceAccount every pod runs as (e.g. one bound to a cloud workload
+    identity that may read the data bucket)."""
     data_claim: str | None = None
     """Kubernetes: PersistentVolumeClaim with the training data, mounted read-only at
     ``data_dir``."""

@@ -172,7 +172,7 @@ def check_settings(config: JobConfig) -> None:
         _check_label_key(key, what="node_selector")
         _check_label_value(value, what=f"node_selector {key}")
     _check_tolerations(config.tolerations)
-    for attr in ("priority_class", "data_claim"):
+    for attr in ("priority_class", "data_claim", "service_account"):
         value = getattr(config, attr)
         if value is not None and (
             not isinstance(value, str) or not _SUBDOMAIN_RE.match(value) or len(value) > 253

@@ -12,6 +12,7 @@ _K8S_ONLY = (
     "node_selector",
     "tolerations",
     "priority_class",
+    "service_account",
     "data_claim",
     "queue",
     "image_pull_secrets",

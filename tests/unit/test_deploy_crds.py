@@ -60,6 +60,7 @@ JOBS: dict[str, dict[str, Any]] = {
             {"key": "spot", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 60},
         ],
         "priority_class": "training-high",
+        "service_account": "mnist-trainer",
         "queue": "team-ads",
         "image_pull_policy": "IfNotPresent",
         "image_pull_secrets": ["regcred"],

@@ -32,6 +32,7 @@ SETTINGS: dict[str, Any] = {
         {"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}
     ],
     "priority_class": "high",
+    "service_account": "ads-trainer",
     "data_claim": "criteo",
     "queue": "team-ads",
     "image_pull_policy": "Always",
@@ -71,6 +72,7 @@ def test_every_setting_lands_in_every_pod(target: str) -> None:
         assert spec["nodeSelector"] == {"pool": "cpu"}
         assert spec["tolerations"] == SETTINGS["tolerations"]
         assert spec["priorityClassName"] == "high"
+        assert spec["serviceAccountName"] == "ads-trainer"
         assert spec["imagePullSecrets"] == [{"name": "regcred"}]
         (c,) = spec["containers"]
         assert c["imagePullPolicy"] == "Always"
@@ -178,6 +180,8 @@ def test_marathon_mounts_the_data_dir() -> None:
         ),
         ("kubernetes", {"tolerations": [{"key": "a", "tolerationSeconds": 5}]}, "NoExecute"),
         ("kubernetes", {"priority_class": "High"}, "^priority_class 'High' is not a valid"),
+        ("kubernetes", {"service_account": "Ads"}, "^service_account 'Ads' is not a valid"),
+        ("compose", {"service_account": "ads"}, "^service_account is a Kubernetes setting"),
         ("kubernetes", {"data_claim": "_x"}, "^data_claim '_x'"),
         ("kubernetes", {"data_dir": "data"}, "^data_dir 'data' must be an absolute path"),
         ("kubernetes", {"data_dir": "/logs"}, "^data_dir '/logs' is also the logdir"),
