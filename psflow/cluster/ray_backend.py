@@ -176,7 +176,7 @@ class RayLauncher:
             ray.get(self._pg.ready(), timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             need = ", ".join(f"{k} {v:g}" for k, v in self._bundle(tasks[-1]).items())
-            raise RuntimeError(
+            raise ValueError(
                 f"Ray could not place the job's {len(tasks)} tasks ({need} each, "
                 f"{self.options.strategy}) within {timeout:g} s: the cluster has "
                 f"{ray.available_resources()} free"

@@ -299,3 +299,21 @@ def test_an_address_that_does_not_answer_fails_within_the_ready_timeout() -> Non
         "(PSFLOW_READY_TIMEOUT): is its head running?"
     )
     assert time.monotonic() - started < 15
+
+
+def test_a_job_the_cluster_cannot_place_fails_within_the_ready_timeout(
+    ray_cluster: RayCluster,
+) -> None:
+    # Two nodes of 2 CPUs each: no bundle of 3 fits, whatever the strategy.
+    proc = _launch(
+        ray_cluster,
+        *("--ps", "1", "--workers", "1", "--cpus-per-task", "3", str(EXAMPLE)),
+        env={"PSFLOW_READY_TIMEOUT": "2"},
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(
+        "psflow launch: error: Ray could not place the job's 2 tasks (CPU 3 each, SPREAD) "
+        "within 2 s: the cluster has "
+    ), line
