@@ -2,7 +2,7 @@
 docker-compose and Marathon.
 
 - ``config.py``: :class:`JobConfig`, the job description (defaults < YAML job file < flags),
-  :func:`load_job_file`, :func:`parse_quantity`.
+  :func:`load_job_file`; ``quantity.py``: :func:`parse_quantity`.
 - ``settings.py``: checks of the cluster settings (limits, node selectors, tolerations, queue,
   pull secrets, gang and quota, image reference); ``targets.py``: what each target can express.
 - ``layout.py``: :func:`plan` and :class:`Plan`/:class:`Task`/:class:`Group`: names, addresses

@@ -11,12 +11,12 @@ import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
 from psflow import env as envvars
 from psflow.cluster.spec import read_yaml
+from psflow.deploy.quantity import parse_quantity
 from psflow.deploy.settings import check_settings
 
 DNS_LABEL_MAX = 63
@@ -28,58 +28,8 @@ _DNS1123_SUBDOMAIN_RE = re.compile(
     r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 )
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-# Kubernetes quantity syntax: a decimal number, then a binary suffix (Ki..Ei), a decimal suffix
-# (n, u, m, k, M, G, T, P, E) or a decimal exponent (e3, E-2).
-_QUANTITY_RE = re.compile(
-    r"^(?P<num>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
-    r"(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
-)
-_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-_DECIMAL = {
-    "n": Decimal("1e-9"),
-    "u": Decimal("1e-6"),
-    "m": Decimal("1e-3"),
-    "k": Decimal(10**3),
-    "M": Decimal(10**6),
-    "G": Decimal(10**9),
-    "T": Decimal(10**12),
-    "P": Decimal(10**15),
-    "E": Decimal(10**18),
-}
 # The environment variables that the renderer sets itself; a user's `env` may not shadow them.
 _RESERVED_ENV = (envvars.TF_CONFIG, envvars.PSFLOW_KEYS_DIR, envvars.PSFLOW_LOGDIR)
-
-
-def parse_quantity(text: str, *, what: str) -> Decimal:
-    """The value of a Kubernetes quantity (``500m``, ``2``, ``512Mi``, ``1e9``).
-
-    Example:
-        >>> parse_quantity("512Mi", what="memory")
-        Decimal('536870912')
-
-    Raises:
-        ValueError: naming ``what`` and the text when it is not a positive quantity.
-    """
-    m = _QUANTITY_RE.match(text)
-    if m is None:
-        raise ValueError(
-            f"{what} {text!r} is not a Kubernetes quantity: use e.g. 500m or 2 for cpu, "
-            "512Mi or 4Gi for memory"
-        )
-    try:
-        value = Decimal(m.group("num"))
-    except InvalidOperation:  # pragma: no cover - the regex admits only decimals
-        raise ValueError(f"{what} {text!r} is not a number") from None
-    suffix = m.group("suffix") or ""
-    if suffix in _BINARY:
-        value *= _BINARY[suffix]
-    elif suffix in _DECIMAL:
-        value *= _DECIMAL[suffix]
-    elif suffix:
-        value = value.scaleb(int(suffix[1:]))
-    if value <= 0:
-        raise ValueError(f"{what} {text!r} must be greater than zero")
-    return value
 
 
 def _check_dns(value: Any, *, what: str, pattern: re.Pattern[str], kind: str) -> None:

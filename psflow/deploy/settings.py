@@ -9,13 +9,44 @@ from __future__ import annotations
 
 import re
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from psflow import env as envvars
 from psflow.cluster.modes import MODES, Mode
+from psflow.deploy.quantity import parse_quantity
 
-if TYPE_CHECKING:
-    from psflow.deploy.config import JobConfig
+
+class JobSettings(Protocol):
+    """What these checks read of a :class:`~psflow.deploy.config.JobConfig` (which calls them
+    from its ``__post_init__``, so this module cannot import it)."""
+
+    image: str
+    ps: int
+    gpus: int
+    cpu: str | None
+    memory: str | None
+    logdir: str
+    keys_mount: str
+    env: dict[str, str]
+    mode: str | None
+    cpu_limit: str | None
+    memory_limit: str | None
+    node_selector: dict[str, str]
+    tolerations: list[dict[str, Any]]
+    priority_class: str | None
+    service_account: str | None
+    data_claim: str | None
+    data_host_dir: str | None
+    data_dir: str
+    queue: str | None
+    image_pull_policy: str | None
+    image_pull_secrets: list[str]
+    gang: str | None
+    quota: dict[str, Any]
+    runtime_kind: str
+
+    def counts(self) -> dict[str, int]: ...
+
 
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 """Kubernetes' image pull policies."""
@@ -122,15 +153,12 @@ def _check_tolerations(value: Any) -> None:
                 raise ValueError(f"{what}.tolerationSeconds goes only with effect NoExecute")
 
 
-def check_settings(config: JobConfig) -> None:
+def check_settings(config: JobSettings) -> None:
     """Checks the cluster settings of ``config`` (called by its ``__post_init__``).
 
     Raises:
         ValueError: naming the field and its value.
     """
-    # Imported here: config imports this module.
-    from psflow.deploy.config import parse_quantity
-
     check_image(config.image)
     mode = config.mode if config.mode is not None else config.env.get(envvars.PSFLOW_MODE)
     if config.mode is not None and envvars.PSFLOW_MODE in config.env:
@@ -211,7 +239,7 @@ def check_settings(config: JobConfig) -> None:
     check_quota(config)
 
 
-def gang_demand(config: JobConfig) -> dict[str, Decimal]:
+def gang_demand(config: JobSettings) -> dict[str, Decimal]:
     """What the whole job asks for at once: its pods and their summed requests.
 
     Example:
@@ -220,8 +248,6 @@ def gang_demand(config: JobConfig) -> dict[str, Decimal]:
         >>> gang_demand(job)["cpu"]
         Decimal('6')
     """
-    from psflow.deploy.config import parse_quantity
-
     counts = config.counts()
     pods = sum(counts.values())
     trainers = counts["chief"] + counts["worker"]
@@ -236,11 +262,9 @@ def gang_demand(config: JobConfig) -> dict[str, Decimal]:
     return out
 
 
-def check_quota(config: JobConfig) -> None:
+def check_quota(config: JobSettings) -> None:
     """Raises ``ValueError`` when the whole job asks for more than the stated ``quota``: a gang
     larger than its quota would wait forever for room that can never be free."""
-    from psflow.deploy.config import parse_quantity
-
     if not isinstance(config.quota, dict):
         raise ValueError(f"quota must map resources to amounts, got {config.quota!r}")
     demand = gang_demand(config)
