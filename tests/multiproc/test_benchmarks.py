@@ -94,3 +94,11 @@ def test_scaling_benchmark() -> None:
         assert job[f"{path}_samples_per_s"] > 0
         share = job[f"{path}_samples_per_s"] / (result["ceiling_per_core"] * job["cores"])
         assert job[f"{path}_efficiency"] == pytest.approx(share, abs=2e-3)
+
+
+def test_dense_optimizer_benchmark() -> None:
+    result = run_benchmark_smoke("dense_optimizer.py", timeout=60)
+    assert result["benchmark"] == "dense_optimizer"
+    # The forms the ps takes (psflow.ps.store.FOREACH_SAME_BITS) give the loop's bits.
+    assert result["Adam_foreach_same_bits"] and result["AdamW_foreach_same_bits"]
+    assert all(result[f"{n}_per_tensor_us"] > 0 for n in ("Adam", "AdamW", "Adagrad", "SGD"))

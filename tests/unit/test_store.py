@@ -60,6 +60,39 @@ def test_every_sgd_setting_matches_torch_bit_for_bit(kwargs: dict[str, object]) 
     assert store.step == 4
 
 
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [
+        ("Adam", {"lr": 0.01}),
+        ("Adam", {"lr": 0.01, "weight_decay": 0.1, "amsgrad": True}),
+        ("Adam", {"lr": 0.01, "maximize": True, "betas": (0.8, 0.99)}),
+        ("AdamW", {"lr": 0.01, "weight_decay": 0.05}),
+    ],
+)
+def test_adam_runs_foreach_with_the_bits_of_torchs_default(
+    name: str, kwargs: dict[str, object]
+) -> None:
+    torch.manual_seed(0)
+    w0, b0 = torch.randn(64, 33), torch.randn(33)
+    store = ShardStore()
+    store.initialize([("w", w0), ("b", b0)], OptimizerSpec(name=name, kwargs=kwargs))
+    assert store.optimizer is not None and store.optimizer.param_groups[0]["foreach"] is True
+    ref = [w0.clone().requires_grad_(True), b0.clone().requires_grad_(True)]
+    ref_opt = getattr(torch.optim, name)(ref, **kwargs)  # torch's default on CPU: one by one
+    assert not ref_opt.param_groups[0]["foreach"]
+    for step in range(6):
+        gw, gb = torch.randn(64, 33), torch.randn(33)
+        grads = [("w", gw)] if step == 2 else [("w", gw), ("b", gb)]
+        store.apply(grads)
+        ref[0].grad, ref[1].grad = gw.clone(), None if step == 2 else gb.clone()
+        ref_opt.step()
+    assert torch.equal(store.variables["w"], ref[0].detach())
+    assert torch.equal(store.variables["b"], ref[1].detach())
+    chosen = ShardStore()
+    chosen.initialize([("w", w0)], OptimizerSpec(name=name, kwargs={**kwargs, "foreach": False}))
+    assert chosen.optimizer is not None and chosen.optimizer.param_groups[0]["foreach"] is False
+
+
 def test_adam_with_list_betas_from_the_wire() -> None:
     spec = OptimizerSpec.from_wire({"name": "Adam", "kwargs": {"lr": 0.1, "betas": [0.8, 0.9]}})
     store = ShardStore()
