@@ -84,13 +84,13 @@ def test_nan_guard_finds_a_bad_value_in_any_gradient_of_any_dtype(bad: float) ->
     guard = NanGuardHook()
     guard.before_step(_ctx(sess, 1))  # all finite
     sess.model[1].bias.grad[1] = bad
-    with pytest.raises(NanLossError, match="gradient of '1.bias'"):
+    with pytest.raises(NanLossError, match=r"gradient of '1\.bias'"):
         guard.before_step(_ctx(sess, 2))
     sess.model[1].bias.grad.zero_()
     table.weight.grad = torch.sparse_coo_tensor(
         [[1, 7]], torch.tensor([[0.0, bad], [1, 1]]), (10, 2)
     )
-    with pytest.raises(NanLossError, match="gradient of 'table.weight'"):
+    with pytest.raises(NanLossError, match=r"gradient of 'table\.weight'"):
         guard.before_step(_ctx(sess, 3))
 
 
