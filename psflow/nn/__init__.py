@@ -11,6 +11,9 @@
   hashed table's rows, trained here in the backward pass) and saves in a state dict.
 - ``gather.py``: an attached table's rows gathered, and their gradients scatter-added, by
   :mod:`psflow.sparse.kernels`.
+- ``frozen.py``: a table in eval mode (a hashed table reads a snapshot of its rows: zeros for
+  an id it does not hold), and what ``torch.jit.trace``, ``torch.export`` and ONNX may record
+  of a table (the rest refused, saying what to use instead).
 - :class:`RowOptimizerSpec`: :mod:`psflow.protocol`'s, a row-wise optimizer with its arguments,
   here so that a model's script needs only ``psflow.nn``.
 
