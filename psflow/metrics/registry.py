@@ -37,6 +37,7 @@ from psflow.metrics.names import (
     PS_CKPT_WRITE,
     PS_DROPPED,
     PS_EVICTED,
+    PS_EXPIRED,
     PS_REQUESTS,
     PS_ROWS,
     PS_ROWS_PULLED,
@@ -252,11 +253,15 @@ class _TableCollector(Collector):
         evicted = CounterMetricFamily(
             PS_EVICTED, "Embedding rows evicted to make room for new ids", labels=labels
         )
+        expired = CounterMetricFamily(
+            PS_EXPIRED, "Embedding rows evicted as not updated for ttl_seconds", labels=labels
+        )
         for name, stats in dict(self._tables()).items():
             key = [self._task, self._shard, name]
             rows.add_metric(key, stats.get("rows", 0))
             evicted.add_metric(key, stats.get("evicted", 0))
-        return [rows, evicted]
+            expired.add_metric(key, stats.get("expired", 0))
+        return [rows, evicted, expired]
 
 
 class TaskMetrics:

@@ -78,7 +78,11 @@ class TableConfig:
     """Hashed tables: an id is given a row at its ``min_count``-th update (0 and 1: at once);
     the gradients of an id seen fewer times are dropped."""
     max_rows: int | None = None
-    """Hashed tables: rows kept per ps shard; past it the least recently updated are evicted."""
+    """Hashed tables: rows kept per ps shard; past it the least recently updated are evicted.
+    A hard cap: no checkpoint or export of a shard holds more."""
+    ttl_seconds: float | None = None
+    """Hashed tables: a row not updated for this many seconds is evicted (its id becomes a
+    tombstone in the next incremental export); ``None``: rows never expire."""
 
     def __post_init__(self) -> None:
         optimizer = self.optimizer

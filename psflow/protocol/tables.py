@@ -175,7 +175,11 @@ class TableSpec:
     """Hashed tables: pushes of an id before its row is created (0 and 1: at once); the
     gradients of an id seen fewer times are dropped."""
     max_rows: int | None = None
-    """Hashed tables: rows kept per shard; past it the least recently updated are evicted."""
+    """Hashed tables: rows kept per shard; past it the least recently updated are evicted. A
+    hard cap: no update, restore, checkpoint or export of the shard ever holds more."""
+    ttl_seconds: float | None = None
+    """Hashed tables: a row not updated for this many seconds is evicted (expired); a
+    checkpoint or export never holds an expired row. ``None``: rows never expire."""
     optimizer: RowOptimizerSpec | None = None
     """How the rows are updated; ``None``: the job's row-wise default."""
     scheduled: bool = False
@@ -230,6 +234,16 @@ class TableSpec:
                 f"{where} min_count and max_rows are for hashed tables (num_embeddings=None), "
                 f"got min_count={self.min_count}, max_rows={self.max_rows}"
             )
+        if self.ttl_seconds is not None:
+            if not _is_number(self.ttl_seconds) or self.ttl_seconds <= 0:
+                raise ValueError(
+                    f"{where} ttl_seconds must be a number > 0 or None, got {self.ttl_seconds!r}"
+                )
+            if not hashed:
+                raise ValueError(
+                    f"{where} ttl_seconds is for hashed tables (num_embeddings=None), got "
+                    f"ttl_seconds={self.ttl_seconds}"
+                )
         if self.optimizer is not None and not isinstance(self.optimizer, RowOptimizerSpec):
             raise ValueError(
                 f"{where} optimizer must be a RowOptimizerSpec or None, got {self.optimizer!r}"

@@ -1,10 +1,15 @@
 """A hashed table's rows on one shard: :class:`HashedRows`, any int64 id, rows made on demand.
 
 A row is made the first time its id is updated (after ``min_count`` pushes, counted in a
-count-min sketch), and past ``max_rows`` the least recently updated rows go.
+count-min sketch), past ``max_rows`` the least recently updated rows go, and with
+``ttl_seconds`` a row not updated for that long goes too.
 """
 
 from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -18,6 +23,11 @@ from psflow.sparse.snapshot import STATE_PREFIX, RowSnapshot
 
 INITIAL_CAPACITY = 1024
 """Rows a hashed shard makes room for at first; it doubles as rows come (up to ``max_rows``)."""
+
+EXPIRY_SCANS_PER_TTL = 16
+"""With ``ttl_seconds``, the rows are scanned for expired ones at most this many times per
+time to live (and before every snapshot): an expired row lingers at most ``ttl / 16`` for
+lookups, never into a checkpoint or export."""
 
 _SKETCH_DEPTH = 4
 _SKETCH_SALT = 0x632BE59BD9B4E019
@@ -33,8 +43,13 @@ class HashedRows(Rows):
     the sketch's width in pushes of unknown ids has gone by (TinyLFU's aging), so that an id
     has to come back while about ``16 * max_rows`` newcomers stream past, and the sketch never
     fills up (which would admit everything). With ``max_rows`` the shard keeps at most that
-    many rows, evicting the least recently updated (never one the same push updates). The
-    id -> row map is an :class:`~psflow.sparse.idmap.IdMap`, asked once per request with all
+    many rows, evicting the least recently updated (never one the same push updates): a hard
+    cap, which loads (restores) keep too. With ``ttl_seconds`` a row not updated for that
+    long is evicted (``expired``): the rows are scanned, in tensor operations, when the
+    oldest may have expired and at most :data:`EXPIRY_SCANS_PER_TTL` times per TTL, and
+    before every snapshot; the freed slots are filled with the last rows, so the rows in use
+    stay the first :attr:`num_rows`. Time comes from ``clock`` (``time.monotonic``); a
+    restored row's time starts at its restore. The id -> row map is an :class:`~psflow.sparse.idmap.IdMap`, asked once per request with all
     its ids; everything is tensor operations.
 
     Example:
@@ -52,6 +67,8 @@ class HashedRows(Rows):
     """The global id in each slot (the first :attr:`num_rows` are used)."""
     last_update: torch.Tensor
     """The update count at which each slot was last updated (least recent: evicted first)."""
+    updated_at: torch.Tensor | None
+    """With ``ttl_seconds``: the ``clock`` time at which each slot was last updated."""
 
     def __init__(
         self,
@@ -60,6 +77,7 @@ class HashedRows(Rows):
         num_shards: int,
         *,
         optimizer: RowOptimizerSpec | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if spec.num_embeddings is not None:
             raise ValueError(f"table {spec.name!r} has num_embeddings: use FixedRows")
@@ -71,8 +89,18 @@ class HashedRows(Rows):
         self._n = 0
         self._index = IdMap()
         self._tick = 0
+        self.ttl = spec.ttl_seconds
+        self._clock = clock
+        self._next_expiry = -math.inf
+        self.updated_at = None
         self._alloc(capacity)
-        self.counts = {"admitted": 0, "not_admitted": 0, "evicted": 0, "dropped_full": 0}
+        self.counts = {
+            "admitted": 0,
+            "not_admitted": 0,
+            "evicted": 0,
+            "expired": 0,
+            "dropped_full": 0,
+        }
         self._sketch: torch.Tensor | None = None
         if spec.min_count > 1:
             target = 16 * (self.max_rows or 1 << 16)
@@ -98,12 +126,20 @@ class HashedRows(Rows):
         state = self.optimizer.new_state(capacity, self.dim, self.dtype, filled=False)
         slot_ids = torch.empty(capacity, dtype=torch.int64)
         last = torch.zeros(capacity, dtype=torch.int64)
+        at = None if self.ttl is None else torch.zeros(capacity, dtype=torch.float64)
         if n:
             values[:n] = self.values[:n]
             for key, tensor in state.items():
                 tensor[:n] = self.state[key][:n]
             slot_ids[:n] = self.slot_ids[:n]
             last[:n] = self.last_update[:n]
+            if at is not None and self.updated_at is not None:
+                at[:n] = self.updated_at[:n]
+        if self._changed is not None:
+            changed = torch.zeros(capacity, dtype=torch.bool)
+            changed[:n] = self._changed[:n]
+            self._changed = changed
+        self.updated_at = at
         self.values = values
         self.state = state
         self.slot_ids = slot_ids
@@ -126,7 +162,9 @@ class HashedRows(Rows):
         parts = []
         if evict:
             old = torch.topk(self.last_update[:n], evict, largest=False, sorted=False).indices
-            self._index.remove(self.slot_ids.index_select(0, old))
+            gone = self.slot_ids.index_select(0, old)
+            self._index.remove(gone)
+            self._note_evicted(gone)
             self.counts["evicted"] += evict
             parts.append(old)
         fresh = count - evict
@@ -178,9 +216,75 @@ class HashedRows(Rows):
             self._sketch_pushes = 0
         return count >= self.spec.min_count
 
+    # -- time to live -------------------------------------------------------------------------
+
+    def _note_evicted(self, ids: torch.Tensor) -> None:
+        """Remembers evicted ids for the next export's tombstones (once one is tracked)."""
+        if self._changed is not None:
+            self._evicted.append(ids.clone())
+
+    def _expire_due(self) -> float:
+        """The clock's time; the expired rows evicted first when a scan is due."""
+        now = self._clock()
+        if now >= self._next_expiry:
+            self._expire(now)
+        return now
+
+    def _expire_now(self) -> None:
+        if self.ttl is not None:
+            self._expire(self._clock())
+
+    def _expire(self, now: float) -> None:
+        """Evicts every row not updated for ``ttl`` seconds; schedules the next scan."""
+        ttl, at = self.ttl, self.updated_at
+        assert ttl is not None and at is not None
+        n = self._n
+        if n:
+            gone = (at[:n] <= now - ttl).nonzero().squeeze(1)
+            if gone.numel():
+                self._remove_slots(gone)
+                self.counts["expired"] += gone.numel()
+        n = self._n
+        oldest = float(at[:n].min()) if n else now
+        self._next_expiry = max(oldest + ttl, now + ttl / EXPIRY_SCANS_PER_TTL)
+
+    def _remove_slots(self, gone: torch.Tensor) -> None:
+        """Removes the rows at ``gone`` (ascending slots below :attr:`num_rows`), moving the
+        last rows into the slots freed below the new count (rows in use stay contiguous)."""
+        ids = self.slot_ids.index_select(0, gone)
+        self._index.remove(ids)
+        self._note_evicted(ids)
+        n = self._n
+        m = n - gone.numel()
+        tail = torch.ones(n - m, dtype=torch.bool)
+        tail[gone[gone >= m] - m] = False
+        movers = torch.arange(m, n, dtype=torch.int64)[tail]
+        holes = gone[gone < m]
+        self._tick += 1
+        if holes.numel():
+            self._preserve(holes)  # snapshots in progress keep the rows moved over
+            self.values.index_copy_(0, holes, self.values.index_select(0, movers))
+            for tensor in self.state.values():
+                tensor.index_copy_(0, holes, tensor.index_select(0, movers))
+            moved = self.slot_ids.index_select(0, movers)
+            self.slot_ids.index_copy_(0, holes, moved)
+            self.last_update.index_copy_(0, holes, self.last_update.index_select(0, movers))
+            at = self.updated_at
+            assert at is not None
+            at.index_copy_(0, holes, at.index_select(0, movers))
+            if self._changed is not None:  # a moved row is as changed as it was
+                self._changed.index_copy_(0, holes, self._changed.index_select(0, movers))
+            self._index.remove(moved)
+            self._index.put(moved, holes)
+        if self._changed is not None:
+            self._changed[m:n] = False
+        self._n = m
+
     # -- the interface -----------------------------------------------------------------------
 
     def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.ttl is not None:
+            self._expire_due()
         slots = self._slots(ids)
         known = slots >= 0
         if bool(known.all()):
@@ -204,6 +308,7 @@ class HashedRows(Rows):
     def apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         self._check_grads(ids, grads)
         ids, grads = self._without_padding(ids, grads)
+        now = self._expire_due() if self.ttl is not None else 0.0
         self._tick += 1
         self.updates += 1
         slots = self._slots(ids)
@@ -233,6 +338,8 @@ class HashedRows(Rows):
         self._preserve(slots)
         self.optimizer.apply(self.values, self.state, slots, grads)
         self.last_update.index_fill_(0, slots, self._tick)
+        if self.updated_at is not None:
+            self.updated_at.index_fill_(0, slots, now)
 
     @property
     def num_rows(self) -> int:
@@ -247,6 +354,7 @@ class HashedRows(Rows):
     @property
     def nbytes(self) -> int:
         tensors = [self.values, self.slot_ids, self.last_update, *self.state.values()]
+        tensors += [t for t in (self.updated_at, self._changed) if t is not None]
         if self._sketch is not None:
             tensors.append(self._sketch)
         return sum(t.nbytes for t in tensors) + self._index.nbytes
@@ -254,6 +362,18 @@ class HashedRows(Rows):
     @property
     def stats(self) -> dict[str, int]:
         return {"rows": self._n, "capacity": self.capacity, "updates": self.updates, **self.counts}
+
+    def _slot_capacity(self) -> int:
+        return self.capacity
+
+    def _export_live(self) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        return {"ids": self.slot_ids, "values": self.values}, None
+
+    def _tombstones(self) -> torch.Tensor:
+        if not self._evicted:
+            return torch.empty(0, dtype=torch.int64)
+        gone = torch.cat(self._evicted).unique()
+        return gone[self._slots(gone) < 0]
 
     def _begin_snapshot(self) -> RowSnapshot:
         live = {
@@ -278,6 +398,7 @@ class HashedRows(Rows):
             return
         if ids.unique().numel() != ids.numel():
             raise ValueError(f"table {self.spec.name!r}: snapshot ids repeat")
+        now = self._expire_due() if self.ttl is not None else 0.0
         self._tick += 1
         slots = self._slots(ids)
         unknown = slots < 0
@@ -304,3 +425,5 @@ class HashedRows(Rows):
         for key, tensor in state.items():
             self.state[key].index_copy_(0, slots, tensor)
         self.last_update.index_fill_(0, slots, self._tick)
+        if self.updated_at is not None:
+            self.updated_at.index_fill_(0, slots, now)

@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -27,10 +27,21 @@ from psflow.sparse.partition import Partition
 # STATE_PREFIX and RowSnapshot are imported from here too (psflow.nn.table, psflow.ps.checkpoint).
 from psflow.sparse.snapshot import STATE_PREFIX, RowSnapshot
 
-__all__ = ["DTYPES", "STATE_PREFIX", "RowSnapshot", "Rows"]
+__all__ = ["DTYPES", "STATE_PREFIX", "ExportPart", "RowSnapshot", "Rows"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 """A table's dtype names and their torch dtypes."""
+
+
+class ExportPart(NamedTuple):
+    """A shard's part of one table in an export (:meth:`Rows.begin_export`)."""
+
+    rows: RowSnapshot
+    """``ids`` and ``values`` of the rows: all held (a base export), or those changed since
+    the last export (a delta); each row as it was at the export's moment."""
+    tombstones: torch.Tensor
+    """The ids evicted (``max_rows``, ``ttl_seconds``) since the last export and not held
+    again now (int64, sorted; none in a base export)."""
 
 
 class Rows(ABC):
@@ -47,6 +58,9 @@ class Rows(ABC):
         optimizer: the row optimizer when ``spec.optimizer`` is ``None`` (the job's row-wise
             default); ``RowOptimizerSpec()`` (Adagrad) when both are ``None``.
     """
+
+    values: torch.Tensor
+    """The rows, one per storage slot."""
 
     def __init__(
         self,
@@ -70,20 +84,82 @@ class Rows(ABC):
         self.updates = 0
         """Calls of :meth:`apply`."""
         self._snapshots: list[RowSnapshot] = []
+        self._changed: torch.Tensor | None = None
+        """Per storage slot: written since the last export. ``None`` until the first export
+        (nothing to track before it: that one holds every row), so a job without exports
+        pays nothing for it."""
+        self._evicted: list[torch.Tensor] = []
+        """Ids evicted since the last export (while :attr:`_changed` tracks)."""
 
     def begin_snapshot(self) -> RowSnapshot:
         """The rows as they are now, copied as they change and completed by
-        :meth:`RowSnapshot.result` (see :class:`RowSnapshot`): serving does not pause."""
+        :meth:`RowSnapshot.result` (see :class:`RowSnapshot`): serving does not pause. Rows
+        past their ``ttl_seconds`` are evicted first: a snapshot never holds one."""
+        self._expire_now()
         snap = self._begin_snapshot()
         self._snapshots = [s for s in self._snapshots if not s.done] + [snap]
         return snap
+
+    @property
+    def tracking(self) -> bool:
+        """Whether changes since the last export are being tracked (an export has been taken)."""
+        return self._changed is not None
+
+    def begin_export(self, *, base: bool) -> ExportPart:
+        """The rows for an export, taken as :meth:`begin_snapshot` takes them (no pause; each
+        row's value of this moment): every row held (``base``), or the rows written since the
+        last export and the ids evicted since (a delta). From now on, changes are tracked
+        since this export.
+
+        Raises:
+            ValueError: for a delta when no export was taken before (nothing was tracked).
+        """
+        if not base and self._changed is None:
+            raise ValueError(
+                f"table {self.spec.name!r}: no export was taken on this shard yet (it may have "
+                "restarted): nothing to take a delta from, export a base"
+            )
+        self._expire_now()
+        live, ids = self._export_live()
+        n = self.num_rows
+        slots = None
+        if not base:
+            assert self._changed is not None
+            slots = self._changed[:n].nonzero().squeeze(1)
+        fixed = {} if ids is None else {"ids": ids if slots is None else ids[slots]}
+        snap = RowSnapshot(live, n, fixed, slots=slots)
+        tombstones = self._tombstones() if not base else torch.empty(0, dtype=torch.int64)
+        self._snapshots = [s for s in self._snapshots if not s.done] + [snap]
+        self._changed = torch.zeros(self._slot_capacity(), dtype=torch.bool)
+        self._evicted = []
+        return ExportPart(snap, tombstones)
+
+    def _export_live(self) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """The live tensors an export copies rows of, and the ids of every slot when they are
+        not among them (a fixed table's, known by position)."""
+        return {"values": self.values}, self.partition.ids_on(self.shard)
+
+    def _slot_capacity(self) -> int:
+        """Storage slots (what :attr:`_changed` marks)."""
+        return self.num_rows
+
+    def _tombstones(self) -> torch.Tensor:
+        """The ids evicted since the last export that are not held now, sorted."""
+        return torch.empty(0, dtype=torch.int64)
+
+    def _expire_now(self) -> None:
+        """Evicts the rows past their time to live (hashed tables with ``ttl_seconds``)."""
+        return  # rows that never expire
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """A copy: ``ids`` (the global ids held), ``values``, and ``opt/<state>``."""
         return self.begin_snapshot().result()
 
     def _preserve(self, slots: torch.Tensor) -> None:
-        """Before rows at ``slots`` of the storage change: snapshots in progress keep them."""
+        """Before rows at ``slots`` of the storage change: snapshots in progress keep them, and
+        the next export counts them as changed."""
+        if self._changed is not None:
+            self._changed.index_fill_(0, slots, True)
         if self._snapshots:
             for snap in self._snapshots:
                 snap.preserve(slots)

@@ -1,8 +1,10 @@
-"""A shard's rows of one table at one moment, for a checkpoint, taken without a pause.
+"""A shard's rows of one table at one moment, for a checkpoint or an export, taken without a
+pause.
 
 :class:`RowSnapshot` keeps references to the live tensors and copies a row only before it
 changes (:meth:`RowSnapshot.preserve`, called by :class:`~psflow.sparse.rows.Rows`), or when the
-thread that writes the checkpoint asks for the result.
+thread that writes the checkpoint asks for the result. It holds every row in use, or (an
+incremental export's) the rows of chosen slots.
 """
 
 from __future__ import annotations
@@ -30,8 +32,25 @@ class RowSnapshot:
     CHUNK_ROWS = 1 << 16
     """Rows copied at a time by :meth:`result`: how long the serving thread may wait on it."""
 
-    def __init__(self, live: dict[str, torch.Tensor], rows: int, fixed: dict[str, torch.Tensor]):
+    def __init__(
+        self,
+        live: dict[str, torch.Tensor],
+        rows: int,
+        fixed: dict[str, torch.Tensor],
+        *,
+        slots: torch.Tensor | None = None,
+    ):
+        """``live``'s first ``rows`` rows, or with ``slots`` (unique, each below ``rows``) the
+        rows at those slots, in that order; ``fixed`` is added to the result as it is."""
         self._live = live
+        self._where = slots
+        """The storage slot of each row of the result (``None``: row ``i`` is slot ``i``)."""
+        self._pos: torch.Tensor | None = None
+        """The row of the result that each slot is (-1: none), for :meth:`preserve`."""
+        if slots is not None:
+            self._pos = torch.full((rows,), -1, dtype=torch.int64)
+            self._pos[slots] = torch.arange(slots.numel())
+            rows = slots.numel()
         self._rows = rows
         self._out = {k: torch.empty((rows, *t.shape[1:]), dtype=t.dtype) for k, t in live.items()}
         self._copied = torch.zeros(rows, dtype=torch.bool)
@@ -46,11 +65,19 @@ class RowSnapshot:
         with self._lock:
             if self.done:
                 return
-            slots = slots[slots < self._rows]
-            fresh = slots[~self._copied[slots]]
+            if self._pos is None:
+                slots = slots[slots < self._rows]
+                fresh = slots[~self._copied[slots]]
+                where = fresh
+            else:
+                pos = self._pos[slots[slots < self._pos.numel()]]
+                pos = pos[pos >= 0]
+                fresh = pos[~self._copied[pos]]
+                assert self._where is not None
+                where = self._where[fresh]
             if fresh.numel():
                 for key, live in self._live.items():
-                    self._out[key][fresh] = live.index_select(0, fresh)
+                    self._out[key][fresh] = live.index_select(0, where)
                 self._copied[fresh] = True
 
     def result(self) -> dict[str, torch.Tensor]:
@@ -59,13 +86,14 @@ class RowSnapshot:
             stop = min(start + self.CHUNK_ROWS, self._rows)
             with self._lock:
                 todo = ~self._copied[start:stop]
-                if bool(todo.all()):
+                if self._where is None and bool(todo.all()):
                     for key, live in self._live.items():
                         self._out[key][start:stop] = live[start:stop]
                 elif bool(todo.any()):
-                    where = todo.nonzero().squeeze(1).add_(start)
+                    rows = todo.nonzero().squeeze(1).add_(start)
+                    where = rows if self._where is None else self._where[rows]
                     for key, live in self._live.items():
-                        self._out[key][where] = live.index_select(0, where)
+                        self._out[key][rows] = live.index_select(0, where)
                 self._copied[start:stop] = True
         with self._lock:
             self.done = True
