@@ -164,6 +164,13 @@ class Op(StrEnum):
     SAVE_STATUS = "save_status"
     """How the write into :attr:`Key.DIR` is going (:class:`SaveState`)."""
 
+    # -- a ps shard: incremental exports for serving (psflow.ps.exports) --------------------
+    EXPORT = "export"
+    """Snapshot the shard's dense variables and its tables' rows (all: a base; changed since
+    export :attr:`Key.SINCE` and evicted ids: a delta) and write them under :attr:`Key.DIR`."""
+    EXPORT_STATUS = "export_status"
+    """How the export write into :attr:`Key.DIR` is going (:class:`SaveState`)."""
+
 
 class Code(StrEnum):
     """What kind of refusal an :attr:`Op.ERROR` reply is: what the client can do about it."""
@@ -334,6 +341,14 @@ class Key(StrEnum):
     """The shard file a save writes."""
     SECONDS = "seconds"
     """How long the write took."""
+    EXPORT_SEQ = "export_seq"
+    """An export: its number in the export directory (``export-<n>``)."""
+    SINCE = "since"
+    """An export: the export a delta follows (its changes since it); absent for a base."""
+    BASE = "base"
+    """An export: the base export its chain of deltas starts from (its own number for a base)."""
+    RESERVE_BYTES = "reserve_bytes"
+    """An export: bytes the disk must keep free after the write, or the write is refused."""
 
 
 IN_REQUEST_AREA = 2

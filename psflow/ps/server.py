@@ -17,6 +17,8 @@ Each request (its header's ``op``, a :class:`~psflow.protocol.Op`) goes to the o
   (:class:`~psflow.ps.checkpoint.CheckpointService`). A ps given the job's checkpoint directory
   (``checkpoint_dir``, or ``PSFLOW_CHECKPOINT_DIR``) writes only into its ``ckpt-<step>``
   directories.
+- ``export``/``export_status``: the chief's incremental exports for serving, a base or the rows
+  changed and ids evicted since the last (:class:`~psflow.ps.exports.ExportService`).
 
 A worker (or the chief) silent for ``worker_timeout`` seconds (``PSFLOW_WORKER_TIMEOUT``, 30)
 after its first request is dead (:mod:`psflow.ps.liveness`): the services stop waiting for it,
@@ -49,6 +51,7 @@ from psflow.protocol import Code, Key, Op
 from psflow.ps.checkpoint import CheckpointService
 from psflow.ps.config import ServerConfig
 from psflow.ps.exchange import ExchangeService
+from psflow.ps.exports import ExportService
 from psflow.ps.host import TransportHost
 from psflow.ps.init import InitService
 from psflow.ps.liveness import Liveness
@@ -148,6 +151,11 @@ class ParameterServer(TransportHost):
         self.register(
             CheckpointService(
                 self, num_shards=ctx.cluster.num_tasks("ps"), root=self.checkpoint_dir
+            )
+        )
+        self.register(
+            ExportService(
+                self, chief=str(ctx.cluster.chief), num_shards=ctx.cluster.num_tasks("ps")
             )
         )
         self._requests = {op: self.metrics.requests(Op(op).value) for op in self._handlers}

@@ -28,6 +28,7 @@ from psflow.cluster.spec import TaskContext
 from psflow.protocol import Key
 from psflow.train.alone import LocalEngine
 from psflow.train.checkpoint import Checkpointer, ShardSaver
+from psflow.train.exports import Exporter
 from psflow.train.hooks import (
     Hook,
     LoggingHook,
@@ -130,6 +131,8 @@ class TrainingSession(Restoring, StopOnSignals):
         ps (restored), not from the start."""
         self.global_step = 0
         self.checkpointer: Checkpointer | None = None
+        self.exporter: Exporter | None = None
+        """The chief's incremental exports (with an ``export_dir``)."""
         self.restored_from: str | None = None
         self._stop = False
         self._last_save_t = time.monotonic()
@@ -161,6 +164,10 @@ class TrainingSession(Restoring, StopOnSignals):
         placement = training.placement
         if not self.alone:
             check_has_ps(ctx, self.mode_config.mode)
+        if self.config.export.export_dir is not None and (
+            self.alone or self.mode_config.mode == Mode.ALLREDUCE
+        ):
+            raise ValueError("export_dir: the ps tasks write the exports; this job has none")
         if not self.alone and self.mode_config.mode != Mode.ALLREDUCE:
             self.pieces = (
                 placement.place(model, ctx.cluster.num_tasks("ps"))
@@ -188,6 +195,13 @@ class TrainingSession(Restoring, StopOnSignals):
         self.global_step = self._last_save_step = self.opt.global_step
         if self.is_chief and self.config.checkpoint.checkpoint_dir is not None:
             self.checkpointer = self._checkpointer(self.config.checkpoint.checkpoint_dir)
+        if self.is_chief and self.config.export.export_dir is not None:
+            self.exporter = Exporter(
+                self.config.export,
+                make_client=lambda: ShardedClient(self.ctx, self.transport),
+                pieces=self.pieces,
+                params=dict(dense_parameters(self.model)),
+            )
         for hook in self.hooks:
             hook.begin(self)
         if self.config.stop_on_sigterm:
@@ -341,6 +355,8 @@ class TrainingSession(Restoring, StopOnSignals):
                 self._save(wait=False)
             except PeerError as e:
                 self.global_step = self._recover(e)
+        if self.exporter is not None:
+            self.exporter.maybe_export()
         return self.global_step
 
     def _save_due(self) -> bool:
@@ -370,6 +386,11 @@ class TrainingSession(Restoring, StopOnSignals):
         name = self._save(wait=True)
         return None if name is None else self.checkpointer.dir.url_of(name)
 
+    def export(self) -> str | None:
+        """Exports for serving now and waits (chief with an ``export_dir``; elsewhere returns
+        ``None``); returns the export's directory (:mod:`psflow.train.exports`)."""
+        return None if self.exporter is None else self.exporter.export()
+
     @property
     def latest_checkpoint(self) -> str | None:
         if self.config.checkpoint.checkpoint_dir is None:
@@ -394,8 +415,13 @@ class TrainingSession(Restoring, StopOnSignals):
                     hook.end(self)
                 if self.checkpointer is not None:
                     self._save_final()
-            elif self.checkpointer is not None:
-                self.checkpointer.wait(raise_error=False)
+                if self.exporter is not None:  # the served model gets the last rows too
+                    self.exporter.export()
+            else:
+                if self.checkpointer is not None:
+                    self.checkpointer.wait(raise_error=False)
+                if self.exporter is not None:
+                    self.exporter.wait(raise_error=False)
         finally:
             self._restore_sigterm()
             if self._summary is not None:

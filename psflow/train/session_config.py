@@ -1,7 +1,8 @@
 """What a :class:`~psflow.train.TrainingSession` takes, as one nested config (torchtitan's way):
 :class:`SessionConfig` holds how it trains (:class:`~psflow.worker.config.OptimizerConfig`: the
 optimizer, its schedule, the mode, the placement, the transport), its checkpoints
-(:class:`CheckpointConfig`), its summaries and progress lines (:class:`SummaryConfig`), and
+(:class:`CheckpointConfig`), its summaries and progress lines (:class:`SummaryConfig`), its
+exports for serving (:class:`ExportConfig`), and
 the supervision's own settings. Every setting keeps TensorFlow's name, and
 :meth:`SessionConfig.of` takes them all as flat keywords, the one-line common case
 (``optimizer="Adam", lr=1e-3, checkpoint_dir=..., last_step=...``).
@@ -53,6 +54,43 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class ExportConfig:
+    """Where and how often the chief exports the model for serving: a full base, then deltas
+    (the rows changed and the ids evicted since the last export, and the dense parameters);
+    see :mod:`psflow.train.exports` and :mod:`psflow.serve.delta`."""
+
+    export_dir: str | None = None
+    """Where exports go (``export-<n>`` directories): a path or fsspec URL that every ps task
+    can write. ``None``: no exports."""
+    export_every: float | None = None
+    """Export every this many seconds (default 300 with an ``export_dir``); ``None`` with no
+    ``export_dir``. :meth:`TrainingSession.export` exports at once too."""
+    export_base_every: int = 10
+    """A new base after this many deltas: bounds the chain a server applies at start."""
+    export_keep_bases: int | None = 2
+    """Chains (a base and its deltas) kept; older ones are deleted once a newer base is
+    complete. ``None``: all kept."""
+    export_reserve_bytes: int = 0
+    """Bytes each ps's disk must keep free after writing its file of an export (local disks):
+    an export that would leave less is refused, and the previous exports stay whole."""
+    export_timeout: float = 300.0
+    """Seconds one export may take to write before it fails."""
+
+    def __post_init__(self) -> None:
+        if self.export_every is not None and self.export_every <= 0:
+            raise ValueError(f"export_every must be > 0 seconds, got {self.export_every}")
+        _at_least_one(self, "export_base_every", "export_keep_bases")
+        if self.export_reserve_bytes < 0:
+            raise ValueError(f"export_reserve_bytes must be >= 0, got {self.export_reserve_bytes}")
+        if self.export_timeout <= 0:
+            raise ValueError(f"export_timeout must be > 0 seconds, got {self.export_timeout}")
+        if self.export_dir is not None:
+            CheckpointDir(self.export_dir)  # validates the URL
+            if self.export_every is None:
+                self.export_every = 300.0
+
+
+@dataclass(kw_only=True)
 class SummaryConfig:
     """What the chief writes to TensorBoard and to its progress line."""
 
@@ -89,6 +127,8 @@ class SessionConfig:
     """Where and when checkpoints go, and the restore at start."""
     summaries: SummaryConfig = field(default_factory=SummaryConfig)
     """TensorBoard summaries and progress lines."""
+    export: ExportConfig = field(default_factory=ExportConfig)
+    """Incremental exports for serving: where, how often."""
     last_step: int | None = None
     """Stop once the global step reaches this (a :class:`StopAtStepHook`)."""
     nan_guard: bool = True
@@ -145,6 +185,7 @@ class SessionConfig:
             training=OptimizerConfig.of(**parts["training"]),
             checkpoint=CheckpointConfig(**parts["checkpoint"]),
             summaries=SummaryConfig(**parts["summaries"]),
+            export=ExportConfig(**parts["export"]),
             **parts["session"],
         )
 
@@ -153,18 +194,21 @@ _NESTED: dict[str, type] = {
     "training": OptimizerConfig,
     "checkpoint": CheckpointConfig,
     "summaries": SummaryConfig,
+    "export": ExportConfig,
 }
 _OWNER: dict[str, str] = {
     **{key: "training" for key in TRAINING_SETTINGS},
     **{f.name: "checkpoint" for f in dataclasses.fields(CheckpointConfig)},
     **{f.name: "summaries" for f in dataclasses.fields(SummaryConfig)},
+    **{f.name: "export" for f in dataclasses.fields(ExportConfig)},
     **{f.name: "session" for f in dataclasses.fields(SessionConfig) if f.name not in _NESTED},
 }
 """Which config takes each flat setting (the names are unique across them)."""
 SETTINGS = frozenset(_OWNER)
 """The flat keywords :meth:`SessionConfig.of` (and so a :class:`TrainingSession`) takes."""
 assert len(_OWNER) == len(TRAINING_SETTINGS) + sum(
-    len(dataclasses.fields(kind)) for kind in (CheckpointConfig, SummaryConfig, SessionConfig)
+    len(dataclasses.fields(kind))
+    for kind in (CheckpointConfig, SummaryConfig, ExportConfig, SessionConfig)
 ) - len(_NESTED), "a setting's name is taken by two configs"
 
 
