@@ -70,6 +70,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add("--device", default="cpu", help="cuda: the dense layers and pulled rows on the GPU")
     add("--logdir", default=None, help="checkpoints and TensorBoard summaries")
     add("--save_checkpoint_steps", type=int, default=None, help="default: every 10 min")
+    add("--export_dir", default=None, help="incremental exports for serving (needs ps)")
+    add("--export_every", type=float, default=None, help="seconds between exports (300)")
     add("--seed", type=int, default=0)
     add("--prefetch", action="store_true", help="the next batch's rows ride each step")
     args = p.parse_args(argv)
@@ -120,6 +122,8 @@ def main() -> None:
         lr=args.lr,
         checkpoint_dir=args.logdir,
         save_checkpoint_steps=args.save_checkpoint_steps,
+        export_dir=args.export_dir,
+        export_every=args.export_every,
         last_step=args.train_steps,
     ) as sess:
         start, steps = time.perf_counter(), 0

@@ -84,6 +84,8 @@ class ExportConfig:
             raise ValueError(f"export_reserve_bytes must be >= 0, got {self.export_reserve_bytes}")
         if self.export_timeout <= 0:
             raise ValueError(f"export_timeout must be > 0 seconds, got {self.export_timeout}")
+        if self.export_dir is None and self.export_every is not None:
+            raise ValueError(f"export_every={self.export_every} needs an export_dir")
         if self.export_dir is not None:
             CheckpointDir(self.export_dir)  # validates the URL
             if self.export_every is None:

@@ -92,6 +92,8 @@ def test_export_settings_are_checked_and_flat() -> None:
     assert SessionConfig.of().export.export_dir is None
     with pytest.raises(ValueError, match="export_every must be > 0"):
         ExportConfig(export_dir="/tmp/e", export_every=0)
+    with pytest.raises(ValueError, match="export_every=60 needs an export_dir"):
+        ExportConfig(export_every=60)
     with pytest.raises(ValueError, match="export_base_every must be >= 1"):
         ExportConfig(export_base_every=0)
     with pytest.raises(ValueError, match="export_reserve_bytes must be >= 0"):
