@@ -13,8 +13,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import psflow.nn as pnn
+from psflow.protocol import Key, Op
 from psflow.serve.delta import ExportedModel, ExportError, chain, list_exports, read_export
 from psflow.train import load_checkpoint
+from psflow.transport import PeerError
 
 from .support import local_cluster, quiet_session, start_ps, stop
 
@@ -107,6 +109,20 @@ def test_a_base_and_deltas_reproduce_the_ps_and_bad_orders_are_refused(tmp_path:
             last = sess.export()
             stats = sess.opt.engine.exchange.tables.status()  # type: ignore[attr-defined]
             sess.save()  # the ps as they were at the last export: nothing trained since
+            # A delta after an export the shards do not track since (a restarted ps, a chief
+            # that lost count) is refused by the ps; the chief asks first and exports a base.
+            client = sess.exporter.make_client()
+            try:
+                tracked = client.call({s: {Key.OP: Op.EXPORT_STATUS} for s in (0, 1)})
+                assert [h[Key.SINCE] for h, _ in tracked.values()] == [7, 7]
+                bad = {
+                    Key.OP: Op.EXPORT, Key.DIR: str(exports / "export-99"), Key.EXPORT_SEQ: 99,
+                    Key.BASE: 3, Key.SINCE: 4, Key.RESERVE_BYTES: 0,
+                }  # fmt: skip
+                with pytest.raises(PeerError, match="tracks changes since export 7, not 4"):
+                    client.call({0: bad})
+            finally:
+                client.close()
         for p in procs:
             code, err = stop(p)
             assert code == 0, err[-3000:]

@@ -98,3 +98,17 @@ def test_export_settings_are_checked_and_flat() -> None:
         ExportConfig(export_base_every=0)
     with pytest.raises(ValueError, match="export_reserve_bytes must be >= 0"):
         ExportConfig(export_reserve_bytes=-1)
+
+
+def test_exports_are_due_by_the_clock(tmp_path: Path) -> None:
+    from psflow.train.exports import Exporter
+
+    now = [0.0]
+    config = ExportConfig(export_dir=str(tmp_path), export_every=30)
+    (tmp_path / "export-4").mkdir()  # an earlier run's: numbering goes on after it
+    exporter = Exporter(config, make_client=None, pieces=[], params={}, clock=lambda: now[0])  # type: ignore[arg-type]
+    assert not exporter.due() and exporter._seq == 4
+    now[0] = 29.9
+    assert not exporter.due()
+    now[0] = 30.0
+    assert exporter.due()
