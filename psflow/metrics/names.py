@@ -59,6 +59,9 @@ PS_EVICTED = "psflow_ps_table_evicted_rows_total"
 PS_EXPIRED = "psflow_ps_table_expired_rows_total"
 PS_CKPT_PAUSE = "psflow_ps_checkpoint_pause_seconds"
 PS_CKPT_WRITE = "psflow_ps_checkpoint_write_seconds"
+PS_EXPORT_PAUSE = "psflow_ps_export_pause_seconds"
+PS_EXPORT_WRITE = "psflow_ps_export_write_seconds"
+PS_EXPORT_FAILED = "psflow_ps_exports_failed_total"
 INFO = "psflow_task_info"
 CPU = "process_cpu_seconds_total"
 MEMORY = "process_resident_memory_bytes"
@@ -129,6 +132,24 @@ _DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...], dict[str, Any]]] = {
         "Time writing a checkpoint shard took (in the background)",
         ("shard",),
         {"buckets": _SLOW_BUCKETS},
+    ),
+    PS_EXPORT_PAUSE: (
+        _HISTOGRAM,
+        "Time an export's snapshot paused serving",
+        ("shard",),
+        {"buckets": _LATENCY_BUCKETS},
+    ),
+    PS_EXPORT_WRITE: (
+        _HISTOGRAM,
+        "Time writing the shard's file of an export took (in the background)",
+        ("shard",),
+        {"buckets": _SLOW_BUCKETS},
+    ),
+    PS_EXPORT_FAILED: (
+        _COUNTER,
+        "Exports whose file this shard did not write (refused for disk space, write errors)",
+        ("shard",),
+        {},
     ),
     INFO: (_GAUGE, "Always 1: the task and its job, as labels", ("job",), {}),
 }

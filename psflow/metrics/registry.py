@@ -38,6 +38,9 @@ from psflow.metrics.names import (
     PS_DROPPED,
     PS_EVICTED,
     PS_EXPIRED,
+    PS_EXPORT_FAILED,
+    PS_EXPORT_PAUSE,
+    PS_EXPORT_WRITE,
     PS_REQUESTS,
     PS_ROWS,
     PS_ROWS_PULLED,
@@ -193,6 +196,9 @@ class PsMetrics:
         self.dropped_stale = owner.child(PS_DROPPED, shard=self._shard) if on else _NOOP
         self.checkpoint_pause = owner.child(PS_CKPT_PAUSE, shard=self._shard) if on else _NOOP
         self.checkpoint_write = owner.child(PS_CKPT_WRITE, shard=self._shard) if on else _NOOP
+        self.export_pause = owner.child(PS_EXPORT_PAUSE, shard=self._shard) if on else _NOOP
+        self.export_write = owner.child(PS_EXPORT_WRITE, shard=self._shard) if on else _NOOP
+        self.exports_failed = owner.child(PS_EXPORT_FAILED, shard=self._shard) if on else _NOOP
         self._bound: dict[tuple[str, str, str], Any] = {}
 
     def _bound_child(self, name: str, label: str, value: str) -> Any:

@@ -118,9 +118,10 @@ class ExportService(Service):
             if self._thread is not None and self._thread.is_alive():
                 raise ValueError("an export of this shard is still being written")
         if since is not None and since != self.since:
+            tracked = "no changes" if self.since is None else f"changes since export {self.since}"
             raise ValueError(
-                f"{self.host.name} tracks changes since export {self.since}, not {since} (it "
-                "restarted, was restored, or missed an export): export a base"
+                f"{self.host.name} tracks {tracked}, not since {since} (a restart, a restore, "
+                "a failed or missed export): export a base"
             )
         store = self.host.store
         start = time.perf_counter()
@@ -130,6 +131,7 @@ class ExportService(Service):
         step = store.step
         self.since = seq
         pause = time.perf_counter() - start
+        self.host.metrics.export_pause.observe(pause)
         meta = {
             "seq": seq,
             "base": base,
@@ -199,8 +201,10 @@ class ExportService(Service):
                 Key.FILE: file_url,
                 Key.SECONDS: time.perf_counter() - start,
             }
+            self.host.metrics.export_write.observe(status[Key.SECONDS])
         except Exception as e:
             log.error("shard %d: export %s failed: %s", self.host.shard, file_url, e)
+            self.host.metrics.exports_failed.inc()
             status = {
                 Key.STATE: SaveState.ERROR,
                 Key.FILE: file_url,

@@ -84,8 +84,10 @@ class TrainingSession(Restoring, StopOnSignals):
             ``transport``, ``ready_timeout``; ``checkpoint_dir``, ``save_checkpoint_secs``,
             ``save_checkpoint_steps``, ``max_to_keep``, ``restore``, ``save_timeout``;
             ``summary_dir``, ``save_summaries_steps``, ``histogram_steps``,
-            ``log_step_count_steps``; ``last_step``, ``nan_guard``, ``end_timeout``,
-            ``recovery_timeout``, ``stop_on_sigterm``.
+            ``log_step_count_steps``; ``export_dir``, ``export_every``, ``export_base_every``,
+            ``export_keep_bases``, ``export_reserve_bytes``, ``export_timeout`` (incremental
+            exports for serving, :mod:`psflow.train.exports`); ``last_step``, ``nan_guard``,
+            ``end_timeout``, ``recovery_timeout``, ``stop_on_sigterm``.
 
     Example:
         >>> # ctx, argv = psflow.resolve()

@@ -119,7 +119,7 @@ def test_a_base_and_deltas_reproduce_the_ps_and_bad_orders_are_refused(tmp_path:
                     Key.OP: Op.EXPORT, Key.DIR: str(exports / "export-99"), Key.EXPORT_SEQ: 99,
                     Key.BASE: 3, Key.SINCE: 4, Key.RESERVE_BYTES: 0,
                 }  # fmt: skip
-                with pytest.raises(PeerError, match="tracks changes since export 7, not 4"):
+                with pytest.raises(PeerError, match="tracks changes since export 7, not since 4"):
                     client.call({0: bad})
             finally:
                 client.close()
