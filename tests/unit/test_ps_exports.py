@@ -97,3 +97,50 @@ def test_a_shard_exports_refuses_what_it_must_and_counts_failures(tmp_path: Path
     assert model.tables["t"][0].tolist() == [5, 9]
     assert torch.equal(model.tables["t"][1], host.store.tables["t"].lookup(torch.tensor([5, 9])))
     assert torch.equal(model.dense["w"], torch.arange(3.0))
+
+
+class FakeShards:
+    """The chief's view of 2 ps: which export each tracks since; every write done at once."""
+
+    num_shards = 2
+
+    def __init__(self, since: list[int | None], sent: list[dict[str, Any]]) -> None:
+        self.since, self.sent = since, sent
+
+    def call(self, headers: dict[int, dict[str, Any]]) -> dict[int, tuple[dict[str, Any], list]]:
+        out: dict[int, tuple[dict[str, Any], list]] = {}
+        for shard, h in headers.items():
+            if h[Key.OP] == Op.EXPORT:
+                self.sent.append(h)
+                out[shard] = ({Key.SNAPSHOT_STEP: 5, Key.TABLES: {}}, [])
+            elif Key.DIR in h:
+                out[shard] = ({Key.STATE: SaveState.DONE}, [])
+            else:
+                out[shard] = ({Key.SINCE: self.since[shard]}, [])
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_chief_exports_a_base_when_the_shards_disagree_on_what_they_track(
+    tmp_path: Path,
+) -> None:
+    from psflow.train.exports import Exporter
+    from psflow.train.session_config import ExportConfig
+
+    sent: list[dict[str, Any]] = []
+    since: list[int | None] = [None, None]
+    config = ExportConfig(export_dir=str(tmp_path), export_base_every=3, export_keep_bases=1)
+    exporter = Exporter(config, make_client=lambda: FakeShards(since, sent), pieces=[], params={})  # type: ignore[arg-type,return-value]
+    kinds = []
+    for restarted in (False, False, True, False, False, False, False):
+        if restarted:
+            since[1] = None  # ps:1 came back empty
+        exporter.export()
+        h = sent[-1]
+        kinds.append("base" if Key.SINCE not in h else f"delta<{h[Key.SINCE]}")
+        since[0] = since[1] = h[Key.EXPORT_SEQ]  # what the shards track after it
+    assert kinds == ["base", "delta<0", "base", "delta<2", "delta<3", "delta<4", "base"]
+    # One chain kept (the newest base's): the older ones deleted once it was complete.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export-6"]
