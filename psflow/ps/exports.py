@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 EXPORT_DIR_RE = re.compile(r"^export-(\d+)$")
 """An export directory's name: ``export-<n>``."""
 
+_STATUS_KEPT = 16
+"""Exports whose state ``export_status`` still answers (the chief asks about the last one)."""
+
 
 def _free_bytes(path: str) -> int:
     """Free bytes on the local filesystem that holds ``path`` (or would: its nearest
@@ -142,6 +145,8 @@ class ExportService(Service):
         }
         file_url = join(url.rstrip("/"), export_shard_file_name(self.host.shard, self.num_shards))
         with self._lock:
+            for old in list(self._status)[:-_STATUS_KEPT]:  # a job may export for months
+                del self._status[old]
             self._status[url] = {Key.STATE: SaveState.WRITING, Key.FILE: file_url}
             self._thread = threading.Thread(
                 target=self._write,
