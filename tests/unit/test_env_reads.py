@@ -197,7 +197,7 @@ def test_psflow_reads_the_environment_only_through_env_py() -> None:
     modules, reads = package_reads(ROOT / "psflow")
     checked = {p.relative_to(ROOT).as_posix() for p in modules}
     # The walk found the package, not an empty directory, and skipped env.py alone.
-    assert {"psflow/cluster/resolve.py", "psflow/allocator.py", "psflow/cli.py"} <= checked
+    assert {"psflow/cluster/resolve.py", "psflow/allocator.py", "psflow/cli/__init__.py"} <= checked
     assert "psflow/env.py" not in checked and len(checked) > 50
     assert not reads, (
         "read these through psflow.env's typed readers (env.text(name, environ=...) for a "

@@ -1,0 +1,35 @@
+"""What the parser's modules share: a subcommand that takes ``--debug`` after its name, and a
+command imported only when it runs."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+
+DEBUG_HELP = "on an error, show the Python traceback (so does PSFLOW_LOG_LEVEL=DEBUG)"
+
+
+def command(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    *,
+    help: str,
+    description: str | None = None,
+) -> argparse.ArgumentParser:
+    """A subcommand that takes ``--debug`` after its name too."""
+    parser = subparsers.add_parser(name, help=help, description=description)
+    # SUPPRESS: absent here, the top-level --debug's value stands.
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+    parser.set_defaults(prog=parser.prog)
+    return parser
+
+
+def runs(module: str, name: str) -> Callable[[argparse.Namespace], int]:
+    """The command ``module.name``, imported only when it runs: registering a subcommand must
+    not load torch or ZeroMQ (``psflow --help`` would wait for them)."""
+
+    def run(args: argparse.Namespace) -> int:
+        return int(getattr(importlib.import_module(module), name)(args) or 0)
+
+    return run
