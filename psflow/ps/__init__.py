@@ -24,6 +24,9 @@
 - ``staleness.py``: :class:`ClockTable`, bounded staleness for asynchronous training.
 - ``checkpoint.py``: :class:`ShardCheckpointer` (snapshot, background write),
   :class:`CheckpointService` (its ops).
+- ``exports.py``: the ``export`` and ``export_status`` ops: a shard's rows changed since the
+  last export and the ids evicted since (or all of them: a base), written in the background in
+  :mod:`psflow.serve`'s format.
 - ``shard_file.py``: the shard file format: :class:`~psflow.ps.shard_file.ShardSnapshot`
   (:func:`~psflow.ps.shard_file.snapshot`), written and read back
   (:class:`~psflow.ps.shard_file.ShardFile`).

@@ -45,7 +45,12 @@ from psflow.train.hooks import (
 from psflow.train.manifest import CheckpointDir, Manifest
 from psflow.train.mode_stats import ModeStatsHook
 from psflow.train.session import MonitoredTrainingSession, TrainingSession
-from psflow.train.session_config import CheckpointConfig, SessionConfig, SummaryConfig
+from psflow.train.session_config import (
+    CheckpointConfig,
+    ExportConfig,
+    SessionConfig,
+    SummaryConfig,
+)
 from psflow.train.summary import SummaryHook
 
 __all__ = [
@@ -55,6 +60,7 @@ __all__ = [
     "Checkpointer",
     "EvalResult",
     "Evaluator",
+    "ExportConfig",
     "Hook",
     "LoggingHook",
     "Manifest",
