@@ -1,0 +1,400 @@
+"""A model server that follows training: ONNX Runtime for the dense part, the exported tables
+for the lookups, each new export applied as it lands.
+
+The contract between a trained model and this server:
+
+- The job exports incrementally (``TrainingSession(export_dir=D, export_every=S)``): a base,
+  then deltas (:mod:`psflow.serve.delta`).
+- The user writes the model's dense part once, as ONNX, with
+  :func:`~psflow.serve.dense.export_dense`: a graph whose inputs are each request feature's
+  pooled rows (``[batch, dim]``, named after the feature) and the dense parameters (named as in
+  the export, e.g. ``head.weight``). The file holds no weights: the server feeds it those of the
+  export it serves, so a delta that changed the dense layers is served without a new file.
+- The server is given each request feature's :class:`~psflow.serve.served.Feature`: the table
+  its ids are of and how a bag is pooled (``sum``, ``mean``, ``max``, a padding id), as the
+  model's ``psflow.nn.EmbeddingBag`` pools it. An id the export does not hold is a row of
+  zeros, as in ``psflow.nn``'s eval mode.
+
+Every ``poll_seconds`` a thread applies the exports that landed since (reading their files off
+the request path), checks them against the graph's inputs, and makes them current with one
+swap: a request computes with the export current when it began, so a delta is applied between
+requests, never during one. An export that cannot be read or applied (out of order, another
+base, shapes that do not fit) is logged and refused; the server keeps serving the last good one.
+
+HTTP (JSON, ``Content-Length`` bodies):
+
+- ``POST /predict`` ``{"features": {"users": [[7, 12], [3]], "items": [[1], [4, 4]]}}``: one
+  bag of ids per example per feature, every feature the same number of examples. Answers
+  ``{"export": n, "step": s, "outputs": {"output": [...]}}``; a bad request ``400`` with
+  ``{"error": "<one line>"}``; before the first export ``503``.
+- ``GET /status``: the export served, its base and step, the exports applied, the last refusal.
+- ``GET /healthz``: ``200`` once an export is served, else ``503``.
+
+Example:
+    >>> # server = ModelServer(ServerConfig(export_dir="exports/ctr", onnx_path="head.onnx",
+    >>> #     features={"users": Feature(table="users", mode="sum")})).start()
+    >>> # server.url  -> "http://127.0.0.1:PORT"; server.stop(5.0)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import numpy as np
+import torch
+
+from psflow.serve.delta import ExportedModel, ExportError
+from psflow.serve.served import Feature, Served
+
+__all__ = ["ModelServer", "ServerConfig"]
+
+log = logging.getLogger(__name__)
+
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+@dataclass(kw_only=True)
+class ServerConfig:
+    """What :class:`ModelServer` serves, and its limits."""
+
+    export_dir: str
+    """The job's export directory (local or an fsspec URL)."""
+    onnx_path: str
+    """The dense part (:func:`~psflow.serve.dense.export_dense`)."""
+    features: Mapping[str, Feature]
+    """Each request feature: its table and pooling. Each is an input of the ONNX graph."""
+    host: str = "127.0.0.1"
+    port: int = 0
+    """0: one the OS chooses (:attr:`ModelServer.url` says which)."""
+    poll_seconds: float = 1.0
+    """How often the export directory is read for new exports."""
+    request_timeout: float = 10.0
+    """Seconds a connection may take to send its request (a socket timeout)."""
+    max_body_bytes: int = 64 << 20
+    """A larger request is refused (413)."""
+    max_batch: int = 65536
+    """Examples in one request at most."""
+    intra_op_threads: int = 0
+    """ONNX Runtime's threads per request (0: its default, one per core)."""
+
+    def __post_init__(self) -> None:
+        if not self.export_dir:
+            raise ValueError("ServerConfig: export_dir is required")
+        if not self.features:
+            raise ValueError("ServerConfig: features must name at least one request feature")
+        for name, feature in self.features.items():
+            if not isinstance(feature, Feature):
+                raise TypeError(f"ServerConfig: features[{name!r}] must be a Feature")
+        for key in ("poll_seconds", "request_timeout"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"ServerConfig: {key} must be > 0, got {getattr(self, key)}")
+        for key in ("max_body_bytes", "max_batch"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"ServerConfig: {key} must be >= 1, got {getattr(self, key)}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"ServerConfig: port must be in 0..65535, got {self.port}")
+
+
+class BadRequest(ValueError):
+    """A request that is refused (its status and one line saying why)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ModelServer:
+    """Serves the newest export of a job over HTTP, following the exports as they land.
+
+    Args:
+        config: what to serve.
+
+    Raises:
+        ValueError: for an ONNX file that is unreadable or lacks a feature's input.
+    """
+
+    def __init__(self, config: ServerConfig) -> None:
+        import onnxruntime as ort  # only the server needs it: the ps imports psflow.serve
+
+        self.config = config
+        options = ort.SessionOptions()
+        if config.intra_op_threads:
+            options.intra_op_num_threads = config.intra_op_threads
+        try:
+            self.session = ort.InferenceSession(
+                config.onnx_path, options, providers=["CPUExecutionProvider"]
+            )
+        except Exception as e:  # ORT raises its own exception types
+            raise ValueError(f"{config.onnx_path}: not an ONNX model ORT loads: {e}") from None
+        self.inputs = {i.name: (list(i.shape), str(i.type)) for i in self.session.get_inputs()}
+        missing = [f for f in config.features if f not in self.inputs]
+        if missing:
+            raise ValueError(
+                f"{config.onnx_path}: no input for feature(s) {missing}; its inputs are "
+                f"{list(self.inputs)} (export_dense names them after the features)"
+            )
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        self._model = ExportedModel()  # the poller's alone
+        self._tried: int | None = None
+        """The last export the poller tried to serve."""
+        self._served: Served | None = None
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self.applied: list[int] = []
+        """Every export applied, in order."""
+        self.last_error: str | None = None
+        """Why the last export refused was refused; ``None`` once one is applied again."""
+        self._http: ThreadingHTTPServer | None = None
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> ModelServer:
+        """Applies what the export directory holds now, then listens and follows it.
+        Returns self; :attr:`url` is where it listens."""
+        self.poll()
+        server = self
+
+        class Handler(_Handler):
+            owner = server
+            timeout = server.config.request_timeout
+
+        self._http = _HTTPServer((self.config.host, self.config.port), Handler)
+        self._threads = [
+            threading.Thread(target=self._http.serve_forever, name="psflow-serve-http"),
+            threading.Thread(target=self._follow, name="psflow-serve-follow"),
+        ]
+        for t in self._threads:
+            t.daemon = True
+            t.start()
+        log.info("serving %s on %s", self.config.export_dir, self.url)
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stops listening and following; waits at most ``timeout`` seconds for both."""
+        self._stop.set()
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in self._threads if t.is_alive()]
+        if alive:
+            raise TimeoutError(f"ModelServer.stop: {alive} still running after {timeout}s")
+
+    def __enter__(self) -> ModelServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` it listens on."""
+        assert self._http is not None, "start() first"
+        host, port = self._http.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    # -- following the exports ---------------------------------------------------------------
+
+    def _follow(self) -> None:
+        while not self._stop.wait(self.config.poll_seconds):
+            self.poll()
+
+    def poll(self) -> list[int]:
+        """Applies the exports that landed since the one served; returns those made current.
+        (The following thread calls it every ``poll_seconds``.)"""
+        model, before = self._model, self._served
+        error = None
+        try:
+            model.follow(self.config.export_dir)
+        except (ExportError, OSError) as e:  # an export pruned or refused: the rest stand
+            error = f"{self.config.export_dir}: {e}"
+        if model.seq is not None and model.seq != self._tried:
+            self._tried = model.seq
+            try:
+                served = Served(model, self.config.features, self.inputs)
+            except ExportError as e:
+                # Kept applied (the next delta applies on it), not served: the last good
+                # export is.
+                error = str(e)
+            else:
+                with self._cond:
+                    self._served = served
+                    self.applied.append(served.seq)
+                    self.last_error = None
+                    self._cond.notify_all()
+                log.info("serving export-%d (step %d)", served.seq, served.step)
+        if error is not None:
+            if error != self.last_error:
+                log.warning("export refused, serving the last one: %s", error)
+            with self._cond:
+                self.last_error = error
+                self._cond.notify_all()
+        now = self._served
+        return [] if now is None or now is before else [now.seq]
+
+    def wait_for_export(self, seq: int, timeout: float) -> bool:
+        """Waits until export ``seq`` (or a newer one) is served; whether it is."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self._served is not None and self._served.seq >= seq, timeout
+            )
+
+    @property
+    def served(self) -> Served | None:
+        """The export requests compute with now."""
+        return self._served
+
+    # -- predictions -------------------------------------------------------------------------
+
+    def predict(self, features: Any) -> tuple[Served, dict[str, np.ndarray]]:
+        """The outputs for one request's ``features`` (``{"users": [[7, 12], [3]], ...}``),
+        with the export they were computed with.
+
+        Raises:
+            BadRequest: naming what is wrong with the request, or 503 before any export.
+        """
+        served = self._served  # one export for the whole request
+        if served is None:
+            raise BadRequest(f"no export served yet from {self.config.export_dir}", 503)
+        ids = self._parse(features)
+        feeds: dict[str, np.ndarray] = dict(served.feeds)
+        for name, feature in self.config.features.items():
+            flat, offsets = ids[name]
+            try:
+                feeds[name] = served.pool(name, feature, flat, offsets)
+            except ValueError as e:
+                raise BadRequest(str(e)) from None
+        outputs = self.session.run(self.output_names, feeds)
+        return served, dict(zip(self.output_names, outputs, strict=True))
+
+    def _parse(self, features: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        if not isinstance(features, dict):
+            raise BadRequest("'features' must be an object: feature name to a list of bags")
+        unknown = sorted(set(features) - set(self.config.features))
+        if unknown:
+            raise BadRequest(f"unknown feature(s) {unknown}; this model takes "
+                             f"{sorted(self.config.features)}")  # fmt: skip
+        out = {}
+        batch = None
+        for name in self.config.features:
+            bags = features.get(name)
+            if not isinstance(bags, list):
+                raise BadRequest(f"feature {name!r}: expected a list of bags of ids, got "
+                                 f"{type(bags).__name__}")  # fmt: skip
+            if batch is None:
+                batch = len(bags)
+                if not 1 <= batch <= self.config.max_batch:
+                    raise BadRequest(f"a request holds 1..{self.config.max_batch} examples, "
+                                     f"got {batch}")  # fmt: skip
+            elif len(bags) != batch:
+                raise BadRequest(f"feature {name!r} has {len(bags)} examples, "
+                                 f"the others {batch}")  # fmt: skip
+            lengths, flat = [0], []
+            for i, bag in enumerate(bags):
+                if not isinstance(bag, list):
+                    raise BadRequest(f"feature {name!r}, example {i}: expected a list of ids")
+                for v in bag:
+                    if type(v) is not int or not _INT64[0] <= v <= _INT64[1]:
+                        raise BadRequest(f"feature {name!r}, example {i}: {v!r} is not an "
+                                         "int64 id")  # fmt: skip
+                flat.extend(bag)
+                lengths.append(len(bag))
+            offsets = torch.tensor(lengths[:-1], dtype=torch.int64).cumsum(0)
+            out[name] = (torch.tensor(flat, dtype=torch.int64), offsets)
+        return out
+
+    def status(self) -> dict[str, Any]:
+        """What ``GET /status`` answers."""
+        served = self._served
+        return {
+            "export_dir": self.config.export_dir,
+            "export": None if served is None else served.seq,
+            "base": None if served is None else served.base,
+            "step": None if served is None else served.step,
+            "applied": list(self.applied),
+            "last_error": self.last_error,
+        }
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128
+
+
+class _Handler(BaseHTTPRequestHandler):
+    owner: ModelServer
+    protocol_version = "HTTP/1.1"  # keep-alive: a client sends request after request
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s %s", self.address_string(), format % args)
+
+    def _answer(self, status: int, body: Mapping[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.path == "/status":
+            self._answer(200, self.owner.status())
+        elif self.path == "/healthz":
+            up = self.owner.served is not None
+            self._answer(200 if up else 503, {"ok": up})
+        else:
+            self._answer(404, {"error": f"no {self.path}: GET /status, /healthz; POST /predict"})
+
+    def do_POST(self) -> None:
+        if self.path != "/predict":
+            self._answer(404, {"error": f"no {self.path}: POST /predict"})
+            return
+        try:
+            body = self._body()
+            served, outputs = self.owner.predict(body.get("features"))
+        except BadRequest as e:
+            if e.status == 413:
+                self.close_connection = True  # its body was not read
+            self._answer(e.status, {"error": str(e)})
+            return
+        except Exception as e:  # the server keeps serving; the client learns what failed
+            log.exception("predict failed")
+            self._answer(500, {"error": f"{type(e).__name__}: {e}".splitlines()[0]})
+            return
+        self._answer(
+            200,
+            {
+                "export": served.seq,
+                "step": served.step,
+                "outputs": {k: v.tolist() for k, v in outputs.items()},
+            },
+        )
+
+    def _body(self) -> dict[str, Any]:
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            self.close_connection = True
+            raise BadRequest("a request needs a Content-Length", 411)
+        size = int(length)
+        if size > self.owner.config.max_body_bytes:
+            raise BadRequest(f"request of {size} bytes; at most "
+                             f"{self.owner.config.max_body_bytes}", 413)  # fmt: skip
+        raw = self.rfile.read(size)
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            raise BadRequest(f"the body is not JSON: {e}") from None
+        if not isinstance(body, dict) or "features" not in body:
+            raise BadRequest('the body must be {"features": {name: [[id, ...], ...]}}')
+        return body
