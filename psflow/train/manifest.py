@@ -20,6 +20,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from psflow.ps import safefile
 from psflow.ps.checkpoint import CKPT_DIR_RE, atomic_write, join, url_to_fs
 from psflow.ps.shard_file import shard_file_name
 
@@ -217,9 +218,14 @@ class CheckpointDir:
         """The newest complete checkpoint's name: the pointer's, else the newest manifest's."""
         pointer = join(self.path, LATEST)
         try:
+            # A FIFO there would block the read (and the chief's save with it): only a file.
+            safefile.check_regular(self.url_of(LATEST), self.url)
             raw = self.fs.cat_file(pointer, start=0, end=_POINTER_BYTES)
             name = raw.decode("utf-8", "replace").strip()
         except FileNotFoundError:
+            name = ""
+        except ValueError as e:
+            log.warning("%s: not read; the newest complete checkpoint is the latest", e)
             name = ""
         if CKPT_DIR_RE.match(name) and self.fs.exists(join(self.path, name, MANIFEST)):
             return name
@@ -231,6 +237,7 @@ class CheckpointDir:
     def manifest(self, name: str) -> Manifest:
         path = join(self.path, name, MANIFEST)
         try:
+            safefile.check_regular(self.url_of(f"{name}/{MANIFEST}"), self.url)
             return Manifest.from_json(self.fs.cat_file(path), self.url_of(f"{name}/{MANIFEST}"))
         except FileNotFoundError:
             raise ValueError(

@@ -237,3 +237,34 @@ def test_a_device_inside_the_checkpoint_is_refused(tmp_path: Path) -> None:
 
     with pytest.raises(ValueError, match=r"/dev/null: a character device where a file belongs"):
         safefile.read_bytes("/dev/null")
+
+
+def test_the_savers_own_reads_refuse_a_fifo_instead_of_blocking(tmp_path: Path) -> None:
+    """The chief's saves and prunes read ``latest`` and manifests through CheckpointDir: a
+    FIFO there is passed over (``latest``: the newest complete checkpoint stands, and the next
+    publish replaces it) or refused (a manifest), never waited on."""
+    from psflow.train.manifest import CheckpointDir
+
+    run, _ = psflow_checkpoint.copy(tmp_path)
+    (run / "latest").unlink()
+    os.mkfifo(run / "latest")
+    d = CheckpointDir(str(run))
+    results: list[object] = []
+
+    def read() -> None:
+        try:
+            results.append(d.latest())
+            d.publish("ckpt-3", d.manifest("ckpt-3"))  # replaces the FIFO with a file
+            (run / MANIFEST).unlink()
+            os.mkfifo(run / MANIFEST)
+            d.manifest("ckpt-3")
+        except BaseException as e:
+            results.append(e)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(20)
+    assert not reader.is_alive(), "a read blocked on a FIFO"
+    assert results[0] == "ckpt-3"
+    assert (run / "latest").read_text().strip() == "ckpt-3"
+    assert isinstance(results[1], ValueError) and "a FIFO" in str(results[1])
