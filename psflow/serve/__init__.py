@@ -3,6 +3,12 @@
 - ``delta.py``: the export format (a base, then deltas: changed rows, tombstones, dense
   parameters; a manifest each) and :class:`ExportedModel`, which applies a base and its deltas
   in order and refuses one out of order or of another base.
+- ``server.py``: :class:`~psflow.serve.server.ModelServer`, an HTTP model server that serves
+  the newest export and applies each new one between requests (``python -m psflow.serve``,
+  ``__main__.py``); ``served.py``: one export's tables as lookups and its dense values, fixed,
+  and the request :class:`~psflow.serve.served.Feature`; ``dense.py``:
+  :func:`~psflow.serve.dense.export_dense`, a model's dense part as ONNX whose parameters are
+  inputs. These import onnxruntime (the server only): import them by their module.
 
 It imports torch, safetensors and fsspec only: no ZeroMQ, no ``torch.distributed``, nothing of
 the ps or the workers, so that a serving process loads exports without the training runtime.

@@ -53,7 +53,7 @@ import torch
 from psflow.serve.delta import ExportedModel, ExportError
 from psflow.serve.served import Feature, Served
 
-__all__ = ["ModelServer", "ServerConfig"]
+__all__ = ["BadRequest", "Feature", "ModelServer", "ServerConfig"]
 
 log = logging.getLogger(__name__)
 
