@@ -335,6 +335,9 @@ class _HTTPServer(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     owner: ModelServer
     protocol_version = "HTTP/1.1"  # keep-alive: a client sends request after request
+    # The headers and the body go out as two writes: with Nagle's algorithm the body waits
+    # for the client's delayed ACK of the headers (40 ms a request).
+    disable_nagle_algorithm = True
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s %s", self.address_string(), format % args)
