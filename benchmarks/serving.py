@@ -185,9 +185,13 @@ def measure(url: str, batch: int, seconds: float, rows: int, bag: int) -> dict[s
         for body in bodies[:4]:  # warm up
             request(conn, body)
         start = time.perf_counter()
-        while time.perf_counter() - start < seconds or len(latencies) < 20:
+        exports: set[int] = set()
+        # Until `seconds` are up and a delta has been applied while measuring (bounded).
+        while time.perf_counter() - start < seconds or len(latencies) < 20 or len(exports) < 2:
+            if time.perf_counter() - start > seconds + 60:
+                raise TimeoutError(f"no delta applied in {seconds + 60:.0f}s of requests")
             t0 = time.perf_counter()
-            request(conn, bodies[len(latencies) % len(bodies)])
+            exports.add(request(conn, bodies[len(latencies) % len(bodies)])["export"])
             latencies.append(time.perf_counter() - t0)
         elapsed = time.perf_counter() - start
     finally:
@@ -200,6 +204,7 @@ def measure(url: str, batch: int, seconds: float, rows: int, bag: int) -> dict[s
         "requests_per_s": n / elapsed,
         "examples_per_s": n * batch / elapsed,
         "requests": float(n),
+        "exports_served": float(len(exports)),
     }
 
 

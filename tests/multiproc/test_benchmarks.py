@@ -102,3 +102,14 @@ def test_dense_optimizer_benchmark() -> None:
     # The forms the ps takes (psflow.ps.store.FOREACH_SAME_BITS) give the loop's bits.
     assert result["Adam_foreach_same_bits"] and result["AdamW_foreach_same_bits"]
     assert all(result[f"{n}_per_tensor_us"] > 0 for n in ("Adam", "AdamW", "Adagrad", "SGD"))
+
+
+@pytest.mark.timeout(60)
+def test_serving_benchmark() -> None:
+    # The server as its own process, deltas landing while each batch size is measured.
+    result = run_benchmark_smoke("serving.py", timeout=50)
+    assert result["benchmark"] == "serving" and result["preset"] == "smoke"
+    for batch in (1, 256):
+        assert 0 < result[f"batch_{batch}_p50_ms"] <= result[f"batch_{batch}_p99_ms"]
+        assert result[f"batch_{batch}_requests_per_s"] > 0
+        assert result[f"batch_{batch}_exports_served"] >= 2  # a delta applied while measured
