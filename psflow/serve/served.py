@@ -17,12 +17,10 @@ import torch.nn.functional as F
 
 from psflow.serve.delta import ExportedModel, ExportError
 
-__all__ = ["ABSENT_KEY", "MODES", "Feature", "Served"]
+__all__ = ["MODES", "Feature", "Served"]
 
 MODES = ("sum", "mean", "max")
 """A feature's combiners, ``torch.nn.EmbeddingBag``'s."""
-ABSENT_KEY = torch.iinfo(torch.int64).max
-"""Closes a table's sorted keys: every id sorts at or before it (as in ``psflow.nn``)."""
 ONNX_TYPES = {"tensor(float)": np.dtype(np.float32), "tensor(double)": np.dtype(np.float64)}
 
 
@@ -50,22 +48,29 @@ class Feature:
 
 
 class _Table:
-    """A table's rows as a sorted search: ``keys`` (the ids held, then :data:`ABSENT_KEY`)
-    and ``rows`` (theirs, then a zero row for an id not held and one for the padding id)."""
+    """A table's rows as a sorted search over the export's own tensors (shared, not copied:
+    an export applied after replaces them, it never writes into them)."""
 
     def __init__(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        self.keys = torch.cat([ids, ids.new_tensor([ABSENT_KEY])])
-        self.rows = torch.cat([rows, rows.new_zeros(2, rows.shape[1])])
+        self.ids, self.rows = ids, rows
 
     def pool(self, ids: torch.Tensor, offsets: torch.Tensor, feature: Feature) -> torch.Tensor:
-        absent = self.keys.numel() - 1
-        pos = torch.searchsorted(self.keys, ids)  # <= absent: nothing sorts after ABSENT_KEY
-        index = torch.where(self.keys[pos] == ids, pos, absent)
+        n, dim = self.ids.numel(), self.rows.shape[1]
+        if n:
+            pos = torch.searchsorted(self.ids, ids).clamp_(max=n - 1)
+            hit = (self.ids[pos] == ids).unsqueeze(1)
+            got = torch.where(hit, self.rows[pos], self.rows.new_zeros(()))
+        else:
+            got = self.rows.new_zeros(ids.numel(), dim)
+        # The bags over the request's own rows, then a zero row for the padding id: what
+        # psflow.nn's eval mode computes over its snapshot, in the same order.
+        index = torch.arange(ids.numel())
         padding = None
         if feature.padding_idx is not None:
-            padding = absent + 1
+            padding = ids.numel()
             index = torch.where(ids == feature.padding_idx, padding, index)
-        return F.embedding_bag(index, self.rows, offsets, mode=feature.mode, padding_idx=padding)
+        table = torch.cat([got, got.new_zeros(1, dim)])
+        return F.embedding_bag(index, table, offsets, mode=feature.mode, padding_idx=padding)
 
 
 class Served:

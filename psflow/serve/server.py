@@ -27,7 +27,8 @@ HTTP (JSON, ``Content-Length`` bodies):
   bag of ids per example per feature, every feature the same number of examples. Answers
   ``{"export": n, "step": s, "outputs": {"output": [...]}}``; a bad request ``400`` with
   ``{"error": "<one line>"}``; before the first export ``503``.
-- ``GET /status``: the export served, its base and step, the exports applied, the last refusal.
+- ``GET /status``: the export served, its base and step, the last exports served and how many,
+  the last refusal.
 - ``GET /healthz``: ``200`` once an export is served, else ``503``.
 
 Example:
@@ -42,6 +43,7 @@ import json
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -147,10 +149,12 @@ class ModelServer:
         self._served: Served | None = None
         self._cond = threading.Condition()
         self._stop = threading.Event()
-        self.applied: list[int] = []
-        """Every export applied, in order."""
+        self.applied: deque[int] = deque(maxlen=64)
+        """The exports served, in order (the last 64)."""
+        self.served_total = 0
+        """How many exports were served."""
         self.last_error: str | None = None
-        """Why the last export refused was refused; ``None`` once one is applied again."""
+        """Why the last export was refused; ``None`` once one is served again."""
         self._http: ThreadingHTTPServer | None = None
         self._threads: list[threading.Thread] = []
 
@@ -230,6 +234,7 @@ class ModelServer:
                 with self._cond:
                     self._served = served
                     self.applied.append(served.seq)
+                    self.served_total += 1
                     self.last_error = None
                     self._cond.notify_all()
                 log.info("serving export-%d (step %d)", served.seq, served.step)
@@ -322,6 +327,7 @@ class ModelServer:
             "base": None if served is None else served.base,
             "step": None if served is None else served.step,
             "applied": list(self.applied),
+            "served_total": self.served_total,
             "last_error": self.last_error,
         }
 

@@ -205,7 +205,7 @@ def test_the_server_serves_each_export_as_the_model_predicts_and_refuses_bad_req
         stop(ps, timeout=1)
     kinds = [(e.seq, e.kind) for e in list_exports(str(exports))]
     assert (first, "base") in kinds and (second, "delta") in kinds
-    assert server.applied[:2] == [first, second]
+    assert list(server.applied)[:2] == [first, second]
     # The delta changed what is served (rows and dense layers both trained since).
     assert any((a - b).abs().max() > 1e-4 for a, b in zip(before, after, strict=True))
     status = server.status()

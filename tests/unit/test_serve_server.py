@@ -108,8 +108,15 @@ def test_bags_pool_as_psflow_nn_does_in_eval_mode(
     assert srv.poll() == [0]
     served, out = srv.predict({"users": BAGS})
     assert served.seq == 0
-    want = run_reference(reference(tmp_path / "exports", 0, feature), BAGS)
+    ref = reference(tmp_path / "exports", 0, feature)
+    want = run_reference(ref, BAGS)
     torch.testing.assert_close(torch.from_numpy(out["output"]), want, rtol=0, atol=1e-6)
+    # The pooled rows themselves: exactly psflow.nn's (the head is ONNX Runtime's arithmetic).
+    offsets = torch.tensor([0] + [len(b) for b in BAGS[:-1]]).cumsum(0)
+    ids = torch.tensor([i for b in BAGS for i in b], dtype=torch.int64)
+    pooled = torch.from_numpy(served.pool("users", feature, ids, offsets))
+    with torch.no_grad():
+        assert torch.equal(pooled, ref["bag"](ids, offsets))  # type: ignore[index]
 
 
 def test_a_delta_is_applied_between_requests_never_during_one(tmp_path: Path) -> None:
@@ -148,7 +155,7 @@ def test_a_delta_is_applied_between_requests_never_during_one(tmp_path: Path) ->
         for t in threads:
             t.join(10)
     assert not errors, errors
-    assert srv.applied == list(range(9))
+    assert list(srv.applied) == list(range(9)) and srv.served_total == 9
     seen = {seq for seq, _ in answers}
     assert seen >= set(range(1, 9)), seen
     refs = {seq: reference(exports, seq, feature) for seq in seen}
