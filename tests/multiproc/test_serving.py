@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,17 @@ def call(url: str, method: str, path: str, body: bytes | None = None) -> tuple[i
         conn.close()
 
 
+def raw(url: str, data: bytes) -> bytes:
+    """What the server sends back on a connection given ``data``, until it closes it."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(data)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+        return got
+
+
 def predict(url: str, request: dict[str, Any]) -> tuple[int, Any]:
     return call(url, "POST", "/predict", json.dumps({"features": request}).encode())
 
@@ -147,7 +159,12 @@ def test_the_server_serves_each_export_as_the_model_predicts_and_refuses_bad_req
         ModelServer(ServerConfig(export_dir=str(exports), onnx_path=str(onnx),
                                  features={**FEATURES, "clicks": Feature(table="users")}))  # fmt: skip
     config = ServerConfig(
-        export_dir=str(exports), onnx_path=str(onnx), features=FEATURES, poll_seconds=0.05
+        export_dir=str(exports),
+        onnx_path=str(onnx),
+        features=FEATURES,
+        poll_seconds=0.05,
+        request_timeout=1.0,
+        max_body_bytes=1 << 16,
     )
     server = ModelServer(config).start()  # before any export: it waits for the first
     try:
@@ -191,6 +208,18 @@ def test_the_server_serves_each_export_as_the_model_predicts_and_refuses_bad_req
                 assert status == 400 and reason in body["error"], (bad, body)
                 assert "\n" not in body["error"]
             assert call(server.url, "GET", "/nowhere")[0] == 404
+            head = b"POST /predict HTTP/1.1\r\nHost: t\r\n"
+            assert raw(server.url, head + b"Content-Length: 99999999\r\n\r\n").startswith(
+                b"HTTP/1.1 413"
+            )
+            assert raw(server.url, head + b"\r\n").startswith(b"HTTP/1.1 411")
+            # A client that never finishes its request holds a thread for request_timeout
+            # only; the server answers others meanwhile, then closes that connection.
+            host, port = server.url.removeprefix("http://").split(":")
+            with socket.create_connection((host, int(port)), timeout=10) as slow:
+                slow.sendall(head)
+                assert predict(server.url, REQUESTS[0])[0] == 200
+                assert slow.recv(1024) == b""  # closed by the server, within 10 s
 
             for step in range(3, 6):
                 train(sess, model, step)
