@@ -33,13 +33,16 @@ from dlrm import DLRM  # examples/dlrm.py, beside this script (as nanoGPT keeps 
 
 
 def evaluate(model: nn.Module, files: str, device: torch.device | None = None) -> dict[str, float]:
-    """AUC and log loss of ``model`` on ``files`` (every example, once)."""
-    scores, labels = [], []
+    """AUC and log loss of ``model`` on ``files`` (every example, once), in eval mode: an id
+    no table holds reads zeros, as in a served model."""
+    scores, labels, training = [], [], model.training
+    model.eval()
     with torch.no_grad():
         for batch in ctr_batches(files, batch_size=4096, num_epochs=1):
             on = batch.to(device)
             scores.append(model(on.dense, on.categorical).cpu())
             labels.append(batch.label)
+    model.train(training)
     logits, y = torch.cat(scores), torch.cat(labels)
     loss = F.binary_cross_entropy_with_logits(logits, y).item()
     return {"auc": auc(logits.numpy(), y.numpy()), "loss": loss}

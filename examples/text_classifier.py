@@ -39,14 +39,17 @@ from text_model import Dense, Embedded, Encoder  # examples/text_model.py
 
 
 def evaluate(net: nn.Module, files: str, batch_size: int, max_length: int) -> dict[str, float]:
-    """Accuracy and mean cross-entropy of ``net`` on ``files`` (every document, once)."""
-    correct, loss, n = 0, 0.0, 0
+    """Accuracy and mean cross-entropy of ``net`` on ``files`` (every document, once), in eval
+    mode (a word no table holds reads zeros)."""
+    correct, loss, n, training = 0, 0.0, 0, net.training
+    net.eval()
     with torch.no_grad():
         for b in text_batches(files, batch_size=batch_size, max_length=max_length, num_epochs=1):
             logits = net(b.ids, b.lengths).cpu()
             loss += F.cross_entropy(logits, b.label, reduction="sum").item()
             correct += int((logits.argmax(1) == b.label).sum())
             n += len(b.label)
+    net.train(training)
     return {"accuracy": correct / n, "loss": loss / n}
 
 

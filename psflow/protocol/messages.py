@@ -30,14 +30,16 @@ else:  # pragma: no cover - Python 3.10
             return str(self.value).__format__(spec)
 
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Carried in every header (:attr:`Key.VERSION`); a peer speaking another version is refused.
 2: sync requests name their settings in full (``replicas_to_aggregate``, not ``r``), and every
 error reply carries a :class:`Code`. 3: an init may carry a learning-rate schedule
 (:attr:`Key.LR_SCHEDULE`), which a ps of version 2 would ignore without a word. 4: embedding
 tables (:attr:`Key.TABLES`, :attr:`Op.LOOKUP`, row gradients in pushes, :attr:`Key.ROWS`). 5: a
 save may ask for its directory to be named by the snapshot's step (:attr:`Key.BY_STEP`), which
-a ps of version 4 would ignore, writing where the chief guessed."""
+a ps of version 4 would ignore, writing where the chief guessed. 6: a lookup may ask for zeros
+where a hashed table holds no row (:attr:`Key.ABSENT_ZEROS`), which a ps of version 5 would
+answer with seeded rows; and incremental exports (:attr:`Op.EXPORT`)."""
 
 
 WORKER_TIMEOUT = 30.0
@@ -261,6 +263,9 @@ class Key(StrEnum):
     :func:`row_tensor_names`). An init: the tables whose first rows it carries
     (:func:`initial_rows_tensor_name`), the chief's instead of the seeded ones, and maybe their
     row-wise optimizer state (:func:`initial_state_tensor_name`)."""
+    ABSENT_ZEROS = "absent_zeros"
+    """A lookup: an id a hashed table does not hold reads zeros, not its seeded initial row (a
+    model in eval mode: what an export and a model server give such an id)."""
     PREFETCH = "prefetch"
     """A push: the tables whose rows of the ids it carries (:func:`prefetch_tensor_names`) the
     reply brings back, read after the push is applied: the next batch's rows ride the step."""

@@ -300,13 +300,19 @@ def lookup_rows(
     tables: Mapping[str, Rows],
     ids: Mapping[str, torch.Tensor],
     out: Sequence[torch.Tensor] | None = None,
+    *,
+    absent_zeros: bool = False,
 ) -> Tensors:
     """The rows of ``ids`` (checked by :func:`check_lookup`) per table, as ``(table, rows)``;
-    into ``out`` (one tensor per table, as :func:`row_specs` describes them) when given."""
+    into ``out`` (one tensor per table, as :func:`row_specs` describes them) when given; with
+    ``absent_zeros``, zeros for ids a hashed table does not hold (:attr:`Key.ABSENT_ZEROS`)."""
     if out is None:
-        return [(name, tables[name].lookup(table_ids)) for name, table_ids in ids.items()]
+        return [
+            (name, tables[name].lookup(table_ids, absent_zeros=absent_zeros))
+            for name, table_ids in ids.items()
+        ]
     return [
-        (name, tables[name].lookup(table_ids, rows))
+        (name, tables[name].lookup(table_ids, rows, absent_zeros=absent_zeros))
         for (name, table_ids), rows in zip(ids.items(), out, strict=True)
     ]
 
@@ -412,12 +418,15 @@ class TableService(Service):
 
     def _lookup(self, request: Request) -> None:
         self.host.require_initialized()
+        zeros = request.header.get(Key.ABSENT_ZEROS, False)
+        if not isinstance(zeros, bool):
+            raise ValueError(f"'{Key.ABSENT_ZEROS}' must be true or false, got {zeros!r}")
         ids = dict(self.host.tensors(request))  # copies: the rows may go where they were
         tables = self.host.store.tables
         check_lookup(tables, ids)
         # Gathered straight into the lane that carries the reply, where there is one.
         out = self.host.reply_tensors(request, row_specs(tables, ids))
-        self.host.reply(request, {}, lookup_rows(tables, ids, out))
+        self.host.reply(request, {}, lookup_rows(tables, ids, out, absent_zeros=zeros))
         count_rows(self.host.metrics, ids, pushed=False)
 
     def _status(self, request: Request) -> None:

@@ -45,7 +45,9 @@ class FixedRows(Rows):
         )
         self.state = self.optimizer.new_state(self._rows, self.dim, self.dtype)
 
-    def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def lookup(
+        self, ids: torch.Tensor, out: torch.Tensor | None = None, *, absent_zeros: bool = False
+    ) -> torch.Tensor:
         return kernels.gather(self.values, kernels.local_index(ids, self.partition), out)
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:

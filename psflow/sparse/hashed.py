@@ -282,7 +282,9 @@ class HashedRows(Rows):
 
     # -- the interface -----------------------------------------------------------------------
 
-    def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def lookup(
+        self, ids: torch.Tensor, out: torch.Tensor | None = None, *, absent_zeros: bool = False
+    ) -> torch.Tensor:
         if self.ttl is not None:
             self._expire_due()
         slots = self._slots(ids)
@@ -290,14 +292,17 @@ class HashedRows(Rows):
         if bool(known.all()):
             return kernels.gather(self.values, slots, out)
         spec = self.spec
-        rows = initial_rows(
-            spec.seed,
-            ids,
-            self.dim,
-            std=spec.init_std,
-            dtype=self.dtype,
-            padding_idx=spec.padding_idx,
-        )
+        if absent_zeros:
+            rows = torch.zeros((ids.numel(), self.dim), dtype=self.dtype)
+        else:
+            rows = initial_rows(
+                spec.seed,
+                ids,
+                self.dim,
+                std=spec.init_std,
+                dtype=self.dtype,
+                padding_idx=spec.padding_idx,
+            )
         if bool(known.any()):
             where = known.nonzero().squeeze(1)
             rows.index_copy_(0, where, kernels.gather(self.values, slots[where]))

@@ -290,9 +290,12 @@ class Rows(ABC):
     # -- the interface -----------------------------------------------------------------------
 
     @abstractmethod
-    def lookup(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def lookup(
+        self, ids: torch.Tensor, out: torch.Tensor | None = None, *, absent_zeros: bool = False
+    ) -> torch.Tensor:
         """The rows of ``ids`` (unique, on this shard): a new ``[len(ids), dim]`` tensor, or
-        ``out`` (of that shape and the table's dtype) filled."""
+        ``out`` (of that shape and the table's dtype) filled. An id the table holds no row of
+        (a hashed table's) reads its seeded initial row, or zeros with ``absent_zeros``."""
 
     @abstractmethod
     def apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:

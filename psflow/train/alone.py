@@ -69,7 +69,9 @@ class LocalTables:
         if name is None:
             raise ValueError(f"{type(table).__name__} is not one of this model's tables")
         flat = ids.detach().to("cpu", torch.int64)
-        leaf = self.tables[name].lookup(flat).to(ids.device).requires_grad_(True)
+        # In eval mode an id the table does not hold reads zeros, as through a ps.
+        rows = self.tables[name].lookup(flat, absent_zeros=not table.training)
+        leaf = rows.to(ids.device).requires_grad_(True)
         if torch.is_grad_enabled():
             self._looked_up.append((name, flat, leaf))
         return leaf

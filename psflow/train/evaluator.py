@@ -381,7 +381,8 @@ class _SavedRows:
         self.store = rows
 
     def rows(self, table: TableModule, ids: torch.Tensor) -> torch.Tensor:
-        return self.store.lookup(ids.cpu()).to(ids.device)
+        # Eval mode (the evaluator's): an id the checkpoint holds no row of reads zeros.
+        return self.store.lookup(ids.cpu(), absent_zeros=not table.training).to(ids.device)
 
 
 def _rows(table: str, spec: TableSpec, parts: list[dict[str, torch.Tensor]]) -> Rows:

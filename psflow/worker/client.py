@@ -288,14 +288,18 @@ class ShardedClient(ShardCalls):
         into: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
         *,
         views: bool = False,
+        absent_zeros: bool = False,
     ) -> Replies:
         """The rows of each table's ids (``(table, ids)`` per listed shard), all shards at once;
         a shard's rows that come through its lane are received into ``into[shard][table]``
         where given (a tensor of their shape and dtype), or with ``views`` are left there:
-        views of the lane, valid until the next request to that shard."""
-        return self.call(
-            self._headers(Op.LOOKUP, sorted(ids)), ids, into_of=into, request_views=views
-        )
+        views of the lane, valid until the next request to that shard. With ``absent_zeros``,
+        ids a hashed table does not hold read zeros (a model in eval mode)."""
+        headers = self._headers(Op.LOOKUP, sorted(ids))
+        if absent_zeros:
+            for header in headers.values():
+                header[Key.ABSENT_ZEROS] = True
+        return self.call(headers, ids, into_of=into, request_views=views)
 
     def table_status(self) -> dict[int, Any]:
         """Each shard's counters per table."""

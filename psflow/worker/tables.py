@@ -194,7 +194,9 @@ class TableClient:
         """The rows of ``ids`` (1-D, unique) of ``table``, in their order, from the shards that
         hold them: a leaf tensor whose gradient :meth:`gradients` pushes at the next step."""
         name, flat = self._name_and_ids(table, ids)
-        _, positions, split, (values,) = self._rows_of(name, flat, views=False)
+        _, positions, split, (values,) = self._rows_of(
+            name, flat, views=False, eval=not table.training
+        )
         aligned = values[positions]  # into the ids' order; the split follows them there
         order = torch.empty_like(positions)
         order[positions] = torch.arange(positions.numel())
@@ -209,7 +211,9 @@ class TableClient:
         gradient :meth:`gradients` pushes at the next step, each shard's a slice of it) and
         which row each id is (see :func:`psflow.nn.table.batch_rows`)."""
         name, flat = self._name_and_ids(table, ids)
-        unique, positions, split, (values,) = self._rows_of(name, flat, views=False)
+        unique, positions, split, (values,) = self._rows_of(
+            name, flat, views=False, eval=not table.training
+        )
         return self._looked(name, unique, values, split, ids.device), positions.to(ids.device)
 
     def batch_parts(
@@ -222,7 +226,9 @@ class TableClient:
         gradient is what :meth:`gradients` pushes) and holds no values: a 1 MB copy out of the
         lanes a step saved (see :func:`psflow.sparse.kernels.gather_parts`)."""
         name, flat = self._name_and_ids(table, ids)
-        unique, positions, split, parts = self._rows_of(name, flat, views=True, check=table)
+        unique, positions, split, parts = self._rows_of(
+            name, flat, views=True, check=table, eval=not table.training
+        )
         spec = self.specs[name]
         leaf = torch.empty((unique.numel(), spec.embedding_dim), dtype=getattr(torch, spec.dtype))
         return self._looked(name, unique, leaf, split, ids.device), parts, positions
@@ -234,19 +240,26 @@ class TableClient:
         return name, ids.detach().to("cpu", torch.int64)
 
     def _rows_of(
-        self, name: str, flat: torch.Tensor, *, views: bool, check: TableModule | None = None
+        self,
+        name: str,
+        flat: torch.Tensor,
+        *,
+        views: bool,
+        check: TableModule | None = None,
+        eval: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, Split, list[torch.Tensor]]:
         """A batch's ids grouped (see :meth:`_group`) and their rows (see :meth:`_fetch`):
         those that came with the last push when it asked for exactly these ids (grouped, and
-        checked, then), else one request per shard."""
+        checked, then), else one request per shard. ``eval`` (the table in eval mode): ids a
+        hashed table does not hold read zeros, and never rows prefetched for training."""
         hit = self._prefetched.pop(name, None)
-        if hit is not None and torch.equal(hit[0].ids, flat):
+        if hit is not None and not eval and torch.equal(hit[0].ids, flat):
             (_, unique, positions, split), parts = hit
             if views:  # each where it came; the caller gathers before any other request
                 return unique, positions, split, [parts[s] for s in split]
             return unique, positions, split, [torch.cat([parts[s] for s in split])]
         unique, positions, split = self._group(name, flat, check)
-        return unique, positions, split, self._fetch(name, unique, split, views=views)
+        return unique, positions, split, self._fetch(name, unique, split, views=views, eval=eval)
 
     def _group(
         self, name: str, ids: torch.Tensor, check: TableModule | None = None
@@ -286,7 +299,13 @@ class TableClient:
         return unique, positions, out
 
     def _fetch(
-        self, name: str, unique: torch.Tensor, split: Split, *, views: bool = False
+        self,
+        name: str,
+        unique: torch.Tensor,
+        split: Split,
+        *,
+        views: bool = False,
+        eval: bool = False,
     ) -> list[torch.Tensor]:
         """The rows of ``unique`` (grouped by shard as ``split`` says), shard after shard, in
         parts whose concatenation they are: one request per shard, all in flight at once, each
@@ -300,7 +319,10 @@ class TableClient:
             values = torch.empty((unique.numel(), spec.embedding_dim), dtype=dtype)
             into = {s: {name: values[at]} for s, (_, at) in split.items() if isinstance(at, slice)}
         replies = self.client.lookup(
-            {s: [(name, shard_ids)] for s, (shard_ids, _) in split.items()}, into, views=views
+            {s: [(name, shard_ids)] for s, (shard_ids, _) in split.items()},
+            into,
+            views=views,
+            absent_zeros=eval,
         )
         parts = {}
         for s, (_, shard_tensors) in replies.items():

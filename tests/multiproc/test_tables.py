@@ -819,9 +819,9 @@ def test_prefetched_rows_ride_the_step_and_train_the_same() -> None:
         lookups: list[dict[int, list[tuple[str, torch.Tensor]]]] = []
         real_lookup = client.lookup
 
-        def counting(ids, into=None, *, views=False, real=real_lookup, seen=lookups):  # type: ignore[no-untyped-def]
+        def counting(ids, into=None, *, real=real_lookup, seen=lookups, **how):  # type: ignore[no-untyped-def]
             seen.append(ids)
-            return real(ids, into, views=views)
+            return real(ids, into, **how)
 
         client.lookup = counting  # type: ignore[method-assign]
         try:
