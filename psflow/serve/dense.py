@@ -52,6 +52,7 @@ def export_dense(
     prefix: str = "",
     output_names: Sequence[str] = ("output",),
     dtype: torch.dtype = torch.float32,
+    dynamo: bool = False,
 ) -> list[str]:
     """Writes ``module``'s computation as ONNX for :class:`~psflow.serve.server.ModelServer`.
 
@@ -69,6 +70,8 @@ def export_dense(
         prefix: what precedes the module's parameter names in the exported model.
         output_names: the graph's outputs, as the server answers them.
         dtype: the rows' dtype (the tables').
+        dynamo: record with ``torch.export`` (the exporter torch now defaults to, seconds
+            slower) instead of the TorchScript tracer (deprecated by torch, still fast).
 
     Returns:
         The file's input names.
@@ -83,15 +86,19 @@ def export_dense(
     params = [p.detach() for _, p in module.named_parameters()]
     inputs = [*features, *(prefix + n for n in names)]
     batch = {f: {0: "batch"} for f in features} | {o: {0: "batch"} for o in output_names}
+    recorded = _ParamsAsInputs(module, len(features), names).eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the tracer's notes on shapes taken as constants
-        torch.onnx.export(
-            _ParamsAsInputs(module, len(features), names).eval(),
-            tuple(example + params),
-            str(path),
-            input_names=inputs,
-            output_names=list(output_names),
-            dynamic_axes=batch,
-            dynamo=False,  # the TorchScript exporter: fast, and takes this module as it is
-        )
+        if dynamo:
+            dim = torch.export.Dim("batch")
+            shapes = tuple({0: dim} for _ in features) + tuple(None for _ in names)
+            torch.onnx.export(
+                recorded, tuple(example + params), str(path), input_names=inputs,
+                output_names=list(output_names), dynamic_shapes=(shapes,), dynamo=True,
+            )  # fmt: skip
+        else:
+            torch.onnx.export(
+                recorded, tuple(example + params), str(path), input_names=inputs,
+                output_names=list(output_names), dynamic_axes=batch, dynamo=False,
+            )  # fmt: skip
     return inputs

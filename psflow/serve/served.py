@@ -106,7 +106,7 @@ class Served:
                 )
             ids, rows = model.tables[feature.table]
             shape, kind = inputs[name]
-            dim = shape[1] if len(shape) == 2 else None
+            dim = shape[1]  # [batch, dim]: the server checked
             if ONNX_TYPES.get(kind) != np.dtype(str(rows.dtype).removeprefix("torch.")) or (
                 isinstance(dim, int) and dim != rows.shape[1]
             ):

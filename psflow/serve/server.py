@@ -142,6 +142,12 @@ class ModelServer:
                 f"{config.onnx_path}: no input for feature(s) {missing}; its inputs are "
                 f"{list(self.inputs)} (export_dense names them after the features)"
             )
+        flat = [f for f in config.features if len(self.inputs[f][0]) != 2]
+        if flat:
+            raise ValueError(
+                f"{config.onnx_path}: the input of feature(s) {flat} must be [batch, dim] (a "
+                f"pooled row per example), not {[self.inputs[f][0] for f in flat]}"
+            )
         self.output_names = [o.name for o in self.session.get_outputs()]
         self._model = ExportedModel()  # the poller's alone
         self._tried: int | None = None

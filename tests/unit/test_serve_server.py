@@ -199,3 +199,17 @@ def test_an_export_that_does_not_fit_is_refused_and_the_last_good_one_served(
         )
     with pytest.raises(ValueError, match="mode must be one of"):
         Feature(table="users", mode="sqrtn")
+
+    class Rank3(torch.nn.Module):
+        def forward(self, users: torch.Tensor) -> torch.Tensor:
+            return users.sum((1, 2))
+
+    rank3 = tmp_path / "rank3.onnx"
+    torch.onnx.export(Rank3(), (torch.zeros(2, 2, DIM),), str(rank3), input_names=["users"],
+                      dynamo=False)  # fmt: skip
+    with pytest.raises(ValueError, match=r"feature\(s\) \['users'\] must be \[batch, dim\]"):
+        ModelServer(ServerConfig(export_dir=str(exports), onnx_path=str(rank3),
+                                 features={"users": Feature(table="users")}))  # fmt: skip
+    with pytest.raises(ValueError, match="not an ONNX model ORT loads"):
+        ModelServer(ServerConfig(export_dir=str(exports), onnx_path=str(tmp_path / "none.onnx"),
+                                 features={"users": Feature(table="users")}))  # fmt: skip
