@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -205,8 +206,10 @@ def test_an_export_that_does_not_fit_is_refused_and_the_last_good_one_served(
             return users.sum((1, 2))
 
     rank3 = tmp_path / "rank3.onnx"
-    torch.onnx.export(Rank3(), (torch.zeros(2, 2, DIM),), str(rank3), input_names=["users"],
-                      dynamo=False)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation
+        torch.onnx.export(Rank3(), (torch.zeros(2, 2, DIM),), str(rank3), input_names=["users"],
+                          dynamo=False)  # fmt: skip
     with pytest.raises(ValueError, match=r"feature\(s\) \['users'\] must be \[batch, dim\]"):
         ModelServer(ServerConfig(export_dir=str(exports), onnx_path=str(rank3),
                                  features={"users": Feature(table="users")}))  # fmt: skip
