@@ -410,6 +410,8 @@ class _Handler(BaseHTTPRequestHandler):
             body = json.loads(raw)
         except ValueError as e:
             raise BadRequest(f"the body is not JSON: {e}") from None
+        except RecursionError:
+            raise BadRequest("the body is JSON nested too deep") from None
         if not isinstance(body, dict) or "features" not in body:
             raise BadRequest('the body must be {"features": {name: [[id, ...], ...]}}')
         return body

@@ -164,7 +164,7 @@ def test_the_server_serves_each_export_as_the_model_predicts_and_refuses_bad_req
         features=FEATURES,
         poll_seconds=0.05,
         request_timeout=1.0,
-        max_body_bytes=1 << 16,
+        max_body_bytes=1 << 18,
     )
     server = ModelServer(config).start()  # before any export: it waits for the first
     try:
@@ -191,6 +191,7 @@ def test_the_server_serves_each_export_as_the_model_predicts_and_refuses_bad_req
 
             for bad, reason in [
                 (b"{not json", "not JSON"),
+                (b'{"features": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deep"),
                 (b'{"feature": {}}', 'must be {"features"'),
                 (json.dumps({"features": {**REQUESTS[0], "ads": [[1]]}}).encode(), "unknown"),
                 (json.dumps({"features": {"items": [[1]]}}).encode(), "'users': expected"),
