@@ -216,3 +216,24 @@ def test_an_export_that_does_not_fit_is_refused_and_the_last_good_one_served(
     with pytest.raises(ValueError, match="not an ONNX model ORT loads"):
         ModelServer(ServerConfig(export_dir=str(exports), onnx_path=str(tmp_path / "none.onnx"),
                                  features={"users": Feature(table="users")}))  # fmt: skip
+
+
+def test_the_command_line_reads_features_and_refuses_bad_ones() -> None:
+    import argparse
+
+    from psflow.serve.__main__ import parse_feature
+
+    assert parse_feature("users=u:max:0") == (
+        "users",
+        Feature(table="u", mode="max", padding_idx=0),
+    )
+    assert parse_feature("items=items") == ("items", Feature(table="items", mode="mean"))
+    for bad, reason in [
+        ("users", "expected NAME=TABLE"),
+        ("=u", "expected NAME=TABLE"),
+        ("users=u:sum:x", "padding id 'x' is not an integer"),
+        ("users=u:sqrtn", "mode must be one of"),
+        ("users=u:sum:0:9", "expected NAME=TABLE"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError, match=reason):
+            parse_feature(bad)
