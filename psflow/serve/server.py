@@ -30,6 +30,8 @@ HTTP (JSON, ``Content-Length`` bodies):
 - ``GET /status``: the export served, its base and step, the last exports served and how many,
   the last refusal.
 - ``GET /healthz``: ``200`` once an export is served, else ``503``.
+- ``GET /metrics``: Prometheus' text format (:mod:`psflow.serve.metrics`): requests by status,
+  their latency, examples, the export served, exports served and refused.
 
 Example:
     >>> # server = ModelServer(ServerConfig(export_dir="exports/ctr", onnx_path="head.onnx",
@@ -53,6 +55,7 @@ import numpy as np
 import torch
 
 from psflow.serve.delta import ExportedModel, ExportError
+from psflow.serve.metrics import ServerMetrics
 from psflow.serve.served import Feature, Served
 
 __all__ = ["BadRequest", "Feature", "ModelServer", "ServerConfig"]
@@ -158,6 +161,7 @@ class ModelServer:
         self.applied: deque[int] = deque(maxlen=64)
         """The exports served, in order (the last 64)."""
         self.served_total = 0
+        self.metrics = ServerMetrics()
         """How many exports were served."""
         self.last_error: str | None = None
         """Why the last export was refused; ``None`` once one is served again."""
@@ -247,6 +251,7 @@ class ModelServer:
         if error is not None:
             if error != self.last_error:
                 log.warning("export refused, serving the last one: %s", error)
+                self.metrics.refused()
             with self._cond:
                 self.last_error = error
                 self._cond.notify_all()
@@ -355,9 +360,11 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("%s %s", self.address_string(), format % args)
 
     def _answer(self, status: int, body: Mapping[str, Any]) -> None:
-        data = json.dumps(body).encode()
+        self._send(status, json.dumps(body).encode(), "application/json")
+
+    def _send(self, status: int, data: bytes, kind: str) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -365,16 +372,27 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/status":
             self._answer(200, self.owner.status())
+        elif self.path == "/metrics":
+            served = self.owner.served
+            text = self.owner.metrics.text(
+                None if served is None else served.seq,
+                None if served is None else served.step,
+                self.owner.served_total,
+            )
+            self._send(200, text.encode(), "text/plain; version=0.0.4")
         elif self.path == "/healthz":
             up = self.owner.served is not None
             self._answer(200 if up else 503, {"ok": up})
         else:
-            self._answer(404, {"error": f"no {self.path}: GET /status, /healthz; POST /predict"})
+            self._answer(
+                404, {"error": f"no {self.path}: GET /status, /healthz, /metrics; POST /predict"}
+            )
 
     def do_POST(self) -> None:
         if self.path != "/predict":
             self._answer(404, {"error": f"no {self.path}: POST /predict"})
             return
+        start = time.perf_counter()
         try:
             body = self._body()
             served, outputs = self.owner.predict(body.get("features"))
@@ -382,19 +400,17 @@ class _Handler(BaseHTTPRequestHandler):
             if e.status == 413:
                 self.close_connection = True  # its body was not read
             self._answer(e.status, {"error": str(e)})
+            self.owner.metrics.request(e.status, time.perf_counter() - start)
             return
         except Exception as e:  # the server keeps serving; the client learns what failed
             log.exception("predict failed")
             self._answer(500, {"error": f"{type(e).__name__}: {e}".splitlines()[0]})
+            self.owner.metrics.request(500, time.perf_counter() - start)
             return
-        self._answer(
-            200,
-            {
-                "export": served.seq,
-                "step": served.step,
-                "outputs": {k: v.tolist() for k, v in outputs.items()},
-            },
-        )
+        answer = {k: v.tolist() for k, v in outputs.items()}
+        self._answer(200, {"export": served.seq, "step": served.step, "outputs": answer})
+        examples = len(next(iter(answer.values()), []))
+        self.owner.metrics.request(200, time.perf_counter() - start, examples)
 
     def _body(self) -> dict[str, Any]:
         length = self.headers.get("Content-Length")

@@ -230,9 +230,18 @@ def test_the_server_serves_each_export_as_the_model_predicts_and_refuses_bad_req
             assert server.wait_for_export(second, timeout=20), server.status()
             after = check_serves(server, at_second, second)
         assert stop(ps)[0] == 0
+        host, port = server.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request("GET", "/metrics")
+        metrics = conn.getresponse().read().decode()
+        conn.close()
     finally:
         server.stop(5)
         stop(ps, timeout=1)
+    assert 'psflow_serve_requests_total{code="200"} 5' in metrics, metrics
+    assert 'psflow_serve_requests_total{code="400"} 10' in metrics, metrics
+    assert 'code="411"} 1' in metrics and 'code="413"} 1' in metrics and 'code="503"} 1' in metrics
+    assert "psflow_serve_examples_total 11" in metrics and "psflow_serve_export " in metrics
     kinds = [(e.seq, e.kind) for e in list_exports(str(exports))]
     assert (first, "base") in kinds and (second, "delta") in kinds
     assert list(server.applied)[:2] == [first, second]
