@@ -8,7 +8,8 @@
   ``__main__.py``); ``served.py``: one export's tables as lookups and its dense values, fixed,
   and the request :class:`~psflow.serve.served.Feature`; ``dense.py``:
   :func:`~psflow.serve.dense.export_dense`, a model's dense part as ONNX whose parameters are
-  inputs. These import onnxruntime (the server only): import them by their module.
+  inputs; ``metrics.py``: the server's ``GET /metrics``. These import onnxruntime (the server
+  only): import them by their module.
 
 It imports torch, safetensors and fsspec only: no ZeroMQ, no ``torch.distributed``, nothing of
 the ps or the workers, so that a serving process loads exports without the training runtime.
