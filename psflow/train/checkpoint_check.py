@@ -167,9 +167,30 @@ def check_tables(
     Raises:
         ValueError: naming the file and the table (and an id) of the first problem.
     """
-    parts: TableParts = {table: [] for table in specs}
-    urls: dict[str, list[str]] = {table: [] for table in specs}
+    check = TableCheck(name, specs)
     for url, shard in files:
+        check.add(url, shard)
+    return check.result()
+
+
+class TableCheck:
+    """:func:`check_tables` a file at a time: each file's rows checked as it comes
+    (:meth:`add`), then every table's ids over all of them (:meth:`result`). With
+    ``keep_rows=False`` only the ids are kept of each file, so a reader that does not need the
+    rows (the chief restoring a job whose ps read their own) never holds a table whole."""
+
+    def __init__(self, name: str, specs: dict[str, TableSpec], *, keep_rows: bool = True) -> None:
+        self.name, self.specs, self.keep_rows = name, specs, keep_rows
+        self.parts: TableParts = {table: [] for table in specs}
+        self.urls: dict[str, list[str]] = {table: [] for table in specs}
+
+    def add(self, url: str, shard: ShardFile) -> None:
+        """Checks the rows ``shard`` (read from ``url``) holds of every table.
+
+        Raises:
+            ValueError: naming the file and the table of the first problem.
+        """
+        name, specs = self.name, self.specs
         saved_specs = _saved_specs(shard, url)
         lacking = sorted(set(saved_specs) - set(specs))
         if lacking:
@@ -191,11 +212,19 @@ def check_tables(
                 raise ValueError(f"{url}: table {table!r}: {_differ(saved, spec)}")
             _check_part(part, spec, f"{url}: table {table!r}")
             _check_placement(part["ids"], spec, shard, f"{url}: table {table!r}")
-            parts[table].append(part)
-            urls[table].append(url)
-    for table, spec in specs.items():
-        _check_ids(table, spec, parts[table], urls[table], name)
-    return parts
+            self.parts[table].append(part if self.keep_rows else {"ids": part["ids"]})
+            self.urls[table].append(url)
+
+    def result(self) -> TableParts:
+        """The tables' parts (only their ids without ``keep_rows``), once every id is checked
+        over all the files.
+
+        Raises:
+            ValueError: for an id held twice, or a fixed table's ids not its whole range.
+        """
+        for table, spec in self.specs.items():
+            _check_ids(table, spec, self.parts[table], self.urls[table], self.name)
+        return self.parts
 
 
 def _saved_specs(shard: ShardFile, url: str) -> dict[str, TableSpec]:

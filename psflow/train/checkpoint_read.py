@@ -20,7 +20,9 @@ from psflow.protocol import OptimizerSpec, ScheduleSpec, TableSpec
 from psflow.ps import safefile
 from psflow.ps.files import join
 from psflow.ps.shard_file import ShardFile, read_shard, shard_file_name
+from psflow.ps.tables import TABLE_PREFIX
 from psflow.train.checkpoint_check import (
+    TableCheck,
     TableParts,
     check_manifest,
     check_parts,
@@ -119,9 +121,15 @@ def _rows(t: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
     return t if rows is None else t[rows[0] : rows[1]].contiguous()
 
 
-def load_checkpoint(checkpoint_dir: str, name: str | None = None) -> Checkpoint | None:
+def load_checkpoint(
+    checkpoint_dir: str, name: str | None = None, *, table_rows: bool = True
+) -> Checkpoint | None:
     """Reads a checkpoint (the latest complete one by default), every part checked (see
     :mod:`psflow.train.checkpoint_check`); ``None`` when there is none.
+
+    With ``table_rows=False`` the tables are checked as thoroughly, a file at a time, but the
+    :attr:`Checkpoint.tables` hold only their ids: what the chief needs to restore a job whose
+    ps read their own rows, so that no table is ever whole in the chief's memory.
 
     Raises:
         ValueError: naming the file and the tensor, table or field that cannot be trusted.
@@ -148,6 +156,7 @@ def load_checkpoint(checkpoint_dir: str, name: str | None = None) -> Checkpoint 
     if specs:  # every shard holds rows of every table
         wanted |= {shard_file_name(i, n) for i in range(n)}
     files: dict[str, ShardFile] = {}
+    early = None if table_rows else TableCheck(d.url_of(name), specs, keep_rows=False)
     for file in sorted(wanted, key=lambda f: int(f.split("-")[1])):
         url = d.url_of(f"{name}/{file}")
         try:
@@ -155,6 +164,11 @@ def load_checkpoint(checkpoint_dir: str, name: str | None = None) -> Checkpoint 
         except FileNotFoundError:
             raise ValueError(f"{url}, named in {name}'s manifest, does not exist") from None
         check_shard_file(files[file], int(file.split("-")[1]), n, url)
+        if early is not None:  # checked now, then let go: only the variables stay
+            early.add(url, files[file])
+            tensors = files[file].tensors
+            for key in [k for k in tensors if k.startswith(TABLE_PREFIX)]:
+                del tensors[key]
     by_param: dict[str, list[VariableEntry]] = {}
     for entry in manifest.variables:
         by_param.setdefault(entry.param, []).append(entry)
@@ -195,8 +209,11 @@ def load_checkpoint(checkpoint_dir: str, name: str | None = None) -> Checkpoint 
                     )
             joined = ts[0] if len(ts) == 1 or ts[0].dim() == 0 else _join(ts, where, key)
             opt_tensors.setdefault(param, {})[key] = joined
-    urls = [(d.url_of(f"{name}/{f}"), files[f]) for f in sorted(files)]
-    tables = check_tables(d.url_of(name), specs, urls)
+    if early is not None:
+        tables = early.result()
+    else:
+        urls = [(d.url_of(f"{name}/{f}"), files[f]) for f in sorted(files)]
+        tables = check_tables(d.url_of(name), specs, urls)
     return Checkpoint(
         name=name,
         manifest=manifest,

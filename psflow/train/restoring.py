@@ -181,7 +181,9 @@ class Restoring:
         cfg = self.config.checkpoint
         assert cfg.checkpoint_dir is not None
         d = CheckpointDir(cfg.checkpoint_dir)
-        ckpt = load_checkpoint(cfg.checkpoint_dir)
+        # Every part checked here, the tables' rows a file at a time and let go: each ps reads
+        # its own rows (TABLES_FROM), and the chief never holds a table whole.
+        ckpt = load_checkpoint(cfg.checkpoint_dir, table_rows=False)
         if ckpt is None:
             log.info("no checkpoint in %s: initialising", cfg.checkpoint_dir)
             return False

@@ -34,11 +34,14 @@ def _export(run: Path) -> dict[str, torch.Tensor]:
 
 
 def _refused(run: Path, match: str) -> str:
-    """Export and restore (load_checkpoint) both refuse ``run``, with the same one line."""
+    """Export and restore (load_checkpoint, and the chief's restore into ps, which keeps no
+    table rows) all refuse ``run``, export and restore with the same one line."""
     with pytest.raises(ValueError, match=match) as export_error:
         _export(run)
     with pytest.raises(ValueError, match=match) as restore_error:
         load_checkpoint(str(run))
+    with pytest.raises(ValueError, match=match):
+        load_checkpoint(str(run), table_rows=False)
     message = str(export_error.value)
     assert message == str(restore_error.value) and "\n" not in message
     return message
@@ -268,3 +271,19 @@ def test_the_savers_own_reads_refuse_a_fifo_instead_of_blocking(tmp_path: Path) 
     assert results[0] == "ckpt-3"
     assert (run / "latest").read_text().strip() == "ckpt-3"
     assert isinstance(results[1], ValueError) and "a FIFO" in str(results[1])
+
+
+def test_the_chiefs_restore_checks_every_table_but_keeps_only_their_ids(tmp_path: Path) -> None:
+    """The chief restoring into ps reads each shard file, checks its rows and lets them go:
+    the ps read their own, and a table is never whole in the chief's memory."""
+    run, _ = psflow_checkpoint.copy(tmp_path)
+    full = load_checkpoint(str(run))
+    lean = load_checkpoint(str(run), table_rows=False)
+    assert full is not None and lean is not None and full.tables
+    assert set(lean.tables) == set(full.tables)
+    for table, parts in full.tables.items():
+        assert [set(p) for p in lean.tables[table]] == [{"ids"}] * len(parts)
+        for kept, whole in zip(lean.tables[table], parts, strict=True):
+            assert torch.equal(kept["ids"], whole["ids"])
+    assert lean.params.keys() == full.params.keys()
+    assert all(torch.equal(lean.params[k], full.params[k]) for k in full.params)
