@@ -161,8 +161,9 @@ class ModelServer:
         self.applied: deque[int] = deque(maxlen=64)
         """The exports served, in order (the last 64)."""
         self.served_total = 0
-        self.metrics = ServerMetrics()
         """How many exports were served."""
+        self.metrics = ServerMetrics()
+        """What ``GET /metrics`` answers."""
         self.last_error: str | None = None
         """Why the last export was refused; ``None`` once one is served again."""
         self._http: ThreadingHTTPServer | None = None
@@ -221,7 +222,12 @@ class ModelServer:
 
     def _follow(self) -> None:
         while not self._stop.wait(self.config.poll_seconds):
-            self.poll()
+            try:
+                self.poll()
+            except Exception as e:  # the thread lives on: the next poll may read a good one
+                log.exception("reading the exports failed; serving the last one")
+                with self._cond:
+                    self.last_error = f"{type(e).__name__}: {e}".splitlines()[0]
 
     def poll(self) -> list[int]:
         """Applies the exports that landed since the one served; returns those made current.
@@ -321,8 +327,8 @@ class ModelServer:
                     raise BadRequest(f"feature {name!r}, example {i}: expected a list of ids")
                 for v in bag:
                     if type(v) is not int or not _INT64[0] <= v <= _INT64[1]:
-                        raise BadRequest(f"feature {name!r}, example {i}: {v!r} is not an "
-                                         "int64 id")  # fmt: skip
+                        raise BadRequest(f"feature {name!r}, example {i}: {repr(v)[:40]} is "
+                                         "not an int64 id")  # fmt: skip
                 flat.extend(bag)
                 lengths.append(len(bag))
             offsets = torch.tensor(lengths[:-1], dtype=torch.int64).cumsum(0)
