@@ -32,7 +32,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
-from psflow.data.features import FeatureSpec, parse_examples
+from psflow.data.batches import iter_batches, parse_batch
+from psflow.data.features import FeatureSpec
 
 log = logging.getLogger(__name__)
 
@@ -339,21 +340,9 @@ class KafkaReader:
             return None
         moved = {m.partition(): m.offset() + 1 for m in messages}  # in each one's order
         values = [m.value() for m in messages]
-        try:
-            parsed: dict[str, Any] | None = parse_examples(values, spec)
-        except ValueError:  # find which: each alone, then the good ones again together
-            good = []
-            for i, v in enumerate(values):
-                try:
-                    parse_examples([v], spec)
-                except ValueError as e:
-                    self._bad(messages, i, str(e))
-                    continue
-                good.append(v)
-            parsed = parse_examples(good, spec) if good else None
-            values = good
+        parsed, good = parse_batch(values, spec, lambda i, why: self._bad(messages, i, why))
         self._next.update(moved)
-        self.stats["records"] += len(values)
+        self.stats["records"] += good
         return parsed
 
     def iter_examples(
@@ -371,14 +360,7 @@ class KafkaReader:
             >>> for batch in reader.iter_examples(512, ctr_spec()):  # doctest: +SKIP
             ...     dense, categorical, label = ctr_arrays(batch)
         """
-        idle_since = time.monotonic()
-        while True:
-            batch = self.read_examples(batch_size, spec)
-            if batch is not None:
-                idle_since = time.monotonic()
-                yield batch
-            elif idle_timeout_s is not None and time.monotonic() - idle_since > idle_timeout_s:
-                return
+        return iter_batches(lambda: self.read_examples(batch_size, spec), idle_timeout_s)
 
     def _bad(self, messages: list[Any], i: int, reason: str) -> None:
         m = messages[i]

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 from psflow.data import fs
-from psflow.data.features import FeatureSpec, parse_examples
+from psflow.data.batches import iter_batches, parse_batch
+from psflow.data.features import FeatureSpec
 from psflow.data.tfrecord_framing import DataLossError
 from psflow.data.tfrecord_reader import TFRecordReader
 
@@ -291,21 +292,8 @@ class FileStreamReader:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         records = self._fetch(batch_size, timeout_s)
         values = [r.value for r in records]
-        parsed: dict[str, Any] | None = None
-        try:
-            parsed = parse_examples(values, spec) if values else None
-        except ValueError:  # find which: each alone, then the good ones again together
-            good = []
-            for r in records:
-                try:
-                    parse_examples([r.value], spec)
-                except ValueError as e:
-                    self._bad(r, str(e))
-                    continue
-                good.append(r.value)
-            parsed = parse_examples(good, spec) if good else None
-            values = good
-        self.stats["records"] += len(values)
+        parsed, good = parse_batch(values, spec, lambda i, why: self._bad(records[i], why))
+        self.stats["records"] += good
         return parsed
 
     def iter_examples(
@@ -323,14 +311,7 @@ class FileStreamReader:
             >>> for batch in reader.iter_examples(512, ctr_spec()):  # doctest: +SKIP
             ...     dense, categorical, label = ctr_arrays(batch)
         """
-        idle_since = time.monotonic()
-        while True:
-            batch = self.read_examples(batch_size, spec)
-            if batch is not None:
-                idle_since = time.monotonic()
-                yield batch
-            elif idle_timeout_s is not None and time.monotonic() - idle_since > idle_timeout_s:
-                return
+        return iter_batches(lambda: self.read_examples(batch_size, spec), idle_timeout_s)
 
     def _fetch(self, max_records: int, timeout_s: float | None) -> list[FileRecord]:
         """The next raw records; a corrupt one (``on_bad_record="raise"``) raised with the
