@@ -88,6 +88,8 @@ class ServerConfig:
     """Examples in one request at most."""
     intra_op_threads: int = 0
     """ONNX Runtime's threads per request (0: its default, one per core)."""
+    max_connections: int = 256
+    """Connections served at once (a thread each); one more is answered 503 and closed."""
 
     def __post_init__(self) -> None:
         if not self.export_dir:
@@ -100,7 +102,7 @@ class ServerConfig:
         for key in ("poll_seconds", "request_timeout"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"ServerConfig: {key} must be > 0, got {getattr(self, key)}")
-        for key in ("max_body_bytes", "max_batch"):
+        for key in ("max_body_bytes", "max_batch", "max_connections"):
             if getattr(self, key) < 1:
                 raise ValueError(f"ServerConfig: {key} must be >= 1, got {getattr(self, key)}")
         if not 0 <= self.port < 65536:
@@ -166,7 +168,7 @@ class ModelServer:
         """What ``GET /metrics`` answers."""
         self.last_error: str | None = None
         """Why the last export was refused; ``None`` once one is served again."""
-        self._http: ThreadingHTTPServer | None = None
+        self._http: _HTTPServer | None = None
         self._threads: list[threading.Thread] = []
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -181,7 +183,9 @@ class ModelServer:
             owner = server
             timeout = server.config.request_timeout
 
-        self._http = _HTTPServer((self.config.host, self.config.port), Handler)
+        self._http = _HTTPServer(
+            (self.config.host, self.config.port), Handler, self.config.max_connections
+        )
         self._threads = [
             threading.Thread(target=self._http.serve_forever, name="psflow-serve-http"),
             threading.Thread(target=self._follow, name="psflow-serve-follow"),
@@ -271,6 +275,13 @@ class ModelServer:
                 lambda: self._served is not None and self._served.seq >= seq, timeout
             )
 
+    def wait_idle(self, timeout: float) -> bool:
+        """Waits until no connection is open; whether none is."""
+        assert self._http is not None, "start() first"
+        http = self._http
+        with http.changed:
+            return http.changed.wait_for(lambda: http.open == 0, timeout)
+
     @property
     def served(self) -> Served | None:
         """The export requests compute with now."""
@@ -350,9 +361,49 @@ class ModelServer:
 
 
 class _HTTPServer(ThreadingHTTPServer):
+    """A thread per connection, ``max_connections`` at most: one more is answered 503 and
+    closed at once, so a flood of connections cannot exhaust the host's threads."""
+
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 128
+
+    def __init__(self, address: tuple[str, int], handler: type[_Handler], limit: int) -> None:
+        super().__init__(address, handler)
+        self.limit = limit
+        self.open = 0
+        """Connections being served now."""
+        self.changed = threading.Condition()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self.changed:
+            full = self.open >= self.limit
+            self.open += not full
+        if full:
+            body = json.dumps({"error": f"busy: {self.limit} connections open, the most "
+                               "this server takes (max_connections)"}).encode()  # fmt: skip
+            try:
+                request.settimeout(1.0)
+                request.sendall(
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                    b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+                )
+            except OSError:
+                pass  # the client went away: nothing to tell it
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
+        finally:
+            with self.changed:  # before the close: a client that saw it closed finds a slot
+                self.open -= 1
+                self.changed.notify_all()
+            self.shutdown_request(request)
 
 
 class _Handler(BaseHTTPRequestHandler):

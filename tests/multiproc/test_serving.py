@@ -165,6 +165,7 @@ def test_the_server_serves_each_export_as_the_model_predicts_and_refuses_bad_req
         poll_seconds=0.05,
         request_timeout=1.0,
         max_body_bytes=1 << 18,
+        max_connections=2,
     )
     server = ModelServer(config).start()  # before any export: it waits for the first
     try:
@@ -217,9 +218,17 @@ def test_the_server_serves_each_export_as_the_model_predicts_and_refuses_bad_req
             # A client that never finishes its request holds a thread for request_timeout
             # only; the server answers others meanwhile, then closes that connection.
             host, port = server.url.removeprefix("http://").split(":")
+            body = json.dumps({"features": REQUESTS[0]}).encode()
+            whole = b"POST /predict HTTP/1.1\r\nHost: t\r\nConnection: close\r\n"
+            whole += b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            assert server.wait_idle(10)  # the connections above all closed by the server
             with socket.create_connection((host, int(port)), timeout=10) as slow:
                 slow.sendall(head)
-                assert predict(server.url, REQUESTS[0])[0] == 200
+                assert raw(server.url, whole).startswith(b"HTTP/1.1 200")
+                with socket.create_connection((host, int(port)), timeout=10) as slow2:
+                    slow2.sendall(head)  # the second of max_connections=2
+                    busy = raw(server.url, whole)
+                    assert busy.startswith(b"HTTP/1.1 503") and b"max_connections" in busy
                 assert slow.recv(1024) == b""  # closed by the server, within 10 s
 
             for step in range(3, 6):
