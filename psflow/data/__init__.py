@@ -40,8 +40,8 @@ No TensorFlow at run time. Where things live:
 - ``stream.py``: :class:`FileStreamReader`, :class:`FileStreamConfig`,
   :func:`merge_file_states`: a glob watched for TFRecord files that land while it is read, each
   file once, its position (files read, the record reached) saved and restored as plain data
-- ``batches.py``: what the two stream readers share: a batch parsed with its bad records found,
-  and the batches of a training loop
+- ``batches.py``: what the two stream readers share: :class:`~psflow.data.batches.ExampleStream`
+  (the batches of a training loop) and a batch parsed with its bad records found
 - ``spark.py``: :func:`write_dataframe`, :func:`read_dataframe` (pyspark imported lazily)
 - ``convert.py``: :func:`convert_table` (CSV/Parquet to TFRecord, pyarrow imported lazily)
 - ``cli.py``: ``psflow data inspect``, ``convert``, ``synth-ctr`` and ``text``

@@ -45,3 +45,30 @@ def iter_batches(
             yield batch
         elif idle_timeout_s is not None and time.monotonic() - idle_since > idle_timeout_s:
             return
+
+
+class ExampleStream:
+    """A reader of ``tf.train.Example`` records that come as a stream: what its batches are
+    for a training loop, given its own :meth:`read_examples`."""
+
+    def read_examples(
+        self, batch_size: int, spec: Mapping[str, FeatureSpec], timeout_s: float | None = None
+    ) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def iter_examples(
+        self,
+        batch_size: int,
+        spec: Mapping[str, FeatureSpec],
+        *,
+        idle_timeout_s: float | None = None,
+    ) -> Iterator[dict[str, Any]]:
+        """:meth:`read_examples` batches for a training loop: for ever (a stream), or until
+        no record came for ``idle_timeout_s``. After each batch is yielded, :meth:`state` is
+        the position just past it.
+
+        Example:
+            >>> for batch in reader.iter_examples(512, ctr_spec()):  # doctest: +SKIP
+            ...     dense, categorical, label = ctr_arrays(batch)
+        """
+        return iter_batches(lambda: self.read_examples(batch_size, spec), idle_timeout_s)

@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
-from psflow.data.batches import iter_batches, parse_batch
+from psflow.data.batches import ExampleStream, parse_batch
 from psflow.data.features import FeatureSpec
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ def _checked_state(state: Mapping[str, Any], topic: str | None) -> dict[str, Any
     return {"topic": name, "offsets": out}
 
 
-class KafkaReader:
+class KafkaReader(ExampleStream):
     """Reads this worker's share of a Kafka topic's partitions, at an exact position.
 
     Args:
@@ -344,23 +344,6 @@ class KafkaReader:
         self._next.update(moved)
         self.stats["records"] += good
         return parsed
-
-    def iter_examples(
-        self,
-        batch_size: int,
-        spec: Mapping[str, FeatureSpec],
-        *,
-        idle_timeout_s: float | None = None,
-    ) -> Iterator[dict[str, Any]]:
-        """:meth:`read_examples` batches for a training loop: for ever (a stream), or until
-        no record came for ``idle_timeout_s``. After each batch is yielded, :meth:`state` is
-        the position just past it.
-
-        Example:
-            >>> for batch in reader.iter_examples(512, ctr_spec()):  # doctest: +SKIP
-            ...     dense, categorical, label = ctr_arrays(batch)
-        """
-        return iter_batches(lambda: self.read_examples(batch_size, spec), idle_timeout_s)
 
     def _bad(self, messages: list[Any], i: int, reason: str) -> None:
         m = messages[i]

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 from psflow.data import fs
-from psflow.data.batches import iter_batches, parse_batch
+from psflow.data.batches import ExampleStream, parse_batch
 from psflow.data.features import FeatureSpec
 from psflow.data.tfrecord_framing import DataLossError
 from psflow.data.tfrecord_reader import TFRecordReader
@@ -132,7 +132,7 @@ def _checked(state: Mapping[str, Any], pattern: str | None) -> dict[str, Any]:
     return {"pattern": got, "done": list(done), "partial": dict(partial)}
 
 
-class FileStreamReader:
+class FileStreamReader(ExampleStream):
     """Reads this worker's share of a growing set of TFRecord files, each file once.
 
     Args:
@@ -295,23 +295,6 @@ class FileStreamReader:
         parsed, good = parse_batch(values, spec, lambda i, why: self._bad(records[i], why))
         self.stats["records"] += good
         return parsed
-
-    def iter_examples(
-        self,
-        batch_size: int,
-        spec: Mapping[str, FeatureSpec],
-        *,
-        idle_timeout_s: float | None = None,
-    ) -> Iterator[dict[str, Any]]:
-        """:meth:`read_examples` batches for a training loop: for ever (a stream), or until
-        no record came for ``idle_timeout_s``. After each batch is yielded, :meth:`state` is
-        the position just past it.
-
-        Example:
-            >>> for batch in reader.iter_examples(512, ctr_spec()):  # doctest: +SKIP
-            ...     dense, categorical, label = ctr_arrays(batch)
-        """
-        return iter_batches(lambda: self.read_examples(batch_size, spec), idle_timeout_s)
 
     def _fetch(self, max_records: int, timeout_s: float | None) -> list[FileRecord]:
         """The next raw records; a corrupt one (``on_bad_record="raise"``) raised with the
