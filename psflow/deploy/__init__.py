@@ -19,8 +19,9 @@ Example:
     name: 'mnist'
 """
 
-from psflow.deploy.config import JobConfig, load_job_file, parse_quantity
+from psflow.deploy.config import JobConfig, load_job_file
 from psflow.deploy.layout import TARGETS, Group, Plan, Task, plan
+from psflow.deploy.quantity import parse_quantity
 from psflow.deploy.render import Rendered, render
 
 __all__ = [

@@ -16,7 +16,7 @@ from typing import Any
 
 from psflow import env as envvars
 from psflow.cluster.spec import read_yaml
-from psflow.deploy.quantity import parse_quantity
+from psflow.deploy.quantity import quantity_setting
 from psflow.deploy.settings import check_settings
 
 DNS_LABEL_MAX = 63
@@ -183,19 +183,7 @@ class JobConfig:
         self._check_command()
         # YAML reads `cpu: 2` and `cpu: 0.5` as numbers; Kubernetes wants the quantity string.
         for attr in ("cpu", "memory"):
-            value = getattr(self, attr)
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                value = str(value)
-                setattr(self, attr, value)
-            if value is not None:
-                if not isinstance(value, str):
-                    raise ValueError(f"{attr} must be a quantity string, got {value!r}")
-                parse_quantity(value, what=attr)
-        if self.memory is not None and self.memory.endswith("m"):
-            raise ValueError(
-                f"memory {self.memory!r} means millibytes in Kubernetes: "
-                f"did you mean {self.memory[:-1]}Mi?"
-            )
+            quantity_setting(self, attr)
         for attr in ("logdir", "keys_mount"):
             value = getattr(self, attr)
             if not isinstance(value, str) or not value.startswith("/"):

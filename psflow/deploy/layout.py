@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal
 
 from psflow.cluster import ClusterSpec, TaskSpec
-from psflow.deploy.config import JobConfig, parse_quantity
+from psflow.deploy.config import JobConfig
+from psflow.deploy.quantity import parse_quantity
 from psflow.deploy.targets import check_settings_for
 
 TARGETS = ("kubernetes", "tfjob", "trainer", "volcano", "compose", "marathon")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from decimal import Decimal, InvalidOperation
+from typing import Any
 
 # Kubernetes quantity syntax: a decimal number, then a binary suffix (Ki..Ei), a decimal suffix
 # (n, u, m, k, M, G, T, P, E) or a decimal exponent (e3, E-2).
@@ -59,3 +60,26 @@ def parse_quantity(text: str, *, what: str) -> Decimal:
     if value <= 0:
         raise ValueError(f"{what} {text!r} must be greater than zero")
     return value
+
+
+def quantity_setting(owner: Any, attr: str) -> None:
+    """Checks ``owner.attr``, a resource quantity or ``None``, in place: a number (YAML reads
+    ``cpu: 2`` and ``cpu: 0.5`` as numbers) becomes the quantity string Kubernetes wants; a
+    memory in ``m`` is refused as the slip it is (millibytes).
+
+    Raises:
+        ValueError: naming ``attr`` and the value.
+    """
+    value = getattr(owner, attr)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        value = str(value)
+        setattr(owner, attr, value)
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise ValueError(f"{attr} must be a quantity string, got {value!r}")
+    parse_quantity(value, what=attr)
+    if attr.startswith("memory") and value.endswith("m"):
+        raise ValueError(
+            f"{attr} {value!r} means millibytes in Kubernetes: did you mean {value[:-1]}Mi?"
+        )

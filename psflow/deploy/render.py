@@ -17,7 +17,8 @@ import yaml
 
 from psflow import env as envvars
 from psflow.deploy import layout
-from psflow.deploy.config import JobConfig, parse_quantity
+from psflow.deploy.config import JobConfig
+from psflow.deploy.quantity import parse_quantity
 
 METRICS_PATH = "/metrics"
 """Where a task serves its metrics (``psflow.metrics.PATH``: deploy does not import it)."""

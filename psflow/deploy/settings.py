@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from psflow import env as envvars
 from psflow.cluster.modes import MODES, Mode
-from psflow.deploy.quantity import parse_quantity
+from psflow.deploy.quantity import parse_quantity, quantity_setting
 
 
 class JobSettings(Protocol):
@@ -171,19 +171,7 @@ def check_settings(config: JobSettings) -> None:
         if mode != Mode.ALLREDUCE and not config.ps:
             raise ValueError(f"ps: mode {mode} needs at least one ps task, got ps 0")
     for attr in ("cpu_limit", "memory_limit"):
-        value = getattr(config, attr)
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            value = str(value)
-            setattr(config, attr, value)
-        if value is not None:
-            if not isinstance(value, str):
-                raise ValueError(f"{attr} must be a quantity string, got {value!r}")
-            parse_quantity(value, what=attr)
-    if config.memory_limit is not None and config.memory_limit.endswith("m"):
-        raise ValueError(
-            f"memory_limit {config.memory_limit!r} means millibytes: "
-            f"did you mean {config.memory_limit[:-1]}Mi?"
-        )
+        quantity_setting(config, attr)
     for request, limit in (("cpu", "cpu_limit"), ("memory", "memory_limit")):
         low, high = getattr(config, request), getattr(config, limit)
         if (
