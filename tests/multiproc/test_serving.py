@@ -137,6 +137,9 @@ def predict(url: str, request: dict[str, Any]) -> tuple[int, Any]:
 def check_serves(server: ModelServer, reference: Model, seq: int) -> list[torch.Tensor]:
     got = []
     for request in REQUESTS:
+        # A request's connection closes on the server's side after the client has its answer;
+        # with max_connections=2, the next one waits for that, not for a guess of its time.
+        assert server.wait_idle(10)
         status, body = predict(server.url, request)
         assert status == 200, body
         assert body["export"] == seq
@@ -170,6 +173,7 @@ def test_the_server_serves_each_export_as_the_model_predicts_and_refuses_bad_req
     server = ModelServer(config).start()  # before any export: it waits for the first
     try:
         assert call(server.url, "GET", "/healthz")[0] == 503
+        assert server.wait_idle(10)
         status, body = predict(server.url, REQUESTS[0])
         assert status == 503 and "no export served yet" in body["error"]
         with quiet_session(
@@ -188,6 +192,7 @@ def test_the_server_serves_each_export_as_the_model_predicts_and_refuses_bad_req
             at_first = eval_model(ckpt, sess.global_step, tmp_path / "first.safetensors")
             assert server.wait_for_export(first, timeout=20), server.status()
             before = check_serves(server, at_first, first)
+            assert server.wait_idle(10)
             assert call(server.url, "GET", "/healthz")[0] == 200
 
             for bad, reason in [
@@ -206,14 +211,18 @@ def test_the_server_serves_each_export_as_the_model_predicts_and_refuses_bad_req
                  f"id {VOCAB} is out of range for table 'items' of {VOCAB} rows"),
                 (json.dumps({"features": {"items": [], "users": []}}).encode(), "1..65536"),
             ]:  # fmt: skip
+                assert server.wait_idle(10)
                 status, body = call(server.url, "POST", "/predict", bad)
                 assert status == 400 and reason in body["error"], (bad, body)
                 assert "\n" not in body["error"]
+            assert server.wait_idle(10)
             assert call(server.url, "GET", "/nowhere")[0] == 404
             head = b"POST /predict HTTP/1.1\r\nHost: t\r\n"
+            assert server.wait_idle(10)
             assert raw(server.url, head + b"Content-Length: 99999999\r\n\r\n").startswith(
                 b"HTTP/1.1 413"
             )
+            assert server.wait_idle(10)
             assert raw(server.url, head + b"\r\n").startswith(b"HTTP/1.1 411")
             # A client that never finishes its request holds a thread for request_timeout
             # only; the server answers others meanwhile, then closes that connection.
