@@ -47,7 +47,8 @@ def compression_of(path: str) -> str:
     return ""
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, for an error ("a FIFO", "a directory", ...)."""
     for test, kind in (
         (stat.S_ISFIFO, "a FIFO"),
         (stat.S_ISDIR, "a directory"),
@@ -75,12 +76,12 @@ def open_regular(path: str) -> IO[bytes]:
         return fs.open_read(path)
     mode = os.stat(path).st_mode
     if not stat.S_ISREG(mode):
-        raise ValueError(f"{path}: {_kind(mode)} where a file belongs (not read)")
+        raise ValueError(f"{path}: {file_kind(mode)} where a file belongs (not read)")
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise ValueError(f"{path}: {_kind(mode)} where a file belongs (not read)")
+            raise ValueError(f"{path}: {file_kind(mode)} where a file belongs (not read)")
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb", buffering=0)
     except BaseException:

@@ -21,6 +21,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from safetensors.torch import load as st_load
 
+from psflow.data.line_input import file_kind
 from psflow.ps.files import url_to_fs
 
 MAX_HEADER_BYTES = 100_000_000
@@ -129,19 +130,6 @@ def decode(data: bytes, source: str) -> tuple[dict[str, torch.Tensor], dict[str,
         raise _fail(source, str(e)) from None
 
 
-def _kind(mode: int) -> str:
-    for test, kind in (
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(mode):
-            return kind
-    return "not a regular file"
-
-
 def _inside(path: str, root: str) -> bool:
     real, base = os.path.realpath(path), os.path.realpath(root)
     return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
@@ -171,7 +159,7 @@ def check_regular(url: str, root: str | None = None) -> None:
             )
     mode = os.stat(path).st_mode
     if not stat.S_ISREG(mode):
-        raise ValueError(f"{url}: {_kind(mode)} where a file belongs (not read)")
+        raise ValueError(f"{url}: {file_kind(mode)} where a file belongs (not read)")
 
 
 def open_regular(url: str, root: str | None = None) -> Any:
@@ -186,7 +174,7 @@ def open_regular(url: str, root: str | None = None) -> Any:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise ValueError(f"{url}: {_kind(mode)} where a file belongs (not read)")
+            raise ValueError(f"{url}: {file_kind(mode)} where a file belongs (not read)")
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:
