@@ -171,16 +171,20 @@ def run_ceiling(
 # --- psflow jobs -----------------------------------------------------------------------------
 
 
-def run_psflow(
-    args: argparse.Namespace, p: dict[str, Any], data: str, ps: int, workers: int, shm: bool
-) -> float:
-    """The job's samples/s: each worker's own line (``examples/ctr.py``), summed."""
-    steps = p["steps_per_worker"] * workers
+def job_command(p: dict[str, Any], data: str, ps: int, workers: int, steps: int) -> list[str]:
+    """``psflow launch`` of ``examples/ctr.py`` with the preset's model, ``steps`` in all."""
     cmd = [sys.executable, "-m", "psflow.cli", "launch", "--ps", str(ps), "--workers"]
     cmd += [str(workers), str(ROOT / "examples" / "ctr.py"), "--data", data]
     cmd += ["--train_steps", str(steps), "--dim", str(p["dim"]), "--bottom", p["bottom"]]
     cmd += ["--top", p["top"], "--batch_size", str(p["batch"]), "--no-wide", "--min_count", "0"]
-    cmd += ["--prefetch"]
+    return [*cmd, "--prefetch"]
+
+
+def run_psflow(
+    args: argparse.Namespace, p: dict[str, Any], data: str, ps: int, workers: int, shm: bool
+) -> float:
+    """The job's samples/s: each worker's own line (``examples/ctr.py``), summed."""
+    cmd = job_command(p, data, ps, workers, p["steps_per_worker"] * workers)
     env = dict(os.environ, PSFLOW_SHM="1" if shm else "0")
     proc = subprocess.run(
         cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT
