@@ -128,7 +128,8 @@ def ceiling_task(p: dict[str, Any], data: str, threads: int, rows: int) -> None:
     model.embedding = PlainTable(p["dim"])
     table = list(model.embedding.parameters())
     dense = [q for n, q in model.named_parameters() if not n.startswith("embedding.")]
-    opts = [torch.optim.Adam(dense, lr=1e-3), torch.optim.Adagrad(table, lr=0.05)]
+    # The example's dense optimizer: Adam in its fused form (``examples/ctr.py --fused``).
+    opts = [torch.optim.Adam(dense, lr=1e-3, fused=True), torch.optim.Adagrad(table, lr=0.05)]
     source = ctr_batches(f"{data}/train-*", batch_size=p["batch"], num_epochs=None)
     batches = [next(source) for _ in range(p["ceiling_batches"])]
     warmup = 3
