@@ -99,7 +99,10 @@ def _add_launch(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         description="Start a ps job on this machine: every task runs SCRIPT with its own TF_CONFIG.",
     )
     p.add_argument(
-        "--ps", type=int, default=None, help="number of ps tasks (default 1; 0 with allreduce)"
+        "--ps",
+        type=int,
+        default=None,
+        help="ps tasks (default: one to every 3 workers, printed; 0 with allreduce)",
     )
     p.add_argument("--workers", type=int, default=2, help="number of worker tasks (default 2)")
     p.add_argument("--chief", action="store_true", help="add a separate chief task")

@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import sys
 
+from psflow.cluster.cores import host_cpus
+from psflow.cluster.launch_config import WORKERS_PER_PS, planned_ps
 from psflow.cluster.launcher import LaunchConfig, Launcher
-from psflow.cluster.modes import Mode
+from psflow.env import threads_per_task
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -15,10 +18,20 @@ def launch(args: argparse.Namespace) -> int:
     # Checked here, once: otherwise every task would fail alike with Python's own message.
     if not os.path.exists(args.script):
         raise FileNotFoundError(errno.ENOENT, "no such training script", args.script)
+    ps = args.ps
+    if ps is None:
+        ps = planned_ps(args.workers, args.mode)
+        if ps:
+            plan = f"{ps} ps for {args.workers} workers (one to every {WORKERS_PER_PS})"
+            if getattr(args, "backend", "local") == "local":
+                tasks = ps + args.workers + int(args.chief) + int(args.evaluator)
+                threads = threads_per_task(tasks)
+                plan += f", {threads} thread{'' if threads == '1' else 's'} a task on {len(host_cpus())} cores"
+            print(f"psflow launch: {plan}; --ps N chooses another count", file=sys.stderr)
     config = LaunchConfig(
         script=args.script,
         args=args.args,
-        ps=args.ps if args.ps is not None else (0 if args.mode == Mode.ALLREDUCE else 1),
+        ps=ps,
         workers=args.workers,
         chief=args.chief,
         evaluators=int(args.evaluator),

@@ -15,6 +15,28 @@ LAUNCH_MODES = MODES
 """The modes ``psflow launch --mode`` takes: every one (:data:`psflow.cluster.modes.MODES`)."""
 
 
+WORKERS_PER_PS = 3
+"""Workers to a ps task when ``psflow launch`` chooses (no ``--ps``). Every worker's step
+reaches every shard (each holds a share of the dense parameters and of every table), so a
+shard's serving thread sees the whole job's steps and only its share of each shrinks with more
+ps: on 16 cores, ``examples/ctr.py`` at 4 ps x 12 workers had each ps's serving thread 73-91%
+busy and the workers waiting for them, while 2 ps x 4 workers got the most of its cores
+(``benchmarks/results/scaling.md``)."""
+
+
+def planned_ps(workers: int, mode: str | None) -> int:
+    """The ps tasks ``psflow launch`` starts when ``--ps`` is not given: none in all-reduce,
+    else one for every :data:`WORKERS_PER_PS` workers, at least one.
+
+    Example:
+        >>> [planned_ps(w, None) for w in (1, 2, 3, 4, 12)], planned_ps(4, "allreduce")
+        ([1, 1, 1, 2, 4], 0)
+    """
+    if mode == Mode.ALLREDUCE:
+        return 0
+    return max(1, -(-workers // WORKERS_PER_PS))
+
+
 @dataclass(kw_only=True)
 class LaunchConfig:
     """What ``psflow launch`` starts."""

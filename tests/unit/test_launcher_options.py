@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import psflow.cli
+from psflow.cluster.cli import launch
 from psflow.cluster.cores import bind, core_sets
 from psflow.cluster.launcher import LaunchConfig, Launcher
 from psflow.cluster.spec import TaskSpec
@@ -76,6 +77,27 @@ def test_the_launch_flags_and_their_defaults(script: str) -> None:
     assert args.max_restarts == 2 and args.insecure
     args = psflow.cli.build_parser().parse_args(["launch", script])
     assert args.max_restarts == 0 and not args.insecure
+
+
+def test_without_ps_the_launcher_plans_one_to_every_three_workers_and_says_so(
+    script: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    started: list[LaunchConfig] = []
+    monkeypatch.setattr(Launcher, "run", lambda self: started.append(self.config) or 0)
+    parser = psflow.cli.build_parser()
+    cases = [
+        (["--workers", "7"], 3),
+        (["--workers", "2"], 1),
+        (["--workers", "7", "--ps", "1"], 1),
+        (["--workers", "3", "--mode", "allreduce"], 0),
+    ]
+    for argv, ps in cases:
+        assert launch(parser.parse_args(["launch", *argv, script])) == 0
+        assert started[-1].ps == ps, argv
+    plans = [x for x in capsys.readouterr().err.splitlines() if "ps for" in x]
+    assert len(plans) == 2, plans  # chosen twice; given, or all-reduce's none, not printed
+    assert plans[0].startswith("psflow launch: 3 ps for 7 workers (one to every 3), ")
+    assert plans[0].endswith("; --ps N chooses another count")
 
 
 def test_bind_cores_is_off_unless_asked(script: str) -> None:
