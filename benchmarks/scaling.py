@@ -13,7 +13,9 @@ The model is ``examples/ctr.py``'s DLRM in DeepRec's shape (embedding dim 16, bo
   count, as they do for the job); ``threads``: one process with a thread per core.
 - **Jobs**: ``psflow launch --ps P --workers W examples/ctr.py ...`` for each ``PxW`` of
   ``--jobs`` (default: by the host's cores), through shared memory and through the socket
-  (``PSFLOW_SHM=0``), alternately; each worker's own samples/s line, summed.
+  (``PSFLOW_SHM=0``), alternately; each worker's own samples/s line, summed. With
+  ``--against ARGS``, each job also runs with those example arguments, alternating, for an A/B
+  on one machine (``--against=--no-fused``: torch's Adam loop against the fused form).
 
 Printed per job and path: samples/s, samples/s per core (the cores the job's processes may
 use: ``min(P + W, cores)``), and efficiency: the job's samples/s over the ``procs`` ceiling of
@@ -27,10 +29,12 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -172,20 +176,29 @@ def run_ceiling(
 # --- psflow jobs -----------------------------------------------------------------------------
 
 
-def job_command(p: dict[str, Any], data: str, ps: int, workers: int, steps: int) -> list[str]:
-    """``psflow launch`` of ``examples/ctr.py`` with the preset's model, ``steps`` in all."""
+def job_command(
+    p: dict[str, Any], data: str, ps: int, workers: int, steps: int, extra: Sequence[str] = ()
+) -> list[str]:
+    """``psflow launch`` of ``examples/ctr.py`` with the preset's model, ``steps`` in all, and
+    ``extra`` arguments for the example."""
     cmd = [sys.executable, "-m", "psflow.cli", "launch", "--ps", str(ps), "--workers"]
     cmd += [str(workers), str(ROOT / "examples" / "ctr.py"), "--data", data]
     cmd += ["--train_steps", str(steps), "--dim", str(p["dim"]), "--bottom", p["bottom"]]
     cmd += ["--top", p["top"], "--batch_size", str(p["batch"]), "--no-wide", "--min_count", "0"]
-    return [*cmd, "--prefetch"]
+    return [*cmd, "--prefetch", *extra]
 
 
 def run_psflow(
-    args: argparse.Namespace, p: dict[str, Any], data: str, ps: int, workers: int, shm: bool
+    args: argparse.Namespace,
+    p: dict[str, Any],
+    data: str,
+    ps: int,
+    workers: int,
+    shm: bool,
+    extra: Sequence[str] = (),
 ) -> float:
     """The job's samples/s: each worker's own line (``examples/ctr.py``), summed."""
-    cmd = job_command(p, data, ps, workers, p["steps_per_worker"] * workers)
+    cmd = job_command(p, data, ps, workers, p["steps_per_worker"] * workers, extra)
     env = dict(os.environ, PSFLOW_SHM="1" if shm else "0")
     proc = subprocess.run(
         cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT
@@ -210,6 +223,11 @@ def main() -> None:
     parser.add_argument("--jobs", help="PSxWORKERS sizes, comma-separated (default: by cores)")
     parser.add_argument("--cores", type=int, help="cores to count on (default: this host's)")
     parser.add_argument("--ceiling_rows", type=int, default=1 << 20, help="plain table rows")
+    parser.add_argument(
+        "--against",
+        help="example arguments for a second run of each job, alternating with the first "
+        "(an A/B on one machine, e.g. '--no-fused'); its figures are prefixed against_",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--role", choices=["ceiling"], help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
@@ -238,6 +256,9 @@ def main() -> None:
             flush=True,
         )
         rows = []
+        variants = [("", [])]
+        if args.against:
+            variants.append(("against_", shlex.split(args.against)))
         for ps, workers in jobs:
             used = min(ps + workers, cores)
             entry: dict[str, Any] = {"ps": ps, "workers": workers, "cores": used}
@@ -245,19 +266,25 @@ def main() -> None:
                 for path, shm in (("shm", True), ("socket", False)):
                     if path not in p.get("paths", ("shm", "socket")):
                         continue
-                    rate = run_psflow(args, p, data, ps, workers, shm)
-                    entry.setdefault(f"{path}_runs", []).append(round(rate))
+                    for label, extra in variants:
+                        rate = run_psflow(args, p, data, ps, workers, shm, extra)
+                        entry.setdefault(f"{label}{path}_runs", []).append(round(rate))
             for path in p.get("paths", ("shm", "socket")):
-                runs = sorted(entry[f"{path}_runs"])
-                rate = runs[len(runs) // 2]
-                entry[f"{path}_samples_per_s"] = rate
-                entry[f"{path}_per_core"] = round(rate / used)
-                entry[f"{path}_efficiency"] = round(rate / (per_core * used), 3)
+                for label, _ in variants:
+                    runs = sorted(entry[f"{label}{path}_runs"])
+                    rate = runs[len(runs) // 2]
+                    entry[f"{label}{path}_samples_per_s"] = rate
+                    entry[f"{label}{path}_per_core"] = round(rate / used)
+                    entry[f"{label}{path}_efficiency"] = round(rate / (per_core * used), 3)
+                if args.against:
+                    ratio = entry[f"{path}_samples_per_s"] / entry[f"against_{path}_samples_per_s"]
+                    entry[f"{path}_vs_against"] = round(ratio, 3)
             print(json.dumps(entry), flush=True)
             rows.append(entry)
     result = {
         "benchmark": "scaling",
         "preset": args.preset,
+        "against": args.against,
         "cores": cores,
         "model": {k: p[k] for k in ("dim", "bottom", "top", "batch")},
         "ceiling_one_process": None if one is None else round(one),

@@ -2,7 +2,8 @@
 # Issue 35's many-core measurement, as one command for a machine with more cores than this one
 # (the device tool's `run`, ../.library/device): benchmarks/scaling.py at JOBS, then
 # benchmarks/job_profile.py on the largest job (each task's cores, py-spy stacks of a ps and a
-# worker).
+# worker). AGAINST gives scaling.py's --against (example arguments for an A/B run of each job,
+# alternating: AGAINST=--no-fused); PROFILE= skips the profile.
 #
 # It needs pyzmq, google-crc32c and py-spy as wheels in .whl (see scripts/gpu-check.sh for the
 # download; add py-spy==0.4.3 with --platform manylinux1_x86_64), carried: command
@@ -13,7 +14,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-/tmp/scale-check}"
 mkdir -p "$out"
 jobs="${JOBS:-1x1,2x4,4x8,4x12}"
-profile="${PROFILE:-4x12}"
+profile="${PROFILE-4x12}"
 py="${PYTHON:-python3}"
 if compgen -G ".whl/*.whl" >/dev/null && ! "$py" -c "import zmq, google_crc32c" 2>/dev/null; then
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -28,8 +29,12 @@ lscpu | grep -E "^Model name|^CPU\(s\)|^Thread|^NUMA node\(s\)" | tee "$out/mach
     --test-examples 1000 >/dev/null || exit 1
 
 echo "== scaling: $jobs =="
-"$py" benchmarks/scaling.py --data /tmp/ctr --jobs "$jobs" 2>&1 | tee "$out/scaling.log"
+against=()
+[ -n "${AGAINST:-}" ] && against=("--against=$AGAINST")
+"$py" benchmarks/scaling.py --data /tmp/ctr --jobs "$jobs" "${against[@]}" 2>&1 |
+    tee "$out/scaling.log"
+[ -z "$profile" ] && exit 0
 
 echo "== job_profile: $profile, shared memory =="
 "$py" benchmarks/job_profile.py --ps "${profile%x*}" --workers "${profile#*x}" --data /tmp/ctr \
-    --warmup 12 --window 8 --pyspy ps:0,worker:0 --out "$out" 2>&1 | tee "$out/profile.log"
+    --warmup "${WARMUP:-12}" --window "${WINDOW:-8}" --pyspy ps:0,worker:0 --out "$out" 2>&1 | tee "$out/profile.log"
