@@ -19,9 +19,10 @@ WORKERS_PER_PS = 3
 """Workers to a ps task when ``psflow launch`` chooses (no ``--ps``). Every worker's step
 reaches every shard (each holds a share of the dense parameters and of every table), so a
 shard's serving thread sees the whole job's steps and only its share of each shrinks with more
-ps: on 16 cores, ``examples/ctr.py`` at 4 ps x 12 workers had each ps's serving thread 73-91%
-busy and the workers waiting for them, while 2 ps x 4 workers got the most of its cores
-(``benchmarks/results/scaling.md``)."""
+ps. On 16 cores, ``examples/ctr.py`` at 4 ps x 12 workers had each ps's serving thread 73-91%
+busy with the workers waiting for them (50% of the cores' plain-torch rate once its Adam was
+fused; 2 ps x 4 workers 82% of its 6 cores): ``benchmarks/results/scaling.md``. Other ratios at
+16 cores are still to measure; ``--ps`` chooses."""
 
 
 def planned_ps(workers: int, mode: str | None) -> int:
