@@ -1,15 +1,18 @@
 """job_profile: where a running CTR job's processes spend the cores they have.
 
-    .venv/bin/python benchmarks/job_profile.py --ps 4 --workers 12 --data DIR \\
-        [--window 10] [--warmup 15] [--pyspy ps:0,worker:0] [--out DIR] [--socket]
+    .venv/bin/python benchmarks/job_profile.py --ps 4 --workers 12 [--data DIR] \\
+        [--preset full|smoke] [--window 10] [--warmup 15] [--pyspy ps:0,worker:0] \\
+        [--out DIR] [--socket]
 
 Starts ``psflow launch`` of ``examples/ctr.py`` with ``scaling.py``'s model (``--preset``),
 waits ``--warmup`` seconds once every task runs, then for ``--window`` seconds reads each task's
 CPU time from ``/proc``: the whole process (cores it kept busy) and its busiest thread (a share
 near 1.0 is a thread that saturates a core: a ps's serving thread, a worker's training loop).
 With ``--pyspy``, ``py-spy record --native --idle -f raw`` of the named tasks for another
-window after that one (py-spy stops a process at each sample), written to ``--out`` (collapsed stacks: one line per stack, its sample count last). The job is
-stopped after the window. The last line is one JSON object.
+window after that one (py-spy stops a process at each sample), written to ``--out``
+(collapsed stacks: one line per stack, its sample count last). The job is stopped after the
+window. Without ``--data``, a ``psflow data synth-ctr`` set of the preset's size is made in a
+temporary directory. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -29,14 +33,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from common import emit, machine  # noqa: E402
-from scaling import PRESETS, job_command  # noqa: E402
+from scaling import PRESETS, job_command, synthesize  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
 
 def children(pid: int) -> list[int]:
     """Every descendant of ``pid``."""
-    out = []
+    out: list[int] = []
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except FileNotFoundError:
@@ -83,7 +87,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ps", type=int, required=True)
     parser.add_argument("--workers", type=int, required=True)
-    parser.add_argument("--data", required=True, help="a `psflow data synth-ctr` directory")
+    parser.add_argument("--data", help="a `psflow data synth-ctr` directory (default: new)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
     parser.add_argument("--warmup", type=float, default=15.0, help="seconds before the window")
     parser.add_argument("--window", type=float, default=10.0, help="seconds measured")
@@ -92,11 +96,31 @@ def main() -> None:
     parser.add_argument("--socket", action="store_true", help="PSFLOW_SHM=0")
     args = parser.parse_args()
     p = PRESETS[args.preset]
+    with tempfile.TemporaryDirectory(prefix="psflow-job-profile-") as tmp:
+        data = args.data or os.path.join(tmp, "ctr")
+        if not args.data:
+            synthesize(data, p)
+        rows = profile(args, p, data)
+    emit(
+        {
+            "benchmark": "job_profile",
+            "ps": args.ps,
+            "workers": args.workers,
+            "path": "socket" if args.socket else "shm",
+            "window_s": args.window,
+            "tasks": rows,
+            "machine": machine(),
+        }
+    )
+
+
+def profile(args: argparse.Namespace, p: dict[str, Any], data: str) -> dict[str, Any]:
+    """Runs the job and measures its tasks; returns each one's figures by name."""
     tasks = args.ps + args.workers
     steps = 10**6  # stopped after the window
     env = dict(os.environ, PSFLOW_SHM="0" if args.socket else "1")
     launcher = subprocess.Popen(
-        job_command(p, args.data, args.ps, args.workers, steps),
+        job_command(p, data, args.ps, args.workers, steps),
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -106,8 +130,8 @@ def main() -> None:
     try:
         deadline = time.monotonic() + 120
         while True:
-            named = {task_name(pid): pid for pid in children(launcher.pid)}
-            named.pop(None, None)
+            found = {task_name(pid): pid for pid in children(launcher.pid)}
+            named = {name: pid for name, pid in found.items() if name is not None}
             if len(named) == tasks:
                 break
             if launcher.poll() is not None or time.monotonic() > deadline:
@@ -115,7 +139,8 @@ def main() -> None:
             time.sleep(0.2)
         time.sleep(args.warmup)
         if launcher.poll() is not None:
-            raise SystemExit(f"the job ended during the warm-up: {launcher.stderr.read()[-2000:]}")
+            _, err = launcher.communicate()
+            raise SystemExit(f"the job ended during the warm-up: {err[-2000:]}")
         before = {name: cpu_ticks(pid) for name, pid in named.items()}
         start = time.monotonic()
         time.sleep(args.window)
@@ -137,9 +162,9 @@ def main() -> None:
             cmd += ["--native", "--idle", "--threads", "-r", "50", "-f", "raw", "-o", str(path)]
             spies.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         for spy in spies:
-            _, err = spy.communicate(timeout=args.window + 60)
+            _, spy_err = spy.communicate(timeout=args.window + 60)
             if spy.returncode != 0:
-                print(f"py-spy exited with {spy.returncode}: {err.decode()[-1000:]}", flush=True)
+                print(f"py-spy exited with {spy.returncode}: {spy_err.decode()[-1000:]}")
     finally:
         os.killpg(launcher.pid, signal.SIGTERM)
         try:
@@ -156,17 +181,7 @@ def main() -> None:
             "busiest_share": round(used[busiest] / TICK / seconds, 2),
         }
         print(f"{name:>10}: {rows[name]}", flush=True)
-    emit(
-        {
-            "benchmark": "job_profile",
-            "ps": args.ps,
-            "workers": args.workers,
-            "path": "socket" if args.socket else "shm",
-            "window_s": round(seconds, 1),
-            "tasks": rows,
-            "machine": machine(),
-        }
-    )
+    return rows
 
 
 if __name__ == "__main__":

@@ -256,7 +256,7 @@ def main() -> None:
             flush=True,
         )
         rows = []
-        variants = [("", [])]
+        variants: list[tuple[str, list[str]]] = [("", [])]
         if args.against:
             variants.append(("against_", shlex.split(args.against)))
         for ps, workers in jobs:
