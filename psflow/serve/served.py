@@ -21,7 +21,10 @@ __all__ = ["MODES", "Feature", "Served"]
 
 MODES = ("sum", "mean", "max")
 """A feature's combiners, ``torch.nn.EmbeddingBag``'s."""
-ONNX_TYPES = {"tensor(float)": np.dtype(np.float32), "tensor(double)": np.dtype(np.float64)}
+ONNX_TYPES: dict[str, np.dtype[Any]] = {
+    "tensor(float)": np.dtype(np.float32),
+    "tensor(double)": np.dtype(np.float64),
+}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,7 +24,9 @@ base, shapes that do not fit) is logged and refused; the server keeps serving th
 HTTP (JSON, ``Content-Length`` bodies):
 
 - ``POST /predict`` ``{"features": {"users": [[7, 12], [3]], "items": [[1], [4, 4]]}}``: one
-  bag of ids per example per feature, every feature the same number of examples. Answers
+  bag of ids per example per feature, every feature the same number of examples; with
+  ``numeric`` inputs (:attr:`ServerConfig.numeric`) also ``"numeric": {"counts": [[0.5, 3.0],
+  [1.0, 0.0]]}``, a row of numbers per example. Answers
   ``{"export": n, "step": s, "outputs": {"output": [...]}}``; a bad request ``400`` with
   ``{"error": "<one line>"}``; before the first export ``503``.
 - ``GET /status``: the export served, its base and step, the last exports served and how many,
@@ -47,7 +49,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -56,7 +58,7 @@ import torch
 
 from psflow.serve.delta import ExportedModel, ExportError
 from psflow.serve.metrics import ServerMetrics
-from psflow.serve.served import Feature, Served
+from psflow.serve.served import ONNX_TYPES, Feature, Served
 
 __all__ = ["BadRequest", "Feature", "ModelServer", "ServerConfig"]
 
@@ -75,6 +77,9 @@ class ServerConfig:
     """The dense part (:func:`~psflow.serve.dense.export_dense`)."""
     features: Mapping[str, Feature]
     """Each request feature: its table and pooling. Each is an input of the ONNX graph."""
+    numeric: Mapping[str, int] = field(default_factory=dict)
+    """Request inputs that are numbers rather than ids (a CTR model's counts), by name: each a
+    ``[batch, width]`` input of the ONNX graph, fed as the request gives it."""
     host: str = "127.0.0.1"
     port: int = 0
     """0: one the OS chooses (:attr:`ModelServer.url` says which)."""
@@ -99,6 +104,12 @@ class ServerConfig:
         for name, feature in self.features.items():
             if not isinstance(feature, Feature):
                 raise TypeError(f"ServerConfig: features[{name!r}] must be a Feature")
+        for name, width in self.numeric.items():
+            if name in self.features:
+                raise ValueError(f"ServerConfig: {name!r} is both a feature and a numeric input")
+            if type(width) is not int or width < 1:
+                raise ValueError(f"ServerConfig: numeric[{name!r}] must be a width >= 1, "
+                                 f"got {width!r}")  # fmt: skip
         for key in ("poll_seconds", "request_timeout"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"ServerConfig: {key} must be > 0, got {getattr(self, key)}")
@@ -141,7 +152,7 @@ class ModelServer:
         except Exception as e:  # ORT raises its own exception types
             raise ValueError(f"{config.onnx_path}: not an ONNX model ORT loads: {e}") from None
         self.inputs = {i.name: (list(i.shape), str(i.type)) for i in self.session.get_inputs()}
-        missing = [f for f in config.features if f not in self.inputs]
+        missing = [f for f in (*config.features, *config.numeric) if f not in self.inputs]
         if missing:
             raise ValueError(
                 f"{config.onnx_path}: no input for feature(s) {missing}; its inputs are "
@@ -153,6 +164,15 @@ class ModelServer:
                 f"{config.onnx_path}: the input of feature(s) {flat} must be [batch, dim] (a "
                 f"pooled row per example), not {[self.inputs[f][0] for f in flat]}"
             )
+        for name, width in config.numeric.items():
+            shape, kind = self.inputs[name]
+            if len(shape) != 2 or shape[1] != width or kind not in ONNX_TYPES:
+                raise ValueError(
+                    f"{config.onnx_path}: the numeric input {name!r} is {shape} {kind}; "
+                    f"expected [batch, {width}] of floats"
+                )
+        self._graph_inputs = {k: v for k, v in self.inputs.items() if k not in config.numeric}
+        """What an export must feed: the features' rows and the dense parameters."""
         self.output_names = [o.name for o in self.session.get_outputs()]
         self._model = ExportedModel()  # the poller's alone
         self._tried: int | None = None
@@ -245,7 +265,7 @@ class ModelServer:
         if model.seq is not None and model.seq != self._tried:
             self._tried = model.seq
             try:
-                served = Served(model, self.config.features, self.inputs)
+                served = Served(model, self.config.features, self._graph_inputs)
             except ExportError as e:
                 # Kept applied (the next delta applies on it), not served: the last good
                 # export is.
@@ -289,9 +309,10 @@ class ModelServer:
 
     # -- predictions -------------------------------------------------------------------------
 
-    def predict(self, features: Any) -> tuple[Served, dict[str, np.ndarray]]:
-        """The outputs for one request's ``features`` (``{"users": [[7, 12], [3]], ...}``),
-        with the export they were computed with.
+    def predict(self, features: Any, numeric: Any = None) -> tuple[Served, dict[str, np.ndarray]]:
+        """The outputs for one request's ``features`` (``{"users": [[7, 12], [3]], ...}``)
+        and ``numeric`` inputs (``{"counts": [[0.5, 3.0], [1.0, 0.0]]}``), with the export
+        they were computed with.
 
         Raises:
             BadRequest: naming what is wrong with the request, or 503 before any export.
@@ -301,6 +322,8 @@ class ModelServer:
             raise BadRequest(f"no export served yet from {self.config.export_dir}", 503)
         ids = self._parse(features)
         feeds: dict[str, np.ndarray] = dict(served.feeds)
+        batch = len(ids[next(iter(self.config.features))][1])
+        feeds.update(self._parse_numeric(numeric, batch))
         for name, feature in self.config.features.items():
             flat, offsets = ids[name]
             try:
@@ -344,6 +367,40 @@ class ModelServer:
                 lengths.append(len(bag))
             offsets = torch.tensor(lengths[:-1], dtype=torch.int64).cumsum(0)
             out[name] = (torch.tensor(flat, dtype=torch.int64), offsets)
+        return out
+
+    def _parse_numeric(self, numeric: Any, batch: int) -> dict[str, np.ndarray]:
+        wanted = self.config.numeric
+        if numeric is None:
+            numeric = {}
+        if not isinstance(numeric, dict):
+            raise BadRequest("'numeric' must be an object: input name to a list of rows")
+        unknown = sorted(set(numeric) - set(wanted))
+        missing = sorted(set(wanted) - set(numeric))
+        if unknown or missing:
+            raise BadRequest(f"numeric inputs: unknown {unknown}, missing {missing}; this model "
+                             f"takes {sorted(wanted)}")  # fmt: skip
+        out = {}
+        for name, width in wanted.items():
+            rows = numeric[name]
+            if not isinstance(rows, list) or len(rows) != batch:
+                got = len(rows) if isinstance(rows, list) else type(rows).__name__
+                raise BadRequest(f"numeric input {name!r}: expected {batch} rows (the "
+                                 f"features' examples), got {got}")  # fmt: skip
+            for i, row in enumerate(rows):
+                if (
+                    not isinstance(row, list)
+                    or len(row) != width
+                    or not all(type(v) in (int, float) for v in row)
+                ):
+                    raise BadRequest(f"numeric input {name!r}, example {i}: expected {width} "
+                                     f"numbers, got {repr(row)[:60]}")  # fmt: skip
+            with np.errstate(over="ignore"):  # refused just below, by name
+                array = np.asarray(rows, dtype=ONNX_TYPES[self.inputs[name][1]])
+            if not np.isfinite(array).all():
+                raise BadRequest(f"numeric input {name!r}: a value is not finite (or out of "
+                                 f"the input's range)")  # fmt: skip
+            out[name] = array
         return out
 
     def status(self) -> dict[str, Any]:
@@ -452,7 +509,7 @@ class _Handler(BaseHTTPRequestHandler):
         start = time.perf_counter()
         try:
             body = self._body()
-            served, outputs = self.owner.predict(body.get("features"))
+            served, outputs = self.owner.predict(body.get("features"), body.get("numeric"))
         except BadRequest as e:
             if e.status == 413:
                 self.close_connection = True  # its body was not read
