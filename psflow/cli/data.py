@@ -70,6 +70,24 @@ def add_data(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     synth.add_argument("--seed", type=int, default=0)
     synth.set_defaults(func=runs("psflow.data.cli", "synth_ctr"))
 
+    produce = command(
+        sub,
+        "produce",
+        help="send TFRecord files' records into a Kafka topic at a set rate",
+        description="Each record's bytes (a tf.train.Example) into TOPIC's partitions in turn, "
+        "at most --rate a second; the topic is made with --partitions partitions if absent. "
+        "Feeds a job that trains from the stream (examples/online_ctr.py).",
+    )
+    produce.add_argument("files", nargs="+", metavar="FILE", help="TFRecord files or globs")
+    produce.add_argument("--brokers", required=True, help="host:port[,host:port...]")
+    produce.add_argument("--topic", required=True)
+    produce.add_argument("--partitions", type=int, default=4, help="if the topic is made here")
+    produce.add_argument("--rate", type=float, default=None, help="records/s (default: no limit)")
+    produce.add_argument("--loop", action="store_true", help="over the files again, for ever")
+    produce.add_argument("--limit", type=int, default=None, help="stop after this many records")
+    produce.add_argument("--compression", default="auto", help="'', GZIP, ZLIB or auto (suffix)")
+    produce.set_defaults(func=runs("psflow.data.cli", "produce"))
+
     crit = command(
         sub,
         "criteo",

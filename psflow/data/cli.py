@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -106,6 +107,30 @@ def synth_ctr(args: argparse.Namespace) -> int:
         f"expected over label draws: {result['expected_best_auc']}"
     )
     print(f"wrote {args.out} in {result['seconds']:.1f} s; figures in {META_FILE}")
+    return 0
+
+
+def produce(args: argparse.Namespace) -> int:
+    """Sends ``args.files``' records into a Kafka topic (``psflow data produce``)."""
+    from psflow.data.kafka_producer import ProducerConfig, produce
+
+    files = fs.expand_paths(args.files)
+    if args.limit is not None and args.limit < 0:
+        raise ValueError(f"--limit must be >= 0, got {args.limit}")
+    compression = args.compression if args.compression == "auto" else args.compression.upper()
+    records: Iterator[bytes] = (
+        itertools.chain.from_iterable(_records(files, compression) for _ in itertools.count())
+        if args.loop
+        else _records(files, compression)
+    )
+    if args.limit is not None:
+        records = itertools.islice(records, args.limit)
+    config = ProducerConfig(
+        brokers=args.brokers, topic=args.topic, partitions=args.partitions, rate=args.rate
+    )
+    start = time.monotonic()
+    n = produce(records, config, progress=lambda sent: print(f"{sent:,} records sent", flush=True))
+    print(f"{n:,} records into {args.topic} in {time.monotonic() - start:.1f} s", flush=True)
     return 0
 
 
