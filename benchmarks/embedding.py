@@ -1,6 +1,6 @@
 """embedding: sparse tables on the ps: rows pulled and pushed by id, against TensorFlow's.
 
-    .venv/bin/python benchmarks/embedding.py [--workload sparse|ctr|memory] [--compare-tf] [--preset smoke|example]
+    .venv/bin/python benchmarks/embedding.py [--workload sparse|ctr|memory] [--compare-tf] [--preset smoke|example] [--wire_dtype float32,bfloat16]
 
 - ``sparse``: one table ``[rows, 64]`` (``psflow.nn.Embedding``, row-wise Adagrad on the ps,
   split ``mod`` over 2 ps), 4,096 unique Zipf-distributed ids per step, one worker: each step
@@ -12,7 +12,10 @@
   ``shm_bound`` and ``socket_bound``, each task bound to the cores ``psflow launch
   --bind-cores`` deals it, and ``shm_prefetch`` (also bound: ``shm_prefetch_bound``) and
   ``socket_prefetch``: each step's push brings the next step's rows (``prefetch``), one round
-  trip a step instead of two; with one worker its rows are those a lookup would get.
+  trip a step instead of two; with one worker its rows are those a lookup would get. With
+  ``--wire_dtype float32,bfloat16`` (or ``float16``), each path runs once per dtype the rows
+  and row gradients travel in (``psflow.nn.TableConfig.wire_dtype``), alternately, reported
+  as ``<path>_<dtype>`` with each dtype's payload bytes per step.
 - ``ctr``: ``examples/ctr.py``'s DLRM end to end on a ``psflow data synth-ctr`` set (or
   ``--data``), 2 ps and 2 workers, Adagrad for the dense layers and row-wise for the table:
   samples/s summed over the workers, against the same model in TensorFlow 1.x style
@@ -106,7 +109,13 @@ def _peak_rss_bytes() -> int:
 
 
 def psflow_task(
-    rows: int, steps: int, warmup: int, save_dir: str | None, row_opt: str, prefetch: bool = False
+    rows: int,
+    steps: int,
+    warmup: int,
+    save_dir: str | None,
+    row_opt: str,
+    prefetch: bool = False,
+    wire_dtype: str = "float32",
 ) -> None:
     import numpy as np
     import torch
@@ -133,7 +142,11 @@ def psflow_task(
         else RowOptimizerSpec.of(row_opt, lr=0.01)
     )
     # On the meta device: the worker never allocates the table (the ps create it).
-    table = pnn.Embedding(rows, DIM, init_std=0.01, optimizer=optimizer, device="meta")
+    wire = getattr(torch, wire_dtype)
+    table = pnn.Embedding(
+        rows, DIM, init_std=0.01, optimizer=optimizer, device="meta", wire_dtype=wire
+    )
+    row_bytes = DIM * wire.itemsize  # as the rows and their gradients travel
     created = time.perf_counter()
     with psflow.DistributedOptimizer(table, ctx, optimizer="SGD", lr=0.01) as opt:
         create_seconds = time.perf_counter() - created
@@ -152,7 +165,7 @@ def psflow_task(
             opt.step()
             if i >= warmup:
                 # ids and rows pulled, ids and gradients pushed
-                payload += 2 * (ids.numel() * 8 + out.numel() * out.element_size())
+                payload += 2 * ids.numel() * (8 + row_bytes)
         seconds = time.perf_counter() - start
         pause = None
         if save_dir is not None:
@@ -278,6 +291,20 @@ def run_ctr(args: argparse.Namespace, p: dict[str, Any], base: list[str]) -> dic
     return out
 
 
+def _wired(
+    variants: list[tuple[str, str, list[str], bool]], dtypes: list[str]
+) -> list[tuple[str, str, list[str], bool]]:
+    """Each variant once per wire dtype, one after another (``<path>_<dtype>`` when there
+    are several), so that the dtypes alternate as the runtimes do."""
+    if dtypes == ["float32"]:
+        return variants
+    return [
+        (f"{path}_{dtype}" if len(dtypes) > 1 else path, shm, [*extra, "--wire_dtype", dtype], bind)
+        for path, shm, extra, bind in variants
+        for dtype in dtypes
+    ]
+
+
 def _variants(p: dict[str, Any]) -> list[tuple[str, str, list[str], bool]]:
     """psflow's runs of a workload: ``(path, PSFLOW_SHM, extra flags, bind cores)``. The full
     preset adds the tasks bound to cores (``psflow launch --bind-cores``) and ``prefetch``
@@ -324,14 +351,29 @@ def main() -> None:
     parser.add_argument("--rows", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--save-dir", help=argparse.SUPPRESS)
     parser.add_argument("--prefetch", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--wire_dtype",
+        default="float32",
+        help="sparse: the dtypes rows travel in, comma-separated (float32,bfloat16,float16), "
+        "each path run once per dtype, alternately",
+    )
     args = parser.parse_args()
+    dtypes = args.wire_dtype.split(",")
+    if not dtypes or any(d not in ("float32", "bfloat16", "float16") for d in dtypes):
+        parser.error(f"--wire_dtype: float32, bfloat16 or float16, got {args.wire_dtype!r}")
     p = PRESETS[args.preset][args.workload]
     if args.role == "psflow":
         if args.workload == "ctr":
             return ctr_task(p, args.data, args.prefetch)
         row_opt = "SGD" if args.workload == "memory" else "Adagrad"
         return psflow_task(
-            args.rows, p["steps"], p["warmup"], args.save_dir, row_opt, args.prefetch
+            args.rows,
+            p["steps"],
+            p["warmup"],
+            args.save_dir,
+            row_opt,
+            args.prefetch,
+            dtypes[0],
         )
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -370,12 +412,14 @@ def main() -> None:
         emit(result)
         return
 
-    runs: dict[str, list[float]] = {path: [] for path, *_ in _variants(p)}
+    variants = _wired(_variants(p), dtypes)
+    runs: dict[str, list[float]] = {path: [] for path, *_ in variants}
     runs["tf"] = []
     bytes_per_step = 0.0
+    wire_bytes: dict[str, float] = {}
     for _ in range(p["repeat"]):
         # Side by side: alternate the runtimes so that all see the same machine conditions.
-        for path, shm, extra, bind in _variants(p):
+        for path, shm, extra, bind in variants:
             cmd = [*base, "--rows", str(p["rows"]), *extra]
             r = run_job(
                 new_cluster(PS, 1),
@@ -386,6 +430,9 @@ def main() -> None:
             (only,) = r.values()
             runs[path].append(only["rows"] / only["seconds"] / PS)
             bytes_per_step = only["bytes_per_step"]
+            wire_bytes[
+                extra[extra.index("--wire_dtype") + 1] if "--wire_dtype" in extra else "float32"
+            ] = bytes_per_step
         if args.compare_tf:
             argv = [tf_script, "--role", "tf", "--workload", "sparse", "--preset", args.preset]
             r = run_tf_job(new_cluster(PS, 1), [*argv, f"--rows={p['rows']}"], args.tf_python)
@@ -399,6 +446,8 @@ def main() -> None:
             "payload_bytes_per_step": round(bytes_per_step),
         }
     )
+    if len(dtypes) > 1:
+        result["payload_bytes_per_step"] = {d: round(b) for d, b in wire_bytes.items()}
     result.update(summarize(runs, "rows_per_s_per_shard"))
     result["machine"] = machine()
     emit(result)

@@ -81,6 +81,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add("--export_every", type=float, default=None, help="seconds between exports (300)")
     add("--seed", type=int, default=0)
     add("--prefetch", action="store_true", help="the next batch's rows ride each step")
+    add("--wire_dtype", choices=["float32", "bfloat16", "float16"], help="rows between worker/ps")
     args = p.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {args.device}: this torch sees no CUDA device")
@@ -104,7 +105,8 @@ def main() -> None:
     ftrl["initial_accumulator_value"] = args.wide_initial_accumulator
     wide = pnn.RowOptimizerSpec.of("Ftrl", **ftrl) if args.wide else None
     bottom, top = ([int(s) for s in f.split(",")] for f in (args.bottom, args.top))
-    model = DLRM(args.dim, bottom, top, table, wide, args.min_count)
+    wire = getattr(torch, args.wire_dtype) if args.wire_dtype else None
+    model = DLRM(args.dim, bottom, top, table, wide, args.min_count, wire)
     test = f"{args.data}/test-*"
     if ctx.is_evaluator:
         # Each checkpoint, hashed tables included, loaded here with no ps; ends after the last.

@@ -36,19 +36,34 @@ class DLRM(nn.Module):
         table: pnn.RowOptimizerSpec,
         wide: pnn.RowOptimizerSpec | None = None,
         min_count: int = 0,
+        wire_dtype: torch.dtype | None = None,
     ):
         super().__init__()
         self.bottom = mlp([13, *bottom, dim])
         # min_count: an id gets a row of its own only once seen that often (rarer ones keep
         # their small initial row): what keeps a model of click logs from learning noise.
         self.embedding = pnn.EmbeddingBag(
-            None, dim, mode="sum", init_std=0.01, seed=1, optimizer=table, min_count=min_count
+            None,
+            dim,
+            mode="sum",
+            init_std=0.01,
+            seed=1,
+            optimizer=table,
+            min_count=min_count,
+            wire_dtype=wire_dtype,
         )
         # The first-order ("wide") term of Wide & Deep and DeepFM: one weight per id.
         self.wide = None
         if wide is not None:
             self.wide = pnn.EmbeddingBag(
-                None, 1, mode="sum", init_std=0.0, seed=2, optimizer=wide, min_count=min_count
+                None,
+                1,
+                mode="sum",
+                init_std=0.0,
+                seed=2,
+                optimizer=wide,
+                min_count=min_count,
+                wire_dtype=wire_dtype,
             )
         pairs = 27 * 26 // 2
         self.top = nn.Sequential(mlp([dim + pairs, *top]), nn.Linear(top[-1], 1))

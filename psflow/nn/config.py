@@ -20,6 +20,17 @@ from psflow.protocol import ROW_OPTIMIZERS, RowOptimizerSpec, TableSpec
 DTYPES: dict[torch.dtype, str] = {torch.float32: "float32", torch.float64: "float64"}
 """The dtypes a table may hold, with their names in a :class:`TableSpec`."""
 
+WIRE_DTYPES: dict[torch.dtype, str] = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+}
+"""The dtypes a table's rows may travel in between a worker and the ps (``wire_dtype``)."""
+
+_NOT_SPEC = ("wire_dtype",)
+"""Fields of a config that are not the ps's table (:class:`TableSpec`): how this worker talks
+to it."""
+
 _BY_NAME = {name: dtype for dtype, name in DTYPES.items()}
 
 _CHECKED = "<config>"
@@ -83,6 +94,17 @@ class TableConfig:
     ttl_seconds: float | None = None
     """Hashed tables: a row not updated for this many seconds is evicted (its id becomes a
     tombstone in the next incremental export); ``None``: rows never expire."""
+    wire_dtype: torch.dtype | None = None
+    """The dtype the table's rows and row gradients travel in between a worker and the ps:
+    ``torch.bfloat16`` or ``torch.float16`` halves the bytes of a lookup and of a push's
+    rows; ``None`` (or the rows' own dtype): as the table holds them. The ps keeps its rows
+    and their optimizer state in :attr:`dtype` and casts a gradient up before applying it;
+    the worker casts the rows it gets back to :attr:`dtype`. ``bfloat16`` is the one to
+    choose: float32's range, 8 bits of mantissa. ``float16`` keeps 11 bits but tops out at
+    65504 and flushes gradients under about 6e-8 to zero: a row or gradient that does not fit
+    is refused with an error naming the table, never sent. A table held on this process (no
+    ps, a cluster of one) has no wire and ignores it. Not part of the table the ps holds
+    (:meth:`spec`): checkpoints and exports are the same whatever it is."""
 
     def __post_init__(self) -> None:
         optimizer = self.optimizer
@@ -101,6 +123,11 @@ class TableConfig:
             raise ValueError(
                 f"TableConfig: dtype {self.dtype} is not supported: a table holds "
                 "torch.float32 or torch.float64"
+            )
+        if self.wire_dtype is not None and self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(
+                f"TableConfig: wire_dtype={self.wire_dtype!r} is not supported: rows travel as "
+                "torch.bfloat16, torch.float16 or torch.float32 (None: as the table holds them)"
             )
         n, padding = self.num_embeddings, self.padding_idx
         if _is_int(padding) and padding < 0 and n is None:
@@ -139,13 +166,20 @@ class TableConfig:
             raise ValueError(
                 f"table {name!r}: its rows are {dtype}; a table on the ps holds float32 or float64"
             )
-        settings = {f.name: getattr(self, f.name) for f in fields(self)}
+        settings = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_SPEC}
         return TableSpec(**{**settings, "name": name, "dtype": DTYPES[dtype]})
+
+    def wire_name(self, dtype: torch.dtype | None = None) -> str | None:
+        """The name of :attr:`wire_dtype` when the rows travel narrower than they are held
+        (``dtype``, the module's, if not the config's); ``None`` when they travel as held."""
+        held = DTYPES.get(self.dtype if dtype is None else dtype)
+        wire = None if self.wire_dtype is None else WIRE_DTYPES[self.wire_dtype]
+        return None if wire is None or wire == held else wire
 
     @classmethod
     def from_spec(cls, spec: TableSpec) -> TableConfig:
         """The config ``spec`` was derived from: its fields less ``name`` and ``scheduled``."""
-        settings = {f.name: getattr(spec, f.name) for f in fields(cls)}
+        settings = {f.name: getattr(spec, f.name) for f in fields(cls) if f.name not in _NOT_SPEC}
         return cls(**{**settings, "dtype": _BY_NAME[spec.dtype]})
 
 

@@ -31,7 +31,7 @@ class Embedding(TableModule):
 
     The table's settings (``num_embeddings``, ``embedding_dim``, ``padding_idx``, ``dtype``,
     and psflow's ``partition``, ``seed``, ``init_std``, ``optimizer``, ``min_count``,
-    ``max_rows``) are the fields of :class:`~psflow.nn.config.TableConfig`, described there:
+    ``max_rows``, ``wire_dtype``) are the fields of :class:`~psflow.nn.config.TableConfig`, described there:
     given as arguments they make the module's config (those left out take its defaults), or
     ``config=`` gives it whole, with none of them beside it.
 
@@ -82,6 +82,7 @@ class Embedding(TableModule):
         optimizer: str | RowOptimizerSpec | Unset | None = UNSET,
         min_count: int | Unset = UNSET,
         max_rows: int | Unset | None = UNSET,
+        wire_dtype: torch.dtype | Unset | None = UNSET,
     ) -> None:
         config = table_config(
             "Embedding",
@@ -97,6 +98,7 @@ class Embedding(TableModule):
             optimizer=optimizer,
             min_count=min_count,
             max_rows=max_rows,
+            wire_dtype=wire_dtype,
         )
         super().__init__(
             config,
@@ -235,6 +237,7 @@ class EmbeddingBag(TableModule):
         optimizer: str | RowOptimizerSpec | Unset | None = UNSET,
         min_count: int | Unset = UNSET,
         max_rows: int | Unset | None = UNSET,
+        wire_dtype: torch.dtype | Unset | None = UNSET,
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"EmbeddingBag: mode must be one of {_MODES}, got {mode!r}")
@@ -252,6 +255,7 @@ class EmbeddingBag(TableModule):
             optimizer=optimizer,
             min_count=min_count,
             max_rows=max_rows,
+            wire_dtype=wire_dtype,
         )
         super().__init__(
             config,

@@ -30,7 +30,7 @@ else:  # pragma: no cover - Python 3.10
             return str(self.value).__format__(spec)
 
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Carried in every header (:attr:`Key.VERSION`); a peer speaking another version is refused.
 2: sync requests name their settings in full (``replicas_to_aggregate``, not ``r``), and every
 error reply carries a :class:`Code`. 3: an init may carry a learning-rate schedule
@@ -266,6 +266,11 @@ class Key(StrEnum):
     ABSENT_ZEROS = "absent_zeros"
     """A lookup: an id a hashed table does not hold reads zeros, not its seeded initial row (a
     model in eval mode: what an export and a model server give such an id)."""
+    ROW_DTYPES = "row_dtypes"
+    """A lookup, or a push with :attr:`PREFETCH`: per table it asks rows of, the dtype they
+    come back in (``float16``, ``bfloat16``, ``float32``:
+    :data:`~psflow.protocol.tables.WIRE_DTYPES`) instead of the table's own; the ps keeps its rows and their optimizer state in theirs. A row that does
+    not fit that dtype (not finite after the cast) is refused, never sent."""
     PREFETCH = "prefetch"
     """A push: the tables whose rows of the ids it carries (:func:`prefetch_tensor_names`) the
     reply brings back, read after the push is applied: the next batch's rows ride the step."""

@@ -42,6 +42,23 @@ one row longer (TensorFlow's ``partition_strategy="div"``)."""
 TABLE_DTYPES = ("float32", "float64")
 """The dtypes a table's rows may have (their names on the wire)."""
 
+WIRE_DTYPES = ("float32", "float16", "bfloat16")
+"""The dtypes a table's rows and row gradients may travel in instead of the table's own
+(:attr:`~psflow.protocol.Key.ROW_DTYPES`), none wider than a table's: the ps keeps the table's
+rows and optimizer state in its own dtype, and casts a gradient up before applying it."""
+
+
+def check_wire_dtype(table: str, wire: Any) -> str:
+    """``wire`` when the rows of ``table`` may travel in it: one of :data:`WIRE_DTYPES` (each
+    no wider than any table's dtype).
+
+    Raises:
+        ValueError: naming the table and the dtype, otherwise.
+    """
+    if not isinstance(wire, str) or wire not in WIRE_DTYPES:
+        raise ValueError(f"table {table!r}: rows travel as one of {WIRE_DTYPES}, not {wire!r:.60}")
+    return wire
+
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

@@ -25,6 +25,7 @@ from psflow.ps.tables import (
     check_lookup,
     count_rows,
     lookup_rows,
+    row_dtypes,
     row_specs,
     split_prefetch,
     split_rows,
@@ -33,7 +34,7 @@ from psflow.transport import Request, wire
 
 # Bound once: reading an enum member off its class costs more than the dict lookup it serves,
 # and push/push_pull run thousands of times a second.
-_STEP, _ROWS, _PREFETCH = Key.STEP, Key.ROWS, Key.PREFETCH
+_STEP, _ROWS, _PREFETCH, _ROW_DTYPES = Key.STEP, Key.ROWS, Key.PREFETCH, Key.ROW_DTYPES
 
 
 class ExchangeService(Service):
@@ -71,32 +72,39 @@ class ExchangeService(Service):
         self.reply(request, {}, tensors)
 
     def _push(self, request: Request) -> None:
-        step, prefetch = self._apply_push(request)
+        step, prefetch, dtypes = self._apply_push(request)
         if not prefetch:
             self.reply(request, {_STEP: step})
             return
-        self._reply_with_rows(request, step, [], prefetch)
+        self._reply_with_rows(request, step, [], prefetch, dtypes)
 
     def _push_pull(self, request: Request) -> None:
-        step, prefetch = self._apply_push(request)
+        step, prefetch, dtypes = self._apply_push(request)
         if not prefetch:
             self.reply(request, {_STEP: step}, self.store.wire_set)
             return
-        self._reply_with_rows(request, step, list(self.store.variables.items()), prefetch)
+        self._reply_with_rows(request, step, list(self.store.variables.items()), prefetch, dtypes)
 
-    def _apply_push(self, request: Request) -> tuple[int, dict[str, torch.Tensor]]:
-        """Applies a push; returns the new step and the ids per table whose rows it asks to
-        prefetch (copies: the rows may be made where they were)."""
+    def _apply_push(
+        self, request: Request
+    ) -> tuple[int, dict[str, torch.Tensor], dict[str, torch.dtype]]:
+        """Applies a push; returns the new step, the ids per table whose rows it asks to
+        prefetch (copies: the rows may be made where they were) and the dtypes it asks some
+        of them in (:attr:`Key.ROW_DTYPES`)."""
         self.require_initialized()
         # Applied before the reply: gradients in a shared-memory lane need no copy.
         grads = self.tensors(request, into=self.store.grad_buffers, transient=True)
         rows = None
         header = request.header
         prefetch: dict[str, torch.Tensor] = {}
+        dtypes: dict[str, torch.dtype] = {}
         if _PREFETCH in header:
             grads, prefetch = split_prefetch(header, grads)
             check_lookup(self.store.tables, prefetch)  # before anything changes
+            dtypes = row_dtypes(header, self.store.tables, prefetch)
             prefetch = {name: ids.clone() for name, ids in prefetch.items()}
+        elif _ROW_DTYPES in header:
+            raise ValueError(f"'{_ROW_DTYPES}' comes without '{_PREFETCH}': no rows to send")
         if _ROWS in header:
             grads, rows = split_rows(header, grads)
         self.flush()
@@ -109,7 +117,7 @@ class ExchangeService(Service):
         self.metrics.apply_seconds.observe(time.perf_counter() - start)
         if rows:
             count_rows(self.metrics, rows, pushed=True)
-        return step, prefetch
+        return step, prefetch, dtypes
 
     def _reply_with_rows(
         self,
@@ -117,22 +125,23 @@ class ExchangeService(Service):
         step: int,
         dense: list[tuple[str, torch.Tensor]],
         prefetch: dict[str, torch.Tensor],
+        dtypes: dict[str, torch.dtype],
     ) -> None:
         """Answers a push with ``dense`` and the rows of the ``prefetch`` ids (named
-        ``<table>#rows``), read after its update: gathered straight into the lane that
-        carries the reply, where there is one."""
+        ``<table>#rows``, in ``dtypes[table]`` where given), read after its update: gathered
+        straight into the lane that carries the reply, where there is one."""
         tables = self.store.tables
         names = [prefetch_tensor_names(n)[1] for n in prefetch]
-        specs = [(t.dtype, tuple(t.shape)) for _, t in dense] + row_specs(tables, prefetch)
+        specs = [(t.dtype, tuple(t.shape)) for _, t in dense] + row_specs(tables, prefetch, dtypes)
         out = self.reply_tensors(request, specs)
         if out is None:
-            fetched = lookup_rows(tables, prefetch)
+            fetched = lookup_rows(tables, prefetch, dtypes=dtypes)
         else:
             placed = out[: len(dense)]
             for (_, value), place in zip(dense, placed, strict=True):
                 place.copy_(value)
             dense = [(name, place) for (name, _), place in zip(dense, placed, strict=True)]
-            fetched = lookup_rows(tables, prefetch, out[len(dense) :])
+            fetched = lookup_rows(tables, prefetch, out[len(dense) :], dtypes=dtypes)
         count_rows(self.metrics, prefetch, pushed=False)
         rows = [(name, t) for name, (_, t) in zip(names, fetched, strict=True)]
         self.reply(request, {_STEP: step}, [*dense, *rows])

@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 
+import psflow.sparse.kernels as kernels
 from psflow.protocol import OptimizerSpec, ScheduleSpec, StepSchedule
+from psflow.protocol.tables import WIRE_DTYPES
 from psflow.sparse import Rows
 from psflow.transport.wire import TensorSet, dtype_name
 
@@ -177,7 +179,9 @@ class ShardStore:
 
     def check_rows(self, rows: RowGrads) -> None:
         """Raises ``ValueError`` unless every table (or variable, for the sparse gradient of
-        an ``nn.Embedding(sparse=True)``) is known and its ids and gradients fit it."""
+        an ``nn.Embedding(sparse=True)``) is known and its ids and gradients fit it. A table's
+        gradients may come narrower than its rows (:data:`~psflow.protocol.tables.WIRE_DTYPES`),
+        each of them finite (a float16 gradient beyond its range arrives as inf)."""
         for name, (ids, grads) in rows.items():
             table = self.tables.get(name)
             if table is None:
@@ -185,11 +189,18 @@ class ShardStore:
                 continue
             table.check_ids(ids)
             dim = table.spec.embedding_dim
-            if dtype_name(grads.dtype) != table.spec.dtype:
-                raise ValueError(
-                    f"table {name!r}: gradient dtype {dtype_name(grads.dtype)} does not match "
-                    f"the table's {table.spec.dtype}"
-                )
+            got = dtype_name(grads.dtype)
+            if got != table.spec.dtype:
+                if got not in WIRE_DTYPES:
+                    raise ValueError(
+                        f"table {name!r}: gradient dtype {got} does not match the table's "
+                        f"{table.spec.dtype} (nor is it one of the wire dtypes {WIRE_DTYPES})"
+                    )
+                if not kernels.all_finite(grads):
+                    raise ValueError(
+                        f"table {name!r}: a {got} row gradient is not finite (beyond {got}'s "
+                        "range, or not finite before the cast): nothing of the push is applied"
+                    )
             if grads.shape != (ids.shape[0], dim):
                 raise ValueError(
                     f"table {name!r}: {ids.shape[0]} ids with gradients of shape "
@@ -241,7 +252,8 @@ class ShardStore:
                 if table is not None:
                     if lr is not None and table.spec.scheduled:
                         table.optimizer.lr = lr
-                    table.apply(ids, g)
+                    # Rows travel narrow; the optimizer runs at the table's width.
+                    table.apply(ids, g if g.dtype == table.dtype else g.to(table.dtype))
         self.step += 1
         return self.step
 

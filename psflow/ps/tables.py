@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+import psflow.sparse.kernels as kernels
 from psflow.metrics import PsMetrics
 from psflow.protocol import Key, Op, TableSpec
 from psflow.protocol.messages import (
@@ -33,12 +34,14 @@ from psflow.protocol.messages import (
     prefetch_tensor_names,
     row_tensor_names,
 )
+from psflow.protocol.tables import check_wire_dtype
 from psflow.ps import safefile
 from psflow.ps.service import Handler, Service, ServiceHost
 from psflow.ps.store import RowGrads
 from psflow.sparse import FixedRows, HashedRows, Rows, coalesce, make_rows
 from psflow.sparse.snapshot import RowSnapshot
 from psflow.transport import Request
+from psflow.transport.wire import DTYPE_NAMES, DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -296,32 +299,87 @@ def check_lookup(tables: Mapping[str, Rows], ids: Mapping[str, torch.Tensor]) ->
         table.check_ids(table_ids)
 
 
+def row_dtypes(
+    header: Mapping[str, Any], tables: Mapping[str, Rows], asked: Iterable[str]
+) -> dict[str, torch.dtype]:
+    """The dtypes a request asks the rows of some of the ``asked`` tables in
+    (:attr:`Key.ROW_DTYPES`; none when absent), checked: each one of
+    :data:`~psflow.protocol.tables.WIRE_DTYPES`.
+
+    Raises:
+        ValueError: naming the table and the dtype, for one not asked for or not allowed.
+    """
+    raw = header.get(Key.ROW_DTYPES)
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"'{Key.ROW_DTYPES}' must be a map of table names to dtypes")
+    names = set(asked)
+    out = {}
+    for name, wire in raw.items():
+        if name not in names:
+            raise ValueError(
+                f"'{Key.ROW_DTYPES}' names table {name!r:.60}, whose rows the request does not "
+                "ask for"
+            )
+        out[name] = DTYPES[check_wire_dtype(name, wire)]
+    return out
+
+
 def lookup_rows(
     tables: Mapping[str, Rows],
     ids: Mapping[str, torch.Tensor],
     out: Sequence[torch.Tensor] | None = None,
     *,
     absent_zeros: bool = False,
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> Tensors:
     """The rows of ``ids`` (checked by :func:`check_lookup`) per table, as ``(table, rows)``;
     into ``out`` (one tensor per table, as :func:`row_specs` describes them) when given; with
-    ``absent_zeros``, zeros for ids a hashed table does not hold (:attr:`Key.ABSENT_ZEROS`)."""
-    if out is None:
-        return [
-            (name, tables[name].lookup(table_ids, absent_zeros=absent_zeros))
-            for name, table_ids in ids.items()
-        ]
-    return [
-        (name, tables[name].lookup(table_ids, rows, absent_zeros=absent_zeros))
-        for (name, table_ids), rows in zip(ids.items(), out, strict=True)
-    ]
+    ``absent_zeros``, zeros for ids a hashed table does not hold (:attr:`Key.ABSENT_ZEROS`);
+    in ``dtypes[table]`` where given (:func:`row_dtypes`).
+
+    Raises:
+        ValueError: naming the table when a row is not finite in the dtype asked (a value
+            beyond float16's range): the rows would reach the worker as inf.
+    """
+    dtypes = dtypes or {}
+    places: Iterable[torch.Tensor | None] = [None] * len(ids) if out is None else out
+    got = []
+    for (name, table_ids), place in zip(ids.items(), places, strict=True):
+        wire = dtypes.get(name)
+        table = tables[name]
+        if wire is None or wire == table.dtype:
+            got.append((name, table.lookup(table_ids, place, absent_zeros=absent_zeros)))
+            continue
+        rows = table.lookup(table_ids, absent_zeros=absent_zeros)
+        narrow = rows.to(wire) if place is None else place.copy_(rows)
+        if not kernels.all_finite(narrow):
+            worst = float(rows.abs().max())
+            raise ValueError(
+                f"table {name!r}: a row does not fit {DTYPE_NAMES[wire]} (largest magnitude "
+                f"{worst:.4g}): it would reach the worker as inf or nan; carry the table's "
+                "rows as bfloat16 or float32"
+            )
+        got.append((name, narrow))
+    return got
 
 
 def row_specs(
-    tables: Mapping[str, Rows], ids: Mapping[str, torch.Tensor]
+    tables: Mapping[str, Rows],
+    ids: Mapping[str, torch.Tensor],
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> list[tuple[torch.dtype, tuple[int, int]]]:
-    """The dtype and shape of each table's rows that :func:`lookup_rows` gives for ``ids``."""
-    return [(tables[n].dtype, (t.numel(), tables[n].dim)) for n, t in ids.items()]
+    """The dtype and shape of each table's rows that :func:`lookup_rows` gives for ``ids``
+    (in ``dtypes[table]`` where given)."""
+    dtypes = dtypes or {}
+    return [(dtypes.get(n, tables[n].dtype), (t.numel(), tables[n].dim)) for n, t in ids.items()]
+
+
+def widened(grads: torch.Tensor) -> torch.Tensor:
+    """Row gradients that came narrower than float32 (:data:`~psflow.protocol.tables.
+    WIRE_DTYPES`), cast up to it; others as they are (a table's own dtype is checked later)."""
+    return grads.float() if grads.dtype in (torch.float16, torch.bfloat16) else grads
 
 
 def sum_rows(
@@ -334,7 +392,7 @@ def sum_rows(
         for name, (ids, grads) in push.items():
             acc = per_table.setdefault(name, ([], []))
             acc[0].append(ids)
-            acc[1].append(grads)
+            acc[1].append(widened(grads))  # summed at float32 at least
     out = {}
     for name, (id_list, grad_list) in per_table.items():
         unique, summed = coalesce(torch.cat(id_list), torch.cat(grad_list))
@@ -424,9 +482,11 @@ class TableService(Service):
         ids = dict(self.host.tensors(request))  # copies: the rows may go where they were
         tables = self.host.store.tables
         check_lookup(tables, ids)
+        dtypes = row_dtypes(request.header, tables, ids)
         # Gathered straight into the lane that carries the reply, where there is one.
-        out = self.host.reply_tensors(request, row_specs(tables, ids))
-        self.host.reply(request, {}, lookup_rows(tables, ids, out, absent_zeros=zeros))
+        out = self.host.reply_tensors(request, row_specs(tables, ids, dtypes))
+        rows = lookup_rows(tables, ids, out, absent_zeros=zeros, dtypes=dtypes)
+        self.host.reply(request, {}, rows)
         count_rows(self.host.metrics, ids, pushed=False)
 
     def _status(self, request: Request) -> None:

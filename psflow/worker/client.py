@@ -250,6 +250,7 @@ class ShardedClient(ShardCalls):
         global_step: int | None = None,
         rows: dict[int, list[str]] | None = None,
         prefetch: dict[int, list[str]] | None = None,
+        row_dtypes: dict[int, dict[str, str]] | None = None,
         request_views: bool = False,
     ) -> Replies:
         """Pushes each shard's gradients (always including shard 0) in one round trip each.
@@ -258,7 +259,8 @@ class ShardedClient(ShardCalls):
         a learning-rate schedule, they follow the global step by it. ``rows[s]``: the tables
         whose row gradients shard ``s``'s tensors carry; ``prefetch[s]``, the tables whose rows
         of the ids they carry the reply brings back (read after the update), as views of the
-        lanes with ``request_views`` (see :meth:`Client.wait`).
+        lanes with ``request_views`` (see :meth:`Client.wait`); ``row_dtypes[s]``, the dtypes
+        some of those tables' rows come in (:attr:`Key.ROW_DTYPES`).
         """
         op = Op.PUSH_PULL if pull else Op.PUSH
         headers: dict[int, dict[str, Any]] = {s: {Key.OP: op} for s in grads}
@@ -267,6 +269,8 @@ class ShardedClient(ShardCalls):
             headers[s][Key.ROWS] = tables
         for s, tables in (prefetch or {}).items():
             headers.setdefault(s, {Key.OP: op})[Key.PREFETCH] = tables
+        for s, dtypes in (row_dtypes or {}).items():
+            headers[s][Key.ROW_DTYPES] = dtypes
         if global_step is not None and len(headers) > 1:
             for s, h in headers.items():
                 if s:
@@ -289,16 +293,22 @@ class ShardedClient(ShardCalls):
         *,
         views: bool = False,
         absent_zeros: bool = False,
+        row_dtypes: Mapping[str, str] | None = None,
     ) -> Replies:
         """The rows of each table's ids (``(table, ids)`` per listed shard), all shards at once;
         a shard's rows that come through its lane are received into ``into[shard][table]``
         where given (a tensor of their shape and dtype), or with ``views`` are left there:
         views of the lane, valid until the next request to that shard. With ``absent_zeros``,
-        ids a hashed table does not hold read zeros (a model in eval mode)."""
+        ids a hashed table does not hold read zeros (a model in eval mode). ``row_dtypes``: the
+        dtypes some tables' rows come in instead of their own (:attr:`Key.ROW_DTYPES`)."""
         headers = self._headers(Op.LOOKUP, sorted(ids))
-        if absent_zeros:
-            for header in headers.values():
+        for s, header in headers.items():
+            if absent_zeros:
                 header[Key.ABSENT_ZEROS] = True
+            if row_dtypes:
+                asked = {n: row_dtypes[n] for n, _ in ids[s] if n in row_dtypes}
+                if asked:
+                    header[Key.ROW_DTYPES] = asked
         return self.call(headers, ids, into_of=into, request_views=views)
 
     def table_status(self) -> dict[int, Any]:

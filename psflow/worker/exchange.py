@@ -303,6 +303,7 @@ class ParameterExchange:
             global_step=self.global_step,
             rows=rows,
             prefetch=prefetch,
+            row_dtypes=self.tables.row_dtypes(prefetch) if prefetch else None,
             # The rows stay where they came until used (TableClient.put_prefetched).
             request_views=bool(prefetch),
         )

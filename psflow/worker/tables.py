@@ -8,6 +8,10 @@ The rows come back as a leaf tensor that autograd fills with the gradient per id
 the exchange sends those gradients, summed per id, beside the dense ones in the same request
 to each shard (:meth:`TableClient.gradients`), and the shard applies them with the table's
 row-wise optimizer in the same update.
+
+A table whose config names a narrower ``wire_dtype`` (:attr:`psflow.nn.TableConfig.wire_dtype`)
+asks for its rows in it (:attr:`~psflow.protocol.Key.ROW_DTYPES`) and casts them back to the
+table's dtype as they arrive; its row gradients go in it too, refused here if one does not fit.
 """
 
 from __future__ import annotations
@@ -103,6 +107,24 @@ def table_specs(modules: Mapping[str, TableModule], optimizer: OptimizerSpec) ->
     return out
 
 
+def narrowed(table: str, grads: torch.Tensor, wire: str) -> torch.Tensor:
+    """``table``'s row gradients cast to ``wire`` (``bfloat16``, ``float16``) to be pushed.
+
+    Raises:
+        ValueError: naming the table when one is not finite after the cast (out of float16's
+            range, or not finite before it): it would reach the rows as inf or nan.
+    """
+    out = grads.to(getattr(torch, wire))
+    if not kernels.all_finite(out):
+        worst = float(grads.abs().max())
+        raise ValueError(
+            f"table {table!r}: a row gradient does not fit {wire} (largest magnitude {worst:.4g}"
+            f"{', beyond 65504' if wire == 'float16' else ''}): it would reach the ps as inf or "
+            "nan; carry the table's rows as bfloat16 (wire_dtype=torch.bfloat16) or float32"
+        )
+    return out
+
+
 class TableClient:
     """The :class:`~psflow.nn.RowSource` of a model's tables on the ps (see the module
     docstring).
@@ -119,6 +141,9 @@ class TableClient:
         self.specs: dict[str, TableSpec] = {}
         self.partitions: dict[str, Partition] = {}
         self._name_of: dict[int, str] = {}
+        self.wire: dict[str, str] = {}
+        """Per table whose rows travel narrower than the table holds them, that dtype's name
+        (``bfloat16``): its lookups ask for it, its gradients go in it."""
         self.initial_state: dict[str, dict[str, torch.Tensor]] = {}
         """Per table in :attr:`initial`, the row-wise optimizer state given with its rows
         (``from_pretrained(optimizer_state=...)``), sent with them; empty for most."""
@@ -139,6 +164,9 @@ class TableClient:
                 if held.ids is not None:
                     self.initial_ids[spec.name] = held.ids
             self.specs[spec.name] = spec
+            wire = module.config.wire_name(getattr(torch, spec.dtype))
+            if wire is not None:
+                self.wire[spec.name] = wire
             self.partitions[spec.name] = Partition(
                 spec.partition, spec.num_embeddings, client.num_shards
             )
@@ -255,11 +283,31 @@ class TableClient:
         hit = self._prefetched.pop(name, None)
         if hit is not None and not eval and torch.equal(hit[0].ids, flat):
             (_, unique, positions, split), parts = hit
+            if name in self.wire:  # cast back to the table's dtype: a copy of their own
+                return unique, positions, split, self._widened(name, split, parts, views)
             if views:  # each where it came; the caller gathers before any other request
                 return unique, positions, split, [parts[s] for s in split]
             return unique, positions, split, [torch.cat([parts[s] for s in split])]
         unique, positions, split = self._group(name, flat, check)
         return unique, positions, split, self._fetch(name, unique, split, views=views, eval=eval)
+
+    def _widened(
+        self, name: str, split: Split, parts: dict[int, torch.Tensor], views: bool
+    ) -> list[torch.Tensor]:
+        """Rows that came narrower than the table holds them (:attr:`wire`), each shard's
+        part cast back to its dtype as it is copied out of where it came: a part each with
+        ``views``, else one tensor of them all, shard after shard."""
+        dtype = getattr(torch, self.specs[name].dtype)
+        if views:
+            return [parts[s].to(dtype) for s in split]
+        rows = sum(parts[s].shape[0] for s in split)
+        out = torch.empty((rows, self.specs[name].embedding_dim), dtype=dtype)
+        start = 0
+        for s in split:
+            n = parts[s].shape[0]
+            out[start : start + n].copy_(parts[s])
+            start += n
+        return [out]
 
     def _group(
         self, name: str, ids: torch.Tensor, check: TableModule | None = None
@@ -314,15 +362,18 @@ class TableClient:
         spec = self.specs[name]
         values = None
         into = None
-        if not views:
+        wire = self.wire.get(name)
+        if not views and wire is None:
             dtype = getattr(torch, spec.dtype)
             values = torch.empty((unique.numel(), spec.embedding_dim), dtype=dtype)
             into = {s: {name: values[at]} for s, (_, at) in split.items() if isinstance(at, slice)}
         replies = self.client.lookup(
             {s: [(name, shard_ids)] for s, (shard_ids, _) in split.items()},
             into,
-            views=views,
+            # Narrow rows are left where they came and cast as they are copied out of there.
+            views=views or wire is not None,
             absent_zeros=eval,
+            row_dtypes=None if wire is None else {name: wire},
         )
         parts = {}
         for s, (_, shard_tensors) in replies.items():
@@ -333,6 +384,8 @@ class TableClient:
             parts[s] = shard_tensors[0][1]
         if values is None:
             self._check_parts(name, split, parts)
+            if wire is not None:
+                return self._widened(name, split, parts, views)
             return [parts[s] for s in split]
         return [self._joined(name, split, parts, values)]
 
@@ -368,6 +421,9 @@ class TableClient:
                     torch.cat([x[0] for x in lookups]), torch.cat([x[1] for x in lookups])
                 )
                 split = self.partitions[name].split(ids)
+            wire = self.wire.get(name)
+            if wire is not None:
+                grads = narrowed(name, grads, wire)
             ids_name, grads_name = row_tensor_names(name)
             for s, (shard_ids, at) in split.items():
                 # ``at``: a slice of a grouped leaf's gradient (a view), or positions
@@ -402,7 +458,7 @@ class TableClient:
         """Raises ``ValueError`` when a shard of ``split`` is missing from ``parts`` or sent
         rows of the wrong shape or dtype."""
         spec = self.specs[name]
-        dtype = getattr(torch, spec.dtype)
+        dtype = getattr(torch, self.wire.get(name, spec.dtype))
         if set(parts) != set(split):
             raise ValueError(f"rows of {name!r} came from ps {sorted(parts)}, not {sorted(split)}")
         for s, (shard_ids, _) in split.items():
@@ -474,6 +530,16 @@ class TableClient:
         for _, parts in self._prefetched.values():
             if shard in parts:
                 parts[shard] = parts[shard].clone()
+
+    def row_dtypes(self, tables: dict[int, list[str]]) -> dict[int, dict[str, str]]:
+        """Per shard, the dtypes that the rows of ``tables[shard]`` it is asked for travel in
+        (:attr:`~psflow.protocol.Key.ROW_DTYPES`), for the tables of :attr:`wire` among them."""
+        out = {}
+        for s, names in tables.items():
+            narrow = {n: self.wire[n] for n in names if n in self.wire}
+            if narrow:
+                out[s] = narrow
+        return out
 
     def status(self) -> dict[int, Mapping[str, Any]]:
         """Each shard's counters per table: rows held, bytes, admissions, evictions."""
