@@ -78,7 +78,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add("--dim", type=int, default=16)
     add("--lr", type=float, default=1e-3)
     add("--score", metavar="EXPORT_DIR", help="serve these exports and score them instead")
-    add("--score_records", type=int, default=20000, help="records scored, then stop")
+    add("--score_records", type=int, default=20000, help="records scored, then stop ...")
+    add("--score_seconds", type=float, default=600.0, help="... or after this long")
     return p.parse_args(argv)
 
 
@@ -145,7 +146,8 @@ def score(args: argparse.Namespace) -> None:
 
     with ModelServer(config) as server:
         print(f"serving {args.score} at {server.url}", flush=True)
-        while scored < args.score_records:
+        end = time.monotonic() + args.score_seconds
+        while scored < args.score_records and time.monotonic() < end:
             served = server.served
             if served is None:  # before the first export
                 time.sleep(1)

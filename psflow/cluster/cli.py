@@ -18,16 +18,8 @@ def launch(args: argparse.Namespace) -> int:
     # Checked here, once: otherwise every task would fail alike with Python's own message.
     if not os.path.exists(args.script):
         raise FileNotFoundError(errno.ENOENT, "no such training script", args.script)
-    ps = args.ps
-    if ps is None:
-        ps = planned_ps(args.workers, args.mode)
-        if ps:
-            plan = f"{ps} ps for {args.workers} workers (one to every {WORKERS_PER_PS})"
-            if getattr(args, "backend", "local") == "local":
-                tasks = ps + args.workers + int(args.chief) + int(args.evaluator)
-                threads = threads_per_task(tasks)
-                plan += f", {threads} thread{'' if threads == '1' else 's'} a task on {len(host_cpus())} cores"
-            print(f"psflow launch: {plan}; --ps N chooses another count", file=sys.stderr)
+    planned = args.ps is None
+    ps = planned_ps(args.workers, args.mode) if planned else args.ps
     config = LaunchConfig(
         script=args.script,
         args=args.args,
@@ -61,5 +53,23 @@ def launch(args: argparse.Namespace) -> int:
             trainer_gpus=args.gpus_per_task,
             node_ip=args.node_ip,
         )
-        return RayLauncher(config, options).run()
-    return Launcher(config).run()
+        ray = RayLauncher(config, options)
+        if planned and ps:
+            _say_plan(args, ps, local=False)
+        return ray.run()
+    launcher = Launcher(config)
+    if planned and ps:
+        _say_plan(args, ps, local=True)
+    return launcher.run()
+
+
+def _say_plan(args: argparse.Namespace, ps: int, *, local: bool) -> None:
+    """Prints the ps tasks chosen without ``--ps`` (once the job's flags were all accepted)."""
+    plan = f"{ps} ps for {args.workers} workers (one to every {WORKERS_PER_PS})"
+    if local:
+        tasks = ps + args.workers + int(args.chief) + int(args.evaluator)
+        threads = threads_per_task(tasks)
+        plan += (
+            f", {threads} thread{'' if threads == '1' else 's'} a task on {len(host_cpus())} cores"
+        )
+    print(f"psflow launch: {plan}; --ps N chooses another count", file=sys.stderr)
