@@ -357,6 +357,9 @@ def main() -> None:
         help="sparse: the dtypes rows travel in, comma-separated (float32,bfloat16,float16), "
         "each path run once per dtype, alternately",
     )
+    parser.add_argument(
+        "--paths", help="sparse: only these of the preset's paths, comma-separated (shm,socket)"
+    )
     args = parser.parse_args()
     dtypes = args.wire_dtype.split(",")
     if not dtypes or any(d not in ("float32", "bfloat16", "float16") for d in dtypes):
@@ -412,7 +415,14 @@ def main() -> None:
         emit(result)
         return
 
-    variants = _wired(_variants(p), dtypes)
+    chosen = _variants(p)
+    if args.paths:
+        known = [v[0] for v in chosen]
+        wanted = args.paths.split(",")
+        if any(w not in known for w in wanted):
+            parser.error(f"--paths: the preset's paths are {known}, got {args.paths!r}")
+        chosen = [v for v in chosen if v[0] in wanted]
+    variants = _wired(chosen, dtypes)
     runs: dict[str, list[float]] = {path: [] for path, *_ in variants}
     runs["tf"] = []
     bytes_per_step = 0.0

@@ -23,6 +23,7 @@ from psflow.worker.engine import ExchangeEngine
 from psflow.worker.tables import TableClient
 
 from .support import local_cluster, start_ps, stop, worker_ctx
+from .sync_support import run_threads
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 
@@ -201,3 +202,64 @@ def test_bad_dtypes_and_float16_overflow_are_refused_and_the_ps_serves_on(
         assert table(ids).dtype == torch.float32  # and it goes on
     finally:
         opt.close()
+
+
+def test_sync_workers_push_narrow_gradients_summed_at_float32() -> None:
+    """Two synchronous workers with bfloat16 rows: each step the ps applies its row optimizer
+    to the mean of their pushed gradients cast up and summed at float32 (a reference held
+    here, stepped with what each worker pushed)."""
+    spec = local_cluster(1, 2)
+    procs = [start_ps(spec, 0)]
+    opts: list[DistributedOptimizer] = []
+    try:
+        sgd = RowOptimizerSpec.of("SGD", lr=0.5)
+        models = [
+            pnn.Embedding(VOCAB, DIM, seed=1, optimizer=sgd, wire_dtype=torch.bfloat16)
+            for _ in range(2)
+        ]
+        pushed: list[list[dict[str, torch.Tensor]]] = [[], []]
+
+        def make(i: int) -> None:
+            ctx = worker_ctx(spec, i)
+            opt = DistributedOptimizer(models[i], ctx, lr=0.1, mode="sync")
+            client = client_of(opt)
+            gradients = client.gradients
+
+            def spy() -> tuple[dict[int, list[tuple[str, torch.Tensor]]], dict[int, list[str]]]:
+                tensors, tables = gradients()
+                pushed[i].append({n: t.clone() for n, t in tensors[0]})
+                return tensors, tables
+
+            client.gradients = spy  # type: ignore[method-assign]
+            opts.append(opt)
+
+        run_threads([lambda: make(0), lambda: make(1)])
+        client = client_of(opts[0])
+        ref = held_rows(client, "table", torch.arange(VOCAB))
+        steps = 3
+
+        def train(i: int) -> None:
+            opt = next(o for o in opts if o.model is models[i])
+            for step in range(steps):
+                items = batch(10 * step + i)[0]
+                opt.zero_grad()
+                models[i](items).square().sum().backward()
+                opt.step()
+
+        run_threads([lambda: train(0), lambda: train(1)])
+        rowopt = RowOptimizer(sgd)
+        for step in range(steps):
+            mean = torch.zeros(VOCAB, DIM)
+            for worker in pushed:
+                ids_name, grads_name = row_tensor_names("table")
+                grads = worker[step][grads_name]
+                assert grads.dtype == torch.bfloat16
+                mean.index_add_(0, worker[step][ids_name], grads.float())
+            touched = torch.cat([w[step][ids_name] for w in pushed]).unique()
+            rowopt.apply(ref, {}, touched, mean[touched] * 0.5)
+        assert torch.equal(held_rows(client, "table", torch.arange(VOCAB)), ref)
+    finally:
+        for opt in opts:
+            opt.close()
+        for p in procs:
+            stop(p, timeout=5)
