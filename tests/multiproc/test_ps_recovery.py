@@ -27,7 +27,11 @@ from .support import ROOT, local_cluster, start_ps, stop, worker_ctx
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
 EXAMPLE = str(ROOT / "examples" / "linear_regression.py")
-STEPS = 6000
+STEPS = 3000
+LR = 0.002
+"""Twice the example's default for half its former 6,000 steps: W's error shrinks as
+exp(-2/3 lr t), so the end values are as close as before, with the kill at 1,500 and the
+restored rows still half the run from its end."""
 
 
 def _worker(
@@ -50,7 +54,7 @@ def _worker(
         [
             sys.executable,
             EXAMPLE,
-            *("--train_steps", str(STEPS), "--save_checkpoint_steps", "500"),
+            *("--train_steps", str(STEPS), "--lr", str(LR), "--save_checkpoint_steps", "500"),
             *("--logdir", str(logdir)),
         ],
         env=env,
@@ -101,7 +105,7 @@ def test_a_restarted_ps_is_restored_from_the_last_checkpoint(tmp_path: Path, mod
         assert int(m.group(2)) >= 1500
         assert "training goes on at global step" in outs[1][1]  # the other worker, too
         w_b = re.fullmatch(r"W=(\S+) b=(\S+)", outs[0][0].strip().splitlines()[-1])
-        # Still learning from the restored values (10,000 steps bring both within 0.05).
+        # Still learning from the restored values (lr x steps = 6 brings both within 0.05).
         assert w_b and abs(float(w_b.group(1)) - 2.0) < 0.2, outs[0][0][-500:]
         assert abs(float(w_b.group(2)) - 0.3) < 0.1, outs[0][0][-500:]
         final = saved.latest()
