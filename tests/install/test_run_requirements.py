@@ -23,13 +23,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_job_resolves_to_its_runtime_and_no_test_tool(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    # A bare environment, resolved for by this Python's pip (``pip --python``): the same empty
+    # target as a venv with its own pip, without the seconds ensurepip takes to install one.
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300
+    )
     report = tmp_path / "report.json"
     proc = subprocess.run(
         [
-            str(venv / "bin" / "python"),
+            sys.executable,
             "-m",
             "pip",
+            "--python",
+            str(venv / "bin" / "python"),
             "install",
             "--quiet",
             "--dry-run",
