@@ -143,10 +143,16 @@ def test_chief_killed_mid_save_leaves_the_previous_checkpoint(tmp_path: Path) ->
         assert line.strip() == "SAVING", stop(chief)[1][-2000:]
         chief.kill()
         stop(chief)
-        time.sleep(2.0)  # the ps finishes its shard file; no manifest will ever follow
+        # The ps finishes its shard file (renamed into place 1.5 s into the save); no manifest
+        # will ever follow.
+        shard = tmp_path / "ckpt" / "ckpt-6" / "shard-0-of-1.safetensors"
+        deadline = time.monotonic() + 30
+        while not shard.exists():
+            assert ps.poll() is None, stop(ps)[1][-2000:]
+            assert time.monotonic() < deadline, "the ps never finished its shard of ckpt-6"
+            time.sleep(0.05)
         d = CheckpointDir(url)
         assert d.latest() == "ckpt-3"
-        assert (tmp_path / "ckpt" / "ckpt-6" / "shard-0-of-1.safetensors").exists()
         assert not (tmp_path / "ckpt" / "ckpt-6" / "manifest.json").exists()
         ckpt = load_checkpoint(url)
         assert ckpt is not None and ckpt.global_step == 3
