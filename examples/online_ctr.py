@@ -60,9 +60,7 @@ class Head(nn.Module):
 
     def forward(self, dense: torch.Tensor, *rows: torch.Tensor) -> torch.Tensor:
         x = self.bottom(dense)
-        t = torch.stack([x, *rows[:26]], dim=1)  # [B, 27, dim]
-        z = torch.bmm(t, t.transpose(1, 2)).flatten(1).index_select(1, self.lower)
-        logit = self.top(torch.cat([x, z], dim=1))
+        logit = DLRM.interact(self, x, torch.stack(rows[:26], dim=1))  # type: ignore[arg-type]
         return logit + rows[26] if self.has_wide else logit
 
 
