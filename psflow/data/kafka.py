@@ -5,9 +5,13 @@ of the topic's partitions in order (no consumer group, no rebalance: a worker's 
 by its index, as its share of files is), and hands out records in each partition's order. Its
 :meth:`~KafkaReader.state` is the offset of the next record to hand out in each partition of its
 share, plain data (``{"source": "kafka", "topic": ..., "offsets": {"0": 17, ...}}``) that a
-checkpoint can hold; :meth:`~KafkaReader.restore` goes back there. The states of all workers
-merge into one (:func:`merge_states`) that any number of workers can restore from, each taking
-its own partitions' offsets.
+checkpoint can hold; :meth:`~KafkaReader.restore` goes back there, and
+:meth:`~KafkaReader.stop_at` makes reads stop exactly at positions saved before (a replay). The
+states of all workers merge into one (:func:`merge_states`) that any number of workers can
+restore from, each taking its own partitions' offsets. Given to a
+:class:`~psflow.train.TrainingSession` (``input=``), the reader's position is kept by the ps
+with the updates it led to: each record trained once across restarts
+(:mod:`psflow.train.input_position`).
 
 Records are ``tf.train.Example`` bytes, parsed a batch at a time by
 :func:`psflow.data.parse_examples` (:meth:`~KafkaReader.read_examples`), or anything a parser
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -161,6 +165,11 @@ def _checked_state(state: Mapping[str, Any], topic: str | None) -> dict[str, Any
     return {"topic": name, "offsets": out}
 
 
+def _before(partition: int | None, offset: int | None, stop: Mapping[int, int]) -> bool:
+    """Whether a record is short of ``stop`` (each partition's offset to stop before)."""
+    return partition is not None and offset is not None and offset < stop.get(partition, 0)
+
+
 class KafkaReader(ExampleStream):
     """Reads this worker's share of a Kafka topic's partitions, at an exact position.
 
@@ -214,6 +223,10 @@ class KafkaReader(ExampleStream):
         }
         self._consumer = confluent_kafka.Consumer(settings)
         self._closed = False
+        self._stops: list[dict[int, int]] = []
+        """:meth:`stop_at`'s positions still ahead, each partition's offset to stop before."""
+        self._reseek = False
+        """A read fetched records past the next stop: the client seeks back before the next."""
         try:
             self.partitions = self._share()
             self._next: dict[int, int] = {}
@@ -266,9 +279,15 @@ class KafkaReader(ExampleStream):
         self._done_waiting()
 
     def _assign(self) -> None:
-        topic = self.config.topic
+        """Fetches from each partition's position on; with a stop ahead, only from those
+        short of it."""
+        topic, stop = self.config.topic, self._stops[0] if self._stops else None
         self._consumer.assign(
-            [self._ck.TopicPartition(topic, p, self._next[p]) for p in self.partitions]
+            [
+                self._ck.TopicPartition(topic, p, self._next[p])
+                for p in self.partitions
+                if stop is None or self._next[p] < stop[p]
+            ]
         )
 
     def state(self) -> dict[str, Any]:
@@ -294,12 +313,56 @@ class KafkaReader(ExampleStream):
             self._resolve_start(missing)
         self._assign()
 
+    def stop_at(self, states: Sequence[Mapping[str, Any]]) -> None:
+        """Reads hand out no record past ``states[0]`` until the reader is there, then none
+        past ``states[1]``, and so on: a replay that ends exactly where a position saved
+        before did (:mod:`psflow.train.input_position`). ``[]``: no stop.
+
+        Raises:
+            ValueError: for a state that is not this reader's, lacks one of its partitions, or
+                is behind the position before it.
+        """
+        stops: list[dict[int, int]] = []
+        at = dict(self._next)
+        for state in states:
+            offsets = _checked_state(state, self.config.topic)["offsets"]
+            missing = [p for p in self.partitions if p not in offsets]
+            if missing:
+                raise ValueError(
+                    f"kafka stop of {self.config.topic!r}: no offset for partition(s) {missing} "
+                    "of this reader's share"
+                )
+            behind = [p for p in self.partitions if offsets[p] < at[p]]
+            if behind:
+                raise ValueError(
+                    f"kafka stop of {self.config.topic!r}: partition {behind[0]} at offset "
+                    f"{offsets[behind[0]]}, behind {at[behind[0]]} where the reader will be"
+                )
+            at = {p: offsets[p] for p in self.partitions}
+            stops.append(at)
+        self._stops = stops
+        self._passed_stops()
+        self._assign()
+
+    def _passed_stops(self) -> bool:
+        """Drops the stops the reader has reached; whether it did (or must seek back)."""
+        changed, self._reseek = self._reseek, False
+        while self._stops and all(self._next[p] >= self._stops[0][p] for p in self.partitions):
+            self._stops.pop(0)
+            changed = True
+        return changed
+
+    def _before_read(self) -> None:
+        if self._passed_stops():
+            self._assign()
+
     # -- reading -----------------------------------------------------------------------------
 
     def read(self, max_records: int = 500, timeout_s: float | None = None) -> list[StreamRecord]:
         """Up to ``max_records`` records, each parsed by the reader's parser, waiting at most
         ``timeout_s`` (``config.poll_timeout_s`` by default) for the first; ``[]`` if none came.
         The position moves past every record returned (and every bad record skipped)."""
+        self._before_read()
         messages = self._fetch(max_records, timeout_s)
         out, moved = [], {}
         for i, m in enumerate(messages):
@@ -325,6 +388,7 @@ class KafkaReader(ExampleStream):
         ``config.on_bad_record`` says."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self._before_read()
         wait = self.config.poll_timeout_s if timeout_s is None else timeout_s
         messages = self._fetch(batch_size, wait)
         deadline = time.monotonic() + wait
@@ -386,6 +450,11 @@ class KafkaReader(ExampleStream):
                 raise RuntimeError(f"kafka topic {self.config.topic!r}: {err.str()}")
             else:
                 self._error = err.str()
+        if self._stops:  # none past the stop; its partition is sought back before the next read
+            stop = self._stops[0]
+            kept = [m for m in out if _before(m.partition(), m.offset(), stop)]
+            self._reseek |= len(kept) < len(out)
+            out = kept
         # Records may come from what the client fetched before the broker went: only a broker
         # that answers ends a wait.
         if self._error is not None:

@@ -7,8 +7,11 @@ others land: no listing order decides), oldest name first, each file once. Its
 :meth:`~FileStreamReader.state` is the files it has read whole and the record it is at in the one
 it is reading, plain data (``{"source": "files", "pattern": ..., "done": [...], "partial":
 {path: next_record}}``) that a checkpoint can hold; :meth:`~FileStreamReader.restore` goes back
-there, and the states of all workers merge into one (:func:`merge_file_states`) that any number
-of workers can restore from.
+there, :meth:`~FileStreamReader.stop_at` makes reads stop exactly at positions saved before (a
+replay), and the states of all workers merge into one (:func:`merge_file_states`) that any
+number of workers can restore from. Given to a :class:`~psflow.train.TrainingSession`
+(``input=``), the reader's position is kept by the ps with the updates it led to: each record
+trained once across restarts (:mod:`psflow.train.input_position`).
 
 A file must appear whole: written elsewhere and renamed (or moved) into the glob's reach, as
 Spark and Hadoop commit their output; names starting with ``_`` or ``.`` are never read. Records
@@ -23,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -164,6 +167,9 @@ class FileStreamReader(ExampleStream):
         self._listed_at = float("-inf")
         self._listed: list[str] = []
         self._before: tuple[set[str], dict[str, int], dict[str, int]] = (set(), {}, {})
+        self._stops: list[tuple[set[str], dict[str, int]]] = []
+        """:meth:`stop_at`'s positions still ahead: the files read whole there, and where
+        those being read are."""
 
     # -- position ----------------------------------------------------------------------------
 
@@ -189,6 +195,47 @@ class FileStreamReader(ExampleStream):
         self._partial = dict(checked["partial"])
         self._listed_at = float("-inf")
 
+    def stop_at(self, states: Sequence[Mapping[str, Any]]) -> None:
+        """Reads hand out no record past ``states[0]`` until the reader is there, then none
+        past ``states[1]``, and so on: a replay that ends exactly where a position saved
+        before did (:mod:`psflow.train.input_position`); meanwhile only files those positions
+        name are read. ``[]``: no stop.
+
+        Raises:
+            ValueError: for a state that is not this reader's, or is behind the position before
+                it.
+        """
+        stops = []
+        done, partial = set(self._done), dict(self._partial)
+        for state in states:
+            checked = _checked(state, self.config.pattern)
+            stop_done, stop_partial = set(checked["done"]), dict(checked["partial"])
+            behind = sorted(done - stop_done) + sorted(
+                p for p, i in partial.items() if p not in stop_done and stop_partial.get(p, -1) < i
+            )
+            if behind:
+                raise ValueError(
+                    f"file stream stop of {self.config.pattern!r}: behind the position before "
+                    f"it at {behind[0]!r}"
+                )
+            stops.append((stop_done, stop_partial))
+            done, partial = stop_done, stop_partial
+        self._stops = stops
+        self._passed_stops()
+
+    def _at(self, stop: tuple[set[str], dict[str, int]]) -> bool:
+        return self._done == stop[0] and self._partial == stop[1]
+
+    def _passed_stops(self) -> None:
+        while self._stops and self._at(self._stops[0]):
+            self._stops.pop(0)
+
+    def _short_of_stop(self, path: str) -> int | None:
+        """How many of ``path``'s records the next stop lets be read (``None``: all)."""
+        if not self._stops or path in self._stops[0][0]:
+            return None
+        return self._stops[0][1].get(path, 0)
+
     # -- files -------------------------------------------------------------------------------
 
     def pending(self) -> list[str]:
@@ -206,7 +253,21 @@ class FileStreamReader(ExampleStream):
         n, me = self.config.num_workers, self.config.worker_index
         mine = [p for p in self._listed if owner(p, n) == me and p not in self._done]
         begun = sorted(p for p in self._partial if owner(p, n) == me and p not in self._done)
-        return begun + [p for p in mine if p not in self._partial]
+        files = begun + [p for p in mine if p not in self._partial]
+        if not self._stops:
+            return files
+        # Up to the next stop: only the files it names, each to its record there.
+        stop_done, stop_partial = self._stops[0]
+        short = [
+            p for p in files if p in stop_done or stop_partial.get(p, 0) > self._partial.get(p, 0)
+        ]
+        if not short and not self._at(self._stops[0]):
+            gone = sorted((stop_done | set(stop_partial)) - self._done - set(files))
+            raise ValueError(
+                f"file stream of {self.config.pattern!r}: reading up to a saved position needs "
+                f"{gone or 'files'} no longer there"
+            )
+        return short
 
     def _open_next(self, deadline: float) -> bool:
         """Opens the next file to read, waiting for one until ``deadline``; whether it did."""
@@ -250,18 +311,23 @@ class FileStreamReader(ExampleStream):
                 break
             path, records = self._current, self._records
             assert path is not None and records is not None
-            for i, raw in enumerate(records, self._partial[path]):
+            stop = self._short_of_stop(path)
+            while len(out) < max_records:
+                i = self._partial[path]
+                if stop is not None and i >= stop:  # not a record more, not even its end
+                    self._close_file()  # opened again at its record after the stop
+                    break
+                raw = next(records, None)
+                if raw is None:  # the file is read whole
+                    if self._reader is not None and self._reader.skipped:
+                        self.stats["bad_records"] += self._reader.skipped
+                    self._done.add(path)
+                    del self._partial[path]
+                    self.stats["files"] += 1
+                    self._close_file()
+                    break
                 out.append(FileRecord(path, i, raw))
                 self._partial[path] = i + 1
-                if len(out) == max_records:
-                    break
-            else:  # the file is read whole
-                if self._reader is not None and self._reader.skipped:
-                    self.stats["bad_records"] += self._reader.skipped
-                self._done.add(path)
-                del self._partial[path]
-                self.stats["files"] += 1
-                self._close_file()
         return out
 
     # -- reading -----------------------------------------------------------------------------
@@ -300,6 +366,7 @@ class FileStreamReader(ExampleStream):
         """The next raw records; a corrupt one (``on_bad_record="raise"``) raised with the
         position left where it was."""
         self._before = (set(self._done), dict(self._partial), dict(self.stats))
+        self._passed_stops()
         try:
             return self._next_records(max_records, timeout_s)
         except DataLossError:

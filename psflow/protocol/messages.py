@@ -30,7 +30,7 @@ else:  # pragma: no cover - Python 3.10
             return str(self.value).__format__(spec)
 
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """Carried in every header (:attr:`Key.VERSION`); a peer speaking another version is refused.
 2: sync requests name their settings in full (``replicas_to_aggregate``, not ``r``), and every
 error reply carries a :class:`Code`. 3: an init may carry a learning-rate schedule
@@ -39,7 +39,10 @@ tables (:attr:`Key.TABLES`, :attr:`Op.LOOKUP`, row gradients in pushes, :attr:`K
 save may ask for its directory to be named by the snapshot's step (:attr:`Key.BY_STEP`), which
 a ps of version 4 would ignore, writing where the chief guessed. 6: a lookup may ask for zeros
 where a hashed table holds no row (:attr:`Key.ABSENT_ZEROS`), which a ps of version 5 would
-answer with seeded rows; and incremental exports (:attr:`Op.EXPORT`)."""
+answer with seeded rows; and incremental exports (:attr:`Op.EXPORT`). 7: rows on the wire in
+another dtype (:attr:`Key.ROW_DTYPES`). 8: a push may carry its worker's input position
+(:attr:`Key.INPUT_SEQ`, :attr:`Key.INPUT_POSITION`, :attr:`Key.INPUT_EPOCH`), which a ps of
+version 7 would apply again after a restart."""
 
 
 WORKER_TIMEOUT = 30.0
@@ -274,6 +277,21 @@ class Key(StrEnum):
     PREFETCH = "prefetch"
     """A push: the tables whose rows of the ids it carries (:func:`prefetch_tensor_names`) the
     reply brings back, read after the push is applied: the next batch's rows ride the step."""
+    INPUT_SEQ = "input_seq"
+    """A push: the number of its sender's input (the batch whose gradients it carries), higher
+    for each push (:mod:`psflow.train.input_position`). A shard that has applied a push of
+    that sender with this number or a higher one drops it (answering as for any push): a
+    restarted worker's replay of what the shard already holds."""
+    INPUT_POSITION = "input_position"
+    """A push with :attr:`INPUT_SEQ`: where its sender's reader is past that batch (plain data,
+    the reader's ``state()``), which the shard keeps with the update and in its checkpoint. A
+    status reply: the sender's last ``[input_seq, input_position]`` the shard applied (or
+    ``None``)."""
+    INPUT_EPOCH = "input_epoch"
+    """A status reply: a number the shard draws whenever its state is set (an init, a restore,
+    a restart); a push with :attr:`INPUT_SEQ` carries the one its worker last learnt, and a
+    shard that has drawn another since refuses it (:attr:`Code.RESTORED`): the worker asks
+    where its input stands again instead of reading on past what the shard lost."""
     TABLES_FROM = "tables_from"
     """A restoring init: the checkpoint's shard files, from which each ps reads its rows of
     every table (in any number of shards)."""

@@ -4,7 +4,9 @@
 - ``push``: gradients, applied with the shard's optimizer; replies with the new step. Row
   gradients of embedding tables (:attr:`~psflow.protocol.Key.ROWS`) are applied in the same
   update; with :attr:`~psflow.protocol.Key.PREFETCH` the reply brings back the rows of the ids
-  it names, read after the update.
+  it names, read after the update. A push with its worker's input position
+  (:attr:`~psflow.protocol.Key.INPUT_SEQ`) records it with the update, or is dropped when
+  the shard holds that input already (:mod:`psflow.ps.positions`).
 - ``push_pull``: ``push`` then ``pull`` in one round trip.
 
 This is the ps's hot path (asynchronous training: every step of every worker), the worker's
@@ -13,14 +15,16 @@ counterpart of :class:`~psflow.worker.exchange.ParameterExchange`.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 
 import torch
 
-from psflow.protocol import Key, Op
+from psflow.protocol import Code, Key, Op
 from psflow.protocol.messages import prefetch_tensor_names
-from psflow.ps.service import Handler, Service, ServiceHost
+from psflow.ps.positions import input_mark
+from psflow.ps.service import Handler, RequestError, Service, ServiceHost
 from psflow.ps.tables import (
     check_lookup,
     count_rows,
@@ -35,6 +39,16 @@ from psflow.transport import Request, wire
 # Bound once: reading an enum member off its class costs more than the dict lookup it serves,
 # and push/push_pull run thousands of times a second.
 _STEP, _ROWS, _PREFETCH, _ROW_DTYPES = Key.STEP, Key.ROWS, Key.PREFETCH, Key.ROW_DTYPES
+_INPUT_SEQ = Key.INPUT_SEQ
+
+log = logging.getLogger(__name__)
+
+
+class InputOvertakenError(RequestError):
+    """A push whose input position its worker learnt from an earlier state of the shard
+    (:attr:`Key.INPUT_EPOCH`): applied, it would read on past what the shard lost."""
+
+    code = Code.RESTORED
 
 
 class ExchangeService(Service):
@@ -108,6 +122,24 @@ class ExchangeService(Service):
         if _ROWS in header:
             grads, rows = split_rows(header, grads)
         self.flush()
+        given = input_mark(header) if _INPUT_SEQ in header else None
+        mark = None
+        if given is not None:
+            mark, epoch = given
+            sender = self.host.sender(request)
+            if epoch != self.store.inputs.epoch:
+                raise InputOvertakenError(
+                    f"{sender}'s input position is of an earlier state of this shard (restored "
+                    "from a checkpoint, or restarted, since): ask where the input stands again"
+                )
+            if self.store.inputs.applied(sender, mark[0]):
+                # A restarted worker's replay of an input this shard holds: what the shard
+                # applied then stays, and the reply is as for any push.
+                log.info(
+                    "shard %d: %s's input %d is applied already: push dropped",
+                    self.shard, sender, mark[0],
+                )  # fmt: skip
+                return self.store.step, prefetch, dtypes
         start = time.perf_counter()
         if self.store.schedule is None or self.shard == 0:
             step = self.store.apply(grads, rows=rows)  # validates first: a bad push changes nothing
@@ -115,6 +147,8 @@ class ExchangeService(Service):
             # Shard 0 keeps the global step; the others learn it (their schedule's) from pushes.
             step = self.store.apply(grads, global_step=header.get(_STEP), rows=rows)
         self.metrics.apply_seconds.observe(time.perf_counter() - start)
+        if mark is not None:  # in this request, with the update: one moment for a snapshot
+            self.store.inputs.record(sender, mark)
         if rows:
             count_rows(self.metrics, rows, pushed=True)
         return step, prefetch, dtypes

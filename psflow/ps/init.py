@@ -2,7 +2,8 @@
 
 An ``init`` carries the shard's initial values, the optimizer and the learning-rate schedule,
 the embedding tables to create (and maybe their first rows), and for a restore the optimizer
-state, the step and the checkpoint files the tables are read from. A shard initialised already
+state, the step and the checkpoint files the tables (and the workers' input positions,
+:mod:`psflow.ps.positions`) are read from. A shard initialised already
 ignores it unless the chief asks to ``replace`` (a restore after another ps crashed): then the
 work in progress of every service is refused as overtaken (:meth:`Service.on_restored`).
 """
@@ -15,6 +16,7 @@ from collections.abc import Callable, Mapping
 from psflow.protocol import Key, Op, OptimizerSpec, ScheduleSpec
 from psflow.ps.checkpoint import is_checkpoint_of
 from psflow.ps.optimizer_state import load_optimizer_state, split_init_tensors
+from psflow.ps.positions import restored_positions
 from psflow.ps.service import Handler, Service, ServiceHost
 from psflow.ps.tables import (
     FirstRows,
@@ -90,6 +92,9 @@ class InitService(Service):
                 load_optimizer_state(host.store, opt_tensors, opt_plain)
             if tables_from:
                 restore_tables(host.store.tables, tables_from)
+                host.store.inputs = restored_positions(
+                    tables_from, host.shard, self.num_shards, self.checkpoint_dir
+                )
         except (ValueError, KeyError, RuntimeError) as e:
             host.store.reset()  # not initialised: the chief may try again
             raise ValueError(f"cannot restore the optimizer state or tables: {e}") from None

@@ -68,8 +68,17 @@ def read_header(data: bytes, source: str) -> tuple[dict[str, Any], dict[str, str
         ValueError: naming ``source`` and the byte offset of what is wrong.
     """
     n = check_header_length(data[:8], len(data), source)
+    header, meta = _header(data[8 : 8 + n], source)
+    data_size = len(data) - 8 - n
+    for name, entry in header.items():
+        _check_entry(name, entry, data_size, 8 + n, source)
+    return header, meta
+
+
+def _header(raw: bytes, source: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The JSON header's tensor entries (unchecked) and its metadata (checked)."""
     try:
-        header = json.loads(data[8 : 8 + n])
+        header = json.loads(raw)
     except UnicodeDecodeError as e:
         raise _fail(source, f"the header at byte offset {8 + e.start} is not UTF-8") from None
     except json.JSONDecodeError as e:
@@ -81,9 +90,6 @@ def read_header(data: bytes, source: str) -> tuple[dict[str, Any], dict[str, str
     meta = header.pop("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise _fail(source, "__metadata__ is not a map of strings")
-    data_size = len(data) - 8 - n
-    for name, entry in header.items():
-        _check_entry(name, entry, data_size, 8 + n, source)
     return header, meta
 
 
@@ -193,6 +199,19 @@ def read_bytes(url: str, root: str | None = None) -> bytes:
     if len(data) != size:
         raise _fail(url, f"{len(data)} bytes read of {size}: it changed while it was read")
     return data
+
+
+def read_metadata(url: str, root: str | None = None) -> dict[str, str]:
+    """The metadata of the safetensors file at ``url``, reading its header alone (checked as
+    :func:`read_bytes` checks it; the tensors' entries are not)."""
+    with open_regular(url, root) as f:
+        size = _size(f)
+        head = f.read(8)
+        n = check_header_length(head, size, url)
+        raw = f.read(n)
+    if len(raw) != n:
+        raise _fail(url, f"{len(raw)} header bytes read of {n}: it changed while it was read")
+    return _header(raw, url)[1]
 
 
 def _size(f: Any) -> int:

@@ -10,8 +10,9 @@ manifest):
   table (their global ids, values and row-wise optimizer state, taken at one moment);
 - metadata (string to string, JSON values): the shard index and count, the shard's step, the
   optimizer spec, the optimizer's non-tensor state per variable and its ``param_groups`` (the
-  learning rate at that step among them), and the learning-rate schedule's spec when there is
-  one. A schedule is a function of the global step: the step is all the state it has.
+  learning rate at that step among them), the learning-rate schedule's spec when there is
+  one, and where each worker's input stood (``psflow.inputs``, :mod:`psflow.ps.positions`).
+  A schedule is a function of the global step: the step is all the state it has.
 
 The serving thread takes a :class:`ShardSnapshot` (:func:`snapshot`) between two requests;
 :func:`safetensors_chunks` turns it into the file's bytes without copying the tensors, which
@@ -34,6 +35,8 @@ from safetensors.torch import save as st_save
 from psflow.protocol import OptimizerSpec
 from psflow.ps import safefile
 from psflow.ps.optimizer_state import flatten_optimizer_state, split_opt_key
+from psflow.ps.positions import METADATA_KEY as INPUTS_KEY
+from psflow.ps.positions import InputPositions
 from psflow.ps.store import ShardStore
 from psflow.ps.tables import TABLE_PREFIX, begin_table_snapshots
 from psflow.sparse.snapshot import RowSnapshot
@@ -79,6 +82,8 @@ def snapshot(store: ShardStore, *, shard: int, num_shards: int) -> ShardSnapshot
     }
     if store.schedule is not None:
         metadata["psflow.lr_schedule"] = json.dumps(store.schedule.spec.to_wire())
+    if store.inputs.marks:  # with the rows they led to: taken at the same moment
+        metadata[INPUTS_KEY] = store.inputs.to_metadata()
     if store.tables:
         metadata["psflow.tables"] = json.dumps(
             {n: t.spec.to_wire() for n, t in store.tables.items()}
@@ -111,6 +116,8 @@ class ShardFile:
     torch no longer has does not make the file unreadable."""
     tables: dict[str, Any] = field(default_factory=dict)
     """The specs of the tables whose rows the file holds, as data (``psflow.tables``)."""
+    inputs: InputPositions = field(default_factory=InputPositions)
+    """Where each worker's input stood in what the file holds (``psflow.inputs``)."""
 
     def variables(self) -> dict[str, torch.Tensor]:
         return {
@@ -208,6 +215,7 @@ def decode_shard(data: bytes, source: str) -> ShardFile:
             param_groups=json.loads(meta.get("psflow.param_groups", "[]")),
             lr_schedule=json.loads(meta.get("psflow.lr_schedule", "null")),
             tables=json.loads(meta.get("psflow.tables", "{}")),
+            inputs=InputPositions.from_metadata(meta.get(INPUTS_KEY, "{}"), source),
         )
     except KeyError as e:
         raise ValueError(f"{source} is not a readable psflow shard file: no metadata {e}") from None

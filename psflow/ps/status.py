@@ -1,7 +1,8 @@
 """The ``hello``, ``status``, ``heartbeat`` and ``done`` ops: the shard's state, and who is done.
 
 - ``hello``/``status``: shard index, whether initialised, the step, who has finished, who is
-  dead, the variables' dtypes and shapes.
+  dead, the variables' dtypes and shapes, and where the sender's input stands
+  (:mod:`psflow.ps.positions`).
 - ``heartbeat``: a worker is alive (the serving loop notes every sender:
   :mod:`psflow.ps.liveness`); the reply tells it that its ps is alive too.
 - ``done``: the sender (a worker, or the chief) has finished; after the last one the server
@@ -63,6 +64,8 @@ class StatusService(Service):
                     n: [wire.dtype_name(t.dtype), list(t.shape)]
                     for n, t in host.store.variables.items()
                 },
+                Key.INPUT_POSITION: host.store.inputs.of(host.sender(request)),
+                Key.INPUT_EPOCH: host.store.inputs.epoch,
             },
         )
 

@@ -11,6 +11,7 @@ import torch
 import psflow.sparse.kernels as kernels
 from psflow.protocol import OptimizerSpec, ScheduleSpec, StepSchedule
 from psflow.protocol.tables import WIRE_DTYPES
+from psflow.ps.positions import InputPositions
 from psflow.sparse import Rows
 from psflow.transport.wire import TensorSet, dtype_name
 
@@ -86,6 +87,9 @@ class ShardStore:
         """The learning-rate schedule driving the optimizer, if any."""
         self.step = 0
         """Updates applied (on shard 0: the job's global step)."""
+        self.inputs = InputPositions()
+        """Where each worker's input stands in the updates applied (:mod:`psflow.ps.positions`):
+        saved and restored with them."""
         self.grad_buffers = GradBuffers(self.variables)
         self._wire: TensorSet | None = None
         self._step: Callable[[], Any] = lambda: None
@@ -105,6 +109,7 @@ class ShardStore:
         self._wire = None
         self._step = lambda: None
         self.step = 0
+        self.inputs = InputPositions()
 
     def initialize(
         self,

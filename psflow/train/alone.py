@@ -24,11 +24,13 @@ The loop, the hooks, the summaries and the stop on SIGTERM are the session's, un
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from psflow.protocol import OptimizerSpec, ScheduleSpec, TableSpec
+from psflow.ps.positions import InputMark
 from psflow.ps.store import RowGrads, ShardStore
 from psflow.ps.tables import FirstRows, build_tables, restore_tables, set_initial_rows
 from psflow.sparse import coalesce
@@ -109,6 +111,7 @@ class LocalEngine(Engine):
         lr_schedule: applied by the global step, as on a ps.
         optimizer_state: the optimizer's first state by parameter name (checked).
         tables: the tables' specs (:func:`~psflow.worker.tables.table_specs`).
+        task: this task's name, under which its input positions are kept.
     """
 
     def __init__(
@@ -120,6 +123,7 @@ class LocalEngine(Engine):
         lr_schedule: ScheduleSpec | None = None,
         optimizer_state: State | None = None,
         tables: Sequence[TableSpec] = (),
+        task: str = "worker:0",
     ) -> None:
         if mode.mode == Mode.SYNC:
             mode.replicas(1)  # refuses backup workers a cluster of one cannot have
@@ -140,6 +144,8 @@ class LocalEngine(Engine):
             load_optimizer_state(self.store.optimizer, self.store.variables, optimizer_state)
         self.pieces_here = [Piece(var=n, param=n, shard=0) for n in self.params]
         """Every parameter whole, on the one shard (the checkpoint's placement)."""
+        self.task = task
+        self._input_mark: InputMark | None = None
 
     @property
     def global_step(self) -> int:
@@ -160,10 +166,19 @@ class LocalEngine(Engine):
         (written by any number of shards)."""
         restore_tables(self.store.tables, urls)
 
+    def input_positions(self) -> list[InputMark | None]:
+        return [self.store.inputs.marks.get(self.task)]
+
+    def mark_input(self, seq: int, position: dict[str, Any]) -> None:
+        self._input_mark = (seq, position)
+
     def step(self) -> int:
         grads = [(n, p.grad) for n, p in self.params.items() if p.grad is not None]
         rows = self.tables.gradients()
         self.store.apply(grads, rows=rows or None)
+        mark, self._input_mark = self._input_mark, None
+        if mark is not None:  # with the update, as a ps keeps it
+            self.store.inputs.record(self.task, mark)
         return self.store.step
 
     def pull(self) -> int:

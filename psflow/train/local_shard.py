@@ -32,6 +32,7 @@ from psflow.ps.checkpoint import (
     load_optimizer_state,
     snapshot,
 )
+from psflow.ps.positions import restored_positions
 from psflow.ps.store import ShardStore
 from psflow.ps.tables import restore_tables
 from psflow.train.checkpoint import Checkpoint
@@ -115,11 +116,13 @@ class LocalShard:
     ) -> None:
         """Loads a checkpoint of any mode into the model and, with ``optimizer_state``,
         into the optimizer (whose hyperparameters stay the running script's); the tables' rows
-        from its shard files ``table_files`` (all of them, written by any number of ps)."""
+        and the input positions from its shard files ``table_files`` (all of them, written by
+        any number of ps)."""
         tensors = ckpt.opt_tensors if optimizer_state else {}
         plain = ckpt.opt_plain if optimizer_state else {}
         self._load(ckpt.params, tensors, plain)
         restore_tables(self.store.tables, table_files)
+        self.store.inputs = restored_positions(table_files, 0, 1)
 
     def load_shard(self, shard: ShardFile) -> None:
         """Loads the state another rank sent (:meth:`state_bytes`)."""

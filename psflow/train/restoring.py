@@ -22,6 +22,7 @@ from psflow.protocol.messages import OPT_SEP
 from psflow.ps.checkpoint import decode_shard
 from psflow.train.alone import LocalEngine
 from psflow.train.checkpoint import Checkpoint, Checkpointer, load_checkpoint
+from psflow.train.input_position import InputTracker
 from psflow.train.local_shard import LocalShard
 from psflow.train.manifest import CheckpointDir
 from psflow.train.session_config import SessionConfig
@@ -55,6 +56,7 @@ class Restoring:
     checkpointer: Checkpointer | None
     restored_from: str | None
     _client: ShardedClient | None
+    _input: InputTracker | None
     _local: LocalShard | None
     _allreduce: AllReduceEngine | None
     _terminated: bool
@@ -291,6 +293,8 @@ class Restoring:
                     "%s came back empty: every shard restored from %s", names, self.restored_from
                 )
         self.opt = self._optimizer(timeout)
+        if self._input is not None:  # where the ps stand now: maybe a checkpoint's positions
+            self._input.resume(self.opt)
         log.warning("%s: training goes on at global step %d", self.ctx.task, self.opt.global_step)
         return self.opt.global_step
 

@@ -36,6 +36,7 @@ from psflow.train.hooks import (
     StepContext,
     StopAtStepHook,
 )
+from psflow.train.input_position import InputTracker, PositionedReader
 from psflow.train.local_shard import LocalShard
 from psflow.train.manifest import CheckpointDir
 from psflow.train.restoring import Restoring
@@ -55,6 +56,9 @@ log = logging.getLogger(__name__)
 
 
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(SessionConfig)}
+
+_NO_POSITIONS = frozenset({Mode.SYNC, Mode.ALLREDUCE})
+"""Modes that cannot say which inputs reached the optimizer (:mod:`.input_position`)."""
 
 
 class TrainingSession(Restoring, StopOnSignals):
@@ -78,6 +82,12 @@ class TrainingSession(Restoring, StopOnSignals):
             ``DistributedOptimizer`` (a TensorFlow model's:
             :meth:`~psflow.train.tf_checkpoint.TFCheckpoint.optimizer_state`). A checkpoint
             restored from ``checkpoint_dir`` wins.
+        input: the reader the loop reads its batches from (a
+            :class:`~psflow.data.KafkaReader`, a :class:`~psflow.data.FileStreamReader`):
+            each step's push carries its position, which the ps keep with the update and in
+            their checkpoints, and the session puts the reader back where the ps stand at its
+            start and after a lost ps: each record trained once across restarts of any task
+            (:mod:`psflow.train.input_position`). One batch read per step.
         **settings: :meth:`SessionConfig.of`'s keywords: ``optimizer``, ``lr``,
             ``lr_schedule``, ``mode`` (and ``replicas_to_aggregate``, ``total_num_replicas``,
             ``max_staleness``, ``sync_timeout``), ``placement``, ``partition_bytes``,
@@ -110,6 +120,7 @@ class TrainingSession(Restoring, StopOnSignals):
         config: SessionConfig | None = None,
         hooks: Sequence[Hook] = (),
         optimizer_state: Mapping[str, Mapping[str, Any]] | None = None,
+        input: PositionedReader | None = None,
         **settings: Any,
     ) -> None:
         if config is not None and settings:
@@ -176,6 +187,14 @@ class TrainingSession(Restoring, StopOnSignals):
                 if isinstance(placement, Placement)
                 else list(placement)
             )
+        if input is not None and not self.alone and self.mode_config.mode in _NO_POSITIONS:
+            raise ValueError(
+                f"input=: {self.mode_config.mode.value} training keeps no input positions (a "
+                "step's gradients may be dropped or never reach a ps); train asynchronously "
+                "or with bounded staleness"
+            )
+        self._input: InputTracker | None = None
+        """Numbers the inputs of ``input`` and keeps it where the ps stand."""
         self._client: ShardedClient | None = None
         ready_timeout = training.ready_timeout
         try:
@@ -188,10 +207,13 @@ class TrainingSession(Restoring, StopOnSignals):
                 self._start_alone()
             elif self.opt.mode == Mode.ALLREDUCE:
                 self._start_allreduce()
+            if input is not None:
+                self._input = InputTracker(input, str(ctx.task))
+                self._input.resume(self.opt)
         except BaseException:
             if self._client is not None:
                 self._client.close()
-            if self._allreduce is not None:
+            if self._allreduce is not None or self._input is not None:
                 self.opt.close(finished=False)
             raise
         self.global_step = self._last_save_step = self.opt.global_step
@@ -243,6 +265,7 @@ class TrainingSession(Restoring, StopOnSignals):
                     lr_schedule=self.lr_schedule,
                     optimizer_state=given,
                     tables=table_specs(tables_of(self.model), self.spec),
+                    task=str(self.ctx.task),
                 ),
                 optimizer_state=state,
             )
@@ -345,6 +368,8 @@ class TrainingSession(Restoring, StopOnSignals):
         )
         for hook in self.hooks:
             hook.before_step(ctx)
+        if self._input is not None:
+            self._input.mark(self.opt)
         try:
             step = self.opt.step()
         except PeerError as e:

@@ -12,7 +12,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -23,9 +23,18 @@ from psflow.worker.calls import Replies, ShardCalls, Tensors
 from psflow.worker.placement import Piece
 
 # Replies and Tensors are imported from here too (the engines, the tables, psflow.train).
-__all__ = ["Replies", "ShardedClient", "Tensors", "group_by_shard"]
+__all__ = ["InputStanding", "Replies", "ShardedClient", "Tensors", "group_by_shard"]
 
 log = logging.getLogger(__name__)
+
+
+class InputStanding(NamedTuple):
+    """Where a task's input stands on one shard (:meth:`ShardedClient.input_positions`)."""
+
+    epoch: int
+    """The shard's epoch: a push's mark made against another is refused."""
+    mark: tuple[int, dict[str, Any]] | None
+    """The number and reader position of the last input of the task the shard applied."""
 
 
 class ShardedClient(ShardCalls):
@@ -40,6 +49,19 @@ class ShardedClient(ShardCalls):
     def status(self, shards: Sequence[int] | None = None) -> dict[int, dict[str, Any]]:
         """Each shard's state: whether initialised, its step, who has finished."""
         return {s: h for s, (h, _) in self.call(self._headers(Op.STATUS, shards)).items()}
+
+    def input_positions(self) -> dict[int, InputStanding]:
+        """Where this task's input stands on each shard: the number and reader position of
+        the last push of it the shard applied, and the shard's epoch they belong to."""
+        out: dict[int, InputStanding] = {}
+        for s, h in self.status().items():
+            mark = h.get(Key.INPUT_POSITION)
+            # The ps checked both when it recorded them.
+            out[s] = InputStanding(
+                epoch=int(h[Key.INPUT_EPOCH]),
+                mark=None if mark is None else (int(mark[0]), dict(mark[1])),
+            )
+        return out
 
     def initialize(
         self,
@@ -252,6 +274,8 @@ class ShardedClient(ShardCalls):
         prefetch: dict[int, list[str]] | None = None,
         row_dtypes: dict[int, dict[str, str]] | None = None,
         request_views: bool = False,
+        input_mark: tuple[int, Mapping[str, Any]] | None = None,
+        input_epochs: Mapping[int, int] | None = None,
     ) -> Replies:
         """Pushes each shard's gradients (always including shard 0) in one round trip each.
 
@@ -260,11 +284,20 @@ class ShardedClient(ShardCalls):
         whose row gradients shard ``s``'s tensors carry; ``prefetch[s]``, the tables whose rows
         of the ids they carry the reply brings back (read after the update), as views of the
         lanes with ``request_views`` (see :meth:`Client.wait`); ``row_dtypes[s]``, the dtypes
-        some of those tables' rows come in (:attr:`Key.ROW_DTYPES`).
+        some of those tables' rows come in (:attr:`Key.ROW_DTYPES`). ``input_mark``, the
+        number of the input these gradients come from and the reader's position past it, goes
+        to every shard, with gradients or without, with ``input_epochs[s]``, the epoch of
+        shard ``s`` it was learnt at (:meth:`input_positions`, :mod:`psflow.ps.positions`).
         """
         op = Op.PUSH_PULL if pull else Op.PUSH
         headers: dict[int, dict[str, Any]] = {s: {Key.OP: op} for s in grads}
         headers.setdefault(0, {Key.OP: op})
+        if input_mark is not None:
+            assert input_epochs is not None, "an input mark comes with the shards' epochs"
+            for s in range(self.num_shards):
+                h = headers.setdefault(s, {Key.OP: op})
+                h[Key.INPUT_SEQ], h[Key.INPUT_POSITION] = input_mark
+                h[Key.INPUT_EPOCH] = input_epochs[s]
         for s, tables in (rows or {}).items():
             headers[s][Key.ROWS] = tables
         for s, tables in (prefetch or {}).items():

@@ -32,6 +32,16 @@ class ExchangeEngine(Engine):
     def learning_rate(self) -> float | None:
         return self.exchange.learning_rate  # as shard 0 reported it
 
+    def input_positions(self) -> list[tuple[int, dict[str, Any]] | None]:
+        standing = self.client.input_positions()
+        self.exchange.input_epochs = {s: st.epoch for s, st in standing.items()}
+        return [standing[s].mark for s in range(self.client.num_shards)]
+
+    def mark_input(self, seq: int, position: dict[str, Any]) -> None:
+        if self.exchange.input_epochs is None:
+            raise RuntimeError("mark_input() before input_positions(): the shards' epochs")
+        self.exchange.input_mark = (seq, position)
+
     def start(self, spec: OptimizerSpec, *, ready_timeout: float) -> int:
         """The chief initialises the ps (others wait for it), then this worker pulls the
         mode's way. Returns the global step."""

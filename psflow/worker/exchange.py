@@ -74,6 +74,11 @@ class ParameterExchange:
         """The model's embedding tables (:mod:`psflow.nn`), attached: rows come from the ps."""
         self.global_step = 0
         """Shard 0's step in its last reply."""
+        self.input_mark: tuple[int, dict[str, Any]] | None = None
+        """The input number and reader position the next :meth:`push_pull` carries to every
+        shard (:mod:`psflow.ps.positions`); each push takes it once."""
+        self.input_epochs: dict[int, int] | None = None
+        """Each shard's epoch when this worker last asked where its input stands."""
         self.learning_rate: float | None = None
         """The learning rate shard 0 applies at :attr:`global_step`, as its last reply said
         (only a ps with a schedule says)."""
@@ -294,9 +299,12 @@ class ParameterExchange:
                 for s, tensors in ids.items():
                     grads.setdefault(s, []).extend(tensors)
                     layouts.pop(s, None)
+        mark, self.input_mark = self.input_mark, None
         replies = self.client.push(
             grads,
             pull=True,
+            input_mark=mark,
+            input_epochs=self.input_epochs,
             into=self.destinations(),
             lane_views=True,
             layouts=layouts,

@@ -173,6 +173,21 @@ class Engine(ABC):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients, like ``torch.optim.Optimizer.zero_grad``."""
 
+    def input_positions(self) -> list[tuple[int, dict[str, Any]] | None]:
+        """Per shard, this task's last input it applied: its number and the reader's position
+        past it (``None``: none). Modes that keep them: asynchronous, bounded staleness, a
+        cluster of one (:mod:`psflow.train.input_position`)."""
+        raise ValueError(
+            f"{self.mode.value} training keeps no input positions: a reader given to the "
+            "session (input=) needs asynchronous or bounded-staleness training, or a cluster "
+            "of one"
+        )
+
+    def mark_input(self, seq: int, position: dict[str, Any]) -> None:
+        """The next :meth:`step` applies input number ``seq``, after which the reader is at
+        ``position``: each shard keeps both with the update, or drops a step it holds."""
+        self.input_positions()  # the same refusal
+
     def stats(self) -> dict[str, Any]:
         """The mode's counters (accepted and dropped gradients, staleness, waits)."""
         return {"mode": self.mode}

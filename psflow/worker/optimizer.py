@@ -140,6 +140,17 @@ class DistributedOptimizer:
         self.metrics.global_step.set(step)
         return step
 
+    def input_positions(self) -> list[tuple[int, dict[str, Any]] | None]:
+        """Per shard, the number and reader position of this task's last input it applied
+        (``None``: none): where a restarted worker reads on from
+        (:mod:`psflow.train.input_position`)."""
+        return self.engine.input_positions()
+
+    def mark_input(self, seq: int, position: dict[str, Any]) -> None:
+        """The next :meth:`step` is input number ``seq``, after which the reader is at
+        ``position``: each shard keeps both with the update, or drops a step it holds."""
+        self.engine.mark_input(seq, position)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients of the model's parameters, like ``torch.optim.Optimizer``."""
         self.engine.zero_grad(set_to_none)

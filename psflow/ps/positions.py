@@ -1,0 +1,173 @@
+"""Where each worker's input stands on one shard: the part of a push that makes it exactly once.
+
+A worker that trains from a stream (:mod:`psflow.train.input_position`) numbers its pushes
+(:attr:`~psflow.protocol.Key.INPUT_SEQ`, higher for each) and sends with each its reader's
+position past the batch (:attr:`~psflow.protocol.Key.INPUT_POSITION`). The shard applies a push
+and records ``(seq, position)`` for its sender in one request, and drops a push whose number it
+has recorded already (a restarted worker replaying what the shard holds). The record goes into
+the shard's checkpoint with the rows it belongs to (metadata ``psflow.inputs``), so that after a
+restore the positions match the rows; a restarted worker asks every shard where it stands
+(``status``) and reads on from there. A shard whose state was set again since a worker asked
+(a restore from a checkpoint, a restart) refuses that worker's next push
+(:class:`~psflow.ps.exchange.InputOvertakenError`), so that it asks again rather than read on past what the shard
+lost.
+
+Positions are plain data (maps, lists, strings, numbers), checked like anything received: a
+position the shard cannot keep is refused before anything changes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from psflow.protocol import Key
+from psflow.ps import safefile
+
+log = logging.getLogger(__name__)
+
+InputMark = tuple[int, dict[str, Any]]
+"""A push's input number and its sender's reader position past the batch."""
+
+MAX_POSITION_BYTES = 1 << 20
+"""The largest position a shard keeps, as JSON (a reader's state is a few offsets or paths)."""
+
+METADATA_KEY = "psflow.inputs"
+"""The shard file metadata that holds the positions: ``{task: [seq, position]}`` as JSON."""
+
+
+def input_mark(header: Mapping[str, Any]) -> tuple[InputMark, int] | None:
+    """A push header's input number and position, and the shard epoch its sender learnt them
+    against, checked; ``None`` if it carries none.
+
+    Raises:
+        ValueError: saying what is wrong with them.
+    """
+    seq = header.get(Key.INPUT_SEQ)
+    if seq is None:
+        for key in (Key.INPUT_POSITION, Key.INPUT_EPOCH):
+            if key in header:
+                raise ValueError(f"'{key}' comes without '{Key.INPUT_SEQ}'")
+        return None
+    position = checked_position(header.get(Key.INPUT_POSITION), f"'{Key.INPUT_POSITION}'")
+    return (_number(header, Key.INPUT_SEQ), position), _number(header, Key.INPUT_EPOCH)
+
+
+def _number(header: Mapping[str, Any], key: Key) -> int:
+    value = header.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
+        raise ValueError(f"'{key}' must be an integer in [0, 2**63), got {value!r:.80}")
+    return value
+
+
+def checked_position(position: Any, what: str) -> dict[str, Any]:
+    """``position`` if it is a map of plain data no larger than :data:`MAX_POSITION_BYTES`."""
+    if not isinstance(position, dict):
+        raise ValueError(f"{what} must be a map (a reader's state), got {position!r:.80}")
+    try:
+        size = len(json.dumps(position, allow_nan=False))
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ValueError(f"{what} is not plain data: {e}") from None
+    if size > MAX_POSITION_BYTES:
+        raise ValueError(f"{what} is {size} bytes as JSON, over {MAX_POSITION_BYTES}")
+    return position
+
+
+class InputPositions:
+    """Per sending task, the last input this shard applied: ``(seq, position)``."""
+
+    def __init__(self, marks: Mapping[str, InputMark] | None = None) -> None:
+        self.marks: dict[str, InputMark] = dict(marks or {})
+        self.epoch = secrets.randbits(62)
+        """Drawn anew with every state of the shard (these positions are made with it)."""
+
+    def applied(self, task: str, seq: int) -> bool:
+        """Whether a push of ``task`` numbered ``seq`` is one this shard holds already."""
+        mark = self.marks.get(task)
+        return mark is not None and seq <= mark[0]
+
+    def record(self, task: str, mark: InputMark) -> None:
+        self.marks[task] = mark
+
+    def of(self, task: str) -> list[Any] | None:
+        """``[seq, position]`` of ``task``'s last applied push, as a status reply says it."""
+        mark = self.marks.get(task)
+        return None if mark is None else [mark[0], mark[1]]
+
+    def to_metadata(self) -> str:
+        return json.dumps({t: [s, p] for t, (s, p) in sorted(self.marks.items())})
+
+    @classmethod
+    def from_metadata(cls, text: str, source: str) -> InputPositions:
+        """Positions as a shard file's metadata holds them.
+
+        Raises:
+            ValueError: naming ``source`` when they are not ``{task: [seq, position]}``.
+        """
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise ValueError(f"{source}: {METADATA_KEY} is not JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: {METADATA_KEY} is not a map of tasks")
+        marks: dict[str, InputMark] = {}
+        for task, entry in data.items():
+            if (
+                not isinstance(entry, list)
+                or len(entry) != 2
+                or isinstance(entry[0], bool)
+                or not isinstance(entry[0], int)
+                or entry[0] < 0
+            ):
+                raise ValueError(
+                    f"{source}: {METADATA_KEY} of {task!r} is not [seq, position]: {entry!r:.80}"
+                )
+            marks[task] = (entry[0], checked_position(entry[1], f"{source}: {task}'s position"))
+        return cls(marks)
+
+
+def read_positions(url: str, root: str | None = None) -> InputPositions:
+    """The positions a shard file holds (none for a file saved without them): its header
+    alone is read."""
+    meta = safefile.read_metadata(url, root)
+    text = meta.get(METADATA_KEY)
+    return InputPositions() if text is None else InputPositions.from_metadata(text, url)
+
+
+def restored_positions(
+    urls: Sequence[str], shard: int, num_shards: int, root: str | None = None
+) -> InputPositions:
+    """Shard ``shard``'s positions after a restore from the checkpoint files ``urls``: its own
+    file's, when the checkpoint has as many shards; else (the rows re-sharded) each task's
+    lowest over all files, where a worker reads on from: rows of the shards that were ahead
+    get the inputs between again (logged)."""
+    if not urls:
+        return InputPositions()
+    if len(urls) == num_shards:
+        return read_positions(urls[shard], root)
+    every = [read_positions(u, root) for u in urls]
+    tasks = set().union(*(p.marks for p in every))
+    marks: dict[str, InputMark] = {}
+    for task in sorted(tasks):
+        seen = [p.marks.get(task) for p in every]
+        held = [m for m in seen if m is not None]
+        if len(held) < len(seen):
+            log.warning(
+                "shard %d: %s's input position is missing from some of the checkpoint's %d "
+                "shard files (re-sharded to %d): it reads its input from the start again",
+                shard, task, len(urls), num_shards,
+            )  # fmt: skip
+            continue
+        lowest = min(held, key=lambda m: m[0])
+        if any(m[0] != lowest[0] for m in held):
+            log.warning(
+                "shard %d: the checkpoint's %d shards hold %s's input at different points and "
+                "are re-sharded to %d: it reads on from the earliest, and rows of the shards "
+                "that were ahead get those inputs again",
+                shard, len(urls), task, num_shards,
+            )  # fmt: skip
+        marks[task] = lowest
+    return InputPositions(marks)

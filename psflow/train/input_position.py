@@ -1,0 +1,159 @@
+"""Exactly-once input: a reader's position kept by the ps with the updates it led to.
+
+Given the reader its loop reads from (``TrainingSession(model, ctx, input=reader)``: a
+:class:`~psflow.data.KafkaReader`, a :class:`~psflow.data.FileStreamReader`, or anything with
+their :class:`PositionedReader` methods), the session numbers each step's input and sends the
+reader's position past the batch with the step's push. Every shard keeps the pair with the
+update, in the same request, and in its checkpoint (:mod:`psflow.ps.positions`). So whatever
+stops (a worker killed, the chief, a ps restored from its last checkpoint), the rows and the
+positions the shards hold belong together, and a worker that starts again (or recovers from a
+lost ps) asks every shard where its input stands and reads on from there: no record trained
+twice, none skipped.
+
+Shards can stand at different inputs of one worker: it may die between its pushes to two of
+them, and a checkpoint's shards are taken at their own moments. The reader then goes back to
+the earliest and reads up to each later position in turn (the reader's ``stop_at``): the
+records up to the next position make one input again (in batches of the loop's size), which
+the shards that hold it drop and the others apply. Numbers: input ``k`` of a worker is ``k <<
+32 | FINAL``; the batches that replay the inputs up to a position ``k`` are ``k << 32 | 0, 1,
+...``, the last one ``k << 32 | FINAL``: higher than what the shards behind hold, not above
+what those at ``k`` hold.
+
+Asynchronous training and bounded staleness keep positions; synchronous training does not (a
+step's gradients may be dropped as stale), nor all-reduce mode.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from psflow.worker import DistributedOptimizer
+
+log = logging.getLogger("psflow.train.session")
+
+FINAL = 0xFFFFFFFF
+"""The low bits of a whole input's number (those of a replayed input's batches count up)."""
+
+Mark = tuple[int, dict[str, Any]]
+"""An input's number and the reader's position past it."""
+
+
+class PositionedReader(Protocol):
+    """What a session needs of its reader: a position as plain data, a way back to one, and
+    reads that stop at given positions."""
+
+    def state(self) -> dict[str, Any]:
+        """The position past every record handed out."""
+        ...
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Goes back to ``state``."""
+        ...
+
+    def stop_at(self, states: Sequence[Mapping[str, Any]]) -> None:
+        """Reads hand out no record past ``states[0]`` until the reader is there, then none
+        past ``states[1]``, and so on (each a later position than the one before)."""
+        ...
+
+
+def same_position(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two positions are one (one may have crossed the wire: lists, string keys)."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def plan(marks: Sequence[Mark | None]) -> tuple[Mark | None, list[Mark]]:
+    """From each shard's last input of a worker: where its reader goes back to (``None``:
+    where it starts, as some shard has none) and the later positions it reads up to in turn.
+
+    Raises:
+        ValueError: when two shards hold one number at different positions (not one reader's
+            inputs).
+    """
+    by_seq: dict[int, dict[str, Any]] = {}
+    for mark in marks:
+        if mark is None:
+            continue
+        seq, position = mark
+        if seq in by_seq and not same_position(by_seq[seq], position):
+            raise ValueError(
+                f"two shards hold input {seq >> 32} at different positions ({by_seq[seq]!r:.200} "
+                f"and {position!r:.200}): not the inputs of one reader"
+            )
+        by_seq[seq] = position
+    ordered = [(seq, by_seq[seq]) for seq in sorted(by_seq)]
+    if not ordered:
+        return None, []
+    if any(m is None for m in marks):
+        return None, ordered
+    return ordered[0], ordered[1:]
+
+
+class InputTracker:
+    """Numbers a session's inputs and keeps its reader where the shards stand.
+
+    Args:
+        reader: the loop's reader.
+        task: the session's task, for the log.
+    """
+
+    def __init__(self, reader: PositionedReader, task: str) -> None:
+        for method in ("state", "restore", "stop_at"):
+            if not callable(getattr(reader, method, None)):
+                raise TypeError(
+                    f"input=: {type(reader).__name__} has no {method}(): a reader with "
+                    "state(), restore() and stop_at() (KafkaReader, FileStreamReader) keeps "
+                    "its position with the ps"
+                )
+        self.reader = reader
+        self.task = task
+        self.first = reader.state()
+        """Where the reader started: where it goes back to when some shard holds none of its
+        inputs."""
+        self.last = 0
+        """The number of the last input marked."""
+        self.ahead: list[Mark] = []
+        """Positions some shards hold past where the reader is, in order: read up to each."""
+
+    def resume(self, opt: DistributedOptimizer) -> None:
+        """Puts the reader where the shards stand (asked through ``opt``): at the earliest of
+        this task's inputs they hold, reading up to each later one in turn."""
+        start, ahead = plan(opt.input_positions())
+        self.reader.restore(self.first if start is None else start[1])
+        self.reader.stop_at([position for _, position in ahead])
+        self.ahead = ahead
+        self.last = 0 if start is None else start[0]
+        if start is None and not ahead:
+            return
+        where = "its start" if start is None else f"input {start[0] >> 32}"
+        replay = (
+            f"; replaying up to input {ahead[-1][0] >> 32}, which some shards hold already"
+            if ahead
+            else ""
+        )
+        log.info("%s: reading on from %s%s", self.task, where, replay)
+
+    def mark(self, opt: DistributedOptimizer) -> None:
+        """Numbers the input of the step about to be pushed, and gives ``opt`` its number and
+        the reader's position past it."""
+        position = self.reader.state()
+        if self.ahead:
+            seq, target = self.ahead[0]
+            if same_position(position, target):
+                self.ahead.pop(0)
+            else:  # a batch short of the next position the shards hold
+                high = seq >> 32
+                low = (self.last & FINAL) + 1 if self.last >> 32 == high else 0
+                if high << 32 | low >= seq:
+                    raise RuntimeError(
+                        f"{self.task}: the replay up to input {high} takes more batches than "
+                        "its numbers allow (read it again with a batch size no smaller than "
+                        "its first reading's)"
+                    )
+                seq = high << 32 | low
+        else:
+            seq = ((self.last >> 32) + 1) << 32 | FINAL
+        self.last = seq
+        opt.mark_input(seq, position)

@@ -1,0 +1,274 @@
+"""Exactly-once input, the parts without processes: the numbering and replay plan of
+psflow.train.input_position, a file stream's reads that stop at saved positions, and the
+positions a shard keeps, checks and saves (psflow.ps.positions)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from psflow.data import write_records
+from psflow.data.stream import FileStreamConfig, FileStreamReader
+from psflow.protocol import Key, OptimizerSpec
+from psflow.ps.positions import (
+    METADATA_KEY,
+    InputPositions,
+    input_mark,
+    read_positions,
+    restored_positions,
+)
+from psflow.ps.shard_file import decode_shard, encode_shard, shard_file_name, snapshot
+from psflow.ps.store import ShardStore
+from psflow.train.input_position import FINAL, InputTracker, plan
+
+pytestmark = pytest.mark.unit
+
+
+def pos(n: int) -> dict[str, Any]:
+    return {"source": "test", "at": n}
+
+
+def whole(k: int) -> int:
+    return k << 32 | FINAL
+
+
+# -- the plan and the numbers ------------------------------------------------------------------
+
+
+def test_the_plan_goes_back_to_the_earliest_input_and_reads_up_to_each_later_one() -> None:
+    assert plan([None, None]) == (None, [])
+    assert plan([(whole(4), pos(4)), (whole(4), pos(4))]) == ((whole(4), pos(4)), [])
+    marks = [(whole(6), pos(6)), (whole(4), pos(4)), (whole(5), pos(5)), (whole(6), pos(6))]
+    assert plan(marks) == ((whole(4), pos(4)), [(whole(5), pos(5)), (whole(6), pos(6))])
+    # A shard that holds none of the inputs: from the reader's start, up to each of them.
+    assert plan([None, (whole(2), pos(2))]) == (None, [(whole(2), pos(2))])
+    with pytest.raises(ValueError, match="input 4 at different positions"):
+        plan([(whole(4), pos(4)), (whole(4), pos(5))])
+
+
+class FakeReader:
+    """A position that the test moves as reads would."""
+
+    def __init__(self) -> None:
+        self.at = 0
+        self.stops: list[int] = []
+
+    def state(self) -> dict[str, Any]:
+        return pos(self.at)
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        self.at = int(state["at"])
+
+    def stop_at(self, states: Sequence[Mapping[str, Any]]) -> None:
+        self.stops = [int(s["at"]) for s in states]
+
+
+class FakeOpt:
+    def __init__(self, marks: list[tuple[int, dict[str, Any]] | None]) -> None:
+        self.marks = marks
+        self.pushed: list[tuple[int, dict[str, Any]]] = []
+
+    def input_positions(self) -> list[tuple[int, dict[str, Any]] | None]:
+        return self.marks
+
+    def mark_input(self, seq: int, position: dict[str, Any]) -> None:
+        self.pushed.append((seq, position))
+
+
+def test_inputs_are_numbered_one_after_another_from_where_the_shards_stand() -> None:
+    reader, opt = FakeReader(), FakeOpt([(whole(7), pos(70)), (whole(7), pos(70))])
+    tracker = InputTracker(reader, "worker:0")
+    tracker.resume(opt)  # type: ignore[arg-type]
+    assert reader.at == 70 and reader.stops == []
+    for at in (80, 90):
+        reader.at = at
+        tracker.mark(opt)  # type: ignore[arg-type]
+    assert opt.pushed == [(whole(8), pos(80)), (whole(9), pos(90))]
+
+
+def test_a_replay_is_numbered_below_what_the_shards_ahead_hold_and_above_the_others() -> None:
+    # Shard 0 holds input 5, shard 1 input 7 (a worker killed between its pushes, or a
+    # checkpoint's shards taken at their own moments).
+    reader = FakeReader()
+    opt = FakeOpt([(whole(5), pos(50)), (whole(7), pos(70))])
+    tracker = InputTracker(reader, "worker:1")
+    tracker.resume(opt)  # type: ignore[arg-type]
+    assert reader.at == 50 and reader.stops == [70]
+    for at in (58, 66, 70, 78):  # batches of 8 (the stop at 70 ends the third)
+        reader.at = at
+        tracker.mark(opt)  # type: ignore[arg-type]
+    seqs = [s for s, _ in opt.pushed]
+    assert seqs == [7 << 32 | 0, 7 << 32 | 1, whole(7), whole(8)]
+    for seq in seqs[:3]:  # shard 0 applies the replay, shard 1 drops it ...
+        assert whole(5) < seq <= whole(7)
+    assert seqs[3] > whole(7)  # ... and both apply what follows
+
+
+def test_a_replay_interrupted_goes_on_from_the_batch_a_shard_holds() -> None:
+    # Shard 0 applied two batches of the replay up to input 7 before the worker died again.
+    reader = FakeReader()
+    opt = FakeOpt([(7 << 32 | 1, pos(66)), (whole(7), pos(70))])
+    tracker = InputTracker(reader, "worker:1")
+    tracker.resume(opt)  # type: ignore[arg-type]
+    reader.at = 70
+    tracker.mark(opt)  # type: ignore[arg-type]
+    assert [s for s, _ in opt.pushed] == [whole(7)]
+    opt2 = FakeOpt([(7 << 32 | 1, pos(66)), (whole(9), pos(90))])
+    tracker.resume(opt2)  # type: ignore[arg-type]
+    reader.at = 70
+    tracker.mark(opt2)  # type: ignore[arg-type]
+    # Above the batch of input 7 that shard 0 holds, below input 9 that shard 1 holds.
+    assert opt2.pushed[0][0] == 9 << 32 | 0
+
+
+def test_a_replay_that_needs_more_numbers_than_it_has_is_refused() -> None:
+    reader = FakeReader()
+    opt = FakeOpt([(9 << 32 | 0, pos(50)), (9 << 32 | 1, pos(70))])
+    tracker = InputTracker(reader, "worker:0")
+    tracker.resume(opt)  # type: ignore[arg-type]
+    reader.at = 60  # a batch short of 70, and no number left between 9|0 and 9|1
+    with pytest.raises(RuntimeError, match="batch size no smaller"):
+        tracker.mark(opt)  # type: ignore[arg-type]
+
+
+def test_a_reader_without_positions_is_refused() -> None:
+    with pytest.raises(TypeError, match="has no state"):
+        InputTracker(object(), "worker:0")  # type: ignore[arg-type]
+
+
+# -- a file stream that stops at saved positions ----------------------------------------------
+
+
+def land(directory: Path, k: int, n: int) -> None:
+    hidden = directory / f".part-{k}.tmp"
+    write_records(hidden, [f"{k}-{i}".encode() for i in range(n)])
+    os.replace(hidden, directory / f"part-{k}.tfrecord")
+
+
+def files_reader(directory: Path) -> FileStreamReader:
+    cfg = FileStreamConfig(pattern=str(directory / "part-*.tfrecord"), poll_interval_s=0.01)
+    return FileStreamReader(cfg, parser=bytes.decode)
+
+
+@pytest.mark.parametrize("replay_batch", [3, 7, 100])
+def test_a_file_stream_replays_exactly_up_to_each_saved_position(
+    tmp_path: Path, replay_batch: int
+) -> None:
+    for k, n in enumerate([10, 4, 9]):
+        land(tmp_path, k, n)
+    first = files_reader(tmp_path)
+    batches, states = [], [first.state()]
+    # Batches of 5: one ends on file 0's last record (its end not seen yet), one spans files.
+    while got := first.read(5, timeout_s=0.05):
+        batches.append([r.value for r in got])
+        states.append(first.state())
+    assert states[2]["partial"] == {str(tmp_path / "part-0.tfrecord"): 10}
+
+    again = files_reader(tmp_path)
+    again.restore(states[1])
+    again.stop_at([states[3], states[4]])
+    read: list[list[str]] = []
+    reached = []
+    while got := again.read(replay_batch, timeout_s=0.05):
+        read.append([r.value for r in got])
+        reached.append(again.state())
+        if again.state() == states[4]:
+            break
+    flat = [v for b in read for v in b]
+    assert flat == [v for b in batches[1:4] for v in b]  # each record once, none past the stop
+    assert states[3] in reached and reached[-1] == states[4]  # each stop exactly, never crossed
+    rest = [r.value for r in again.read(100, timeout_s=0.05)]  # no stop left: on as before
+    assert rest == [v for b in batches[4:] for v in b]
+
+
+def test_a_file_stream_stop_behind_its_position_is_refused(tmp_path: Path) -> None:
+    land(tmp_path, 0, 10)
+    r = files_reader(tmp_path)
+    early = r.state()
+    r.read(5)
+    with pytest.raises(ValueError, match="behind the position before it"):
+        r.stop_at([early])
+
+
+# -- what a shard keeps ------------------------------------------------------------------------
+
+
+def push_header(**over: Any) -> dict[str, Any]:
+    header: dict[str, Any] = {
+        Key.INPUT_SEQ: whole(3),
+        Key.INPUT_POSITION: pos(3),
+        Key.INPUT_EPOCH: 12,
+    }
+    header.update(over)
+    return {k: v for k, v in header.items() if v is not None}
+
+
+def test_a_push_input_mark_is_checked() -> None:
+    assert input_mark({}) is None
+    assert input_mark(push_header()) == ((whole(3), pos(3)), 12)
+    bad = [
+        (push_header(**{Key.INPUT_SEQ: None}), "comes without 'input_seq'"),
+        (push_header(**{Key.INPUT_SEQ: -1}), "'input_seq' must be an integer"),
+        (push_header(**{Key.INPUT_SEQ: True}), "'input_seq' must be an integer"),
+        (push_header(**{Key.INPUT_EPOCH: None}), "'input_epoch' must be an integer"),
+        (push_header(**{Key.INPUT_POSITION: [1, 2]}), "must be a map"),
+        (push_header(**{Key.INPUT_POSITION: {"x": "y" * (1 << 20)}}), "over 1048576"),
+    ]
+    for header, message in bad:
+        with pytest.raises(ValueError, match=message):
+            input_mark(header)
+
+
+def shard_with_inputs(marks: dict[str, tuple[int, dict[str, Any]]], shard: int, n: int) -> bytes:
+    store = ShardStore()
+    store.initialize([("w", torch.zeros(2))], OptimizerSpec(name="SGD", kwargs={"lr": 0.1}))
+    for task, mark in marks.items():
+        store.inputs.record(task, mark)
+    return encode_shard(snapshot(store, shard=shard, num_shards=n))
+
+
+def test_positions_are_saved_with_the_shard_and_read_back(tmp_path: Path) -> None:
+    marks = {"worker:0": (whole(5), pos(5)), "worker:1": (whole(9), pos(9))}
+    data = shard_with_inputs(marks, 0, 1)
+    assert decode_shard(data, "mem").inputs.marks == marks
+    path = tmp_path / shard_file_name(0, 1)
+    path.write_bytes(data)
+    assert read_positions(str(path)).marks == marks
+    # A shard no push with a position reached (or a file of psflow before them) holds none.
+    plain = shard_with_inputs({}, 0, 1)
+    assert METADATA_KEY.encode() not in plain[8 : 8 + int.from_bytes(plain[:8], "little")]
+    path.write_bytes(plain)
+    assert read_positions(str(path)).marks == {}
+
+
+def test_restored_positions_are_the_shards_own_or_the_earliest_when_resharded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    urls = []
+    for shard, at in enumerate((5, 7)):
+        path = tmp_path / shard_file_name(shard, 2)
+        marks = {"worker:0": (whole(at), pos(at)), "worker:1": (whole(2), pos(2))}
+        path.write_bytes(shard_with_inputs(marks, shard, 2))
+        urls.append(str(path))
+    assert restored_positions(urls, 1, 2).marks["worker:0"] == (whole(7), pos(7))
+    merged = restored_positions(urls, 0, 1)  # two shards into one: the earliest of each task
+    assert merged.marks == {"worker:0": (whole(5), pos(5)), "worker:1": (whole(2), pos(2))}
+    assert "worker:0's input at different points" in caplog.text
+
+
+def test_positions_in_a_file_that_are_not_positions_are_refused() -> None:
+    for text, message in [
+        ("[1]", "not a map of tasks"),
+        (json.dumps({"worker:0": [1]}), "is not \\[seq, position\\]"),
+        (json.dumps({"worker:0": [-1, {}]}), "is not \\[seq, position\\]"),
+        (json.dumps({"worker:0": [1, 2]}), "must be a map"),
+        ("{", f"{METADATA_KEY} is not JSON"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            InputPositions.from_metadata(text, "shard-0-of-1.safetensors")
