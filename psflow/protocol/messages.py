@@ -96,6 +96,18 @@ def initial_state_tensor_name(table: str, key: str) -> str:
     return table + ROW_STATE + key
 
 
+WHOLE_INPUT = 0xFFFFFFFF
+"""The low 32 bits of the :attr:`Key.INPUT_SEQ` of a worker's whole input ``k`` (``k << 32 |
+WHOLE_INPUT``); those of the batches that replay its records count up from 0
+(:mod:`psflow.train.input_position`)."""
+
+
+def input_name(seq: int) -> str:
+    """An :attr:`Key.INPUT_SEQ` for people: ``"7"``, or ``"7 (replayed batch 2)"``."""
+    high, low = seq >> 32, seq & WHOLE_INPUT
+    return str(high) if low == WHOLE_INPUT else f"{high} (replayed batch {low})"
+
+
 OPT_SEP = "/opt/"
 """Separates a variable's name from its optimizer-state key, in an init (the state the chief
 gives the ps, restored or given by the script) and in a shard file (``fc.weight/opt/exp_avg``)."""

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from psflow.protocol import Code, Key, Op
-from psflow.protocol.messages import prefetch_tensor_names
+from psflow.protocol.messages import input_name, prefetch_tensor_names
 from psflow.ps.positions import input_mark
 from psflow.ps.service import Handler, RequestError, Service, ServiceHost
 from psflow.ps.tables import (
@@ -136,8 +136,8 @@ class ExchangeService(Service):
                 # A restarted worker's replay of an input this shard holds: what the shard
                 # applied then stays, and the reply is as for any push.
                 log.info(
-                    "shard %d: %s's input %d is applied already: push dropped",
-                    self.shard, sender, mark[0],
+                    "shard %d: %s's input %s is applied already: push dropped",
+                    self.shard, sender, input_name(mark[0]),
                 )  # fmt: skip
                 return self.store.step, prefetch, dtypes
         start = time.perf_counter()

@@ -30,11 +30,12 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from psflow.protocol.messages import WHOLE_INPUT, input_name
 from psflow.worker import DistributedOptimizer
 
 log = logging.getLogger("psflow.train.session")
 
-FINAL = 0xFFFFFFFF
+FINAL = WHOLE_INPUT
 """The low bits of a whole input's number (those of a replayed input's batches count up)."""
 
 Mark = tuple[int, dict[str, Any]]
@@ -79,7 +80,7 @@ def plan(marks: Sequence[Mark | None]) -> tuple[Mark | None, list[Mark]]:
         seq, position = mark
         if seq in by_seq and not same_position(by_seq[seq], position):
             raise ValueError(
-                f"two shards hold input {seq >> 32} at different positions ({by_seq[seq]!r:.200} "
+                f"two shards hold input {input_name(seq)} at different positions ({by_seq[seq]!r:.200} "
                 f"and {position!r:.200}): not the inputs of one reader"
             )
         by_seq[seq] = position
@@ -127,9 +128,9 @@ class InputTracker:
         self.last = 0 if start is None else start[0]
         if start is None and not ahead:
             return
-        where = "its start" if start is None else f"input {start[0] >> 32}"
+        where = "its start" if start is None else f"input {input_name(start[0])}"
         replay = (
-            f"; replaying up to input {ahead[-1][0] >> 32}, which some shards hold already"
+            f"; replaying up to input {input_name(ahead[-1][0])}, which some shards hold already"
             if ahead
             else ""
         )
