@@ -272,3 +272,63 @@ def test_positions_in_a_file_that_are_not_positions_are_refused() -> None:
     ]:
         with pytest.raises(ValueError, match=message):
             InputPositions.from_metadata(text, "shard-0-of-1.safetensors")
+
+
+# -- a cluster of one ----------------------------------------------------------------------------
+
+
+def test_a_cluster_of_one_keeps_its_readers_position_in_its_checkpoints(tmp_path: Path) -> None:
+    """Alone, the session keeps the position with its own updates: a run stopped after its
+    last checkpoint and started again reads on from the checkpoint's position, so every
+    record is trained once (rows start at 0, each record adds 1 to its own)."""
+    import psflow
+    from psflow.cluster.spec import TaskContext
+    from psflow.data import FixedLenFeature, serialize_example
+    from psflow.train import load_checkpoint
+
+    spec = {"id": FixedLenFeature(dtype="int64")}
+    data = tmp_path / "data"
+    data.mkdir()
+    for k in range(2):
+        hidden = data / f".part-{k}.tmp"
+        write_records(hidden, [serialize_example({"id": [i]}) for i in range(k * 24, k * 24 + 24)])
+        os.replace(hidden, data / f"part-{k}.tfrecord")
+
+    class Counter(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows = psflow.nn.Embedding(48, 1, init_std=0.0)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return -self.rows(ids).sum()
+
+    def run(stop_after: int | None) -> list[int]:
+        model = Counter()
+        cfg = FileStreamConfig(pattern=str(data / "part-*.tfrecord"), poll_interval_s=0.01)
+        reader = FileStreamReader(cfg)
+        trained: list[int] = []
+        sess = psflow.TrainingSession(
+            model, TaskContext.alone(), optimizer="SGD", lr=1.0, input=reader,
+            checkpoint_dir=str(tmp_path / "ckpt"), save_checkpoint_steps=2,
+            log_step_count_steps=None, save_summaries_steps=None,
+        )  # fmt: skip
+        while (got := reader.read_examples(8, spec, timeout_s=0.05)) is not None:
+            model(torch.as_tensor(got["id"])).backward()
+            sess.step()
+            sess.zero_grad()
+            trained += got["id"].tolist()
+            if stop_after is not None and sess.global_step == stop_after:
+                sess.checkpointer.wait()  # type: ignore[union-attr]
+                return trained  # "killed": after the checkpoint of step 2, before its own save
+        sess.close()  # a final checkpoint
+        parts = load_checkpoint(str(tmp_path / "ckpt")).tables["rows"]  # type: ignore[union-attr]
+        rows = torch.zeros(48)
+        for part in parts:
+            rows[part["ids"]] = part["values"].reshape(-1)
+        assert rows.tolist() == [1.0] * 48, rows
+        return trained
+
+    first = run(stop_after=3)  # steps 1-3; the checkpoint at step 2 holds inputs 1 and 2
+    second = run(stop_after=None)
+    assert first[16:] == second[:8]  # input 3 again: its update was not in the checkpoint
+    assert sorted(first[:16] + second) == list(range(48))
