@@ -9,14 +9,17 @@ by a real model server, on the clicks that arrive after it.
     psflow data produce '/tmp/ctr/train-*' --brokers 127.0.0.1:9092 --topic clicks \\
         --rate 3000 --loop &
     # the job: 2 ps, 2 workers, each reading its partitions; an export every 15 s:
-    psflow launch --ps 2 --workers 2 examples/online_ctr.py --brokers 127.0.0.1:9092 \\
-        --topic clicks --export_dir /tmp/exports --export_every 15 --train_seconds 120 &
+    psflow launch --ps 2 --workers 2 --max-restarts 3 examples/online_ctr.py \\
+        --brokers 127.0.0.1:9092 --topic clicks --export_dir /tmp/exports --export_every 15 \\
+        --checkpoint_dir /tmp/online --train_seconds 120 &
     # the server (ONNX Runtime behind HTTP, following the exports) and its score as it goes:
     python examples/online_ctr.py --score /tmp/exports --brokers 127.0.0.1:9092 --topic clicks
 
 The job is ``examples/ctr.py``'s DLRM (``examples/dlrm.py``) fed by :class:`psflow.data.kafka.
-KafkaReader`; the chief also writes the dense part as ONNX (``dense.onnx`` in the export
-directory: the rows of the 26 columns and the wide term in, the logit out). ``--score`` starts
+KafkaReader`, whose offsets go with every step to the ps and into the checkpoints (a task killed
+and restarted reads on where the ps stand: each click trained once); the chief also writes the
+dense part as ONNX (``dense.onnx`` in the export directory: the rows of the 26 columns and the
+wide term in, the logit out). ``--score`` starts
 :class:`psflow.serve.server.ModelServer` on those exports and, batch after batch, reads the
 records that arrive after the export it serves, asks it for their logits over HTTP, and prints
 each export's AUC on them once a newer one replaces it.
@@ -71,6 +74,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add("--topic", required=True)
     add("--export_dir", help="where the chief exports (the job)")
     add("--export_every", type=float, default=15.0, help="seconds between exports")
+    add("--checkpoint_dir", help="checkpoints (with each worker's offsets: restarts read on)")
     add("--train_seconds", type=float, default=120.0, help="how long each worker trains")
     add("--batch_size", type=int, default=512)
     add("--dim", type=int, default=16)
@@ -89,16 +93,20 @@ def build(dim: int) -> DLRM:
 
 def train(ctx: psflow.TaskContext, args: argparse.Namespace) -> None:
     if ctx.job == "ps":
-        psflow.ParameterServer(ctx).join()
+        psflow.ParameterServer(ctx, checkpoint_dir=args.checkpoint_dir).join()
         return
     torch.manual_seed(0)
     model = build(args.dim)
     config = KafkaConfig(brokers=args.brokers, topic=args.topic, worker_index=ctx.worker_index,
                          num_workers=ctx.num_workers)  # fmt: skip
     spec = ctr_spec()
+    # input=: each step's push carries the reader's offsets, which the ps keep with the update
+    # and in their checkpoints: a task killed and started again reads on where the ps stand,
+    # each click trained once.
     with KafkaReader(config) as reader, psflow.TrainingSession(
         model, ctx, optimizer=psflow.OptimizerSpec.of("Adam", lr=args.lr, fused=True),
-        export_dir=args.export_dir, export_every=args.export_every,
+        export_dir=args.export_dir, export_every=args.export_every, input=reader,
+        checkpoint_dir=args.checkpoint_dir, save_checkpoint_secs=30,
     ) as sess:  # fmt: skip
         if sess.is_chief:  # the dense part, once: each export brings its weights
             features = {"dense": 13, **dict.fromkeys(COLUMNS, args.dim), "wide": 1}
