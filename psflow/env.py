@@ -46,6 +46,27 @@ def threads_per_task(tasks_here: int) -> str:
     return str(max(1, cores // max(1, tasks_here)))
 
 
+PSFLOW_PS_THREADS = "PSFLOW_PS_THREADS"
+"""Threads a ps task serves one request with (default: torch's, which ``OMP_NUM_THREADS``
+sets): the rows of a lookup or push in stripes, one a thread (:mod:`psflow.sparse.stripes`),
+and torch's threads for the dense optimizer. ``psflow launch --ps-threads N`` sets it (and
+``OMP_NUM_THREADS``) for its ps tasks."""
+
+
+def count(name: str, default: int) -> int:
+    """The integer >= 1 the environment variable ``name`` holds, else ``default``.
+
+    Raises:
+        ValueError: naming the variable, for anything else.
+    """
+    raw = text(name)
+    if raw is None:
+        return default
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {raw!r}")
+    return int(raw)
+
+
 PSFLOW_CLUSTER_FILE = "PSFLOW_CLUSTER_FILE"
 """Path of a YAML or JSON cluster file, used when no flags or TF_CONFIG give the cluster."""
 

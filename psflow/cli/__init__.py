@@ -152,6 +152,14 @@ def _add_launch(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         help="bind each task to cores of its own (as mpirun --bind-to core): the trainers "
         "first, then the ps; with more tasks than cores a ps shares a trainer's core",
     )
+    p.add_argument(
+        "--ps-threads",
+        type=int,
+        metavar="N",
+        help="threads each ps task serves a request with (PSFLOW_PS_THREADS, and its "
+        "OMP_NUM_THREADS): the rows in stripes, one a thread, and the dense optimizer's; "
+        "default: the host's cores shared out among all tasks",
+    )
     _add_launch_watching(p)
     r = p.add_argument_group("on Ray (--backend ray)")
     r.add_argument(

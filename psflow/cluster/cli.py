@@ -36,11 +36,15 @@ def launch(args: argparse.Namespace) -> int:
         metrics=args.metrics,
         progress=args.progress,
         bind_cores=args.bind_cores,
+        ps_threads=args.ps_threads,
     )
     if getattr(args, "backend", "local") == "ray":
         # What only a local job has: refused rather than ignored.
         if args.bind_cores:
             raise ValueError("--bind-cores binds local processes: give Ray --cpus-per-task")
+        if args.ps_threads is not None:
+            raise ValueError("--ps-threads is the local launcher's: on Ray a ps serves with its "
+                             "--cpus-per-task")  # fmt: skip
         if args.host != "127.0.0.1":
             raise ValueError("--host is the local launcher's: on Ray each task listens on its node")
         # Imported here: Ray is an optional extra (psflow[ray]).
@@ -72,4 +76,6 @@ def _say_plan(args: argparse.Namespace, ps: int, *, local: bool) -> None:
         plan += (
             f", {threads} thread{'' if threads == '1' else 's'} a task on {len(host_cpus())} cores"
         )
+        if args.ps_threads is not None:
+            plan += f" ({args.ps_threads} a ps, --ps-threads)"
     print(f"psflow launch: {plan}; --ps N chooses another count", file=sys.stderr)

@@ -81,6 +81,10 @@ class LaunchConfig:
     progress: bool | None = None
     """One live progress line below the tasks' output (step, rate, loss, ETA, tasks up), read
     from their metrics; ``None``: when standard output is a terminal."""
+    ps_threads: int | None = None
+    """Threads each ps task serves one request with (its ``PSFLOW_PS_THREADS`` and
+    ``OMP_NUM_THREADS``: :mod:`psflow.sparse.stripes`); ``None``: the host's cores shared out
+    among all the tasks, as for the others."""
     bind_cores: bool = False
     """Bind each task to cores of its own (:func:`~psflow.cluster.cores.core_sets`), as
     ``mpirun --bind-to core`` does: the scheduler then neither moves a task between cores nor
@@ -101,6 +105,12 @@ class LaunchConfig:
             raise TypeError(f"--max-restarts must be an integer, got {self.max_restarts!r}")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.ps_threads is not None and (
+            isinstance(self.ps_threads, bool)
+            or not isinstance(self.ps_threads, int)
+            or self.ps_threads < 1
+        ):
+            raise ValueError(f"--ps-threads must be an integer >= 1, got {self.ps_threads!r}")
         if self.evaluators not in (0, 1):
             raise ValueError(f"evaluators must be 0 or 1, got {self.evaluators}")
         if self.ps_exit_timeout <= 0 or self.grace <= 0 or self.eval_exit_timeout <= 0:

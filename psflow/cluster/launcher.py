@@ -139,6 +139,10 @@ class Launcher:
         tasks_here = sum(1 for _ in self.cluster.tasks())
         cores = self.cores.get(task)
         env.setdefault(envvars.OMP_NUM_THREADS, task_threads(cores, tasks_here))
+        if task.job == "ps" and self.config.ps_threads is not None:
+            env[envvars.PSFLOW_PS_THREADS] = env[envvars.OMP_NUM_THREADS] = str(
+                self.config.ps_threads
+            )
         env[envvars.TF_CONFIG] = self.cluster.to_tf_config(task)
         if self.config.mode is not None:
             env[envvars.PSFLOW_MODE] = self.config.mode

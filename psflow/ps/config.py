@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from psflow import env as envvars
 from psflow.protocol.messages import WORKER_TIMEOUT
 from psflow.transport import TransportConfig
@@ -39,6 +41,13 @@ class ServerConfig:
     (``PSFLOW_WORKER_TIMEOUT``, else 30; :mod:`psflow.ps.liveness`)."""
     transport: TransportConfig = field(default_factory=TransportConfig.from_env)
     """Timeouts, shared memory, keys (default from the environment)."""
+    threads: int = field(
+        default_factory=lambda: envvars.count(envvars.PSFLOW_PS_THREADS, torch.get_num_threads())
+    )
+    """Threads one request is served with: its rows in stripes, one a thread, and torch's
+    threads for the dense optimizer (``PSFLOW_PS_THREADS``, else torch's count, which
+    ``OMP_NUM_THREADS`` sets). Requests are still served one at a time: a checkpoint's snapshot
+    between two of them is consistent."""
 
     def __post_init__(self) -> None:
         if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, str):
@@ -47,5 +56,7 @@ class ServerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
+            raise ValueError(f"threads must be an integer >= 1, got {self.threads!r}")
         if not isinstance(self.transport, TransportConfig):
             raise TypeError(f"transport must be a TransportConfig, got {self.transport!r}")

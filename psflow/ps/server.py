@@ -44,6 +44,8 @@ from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from typing import Any
 
+import torch
+
 from psflow import allocator, metrics
 from psflow import env as envvars
 from psflow.cluster.spec import TaskContext
@@ -61,6 +63,7 @@ from psflow.ps.status import StatusService
 from psflow.ps.store import ShardStore
 from psflow.ps.sync import SyncService
 from psflow.ps.tables import TableService
+from psflow.sparse import stripes
 from psflow.transport import Request, Server, wire
 from psflow.transport.monitor import RateLimitedLog
 
@@ -90,7 +93,9 @@ class ParameterServer(TransportHost):
     as keywords: ``checkpoint_dir`` (default ``PSFLOW_CHECKPOINT_DIR``: the job's checkpoint
     directory, the only place a ``save`` may write this shard to), ``idle_timeout``,
     ``worker_timeout`` (default ``PSFLOW_WORKER_TIMEOUT``, 30: seconds of silence after which a
-    worker that has joined is dead, :mod:`psflow.ps.liveness`) and ``transport``.
+    worker that has joined is dead, :mod:`psflow.ps.liveness`), ``threads`` (default
+    ``PSFLOW_PS_THREADS``, else torch's: the threads one request's rows and dense update use,
+    :mod:`psflow.sparse.stripes`) and ``transport``.
 
     Example:
         >>> # in the training script, for the ps tasks:
@@ -114,6 +119,9 @@ class ParameterServer(TransportHost):
         self.idle_timeout = self.config.idle_timeout
         self._bad_log = RateLimitedLog(log, self.transport.wait_log_seconds)
         allocator.tune()
+        if self.config.threads != torch.get_num_threads():
+            torch.set_num_threads(self.config.threads)  # the dense optimizer's
+        stripes.set_threads(self.config.threads)  # the rows'
         self.store = ShardStore()
         self.trainers = {str(t) for t in ctx.cluster.trainers}
         self.finished: set[str] = set()
@@ -225,7 +233,8 @@ class ParameterServer(TransportHost):
         self._thread = threading.Thread(target=self._serve, name=f"psflow-{self.name}", daemon=True)
         self._thread.start()
         self.ready.set()
-        log.info("%s serving on %s", self.name, address)
+        threads = self.config.threads
+        log.info("%s serving on %s%s", self.name, address, f" ({threads} threads)" * (threads > 1))
         return self
 
     def join(self, timeout: float | None = None) -> None:

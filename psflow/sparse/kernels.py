@@ -16,7 +16,8 @@ contiguous, int64 index; anything else (CUDA, half precision, a strided view) go
 torch. ``PSFLOW_KERNELS=0`` turns the kernels off (and :mod:`psflow.data.native` with them).
 
 :func:`gather` and :func:`scatter_add` are ``index_select`` and its gradient for rows: one
-thread, the next rows' memory asked for ahead. torch runs them on all its threads, which on a
+thread (a ps task given several gathers and updates rows in stripes on them,
+:mod:`psflow.sparse.stripes`), the next rows' memory asked for ahead. torch runs them on all its threads, which on a
 task that shares 2 cores with others costs more than it saves: ``index_add_`` of 4,096 x 64
 float32 rows took 0.73 ms on 2 threads (OpenMP's waits passive, as psflow sets them) against
 0.09 ms on one.
@@ -33,6 +34,7 @@ from types import ModuleType
 import torch
 
 from psflow import env as envvars
+from psflow.sparse import stripes
 from psflow.sparse.partition import Partition
 
 log = logging.getLogger(__name__)
@@ -124,11 +126,13 @@ def gather(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = No
             f"{[index.numel(), dim]} on the CPU"
         )
     n, row_bytes = index.numel(), dim * src.element_size()
-    check(
-        KERNELS.gather(out.data_ptr(), src.data_ptr(), index.data_ptr(), n, row_bytes, rows),
-        index,
-        rows,
-    )
+    k, o, s, i = KERNELS, out.data_ptr(), src.data_ptr(), index.data_ptr()
+
+    def work(b: int, e: int) -> int:  # rows [b, e) of the index and of out
+        bad: int = k.gather(o + row_bytes * b, s, i + 8 * b, e - b, row_bytes, rows)
+        return bad
+
+    check(stripes.run(n, work), index, rows)
     return out
 
 

@@ -7,6 +7,7 @@ import torch
 import psflow.sparse.kernels as kernels
 from psflow import allocator
 from psflow.protocol import RowOptimizerSpec
+from psflow.sparse import stripes
 
 
 class RowOptimizer:
@@ -142,25 +143,33 @@ class RowOptimizer:
         rows, dim = values.shape
         if g.shape != (n, dim):
             raise ValueError(f"gradients of shape {list(g.shape)} for {n} rows of dim {dim}")
-        name = self.spec.name
+        if len(stripes.bounds(n)) > 1:
+            # Each stripe's kernel checks its own indices: all of them first, so that a bad one
+            # changes nothing (not the stripes before it).
+            low, high = int(index.min()), int(index.max())
+            if low < 0 or high >= rows:
+                kernels.check(int((index == (low if low < 0 else high)).nonzero()[0]), index, rows)
+        # Each kernel: (double, w, <state>, index, grad, n, dim, rows, <hyperparameters>).
+        name, ptr = self.spec.name, {key: t.data_ptr() for key, t in state.items()}
+        head: tuple[int, ...]
+        tail: tuple[float, ...]
         if name == "SGD":
-            bad = k.sgd(double, w, i, g.data_ptr(), n, dim, rows, self.lr)
+            fn, head, tail = k.sgd, (), (self.lr,)
         elif name == "Adagrad":
-            s = state["sum"].data_ptr()
-            bad = k.adagrad(double, w, s, i, g.data_ptr(), n, dim, rows, self.lr, self.eps)
+            fn, head, tail = k.adagrad, (ptr["sum"],), (self.lr, self.eps)
         elif name == "Adam":
-            m, v, t = (state[x].data_ptr() for x in ("exp_avg", "exp_avg_sq", "step"))
-            bad = k.adam(
-                double, w, m, v, t, i, g.data_ptr(), n, dim, rows,
-                self.lr, self.beta1, self.beta2, self.eps,
-            )  # fmt: skip
+            head = (ptr["exp_avg"], ptr["exp_avg_sq"], ptr["step"])
+            fn, tail = k.adam, (self.lr, self.beta1, self.beta2, self.eps)
         else:
-            a, lin = state["accum"].data_ptr(), state["linear"].data_ptr()
-            bad = k.ftrl(
-                double, w, a, lin, i, g.data_ptr(), n, dim, rows,
-                self.lr, self.l1, self.l2, self.lr_power,
-            )  # fmt: skip
-        kernels.check(bad, index, rows)
+            head = (ptr["accum"], ptr["linear"])
+            fn, tail = k.ftrl, (self.lr, self.l1, self.l2, self.lr_power)
+        gp, step = g.data_ptr(), dim * g.element_size()
+
+        def work(b: int, e: int) -> int:  # rows [b, e) of the index and the gradients
+            bad: int = fn(double, w, *head, i + 8 * b, gp + step * b, e - b, dim, rows, *tail)
+            return bad
+
+        kernels.check(stripes.run(n, work), index, rows)
 
     def _sgd(
         self,
