@@ -27,7 +27,7 @@ show in every task without the script configuring logging."""
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 """OpenMP's (and torch's) threads per process: ``psflow launch`` sets it for each task it starts,
 unless the user does (:func:`threads_per_task`, or the count of its cores under
-``--bind-cores``); psflow itself never reads it."""
+``--bind-cores``); a ps reads it for its row threads (:func:`ps_threads`)."""
 
 
 def threads_per_task(tasks_here: int) -> str:
@@ -47,10 +47,19 @@ def threads_per_task(tasks_here: int) -> str:
 
 
 PSFLOW_PS_THREADS = "PSFLOW_PS_THREADS"
-"""Threads a ps task serves one request with (default: torch's, which ``OMP_NUM_THREADS``
-sets): the rows of a lookup or push in stripes, one a thread (:mod:`psflow.sparse.stripes`),
-and torch's threads for the dense optimizer. ``psflow launch --ps-threads N`` sets it (and
-``OMP_NUM_THREADS``) for its ps tasks."""
+"""Threads a ps task serves one request with: the rows of a lookup or push in stripes, one a
+thread (:mod:`psflow.sparse.stripes`), and torch's threads for the dense optimizer
+(:func:`ps_threads`). ``psflow launch --ps-threads N`` sets it (and ``OMP_NUM_THREADS``) for its
+ps tasks."""
+
+
+def ps_threads() -> int:
+    """``PSFLOW_PS_THREADS``; else the task's ``OMP_NUM_THREADS`` when it is one count (the
+    cores ``psflow launch`` or a manifest gave the task); else 1: a ps that nothing told of its
+    cores does not take every core of its host (a container's limit is not torch's count)."""
+    omp = text(OMP_NUM_THREADS)
+    given = int(omp) if omp is not None and omp.isdigit() and int(omp) >= 1 else 1
+    return count(PSFLOW_PS_THREADS, given)
 
 
 def count(name: str, default: int) -> int:

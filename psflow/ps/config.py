@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from psflow import env as envvars
 from psflow.protocol.messages import WORKER_TIMEOUT
 from psflow.transport import TransportConfig
@@ -41,13 +39,11 @@ class ServerConfig:
     (``PSFLOW_WORKER_TIMEOUT``, else 30; :mod:`psflow.ps.liveness`)."""
     transport: TransportConfig = field(default_factory=TransportConfig.from_env)
     """Timeouts, shared memory, keys (default from the environment)."""
-    threads: int = field(
-        default_factory=lambda: envvars.count(envvars.PSFLOW_PS_THREADS, torch.get_num_threads())
-    )
+    threads: int = field(default_factory=envvars.ps_threads)
     """Threads one request is served with: its rows in stripes, one a thread, and torch's
-    threads for the dense optimizer (``PSFLOW_PS_THREADS``, else torch's count, which
-    ``OMP_NUM_THREADS`` sets). Requests are still served one at a time: a checkpoint's snapshot
-    between two of them is consistent."""
+    threads for the dense optimizer (``PSFLOW_PS_THREADS``, else the ``OMP_NUM_THREADS`` that
+    ``psflow launch`` and the rendered manifests give a task, else 1). Requests are still
+    served one at a time: a checkpoint's snapshot between two of them is consistent."""
 
     def __post_init__(self) -> None:
         if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, str):

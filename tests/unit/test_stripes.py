@@ -116,3 +116,9 @@ def test_small_requests_stay_on_one_thread_and_counts_are_checked(
         ServerConfig()
     monkeypatch.setenv(envvars.PSFLOW_PS_THREADS, "3")
     assert ServerConfig().threads == 3
+    # Without it, the cores the task was given (as psflow launch sets OMP_NUM_THREADS), else 1.
+    monkeypatch.delenv(envvars.PSFLOW_PS_THREADS)
+    monkeypatch.setenv(envvars.OMP_NUM_THREADS, "2")
+    assert ServerConfig().threads == 2
+    monkeypatch.delenv(envvars.OMP_NUM_THREADS)
+    assert ServerConfig().threads == 1
