@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from psflow.train import CheckpointDir
 
-from .support import ROOT, launch_cmd
+from .support import ROOT, launch_cmd, run_benchmark_smoke
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 
@@ -52,3 +52,9 @@ def test_ps_threads_must_be_a_count(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "--ps-threads must be an integer >= 1, got 0" in proc.stderr
+
+
+def test_the_row_threads_benchmark_runs() -> None:
+    result = run_benchmark_smoke("row_threads.py")
+    assert result["rows_per_s_1"] > 0 and result["rows_per_s_2"] > 0
+    assert result["threads"] == 2 and result["batch"] == 4096
