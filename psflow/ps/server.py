@@ -422,6 +422,11 @@ class ParameterServer(TransportHost):
                 if self.sender(request) != chief:
                     raise RequestError(f"only the chief ({chief}) may ask for {op!r}")
             handler(request)
+        except stripes.StripeError as e:
+            # The shard's rows may be half-updated: it stops (_serve), never serves on; the
+            # sender hears why at once.
+            self.refuse(request, f"{self.name} stops: {e}", Code.STOPPING)
+            raise
         except RequestError as e:
             self._refuse_bad(request, e, e.code)
         except wire.WireError as e:  # a ValueError too: the tensors do not match the header

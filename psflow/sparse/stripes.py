@@ -26,6 +26,13 @@ _threads = 1
 _pool: ThreadPoolExecutor | None = None
 
 
+class StripeError(RuntimeError):
+    """A stripe failed while others ran: the rows of the request may be half-updated. Not a
+    request's fault (every index is checked before the stripes start): the shard must stop
+    rather than serve on (a ps task does, naming this error), and be restored from its last
+    checkpoint."""
+
+
 def set_threads(n: int) -> None:
     """The threads one request's rows use from now on (this one and ``n - 1`` helpers)."""
     global _threads, _pool
@@ -56,8 +63,9 @@ def run(n: int, work: Callable[[int, int], int]) -> int:
     others on the pool's, and waits for all; returns the first stripe's non-negative result
     offset to the whole range (a kernel's bad index), else ``-1``.
 
-    An exception in any stripe is raised once every stripe has ended: nothing runs on after
-    the call returns.
+    An exception in a stripe is raised once every stripe has ended (nothing runs on after the
+    call returns), as :class:`StripeError` when there were several: the others may have
+    written their rows.
     """
     stripes = bounds(n)
     pool = _pool
@@ -76,7 +84,10 @@ def run(n: int, work: Callable[[int, int], int]) -> int:
         except BaseException as e:
             error = error or e
     if error is not None:
-        raise error
+        raise StripeError(
+            f"a stripe of {n} rows on {len(stripes)} threads failed while the others ran "
+            f"({type(error).__name__}: {error}): the rows may be half-updated"
+        ) from error
     for (begin, _), bad in zip(stripes, results, strict=True):
         if bad >= 0:
             return begin + bad

@@ -5,14 +5,21 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+import psflow
+from psflow.cluster.ports import local_cluster
+from psflow.cluster.spec import TaskContext, TaskSpec
+from psflow.protocol import Code
+from psflow.sparse import kernels, stripes
 from psflow.train import CheckpointDir
+from psflow.transport import PeerError
 
-from .support import ROOT, launch_cmd, run_benchmark_smoke
+from .support import ROOT, launch_cmd, quiet_session, run_benchmark_smoke
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 
@@ -58,3 +65,39 @@ def test_the_row_threads_benchmark_runs() -> None:
     result = run_benchmark_smoke("row_threads.py")
     assert result["rows_per_s_1"] > 0 and result["rows_per_s_2"] > 0
     assert result["threads"] == 2 and result["batch"] == 4096
+
+
+class FailingKernels:
+    """The row kernels, but every Adagrad update of a stripe fails (a fault no index check
+    catches)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def adagrad(self, *args: Any) -> int:
+        raise MemoryError("planted")
+
+
+def test_a_stripe_that_fails_stops_the_shard_and_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cluster = local_cluster(1, 1)
+    ps = psflow.ParameterServer(TaskContext(cluster=cluster, task=TaskSpec(job="ps", index=0)),
+                                threads=2).start()  # fmt: skip
+    try:
+        table = psflow.nn.Embedding(50_000, 8, optimizer="Adagrad")
+        sess = quiet_session(table, cluster, str(tmp_path), recovery_timeout=None)
+        table(torch.arange(2048)).sum().backward()
+        monkeypatch.setattr(kernels, "KERNELS", FailingKernels(kernels.KERNELS))
+        with pytest.raises(PeerError, match="ps:0 stops: a stripe of 2048 rows") as e:
+            sess.step()
+        assert e.value.code == Code.STOPPING
+        sess.close(e.value)  # no final checkpoint: the ps is gone
+        with pytest.raises(RuntimeError, match=r"ps:0 stopped: .*MemoryError: planted"):
+            ps.join(timeout=10)  # it stopped serving, naming the failure
+        assert isinstance(ps.error, stripes.StripeError)
+    finally:
+        ps.stop()

@@ -98,7 +98,7 @@ def test_a_stripe_that_fails_is_raised_once_every_stripe_has_ended() -> None:
             raise RuntimeError(f"stripe at {b}")
         return -1
 
-    with pytest.raises(RuntimeError, match=f"stripe at {last}"):
+    with pytest.raises(stripes.StripeError, match=f"RuntimeError: stripe at {last}"):
         stripes.run(N, work)
     assert sorted(ended) == [b for b, _ in stripes.bounds(N)]  # every stripe had ended
 
