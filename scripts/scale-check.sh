@@ -3,7 +3,9 @@
 # (the device tool's `run`, ../.library/device): benchmarks/scaling.py at JOBS, then
 # benchmarks/job_profile.py on the largest job (each task's cores, py-spy stacks of a ps and a
 # worker). AGAINST gives scaling.py's --against (example arguments for an A/B run of each job,
-# alternating: AGAINST=--no-fused); PROFILE= skips the profile.
+# alternating: AGAINST=--no-fused); PROFILE= skips the profile; ROW_THREADS=2,4 first measures a
+# shard's rows on that many threads (benchmarks/row_threads.py, then the sparse workload with
+# PSFLOW_PS_THREADS 1 and N, both paths each).
 #
 # It needs pyzmq, google-crc32c and py-spy as wheels in .whl (see scripts/gpu-check.sh for the
 # download; add py-spy==0.4.3 with --platform manylinux1_x86_64), carried: command
@@ -27,6 +29,18 @@ lscpu | grep -E "^Model name|^CPU\(s\)|^Thread|^NUMA node\(s\)" | tee "$out/mach
 "$py" setup.py -q build_ext --inplace >"$out/build.log" 2>&1 || echo "C kernels not built"
 "$py" -m psflow.cli data synth-ctr /tmp/ctr --examples "${EXAMPLES:-500000}" \
     --test-examples 1000 >/dev/null || exit 1
+
+if [ -n "${ROW_THREADS:-}" ]; then  # e.g. ROW_THREADS=2,4: a shard's rows on N threads
+    for n in ${ROW_THREADS//,/ }; do
+        echo "== row_threads: 1 against $n threads (kernels alone) =="
+        "$py" benchmarks/row_threads.py --threads "$n" 2>&1 | tee "$out/row_threads-$n.log"
+        for t in 1 "$n"; do  # both paths each (the benchmark's variants)
+            echo "== sparse shard, PSFLOW_PS_THREADS=$t =="
+            PSFLOW_PS_THREADS=$t "$py" benchmarks/embedding.py --workload sparse 2>&1 |
+                tail -1 | tee "$out/sparse-t$t.log"
+        done
+    done
+fi
 
 echo "== scaling: $jobs =="
 against=()
