@@ -7,8 +7,6 @@ import contextlib
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,21 +20,24 @@ from psflow.train import CheckpointDir
 from psflow.transport import PeerError, PeerLostError, TransportConfig
 from psflow.worker.client import ShardedClient
 
+from .forked import Forked
 from .support import ROOT, local_cluster, start_ps, stop, worker_ctx
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
 EXAMPLE = str(ROOT / "examples" / "linear_regression.py")
-STEPS = 3000
-LR = 0.002
-"""Twice the example's default for half its former 6,000 steps: W's error shrinks as
-exp(-2/3 lr t), so the end values are as close as before, with the kill at 1,500 and the
-restored rows still half the run from its end."""
+STEPS = 1500
+LR = 0.004
+"""Four times the example's default for a quarter of its former 6,000 steps: W's error shrinks
+as exp(-2/3 lr t), so the end values are as close as before, with the kill at the checkpoint of
+step 750 (one every 250) and the restored rows still half the run from its end."""
+KILL_AT = STEPS // 2
+SAVE = STEPS // 6
 
 
-def _worker(
-    cluster: psflow.ClusterSpec, index: int, logdir: Path, mode: str
-) -> subprocess.Popen[str]:
+def _worker(cluster: psflow.ClusterSpec, index: int, logdir: Path, mode: str) -> Forked:
+    """The example as worker ``index``, forked from the server that imported torch
+    (:mod:`tests.multiproc.forked`): its own process, environment and pipes."""
     task = psflow.TaskSpec(job="worker", index=index)
     env = dict(
         os.environ,
@@ -50,18 +51,8 @@ def _worker(
         # workers notice after this long.
         PSFLOW_SYNC_TIMEOUT="5",
     )
-    return subprocess.Popen(
-        [
-            sys.executable,
-            EXAMPLE,
-            *("--train_steps", str(STEPS), "--lr", str(LR), "--save_checkpoint_steps", "500"),
-            *("--logdir", str(logdir)),
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    args = ["--train_steps", str(STEPS), "--lr", str(LR), "--save_checkpoint_steps", str(SAVE)]
+    return Forked([EXAMPLE, *args, "--logdir", str(logdir)], env=env)
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
@@ -76,14 +67,14 @@ def test_a_restarted_ps_is_restored_from_the_last_checkpoint(tmp_path: Path, mod
         deadline = time.monotonic() + 150
         while time.monotonic() < deadline:
             latest = saved.latest()
-            if latest is not None and saved.manifest(latest).global_step >= 1500:
+            if latest is not None and saved.manifest(latest).global_step >= KILL_AT:
                 break
             if any(p.poll() is not None for p in [*ps, *workers]):
                 break  # one ended before the kill: named below
             time.sleep(0.02)
         else:
             latest = None
-        if latest is None or saved.manifest(latest).global_step < 1500:
+        if latest is None or saved.manifest(latest).global_step < KILL_AT:
             tails = []
             for name, p in [
                 ("ps:0", ps[0]),
@@ -92,7 +83,7 @@ def test_a_restarted_ps_is_restored_from_the_last_checkpoint(tmp_path: Path, mod
             ]:
                 code, err = stop(p, timeout=0.1)
                 tails.append(f"--- {name} (exit {code}):\n{err[-1500:]}")
-            pytest.fail("no checkpoint at step 1500 within 150 s:\n" + "\n".join(tails))
+            pytest.fail(f"no checkpoint at step {KILL_AT} within 150 s:\n" + "\n".join(tails))
         ps[1].send_signal(signal.SIGKILL)
         ps[1].wait(10)
         restarted = start_ps(cluster, 1)  # what Kubernetes does with a failed pod
@@ -102,7 +93,7 @@ def test_a_restarted_ps_is_restored_from_the_last_checkpoint(tmp_path: Path, mod
         chief_err = outs[0][1]
         m = re.search(r"ps:1 came back empty: every shard restored from (ckpt-(\d+))", chief_err)
         assert m, chief_err[-3000:]
-        assert int(m.group(2)) >= 1500
+        assert int(m.group(2)) >= KILL_AT
         assert "training goes on at global step" in outs[1][1]  # the other worker, too
         w_b = re.fullmatch(r"W=(\S+) b=(\S+)", outs[0][0].strip().splitlines()[-1])
         # Still learning from the restored values (lr x steps = 6 brings both within 0.05).
