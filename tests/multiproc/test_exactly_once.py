@@ -166,7 +166,7 @@ def test_a_push_that_reached_one_shard_is_replayed_to_the_other_alone(tmp_path: 
         sess = quiet_session(model, cluster, logdir, input=reader, optimizer="SGD", lr=1.0)
         first: list[list[int]] = []
         for step in range(3):
-            got = reader.read_examples(batch, SPEC, timeout_s=5)
+            got = reader.read_examples(batch, SPEC, timeout_s=0.5)
             assert got is not None
             first.append(got["id"].tolist())
             sess.zero_grad()
@@ -183,7 +183,7 @@ def test_a_push_that_reached_one_shard_is_replayed_to_the_other_alone(tmp_path: 
         with quiet_session(model, cluster, logdir, input=reader, optimizer="SGD", lr=1.0) as sess:
             again: list[list[int]] = []
             while "part-2.tfrecord" not in " ".join(reader.state()["done"]):
-                got = reader.read_examples(batch, SPEC, timeout_s=5)
+                got = reader.read_examples(batch, SPEC, timeout_s=0.5)
                 if got is None:
                     continue
                 again.append(got["id"].tolist())
@@ -223,7 +223,7 @@ def test_a_shard_restored_under_a_worker_refuses_its_next_push_and_it_reads_agai
         ) as sess:
             seen: list[list[int]] = []
             while "part-2.tfrecord" not in " ".join(reader.state()["done"]):
-                got = reader.read_examples(batch, SPEC, timeout_s=5)
+                got = reader.read_examples(batch, SPEC, timeout_s=0.5)
                 if got is None:
                     continue
                 seen.append(got["id"].tolist())
