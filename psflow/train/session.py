@@ -193,7 +193,7 @@ class TrainingSession(Restoring, StopOnSignals):
                 "step's gradients may be dropped or never reach a ps); train asynchronously "
                 "or with bounded staleness"
             )
-        self._input: InputTracker | None = None
+        self._input = None if input is None else InputTracker(input, str(ctx.task))
         """Numbers the inputs of ``input`` and keeps it where the ps stand."""
         self._client: ShardedClient | None = None
         ready_timeout = training.ready_timeout
@@ -207,14 +207,14 @@ class TrainingSession(Restoring, StopOnSignals):
                 self._start_alone()
             elif self.opt.mode == Mode.ALLREDUCE:
                 self._start_allreduce()
-            if input is not None:
-                self._input = InputTracker(input, str(ctx.task))
+            if self._input is not None:
                 self._input.resume(self.opt)
         except BaseException:
             if self._client is not None:
                 self._client.close()
-            if self._allreduce is not None or self._input is not None:
-                self.opt.close(finished=False)
+            opt = getattr(self, "opt", None)  # made, or not yet
+            if opt is not None and (self._allreduce is not None or self._input is not None):
+                opt.close(finished=False)
             raise
         self.global_step = self._last_save_step = self.opt.global_step
         if self.is_chief and self.config.checkpoint.checkpoint_dir is not None:

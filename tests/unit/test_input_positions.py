@@ -332,3 +332,18 @@ def test_a_cluster_of_one_keeps_its_readers_position_in_its_checkpoints(tmp_path
     second = run(stop_after=None)
     assert first[16:] == second[:8]  # input 3 again: its update was not in the checkpoint
     assert sorted(first[:16] + second) == list(range(48))
+
+
+@pytest.mark.parametrize("mode", ["sync", "allreduce"])
+def test_modes_that_cannot_say_what_reached_the_optimizer_refuse_a_reader(
+    tmp_path: Path, mode: str
+) -> None:
+    import psflow
+    from psflow.cluster.ports import local_cluster
+    from psflow.cluster.spec import TaskContext, TaskSpec
+
+    cluster = local_cluster(0 if mode == "allreduce" else 1, 2)  # nothing is started
+    ctx = TaskContext(cluster=cluster, task=TaskSpec(job="worker", index=0))
+    reader = FileStreamReader(FileStreamConfig(pattern=str(tmp_path / "*.tfrecord")))
+    with pytest.raises(ValueError, match=f"input=: {mode} training keeps no input positions"):
+        psflow.TrainingSession(torch.nn.Linear(2, 1), ctx, mode=mode, input=reader)
