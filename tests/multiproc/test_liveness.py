@@ -20,6 +20,7 @@ from psflow.protocol.messages import HEARTBEATS_PER_TIMEOUT
 from psflow.transport import PeerError, TransportConfig
 from psflow.worker.client import ShardedClient
 
+from .forked import Forked
 from .support import ROOT, freeze, local_cluster, start_ps, stop, worker_ctx
 from .sync_support import batch, loss_fn, make_model
 
@@ -32,7 +33,8 @@ BOUND = TIMEOUT + 30.0
 """An upper bound on noticing, generous for a loaded machine: what is asserted is the error."""
 
 
-def _worker1(cluster: psflow.ClusterSpec, *args: str) -> subprocess.Popen[str]:
+def _worker1(cluster: psflow.ClusterSpec, *args: str) -> Forked:
+    """``SCRIPT`` as worker:1, forked from the server that imported torch."""
     task = psflow.TaskSpec(job="worker", index=1)
     env = dict(
         os.environ,
@@ -40,13 +42,7 @@ def _worker1(cluster: psflow.ClusterSpec, *args: str) -> subprocess.Popen[str]:
         PYTHONUNBUFFERED="1",
         PSFLOW_WORKER_TIMEOUT=str(TIMEOUT),
     )
-    return subprocess.Popen(
-        [sys.executable, SCRIPT, "1000000000", *args],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return Forked([SCRIPT, "1000000000", *args], env=env)
 
 
 def _train(opt: psflow.DistributedOptimizer, model: object, until: int) -> None:

@@ -13,6 +13,7 @@ import psflow
 from psflow.transport import TransportConfig
 from psflow.worker.client import ShardedClient
 
+from .forked import Forked
 from .support import ROOT, local_cluster, start_ps, stop, worker_ctx
 
 SCRIPT = str(ROOT / "tests" / "multiproc" / "scripts" / "sync_worker.py")
@@ -20,16 +21,11 @@ SCRIPT = str(ROOT / "tests" / "multiproc" / "scripts" / "sync_worker.py")
 
 def _worker(
     cluster: psflow.ClusterSpec, index: int, args: list[str], env: dict[str, str]
-) -> subprocess.Popen[str]:
+) -> Forked:
+    """``SCRIPT`` as worker ``index``, forked from the server that imported torch."""
     task = psflow.TaskSpec(job="worker", index=index)
     e = dict(os.environ, TF_CONFIG=cluster.to_tf_config(task), PYTHONUNBUFFERED="1", **env)
-    return subprocess.Popen(
-        [sys.executable, SCRIPT, *args],
-        env=e,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return Forked([SCRIPT, *args], env=e)
 
 
 def _result(out: str) -> dict:  # type: ignore[type-arg]
