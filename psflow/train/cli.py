@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 
@@ -78,7 +78,30 @@ def inspect(args: argparse.Namespace) -> int:
                 f"{entry['bytes'] / 1e6:.1f} MB  partition {spec.partition}  "
                 f"row-wise {optimizer}"
             )
+    _print_inputs(d.shard_urls(name, m.num_shards))
     return 0
+
+
+def _print_inputs(urls: list[str]) -> None:
+    """Where each worker's reader stood in what the shards hold (``input=``), once for a task
+    whose shards agree, else per shard (a restarted worker replays between them)."""
+    from psflow.protocol.messages import input_name
+    from psflow.ps.positions import read_positions
+
+    by_task: dict[str, list[tuple[int, Any] | None]] = {}
+    for i, url in enumerate(urls):
+        for task, mark in read_positions(url).marks.items():
+            by_task.setdefault(task, [None] * len(urls))[i] = mark
+    if not by_task:
+        return
+    print("input positions (each worker's reader, kept by the shards with their rows):")
+    for task, marks in sorted(by_task.items()):
+        if all(m == marks[0] for m in marks) and marks[0] is not None:
+            print(f"  {task}  input {input_name(marks[0][0])}  {json.dumps(marks[0][1])}")
+            continue
+        for i, m in enumerate(marks):
+            where = "none" if m is None else f"input {input_name(m[0])}  {json.dumps(m[1])}"
+            print(f"  {task}  shard {i}: {where}")
 
 
 def _inspect_tf(prefix: str) -> int:

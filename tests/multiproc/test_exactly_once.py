@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import re
 import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,14 @@ def test_a_push_that_reached_one_shard_is_replayed_to_the_other_alone(tmp_path: 
         for p in ps:
             assert stop(p, timeout=30)[0] == 0
         assert_each_once(counted_rows(tmp_path / "ckpt"), records)
+        # The checkpoint says where the reader stood: past the last file, on both shards.
+        shown = subprocess.run(
+            [sys.executable, "-m", "psflow.cli", "checkpoint", "inspect", logdir],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert shown.returncode == 0, shown.stderr
+        line = shown.stdout.split("input positions")[1].splitlines()[1]
+        assert line.startswith("  worker:0  input 6  {") and "part-2.tfrecord" in line, line
     finally:
         for p in ps:
             p.kill()
