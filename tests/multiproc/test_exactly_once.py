@@ -209,8 +209,9 @@ def test_a_push_that_reached_one_shard_is_replayed_to_the_other_alone(tmp_path: 
             p.kill()
 
 
+@pytest.mark.parametrize("staleness", [None, 2], ids=["async", "bounded_staleness"])
 def test_a_shard_restored_under_a_worker_refuses_its_next_push_and_it_reads_again(
-    tmp_path: Path,
+    tmp_path: Path, staleness: int | None
 ) -> None:
     """The chief restores the shards while a worker trains (a ps of the job came back empty):
     that worker's next push, numbered from where it stood, is refused (it would read on past
@@ -227,9 +228,13 @@ def test_a_shard_restored_under_a_worker_refuses_its_next_push_and_it_reads_agai
         model = Counter(records)
         config = FileStreamConfig(pattern=str(data / "part-*.tfrecord"), poll_interval_s=0.05)
         reader = FileStreamReader(config)
+        mode = {} if staleness is None else {"max_staleness": staleness}
         with quiet_session(
-            model, cluster, str(logdir), input=reader, optimizer="SGD", lr=1.0
+            model, cluster, str(logdir), input=reader, optimizer="SGD", lr=1.0, **mode
         ) as sess:
+            assert type(sess.opt.engine).__name__ == (
+                "AsyncEngine" if staleness is None else "StalenessEngine"
+            )
             seen: list[list[int]] = []
             while "part-2.tfrecord" not in " ".join(reader.state()["done"]):
                 got = reader.read_examples(batch, SPEC, timeout_s=0.5)
