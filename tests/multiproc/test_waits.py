@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ import pytest
 from psflow.cluster.spec import ClusterSpec, TaskSpec
 from psflow.transport import generate_keys
 
+from .forked import Forked
 from .lines import Lines
 from .support import local_cluster, start_ps, stop
 
@@ -30,18 +29,13 @@ with psflow.DistributedOptimizer(model, ctx, lr=0.1) as opt:
 """
 
 
-def start_worker(
-    cluster: ClusterSpec, index: int = 0, **env: str
-) -> tuple[subprocess.Popen[str], Lines]:
+def start_worker(cluster: ClusterSpec, index: int = 0, **env: str) -> tuple[Forked, Lines]:
+    """``WORKER`` as its own process, forked from the server that imported torch
+    (:mod:`tests.multiproc.forked`), with ``env`` over this process's environment."""
     task = TaskSpec(job="worker", index=index)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", WORKER],
-        env={**os.environ, "TF_CONFIG": cluster.to_tf_config(task), **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    proc = Forked(
+        ["-c", WORKER], env={**os.environ, "TF_CONFIG": cluster.to_tf_config(task), **env}
     )
-    assert proc.stderr is not None
     return proc, Lines(proc.stderr)
 
 
@@ -111,7 +105,7 @@ def test_a_wait_for_a_lost_ps_names_the_recovery_timeout() -> None:
     )
 
 
-@pytest.mark.timeout(420)  # four workers, each a fresh import of torch
+@pytest.mark.timeout(420)  # four workers
 def test_a_ps_with_keys_logs_the_clients_it_refuses(tmp_path: Path) -> None:
     job, other = generate_keys(tmp_path / "job"), generate_keys(tmp_path / "other")
     # The job's server key, but a client key the ps does not know.
