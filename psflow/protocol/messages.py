@@ -13,8 +13,11 @@ so a received header (plain strings) is read with the members directly.
 
 from __future__ import annotations
 
+import math
 import sys
+from collections.abc import Sequence
 from enum import Enum
+from typing import Any
 
 if sys.version_info >= (3, 11):
     from enum import StrEnum
@@ -96,16 +99,24 @@ def initial_state_tensor_name(table: str, key: str) -> str:
     return table + ROW_STATE + key
 
 
-WHOLE_INPUT = 0xFFFFFFFF
-"""The low 32 bits of the :attr:`Key.INPUT_SEQ` of a worker's whole input ``k`` (``k << 32 |
-WHOLE_INPUT``); those of the batches that replay its records count up from 0
-(:mod:`psflow.train.input_position`)."""
+InputMark = tuple[tuple[int, ...], dict[str, Any]]
+"""An input's number (:attr:`Key.INPUT_SEQ`) and its sender's reader position past it
+(:attr:`Key.INPUT_POSITION`)."""
+
+MAX_INPUT_DEPTH = 16
+"""The most numbers an :attr:`Key.INPUT_SEQ` holds (a replay of a replay ... adds one)."""
 
 
-def input_name(seq: int) -> str:
-    """An :attr:`Key.INPUT_SEQ` for people: ``"7"``, or ``"7 (replayed batch 2)"``."""
-    high, low = seq >> 32, seq & WHOLE_INPUT
-    return str(high) if low == WHOLE_INPUT else f"{high} (replayed batch {low})"
+def input_key(seq: Sequence[int]) -> tuple[float, ...]:
+    """An :attr:`Key.INPUT_SEQ`'s place in the order: by its numbers in turn, a missing one
+    above any (``[7]``, input 7 whole, is after ``[7, 2]``, a batch replaying up to it, which
+    is after ``[7, 1, 9]``)."""
+    return (*seq, math.inf)
+
+
+def input_name(seq: Sequence[int]) -> str:
+    """An :attr:`Key.INPUT_SEQ` for people: ``"7"``, or ``"7.2"`` (a batch replaying up to 7)."""
+    return ".".join(str(n) for n in seq)
 
 
 OPT_SEP = "/opt/"
@@ -290,10 +301,11 @@ class Key(StrEnum):
     """A push: the tables whose rows of the ids it carries (:func:`prefetch_tensor_names`) the
     reply brings back, read after the push is applied: the next batch's rows ride the step."""
     INPUT_SEQ = "input_seq"
-    """A push: the number of its sender's input (the batch whose gradients it carries), higher
-    for each push (:mod:`psflow.train.input_position`). A shard that has applied a push of
-    that sender with this number or a higher one drops it (answering as for any push): a
-    restarted worker's replay of what the shard already holds."""
+    """A push: the number of its sender's input (the batch whose gradients it carries), a list
+    of 1 to :data:`MAX_INPUT_DEPTH` integers ordered by :func:`input_key`, higher for each push
+    (:mod:`psflow.train.input_position`). A shard that has applied a push of that sender with
+    this number or a higher one drops it (answering as for any push): a restarted worker's
+    replay of what the shard already holds."""
     INPUT_POSITION = "input_position"
     """A push with :attr:`INPUT_SEQ`: where its sender's reader is past that batch (plain data,
     the reader's ``state()``), which the shard keeps with the update and in its checkpoint. A

@@ -25,12 +25,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from psflow.protocol import Key
+from psflow.protocol.messages import MAX_INPUT_DEPTH, InputMark, input_key
 from psflow.ps import safefile
 
 log = logging.getLogger(__name__)
 
-InputMark = tuple[int, dict[str, Any]]
-"""A push's input number and its sender's reader position past the batch."""
 
 MAX_POSITION_BYTES = 1 << 20
 """The largest position a shard keeps, as JSON (a reader's state is a few offsets or paths)."""
@@ -53,14 +52,34 @@ def input_mark(header: Mapping[str, Any]) -> tuple[InputMark, int] | None:
                 raise ValueError(f"'{key}' comes without '{Key.INPUT_SEQ}'")
         return None
     position = checked_position(header.get(Key.INPUT_POSITION), f"'{Key.INPUT_POSITION}'")
-    return (_number(header, Key.INPUT_SEQ), position), _number(header, Key.INPUT_EPOCH)
+    seq = checked_seq(header.get(Key.INPUT_SEQ), f"'{Key.INPUT_SEQ}'")
+    return (seq, position), _number(header, Key.INPUT_EPOCH)
 
 
 def _number(header: Mapping[str, Any], key: Key) -> int:
     value = header.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
+    if not _count(value):
         raise ValueError(f"'{key}' must be an integer in [0, 2**63), got {value!r:.80}")
+    assert isinstance(value, int)
     return value
+
+
+def _count(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and 0 <= value < 1 << 63
+
+
+def checked_seq(seq: Any, what: str) -> tuple[int, ...]:
+    """``seq`` as an input number: 1 to :data:`MAX_INPUT_DEPTH` integers in [0, 2**63)."""
+    if (
+        not isinstance(seq, list | tuple)
+        or not 1 <= len(seq) <= MAX_INPUT_DEPTH
+        or not all(_count(n) for n in seq)
+    ):
+        raise ValueError(
+            f"{what} must be a list of 1 to {MAX_INPUT_DEPTH} integers in [0, 2**63), "
+            f"got {seq!r:.80}"
+        )
+    return tuple(seq)
 
 
 def checked_position(position: Any, what: str) -> dict[str, Any]:
@@ -84,10 +103,10 @@ class InputPositions:
         self.epoch = secrets.randbits(62)
         """Drawn anew with every state of the shard (these positions are made with it)."""
 
-    def applied(self, task: str, seq: int) -> bool:
+    def applied(self, task: str, seq: tuple[int, ...]) -> bool:
         """Whether a push of ``task`` numbered ``seq`` is one this shard holds already."""
         mark = self.marks.get(task)
-        return mark is not None and seq <= mark[0]
+        return mark is not None and input_key(seq) <= input_key(mark[0])
 
     def record(self, task: str, mark: InputMark) -> None:
         self.marks[task] = mark
@@ -95,10 +114,10 @@ class InputPositions:
     def of(self, task: str) -> list[Any] | None:
         """``[seq, position]`` of ``task``'s last applied push, as a status reply says it."""
         mark = self.marks.get(task)
-        return None if mark is None else [mark[0], mark[1]]
+        return None if mark is None else [list(mark[0]), mark[1]]
 
     def to_metadata(self) -> str:
-        return json.dumps({t: [s, p] for t, (s, p) in sorted(self.marks.items())})
+        return json.dumps({t: [list(s), p] for t, (s, p) in sorted(self.marks.items())})
 
     @classmethod
     def from_metadata(cls, text: str, source: str) -> InputPositions:
@@ -115,17 +134,12 @@ class InputPositions:
             raise ValueError(f"{source}: {METADATA_KEY} is not a map of tasks")
         marks: dict[str, InputMark] = {}
         for task, entry in data.items():
-            if (
-                not isinstance(entry, list)
-                or len(entry) != 2
-                or isinstance(entry[0], bool)
-                or not isinstance(entry[0], int)
-                or entry[0] < 0
-            ):
+            if not isinstance(entry, list) or len(entry) != 2:
                 raise ValueError(
                     f"{source}: {METADATA_KEY} of {task!r} is not [seq, position]: {entry!r:.80}"
                 )
-            marks[task] = (entry[0], checked_position(entry[1], f"{source}: {task}'s position"))
+            seq = checked_seq(entry[0], f"{source}: {task}'s input number")
+            marks[task] = (seq, checked_position(entry[1], f"{source}: {task}'s position"))
         return cls(marks)
 
 
@@ -161,7 +175,7 @@ def restored_positions(
                 shard, task, len(urls), num_shards,
             )  # fmt: skip
             continue
-        lowest = min(held, key=lambda m: m[0])
+        lowest = min(held, key=lambda m: input_key(m[0]))
         if any(m[0] != lowest[0] for m in held):
             log.warning(
                 "shard %d: the checkpoint's %d shards hold %s's input at different points and "

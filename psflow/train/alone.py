@@ -169,7 +169,7 @@ class LocalEngine(Engine):
     def input_positions(self) -> list[InputMark | None]:
         return [self.store.inputs.marks.get(self.task)]
 
-    def mark_input(self, seq: int, position: dict[str, Any]) -> None:
+    def mark_input(self, seq: tuple[int, ...], position: dict[str, Any]) -> None:
         self._input_mark = (seq, position)
 
     def step(self) -> int:

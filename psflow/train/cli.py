@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import fsspec
 
@@ -85,10 +85,10 @@ def inspect(args: argparse.Namespace) -> int:
 def _print_inputs(urls: list[str]) -> None:
     """Where each worker's reader stood in what the shards hold (``input=``), once for a task
     whose shards agree, else per shard (a restarted worker replays between them)."""
-    from psflow.protocol.messages import input_name
+    from psflow.protocol.messages import InputMark, input_name
     from psflow.ps.positions import read_positions
 
-    by_task: dict[str, list[tuple[int, Any] | None]] = {}
+    by_task: dict[str, list[InputMark | None]] = {}
     for i, url in enumerate(urls):
         for task, mark in read_positions(url).marks.items():
             by_task.setdefault(task, [None] * len(urls))[i] = mark

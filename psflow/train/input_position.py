@@ -14,10 +14,13 @@ Shards can stand at different inputs of one worker: it may die between its pushe
 them, and a checkpoint's shards are taken at their own moments. The reader then goes back to
 the earliest and reads up to each later position in turn (the reader's ``stop_at``): the
 records up to the next position make one input again (in batches of the loop's size), which
-the shards that hold it drop and the others apply. Numbers: input ``k`` of a worker is ``k <<
-32 | FINAL``; the batches that replay the inputs up to a position ``k`` are ``k << 32 | 0, 1,
-...``, the last one ``k << 32 | FINAL``: higher than what the shards behind hold, not above
-what those at ``k`` hold.
+the shards that hold it drop and the others apply. Numbers (:attr:`~psflow.protocol.Key.
+INPUT_SEQ`, ordered by :func:`~psflow.protocol.messages.input_key`): input ``k`` of a worker is
+``[k]``; the batches that replay the records up to a position numbered ``T`` are ``T + [0]``,
+``T + [1]``, ..., the last one ``T`` itself: above the number of any shard behind, not above
+what the shards at ``T`` hold. A replay cut short and replayed again goes one level deeper, so
+however the batches fall (a stream's read may give fewer records than asked) there is always a
+number between.
 
 Asynchronous training and bounded staleness keep positions; synchronous training does not (a
 step's gradients may be dropped as stale), nor all-reduce mode.
@@ -30,15 +33,12 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from psflow.protocol.messages import WHOLE_INPUT, input_name
+from psflow.protocol.messages import MAX_INPUT_DEPTH, InputMark, input_key, input_name
 from psflow.worker import DistributedOptimizer
 
 log = logging.getLogger("psflow.train.session")
 
-FINAL = WHOLE_INPUT
-"""The low bits of a whole input's number (those of a replayed input's batches count up)."""
-
-Mark = tuple[int, dict[str, Any]]
+Mark = InputMark
 """An input's number and the reader's position past it."""
 
 
@@ -73,23 +73,36 @@ def plan(marks: Sequence[Mark | None]) -> tuple[Mark | None, list[Mark]]:
         ValueError: when two shards hold one number at different positions (not one reader's
             inputs).
     """
-    by_seq: dict[int, dict[str, Any]] = {}
+    by_seq: dict[tuple[int, ...], dict[str, Any]] = {}
     for mark in marks:
         if mark is None:
             continue
         seq, position = mark
         if seq in by_seq and not same_position(by_seq[seq], position):
             raise ValueError(
-                f"two shards hold input {input_name(seq)} at different positions ({by_seq[seq]!r:.200} "
-                f"and {position!r:.200}): not the inputs of one reader"
+                f"two shards hold input {input_name(seq)} at different positions "
+                f"({by_seq[seq]!r:.200} and {position!r:.200}): not the inputs of one reader"
             )
         by_seq[seq] = position
-    ordered = [(seq, by_seq[seq]) for seq in sorted(by_seq)]
+    ordered = [(seq, by_seq[seq]) for seq in sorted(by_seq, key=input_key)]
     if not ordered:
         return None, []
     if any(m is None for m in marks):
         return None, ordered
     return ordered[0], ordered[1:]
+
+
+def number_toward(last: tuple[int, ...] | None, target: tuple[int, ...]) -> tuple[int, ...]:
+    """The number of a batch that replays records short of ``target``'s position, the one
+    after ``last`` (``None``: the first input): above ``last``, below ``target``."""
+    depth = len(target)
+    if last is not None and len(last) > depth and last[:depth] == target:
+        return (*target, last[depth] + 1)  # a replay toward target, cut short before: on
+    if depth >= MAX_INPUT_DEPTH:
+        raise RuntimeError(
+            f"input {input_name(target)}: replays nested {depth} deep, past {MAX_INPUT_DEPTH}"
+        )
+    return (*target, 0)
 
 
 class InputTracker:
@@ -113,8 +126,8 @@ class InputTracker:
         self.first = reader.state()
         """Where the reader started: where it goes back to when some shard holds none of its
         inputs."""
-        self.last = 0
-        """The number of the last input marked."""
+        self.last: tuple[int, ...] | None = None
+        """The number of the last input marked (``None``: none yet)."""
         self.ahead: list[Mark] = []
         """Positions some shards hold past where the reader is, in order: read up to each."""
 
@@ -125,7 +138,7 @@ class InputTracker:
         self.reader.restore(self.first if start is None else start[1])
         self.reader.stop_at([position for _, position in ahead])
         self.ahead = ahead
-        self.last = 0 if start is None else start[0]
+        self.last = None if start is None else start[0]
         if start is None and not ahead:
             return
         where = "its start" if start is None else f"input {input_name(start[0])}"
@@ -145,16 +158,8 @@ class InputTracker:
             if same_position(position, target):
                 self.ahead.pop(0)
             else:  # a batch short of the next position the shards hold
-                high = seq >> 32
-                low = (self.last & FINAL) + 1 if self.last >> 32 == high else 0
-                if high << 32 | low >= seq:
-                    raise RuntimeError(
-                        f"{self.task}: the replay up to input {high} takes more batches than "
-                        "its numbers allow (read it again with a batch size no smaller than "
-                        "its first reading's)"
-                    )
-                seq = high << 32 | low
+                seq = number_toward(self.last, seq)
         else:
-            seq = ((self.last >> 32) + 1) << 32 | FINAL
+            seq = (1,) if self.last is None else (self.last[0] + 1,)
         self.last = seq
         opt.mark_input(seq, position)

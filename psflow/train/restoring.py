@@ -78,8 +78,22 @@ class Restoring:
         if cfg.checkpoint_dir is None:
             return
         self._prune_incomplete(cfg.checkpoint_dir)
-        if cfg.restore:
-            self._restore(replace=False, timeout=timeout)
+        if not cfg.restore:
+            return
+        # A ps that came back empty while this chief was away (both lost at once): every shard
+        # is restored, as after a lost ps (_recover). Restoring the empty ones alone would mix
+        # the checkpoint's values with the others' later ones, and their input positions from
+        # two timelines (psflow.train.input_position).
+        assert self._client is not None
+        status = self._client.status()
+        initialized = [bool(status[s].get(Key.INITIALIZED)) for s in sorted(status)]
+        partial = any(initialized) and not all(initialized)
+        if self._restore(replace=partial, timeout=timeout) and partial:
+            empty = [self._client.shards[s] for s, up in enumerate(initialized) if not up]
+            log.warning(
+                "%s came back empty: every shard restored from %s",
+                ", ".join(empty), self.restored_from,
+            )  # fmt: skip
 
     @staticmethod
     def _prune_incomplete(checkpoint_dir: str) -> None:

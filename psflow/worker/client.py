@@ -18,6 +18,7 @@ import torch
 
 from psflow import env as envvars
 from psflow.protocol import Key, Op, OptimizerSpec, ScheduleSpec
+from psflow.protocol.messages import InputMark
 from psflow.transport import PeerError, PeerTimeoutError, wire
 from psflow.worker.calls import Replies, ShardCalls, Tensors
 from psflow.worker.placement import Piece
@@ -33,7 +34,7 @@ class InputStanding(NamedTuple):
 
     epoch: int
     """The shard's epoch: a push's mark made against another is refused."""
-    mark: tuple[int, dict[str, Any]] | None
+    mark: InputMark | None
     """The number and reader position of the last input of the task the shard applied."""
 
 
@@ -59,7 +60,7 @@ class ShardedClient(ShardCalls):
             # The ps checked both when it recorded them.
             out[s] = InputStanding(
                 epoch=int(h[Key.INPUT_EPOCH]),
-                mark=None if mark is None else (int(mark[0]), dict(mark[1])),
+                mark=None if mark is None else (tuple(int(n) for n in mark[0]), dict(mark[1])),
             )
         return out
 
@@ -274,7 +275,7 @@ class ShardedClient(ShardCalls):
         prefetch: dict[int, list[str]] | None = None,
         row_dtypes: dict[int, dict[str, str]] | None = None,
         request_views: bool = False,
-        input_mark: tuple[int, Mapping[str, Any]] | None = None,
+        input_mark: InputMark | None = None,
         input_epochs: Mapping[int, int] | None = None,
     ) -> Replies:
         """Pushes each shard's gradients (always including shard 0) in one round trip each.
@@ -296,7 +297,7 @@ class ShardedClient(ShardCalls):
             assert input_epochs is not None, "an input mark comes with the shards' epochs"
             for s in range(self.num_shards):
                 h = headers.setdefault(s, {Key.OP: op})
-                h[Key.INPUT_SEQ], h[Key.INPUT_POSITION] = input_mark
+                h[Key.INPUT_SEQ], h[Key.INPUT_POSITION] = list(input_mark[0]), input_mark[1]
                 h[Key.INPUT_EPOCH] = input_epochs[s]
         for s, tables in (rows or {}).items():
             headers[s][Key.ROWS] = tables

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from psflow.protocol import OptimizerSpec
+from psflow.protocol.messages import InputMark
 from psflow.worker.exchange import ParameterExchange
 from psflow.worker.modes import Engine, Mode
 from psflow.worker.placement import Piece
@@ -32,12 +33,12 @@ class ExchangeEngine(Engine):
     def learning_rate(self) -> float | None:
         return self.exchange.learning_rate  # as shard 0 reported it
 
-    def input_positions(self) -> list[tuple[int, dict[str, Any]] | None]:
+    def input_positions(self) -> list[InputMark | None]:
         standing = self.client.input_positions()
         self.exchange.input_epochs = {s: st.epoch for s, st in standing.items()}
         return [standing[s].mark for s in range(self.client.num_shards)]
 
-    def mark_input(self, seq: int, position: dict[str, Any]) -> None:
+    def mark_input(self, seq: tuple[int, ...], position: dict[str, Any]) -> None:
         if self.exchange.input_epochs is None:
             raise RuntimeError("mark_input() before input_positions(): the shards' epochs")
         self.exchange.input_mark = (seq, position)

@@ -18,7 +18,7 @@ from torch import nn
 
 from psflow.cluster.spec import TaskContext
 from psflow.protocol import Key, OptimizerSpec, ScheduleSpec
-from psflow.protocol.messages import IN_REQUEST_AREA, row_tensor_names
+from psflow.protocol.messages import IN_REQUEST_AREA, InputMark, row_tensor_names
 from psflow.transport import TransportConfig, wire
 from psflow.worker.client import Replies, ShardedClient, Tensors, group_by_shard
 from psflow.worker.heartbeat import Heartbeat
@@ -74,7 +74,7 @@ class ParameterExchange:
         """The model's embedding tables (:mod:`psflow.nn`), attached: rows come from the ps."""
         self.global_step = 0
         """Shard 0's step in its last reply."""
-        self.input_mark: tuple[int, dict[str, Any]] | None = None
+        self.input_mark: InputMark | None = None
         """The input number and reader position the next :meth:`push_pull` carries to every
         shard (:mod:`psflow.ps.positions`); each push takes it once."""
         self.input_epochs: dict[int, int] | None = None

@@ -16,6 +16,7 @@ from typing import Any
 
 from psflow import env as envvars
 from psflow.cluster.modes import MODES, Mode
+from psflow.protocol.messages import InputMark
 from psflow.transport import PeerTimeoutError
 from psflow.worker.placement import Piece
 
@@ -173,7 +174,7 @@ class Engine(ABC):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients, like ``torch.optim.Optimizer.zero_grad``."""
 
-    def input_positions(self) -> list[tuple[int, dict[str, Any]] | None]:
+    def input_positions(self) -> list[InputMark | None]:
         """Per shard, this task's last input it applied: its number and the reader's position
         past it (``None``: none). Modes that keep them: asynchronous, bounded staleness, a
         cluster of one (:mod:`psflow.train.input_position`)."""
@@ -183,7 +184,7 @@ class Engine(ABC):
             "of one"
         )
 
-    def mark_input(self, seq: int, position: dict[str, Any]) -> None:
+    def mark_input(self, seq: tuple[int, ...], position: dict[str, Any]) -> None:
         """The next :meth:`step` applies input number ``seq``, after which the reader is at
         ``position``: each shard keeps both with the update, or drops a step it holds."""
         self.input_positions()  # the same refusal

@@ -15,6 +15,7 @@ from torch import nn
 from psflow import allocator, metrics
 from psflow.cluster.resolve import resolve
 from psflow.cluster.spec import TaskContext
+from psflow.protocol.messages import InputMark
 from psflow.worker.config import SETTINGS, OptimizerConfig, check_has_ps, unknown_setting
 from psflow.worker.engine import AsyncEngine, ExchangeEngine
 from psflow.worker.exchange import ParameterExchange
@@ -140,13 +141,13 @@ class DistributedOptimizer:
         self.metrics.global_step.set(step)
         return step
 
-    def input_positions(self) -> list[tuple[int, dict[str, Any]] | None]:
+    def input_positions(self) -> list[InputMark | None]:
         """Per shard, the number and reader position of this task's last input it applied
         (``None``: none): where a restarted worker reads on from
         (:mod:`psflow.train.input_position`)."""
         return self.engine.input_positions()
 
-    def mark_input(self, seq: int, position: dict[str, Any]) -> None:
+    def mark_input(self, seq: tuple[int, ...], position: dict[str, Any]) -> None:
         """The next :meth:`step` is input number ``seq``, after which the reader is at
         ``position``: each shard keeps both with the update, or drops a step it holds."""
         self.engine.mark_input(seq, position)

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from psflow.protocol import Key
+from psflow.protocol.messages import InputMark
 from psflow.transport import PeerError, PeerTimeoutError
 from psflow.worker.client import Replies
 from psflow.worker.engine import ExchangeEngine
@@ -40,7 +41,7 @@ class SyncEngine(ExchangeEngine):
         self.dropped = 0
         self.wait_seconds = 0.0
 
-    def input_positions(self) -> list[tuple[int, dict[str, Any]] | None]:
+    def input_positions(self) -> list[InputMark | None]:
         # A step's gradients may be dropped as stale (backup workers): no input position
         # could say what reached the optimizer.
         return Engine.input_positions(self)

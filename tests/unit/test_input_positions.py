@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 from psflow.data import write_records
 from psflow.data.stream import FileStreamConfig, FileStreamReader
 from psflow.protocol import Key, OptimizerSpec
+from psflow.protocol.messages import input_key
 from psflow.ps.positions import (
     METADATA_KEY,
     InputPositions,
@@ -25,7 +27,7 @@ from psflow.ps.positions import (
 )
 from psflow.ps.shard_file import decode_shard, encode_shard, shard_file_name, snapshot
 from psflow.ps.store import ShardStore
-from psflow.train.input_position import FINAL, InputTracker, plan
+from psflow.train.input_position import InputTracker, plan
 
 pytestmark = pytest.mark.unit
 
@@ -34,8 +36,8 @@ def pos(n: int) -> dict[str, Any]:
     return {"source": "test", "at": n}
 
 
-def whole(k: int) -> int:
-    return k << 32 | FINAL
+def whole(k: int) -> tuple[int, ...]:
+    return (k,)
 
 
 # -- the plan and the numbers ------------------------------------------------------------------
@@ -70,14 +72,14 @@ class FakeReader:
 
 
 class FakeOpt:
-    def __init__(self, marks: list[tuple[int, dict[str, Any]] | None]) -> None:
+    def __init__(self, marks: list[tuple[tuple[int, ...], dict[str, Any]] | None]) -> None:
         self.marks = marks
-        self.pushed: list[tuple[int, dict[str, Any]]] = []
+        self.pushed: list[tuple[tuple[int, ...], dict[str, Any]]] = []
 
-    def input_positions(self) -> list[tuple[int, dict[str, Any]] | None]:
+    def input_positions(self) -> list[tuple[tuple[int, ...], dict[str, Any]] | None]:
         return self.marks
 
-    def mark_input(self, seq: int, position: dict[str, Any]) -> None:
+    def mark_input(self, seq: tuple[int, ...], position: dict[str, Any]) -> None:
         self.pushed.append((seq, position))
 
 
@@ -104,37 +106,45 @@ def test_a_replay_is_numbered_below_what_the_shards_ahead_hold_and_above_the_oth
         reader.at = at
         tracker.mark(opt)  # type: ignore[arg-type]
     seqs = [s for s, _ in opt.pushed]
-    assert seqs == [7 << 32 | 0, 7 << 32 | 1, whole(7), whole(8)]
+    assert seqs == [(7, 0), (7, 1), (7,), (8,)]
     for seq in seqs[:3]:  # shard 0 applies the replay, shard 1 drops it ...
-        assert whole(5) < seq <= whole(7)
-    assert seqs[3] > whole(7)  # ... and both apply what follows
+        assert input_key((5,)) < input_key(seq) <= input_key((7,))
+    assert input_key(seqs[3]) > input_key((7,))  # ... and both apply what follows
 
 
 def test_a_replay_interrupted_goes_on_from_the_batch_a_shard_holds() -> None:
     # Shard 0 applied two batches of the replay up to input 7 before the worker died again.
     reader = FakeReader()
-    opt = FakeOpt([(7 << 32 | 1, pos(66)), (whole(7), pos(70))])
+    opt = FakeOpt([((7, 1), pos(66)), ((7,), pos(70))])
     tracker = InputTracker(reader, "worker:1")
     tracker.resume(opt)  # type: ignore[arg-type]
+    reader.at = 68  # a smaller batch than the first time: a number is still free
+    tracker.mark(opt)  # type: ignore[arg-type]
     reader.at = 70
     tracker.mark(opt)  # type: ignore[arg-type]
-    assert [s for s, _ in opt.pushed] == [whole(7)]
-    opt2 = FakeOpt([(7 << 32 | 1, pos(66)), (whole(9), pos(90))])
+    assert [s for s, _ in opt.pushed] == [(7, 2), (7,)]
+    opt2 = FakeOpt([((7, 1), pos(66)), ((9,), pos(90))])
     tracker.resume(opt2)  # type: ignore[arg-type]
     reader.at = 70
     tracker.mark(opt2)  # type: ignore[arg-type]
     # Above the batch of input 7 that shard 0 holds, below input 9 that shard 1 holds.
-    assert opt2.pushed[0][0] == 9 << 32 | 0
+    assert opt2.pushed[0][0] == (9, 0)
 
 
-def test_a_replay_that_needs_more_numbers_than_it_has_is_refused() -> None:
+def test_a_replay_between_two_batches_of_a_replay_goes_a_level_deeper() -> None:
+    # Shards at batches 0 and 1 of a replay up to input 9: however many batches the records
+    # between take now (a stream's read may give fewer than asked), each gets a number between.
     reader = FakeReader()
-    opt = FakeOpt([(9 << 32 | 0, pos(50)), (9 << 32 | 1, pos(70))])
+    opt = FakeOpt([((9, 0), pos(50)), ((9, 1), pos(70))])
     tracker = InputTracker(reader, "worker:0")
     tracker.resume(opt)  # type: ignore[arg-type]
-    reader.at = 60  # a batch short of 70, and no number left between 9|0 and 9|1
-    with pytest.raises(RuntimeError, match="batch size no smaller"):
+    for at in (55, 60, 65, 70):
+        reader.at = at
         tracker.mark(opt)  # type: ignore[arg-type]
+    seqs = [s for s, _ in opt.pushed]
+    assert seqs == [(9, 1, 0), (9, 1, 1), (9, 1, 2), (9, 1)]
+    keys = [input_key(s) for s in [(9, 0), *seqs]]
+    assert keys == sorted(keys) and len(set(keys)) == len(keys)
 
 
 def test_a_reader_without_positions_is_refused() -> None:
@@ -201,7 +211,7 @@ def test_a_file_stream_stop_behind_its_position_is_refused(tmp_path: Path) -> No
 
 def push_header(**over: Any) -> dict[str, Any]:
     header: dict[str, Any] = {
-        Key.INPUT_SEQ: whole(3),
+        Key.INPUT_SEQ: [3],
         Key.INPUT_POSITION: pos(3),
         Key.INPUT_EPOCH: 12,
     }
@@ -212,10 +222,14 @@ def push_header(**over: Any) -> dict[str, Any]:
 def test_a_push_input_mark_is_checked() -> None:
     assert input_mark({}) is None
     assert input_mark(push_header()) == ((whole(3), pos(3)), 12)
+    assert input_mark(push_header(**{Key.INPUT_SEQ: [3, 0, 7]}))[0][0] == (3, 0, 7)  # type: ignore[index]
     bad = [
         (push_header(**{Key.INPUT_SEQ: None}), "comes without 'input_seq'"),
-        (push_header(**{Key.INPUT_SEQ: -1}), "'input_seq' must be an integer"),
-        (push_header(**{Key.INPUT_SEQ: True}), "'input_seq' must be an integer"),
+        (push_header(**{Key.INPUT_SEQ: 3}), "'input_seq' must be a list of 1 to 16 integers"),
+        (push_header(**{Key.INPUT_SEQ: [-1]}), "'input_seq' must be a list"),
+        (push_header(**{Key.INPUT_SEQ: [True]}), "'input_seq' must be a list"),
+        (push_header(**{Key.INPUT_SEQ: []}), "'input_seq' must be a list"),
+        (push_header(**{Key.INPUT_SEQ: [1] * 17}), "'input_seq' must be a list"),
         (push_header(**{Key.INPUT_EPOCH: None}), "'input_epoch' must be an integer"),
         (push_header(**{Key.INPUT_POSITION: [1, 2]}), "must be a map"),
         (push_header(**{Key.INPUT_POSITION: {"x": "y" * (1 << 20)}}), "over 1048576"),
@@ -225,7 +239,9 @@ def test_a_push_input_mark_is_checked() -> None:
             input_mark(header)
 
 
-def shard_with_inputs(marks: dict[str, tuple[int, dict[str, Any]]], shard: int, n: int) -> bytes:
+def shard_with_inputs(
+    marks: dict[str, tuple[tuple[int, ...], dict[str, Any]]], shard: int, n: int
+) -> bytes:
     store = ShardStore()
     store.initialize([("w", torch.zeros(2))], OptimizerSpec(name="SGD", kwargs={"lr": 0.1}))
     for task, mark in marks.items():
@@ -266,8 +282,9 @@ def test_positions_in_a_file_that_are_not_positions_are_refused() -> None:
     for text, message in [
         ("[1]", "not a map of tasks"),
         (json.dumps({"worker:0": [1]}), "is not \\[seq, position\\]"),
-        (json.dumps({"worker:0": [-1, {}]}), "is not \\[seq, position\\]"),
-        (json.dumps({"worker:0": [1, 2]}), "must be a map"),
+        (json.dumps({"worker:0": [[-1], {}]}), "input number must be a list"),
+        (json.dumps({"worker:0": [1, {}]}), "input number must be a list"),
+        (json.dumps({"worker:0": [[1], 2]}), "must be a map"),
         ("{", f"{METADATA_KEY} is not JSON"),
     ]:
         with pytest.raises(ValueError, match=message):
@@ -347,3 +364,128 @@ def test_modes_that_cannot_say_what_reached_the_optimizer_refuse_a_reader(
     reader = FileStreamReader(FileStreamConfig(pattern=str(tmp_path / "*.tfrecord")))
     with pytest.raises(ValueError, match=f"input=: {mode} training keeps no input positions"):
         psflow.TrainingSession(torch.nn.Linear(2, 1), ctx, mode=mode, input=reader)
+
+
+# -- the whole protocol, simulated: shards, crashes between pushes, restores -------------------
+
+
+class Stream:
+    """Records 0..n-1 read in order, a position being the next record's index; reads stop at
+    the positions given to stop_at, as the real readers' do."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.at, self.stops = n, 0, []  # type: ignore[var-annotated]
+
+    def state(self) -> dict[str, Any]:
+        return {"at": self.at}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        self.at = int(state["at"])
+
+    def stop_at(self, states: Sequence[Mapping[str, Any]]) -> None:
+        self.stops = [int(s["at"]) for s in states]
+
+    def read(self, batch: int) -> list[int]:
+        while self.stops and self.at >= self.stops[0]:
+            self.stops.pop(0)
+        end = min(self.n, self.at + batch, *self.stops[:1])
+        out = list(range(self.at, end))
+        self.at = end
+        return out
+
+
+class Shard:
+    """What a ps does with a push: the drop rule and the record."""
+
+    def __init__(self) -> None:
+        self.mark: tuple[tuple[int, ...], dict[str, Any]] | None = None
+        self.counts: dict[int, int] = {}
+
+    def push(self, seq: tuple[int, ...], position: dict[str, Any], records: list[int]) -> None:
+        if self.mark is not None and input_key(seq) <= input_key(self.mark[0]):
+            return  # held already
+        for r in records:
+            self.counts[r] = self.counts.get(r, 0) + 1
+        self.mark = (seq, dict(position))
+
+
+class Job:
+    """The job's shards as a worker's optimizer sees them (record r lives on shard r % n), and
+    its checkpoints: each shard's snapshot taken at its own step (a save's skew), complete once
+    all are in; a lost ps restores every shard from the latest complete one."""
+
+    def __init__(self, n: int, rng: random.Random) -> None:
+        self.shards = [Shard() for _ in range(n)]
+        self.rng = rng
+        self.pending: tuple[tuple[int, ...], dict[str, Any]] | None = None
+        self.crash_after: int | None = None  # shards the next push reaches before a crash
+        self.saving: list[Any] | None = None
+        self.latest: list[Any] | None = None
+
+    def input_positions(self) -> list[tuple[tuple[int, ...], dict[str, Any]] | None]:
+        return [s.mark for s in self.shards]
+
+    def mark_input(self, seq: tuple[int, ...], position: dict[str, Any]) -> None:
+        self.pending = (seq, position)
+
+    def step(self, records: list[int]) -> bool:
+        """The push of ``records`` (whether it reached every shard), then a save's next
+        snapshot if one is under way."""
+        assert self.pending is not None
+        seq, position = self.pending
+        order = list(range(len(self.shards)))
+        self.rng.shuffle(order)  # the requests go out at once; any may land first
+        reached = len(order) if self.crash_after is None else self.crash_after
+        for i in order[:reached]:
+            mine = [r for r in records if r % len(self.shards) == i]
+            self.shards[i].push(seq, position, mine)
+        if self.saving is not None:
+            i = len(self.saving)
+            self.saving.append((self.shards[i].mark, dict(self.shards[i].counts)))
+            if len(self.saving) == len(self.shards):
+                self.latest, self.saving = self.saving, None
+        return reached == len(order)
+
+    def restore(self) -> None:
+        self.saving = None  # a save cut short by the loss is no checkpoint
+        for shard, saved in zip(self.shards, self.latest or [(None, {})] * 3, strict=True):
+            shard.mark, shard.counts = saved[0], dict(saved[1])
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_every_record_reaches_its_shard_once_whatever_dies_when(seed: int) -> None:
+    """A worker reads batches (their size changing between runs, and a stream's reads giving
+    fewer records than asked) and pushes each to 3 shards; at random it dies between its pushes
+    to two shards, a checkpoint starts (each shard's snapshot a step apart), or a ps is lost and
+    every shard goes back to the latest complete checkpoint; each start resumes where the
+    shards stand. In the end every record is counted once, on its own shard."""
+    rng = random.Random(seed)
+    n = 600
+    job = Job(3, rng)
+    while True:
+        stream = Stream(n)
+        tracker = InputTracker(stream, "worker:0")
+        tracker.resume(job)  # type: ignore[arg-type]
+        batch = rng.choice([5, 8, 13, 32])
+        again = False
+        while stream.at < n or stream.stops:
+            records = stream.read(rng.randint(1, batch))
+            if not records and not stream.stops:
+                break
+            fate = rng.random()
+            job.crash_after = rng.randrange(3) if fate < 0.04 else None
+            tracker.mark(job)  # type: ignore[arg-type]
+            if not job.step(records):
+                again = True  # the worker died mid-push
+                break
+            if fate > 0.98:
+                job.restore()  # a ps lost: every shard from the latest checkpoint
+                again = True
+                break
+            if fate > 0.9 and job.saving is None:
+                job.saving = []
+        if not again and stream.at >= n and not stream.stops:
+            break
+    counts = {r: c for s in job.shards for r, c in s.counts.items()}
+    assert sorted(counts) == list(range(n)), f"skipped: {sorted(set(range(n)) - set(counts))[:10]}"
+    assert set(counts.values()) == {1}, {r: c for r, c in counts.items() if c != 1}
