@@ -7,8 +7,6 @@ fully written under its temporary name, before its rename; the kills land in tha
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,6 +18,7 @@ from psflow.train import CheckpointDir, TrainingSession, load_checkpoint
 from psflow.transport import TransportConfig
 from psflow.worker.client import ShardedClient
 
+from .forked import Forked
 from .support import local_cluster, start_ps, stop, worker_ctx
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
@@ -130,12 +129,9 @@ def test_chief_killed_mid_save_leaves_the_previous_checkpoint(tmp_path: Path) ->
     url = str(tmp_path / "ckpt")
     cluster = local_cluster(1, 1)
     ps = start_ps(cluster, faults=SLOW)
-    chief = subprocess.Popen(
-        [sys.executable, "-c", CHIEF, url],
+    chief = Forked(  # forked from the server that imported torch, as the ps is
+        ["-c", CHIEF, url],
         env=dict(os.environ, TF_CONFIG=cluster.to_tf_config(TaskSpec(job="worker", index=0))),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
     )
     try:
         assert chief.stdout is not None

@@ -25,6 +25,7 @@ from psflow.protocol import PROTOCOL_VERSION, Key, Op
 from psflow.transport import CurveKeys, generate_keys
 
 from ..fuzz_messages import MUST_BE_REFUSED, messages, run
+from .forked import Forked
 from .support import PS_MAIN, ROOT, local_cluster, stop
 
 pytestmark = pytest.mark.timeout(180)
@@ -85,9 +86,8 @@ def _train(tmp_path: Path, *, fuzz: bool) -> tuple[str, dict | None]:
     ckpt = tmp_path / "ckpt"
     ps, ps_log = _start_ps(cluster, tmp_path, {"PSFLOW_CHECKPOINT_DIR": str(ckpt)})
     chief_env = dict(os.environ, TF_CONFIG=cluster.to_tf_config(TaskSpec(job="worker", index=0)))
-    chief = subprocess.Popen(
+    chief = Forked(  # the example, forked from the server that imported torch
         [
-            sys.executable,
             str(ROOT / "examples" / "linear_regression.py"),
             "--train_steps=4000",
             "--lr=0.01",
@@ -95,9 +95,6 @@ def _train(tmp_path: Path, *, fuzz: bool) -> tuple[str, dict | None]:
             "--save_checkpoint_steps=1000",
         ],
         env=chief_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
     )
     result = None
     try:
@@ -142,9 +139,8 @@ def _train(tmp_path: Path, *, fuzz: bool) -> tuple[str, dict | None]:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
-        if chief.stdout is not None:
-            chief.stdout.close()
-            chief.stderr.close()  # type: ignore[union-attr]
+        chief.stdout.close()
+        chief.stderr.close()
 
 
 def test_a_fuzzed_ps_serves_on_and_training_is_unchanged(tmp_path: Path) -> None:
