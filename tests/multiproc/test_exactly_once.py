@@ -16,7 +16,7 @@ import contextlib
 import re
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from psflow.cluster.ports import local_cluster
 from psflow.data import serialize_example, write_records
 from psflow.data.stream import FileStreamConfig, FileStreamReader
-from psflow.train import CheckpointDir
+from psflow.train import CheckpointDir, TrainingSession
 from psflow.worker.calls import ShardCalls
 from tests.faults import FAULTS
 
@@ -138,6 +138,29 @@ def job_with_kills(tmp_path: Path, source: str, stack: contextlib.ExitStack) -> 
     assert_each_once(counted_rows(logdir), records)
 
 
+def train_files(
+    sess: TrainingSession,
+    model: Counter,
+    reader: FileStreamReader,
+    batch: int,
+    then: Callable[[int, list[list[int]]], None] | None = None,
+) -> list[list[int]]:
+    """Steps on the files' batches until the last file is read whole; ``then(step, seen)``
+    after each step. Returns the batches' ids."""
+    seen: list[list[int]] = []
+    while "part-2.tfrecord" not in " ".join(reader.state()["done"]):
+        got = reader.read_examples(batch, SPEC, timeout_s=0.5)
+        if got is None:
+            continue
+        seen.append(got["id"].tolist())
+        sess.zero_grad()
+        model(torch.as_tensor(got["id"])).backward()
+        step = sess.step()
+        if then is not None:
+            then(step, seen)
+    return seen
+
+
 class OnlyShardZero:
     """Sends a call's requests to shard 0 alone, as if the worker died before the others."""
 
@@ -182,15 +205,7 @@ def test_a_push_that_reached_one_shard_is_replayed_to_the_other_alone(tmp_path: 
         model = Counter(records)
         reader = FileStreamReader(FileStreamConfig(pattern=pattern, poll_interval_s=0.05))
         with quiet_session(model, cluster, logdir, input=reader, optimizer="SGD", lr=1.0) as sess:
-            again: list[list[int]] = []
-            while "part-2.tfrecord" not in " ".join(reader.state()["done"]):
-                got = reader.read_examples(batch, SPEC, timeout_s=0.5)
-                if got is None:
-                    continue
-                again.append(got["id"].tolist())
-                sess.zero_grad()
-                model(torch.as_tensor(got["id"])).backward()
-                sess.step()
+            again = train_files(sess, model, reader, batch)
         assert again[0] == first[2]  # the third batch once more, exactly: then on
         assert sorted(i for b in first[:2] + again for i in b) == list(range(records))
         for p in ps:
@@ -235,19 +250,14 @@ def test_a_shard_restored_under_a_worker_refuses_its_next_push_and_it_reads_agai
             assert type(sess.opt.engine).__name__ == (
                 "AsyncEngine" if staleness is None else "StalenessEngine"
             )
-            seen: list[list[int]] = []
-            while "part-2.tfrecord" not in " ".join(reader.state()["done"]):
-                got = reader.read_examples(batch, SPEC, timeout_s=0.5)
-                if got is None:
-                    continue
-                seen.append(got["id"].tolist())
-                sess.zero_grad()
-                model(torch.as_tensor(got["id"])).backward()
-                step = sess.step()
+
+            def then(step: int, seen: list[list[int]]) -> None:
                 if step == 2 and len(seen) == 2:
                     sess.save()  # inputs 1 and 2 in the checkpoint
                 if step == 4 and len(seen) == 4:
                     sess._restore(replace=True, timeout=20)  # back to step 2, under the loop
+
+            seen = train_files(sess, model, reader, batch, then)
         # Batch 5's push was refused; then batches 3 and 4 were read again, and every record
         # was trained once in the end.
         assert seen[5:7] == seen[2:4], seen
