@@ -138,6 +138,15 @@ def job_with_kills(tmp_path: Path, source: str, stack: contextlib.ExitStack) -> 
     assert_each_once(counted_rows(logdir), records)
 
 
+def three_files(tmp_path: Path) -> str:
+    """Records 0-95 in three files of 32 (part-0 to part-2); their glob."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for k in range(3):
+        land(data, k, range(k * 32, (k + 1) * 32))
+    return str(data / "part-*.tfrecord")
+
+
 def train_files(
     sess: TrainingSession,
     model: Counter,
@@ -175,13 +184,9 @@ class OnlyShardZero:
 
 def test_a_push_that_reached_one_shard_is_replayed_to_the_other_alone(tmp_path: Path) -> None:
     records, batch = 96, 16
-    data = tmp_path / "data"
-    data.mkdir()
-    for k in range(3):
-        land(data, k, range(k * 32, (k + 1) * 32))
+    pattern = three_files(tmp_path)
     cluster = local_cluster(2, 1)
     ps = [start_ps(cluster, i) for i in range(2)]
-    pattern = str(data / "part-*.tfrecord")
     logdir = str(tmp_path / "ckpt")
     try:
         # First run: two whole steps, then the third reaches shard 0 only, and the worker dies.
@@ -232,16 +237,13 @@ def test_a_shard_restored_under_a_worker_refuses_its_next_push_and_it_reads_agai
     that worker's next push, numbered from where it stood, is refused (it would read on past
     what the shards lost); it asks again, and its reader goes back with them."""
     records, batch = 96, 16
-    data = tmp_path / "data"
-    data.mkdir()
-    for k in range(3):
-        land(data, k, range(k * 32, (k + 1) * 32))
+    pattern = three_files(tmp_path)
     cluster = local_cluster(1, 1)
     ps = start_ps(cluster, 0)
     logdir = tmp_path / "ckpt"
     try:
         model = Counter(records)
-        config = FileStreamConfig(pattern=str(data / "part-*.tfrecord"), poll_interval_s=0.05)
+        config = FileStreamConfig(pattern=pattern, poll_interval_s=0.05)
         reader = FileStreamReader(config)
         mode = {} if staleness is None else {"max_staleness": staleness}
         with quiet_session(
