@@ -29,6 +29,12 @@ __all__ = ["InputStanding", "Replies", "ShardedClient", "Tensors", "group_by_sha
 log = logging.getLogger(__name__)
 
 
+_ASK_AGAIN_S = 1.0
+"""The longest :meth:`ShardedClient.wait_ready` waits for one status request's answer before it
+asks again (a ps that came back answers within milliseconds; a lost request no longer waits
+out ``PSFLOW_TIMEOUT``)."""
+
+
 class InputStanding(NamedTuple):
     """Where a task's input stands on one shard (:meth:`ShardedClient.input_positions`)."""
 
@@ -153,7 +159,8 @@ class ShardedClient(ShardCalls):
         ``timeout`` bounds the whole wait (``PSFLOW_READY_TIMEOUT`` where psflow calls it,
         ``PSFLOW_RECOVERY_TIMEOUT`` while a session waits for a lost ps: ``setting`` names the
         one the error should name);
-        each status request within it, the transport's timeout (``PSFLOW_TIMEOUT``). Every
+        each status request within it, a second (then it is asked again) or the transport's
+        timeout (``PSFLOW_TIMEOUT``) if shorter. Every
         ``wait_log_seconds`` of the transport (``PSFLOW_WAIT_LOG_SECONDS``, 10 s) it logs who
         is still awaited and why (nothing listening, no answer, not initialised by the chief),
         how long it has waited and how long it still will, as TensorFlow's "waiting for"
@@ -172,8 +179,11 @@ class ShardedClient(ShardCalls):
         why: dict[int, str] = {}
         delay = 0.01
         while True:
-            # One round: every pending shard asked at once; the round ends by the next log line.
-            round_end = min(deadline, next_log, time.monotonic() + self.config.timeout)
+            # One round: every pending shard asked at once; the round ends by the next log line,
+            # and within a second: a request sent as a ps restarts can be lost with its old
+            # connection, and the new one answers at once (asked again, not waited out).
+            now = time.monotonic()
+            round_end = min(deadline, next_log, now + self.config.timeout, now + _ASK_AGAIN_S)
             rids = {}
             for s in sorted(pending):
                 # A shard whose connection cannot take a request yet (down, or its handshake
