@@ -199,6 +199,7 @@ def _measure(
     detected_by = None
     restored: int | None = None
     final_step = w = b = None
+    early: str | None = None
     for t, text in lines:
         m = LINE.match(text)
         who, msg = (m.group(1), m.group(2)) if m else ("", text)
@@ -206,6 +207,12 @@ def _measure(
             f = re.search(rf"fault: {re.escape(s.task)} \S+.* at step (\d+)", msg)
             if f:
                 fault_at, fault_step = t, int(f.group(1))
+                if early is not None:  # noticed at once: the task's own last line came later
+                    detected_at, detected_by = t, early
+            elif early is None and detected.search(msg):
+                # The launcher's line can overtake the killed task's last one (each pipe is
+                # relayed by its own thread).
+                early = text[:160]
             continue
         if detected_at is None and detected.search(msg):
             detected_at, detected_by = t, text[:160]
