@@ -86,13 +86,19 @@ def default_jobs(cores: int) -> str:
     return ",".join(f"{p}x{w}" for p, w in sizes if p + w <= cores + cores // 4)
 
 
-def parse_jobs(text: str) -> list[tuple[int, int]]:
+JOB = re.compile(r"(\d+)x([1-9]\d*)(?:t([1-9]\d*))?")
+
+
+def parse_jobs(text: str) -> list[tuple[int, int, int | None]]:
+    """``PSxWORKERS`` sizes, each optionally ``tN``: its ps tasks on N threads (``--ps-threads``)."""
     out = []
     for item in text.split(","):
-        ps, sep, workers = item.strip().partition("x")
-        if not sep or not ps.isdigit() or not workers.isdigit() or int(workers) < 1:
-            raise SystemExit(f"--jobs: {item!r} is not PSxWORKERS (for example 2x4)")
-        out.append((int(ps), int(workers)))
+        m = JOB.fullmatch(item.strip())
+        if m is None:
+            raise SystemExit(
+                f"--jobs: {item!r} is not PSxWORKERS[tTHREADS] (for example 2x4, 2x12t2)"
+            )
+        out.append((int(m[1]), int(m[2]), None if m[3] is None else int(m[3])))
     return out
 
 
@@ -177,12 +183,21 @@ def run_ceiling(
 
 
 def job_command(
-    p: dict[str, Any], data: str, ps: int, workers: int, steps: int, extra: Sequence[str] = ()
+    p: dict[str, Any],
+    data: str,
+    ps: int,
+    workers: int,
+    steps: int,
+    extra: Sequence[str] = (),
+    ps_threads: int | None = None,
 ) -> list[str]:
     """``psflow launch`` of ``examples/ctr.py`` with the preset's model, ``steps`` in all, and
-    ``extra`` arguments for the example."""
+    ``extra`` arguments for the example; ``ps_threads`` gives each ps that many threads."""
     cmd = [sys.executable, "-m", "psflow.cli", "launch", "--ps", str(ps), "--workers"]
-    cmd += [str(workers), str(ROOT / "examples" / "ctr.py"), "--data", data]
+    cmd += [str(workers)]
+    if ps_threads is not None:
+        cmd += ["--ps-threads", str(ps_threads)]
+    cmd += [str(ROOT / "examples" / "ctr.py"), "--data", data]
     cmd += ["--train_steps", str(steps), "--dim", str(p["dim"]), "--bottom", p["bottom"]]
     cmd += ["--top", p["top"], "--batch_size", str(p["batch"]), "--no-wide", "--min_count", "0"]
     return [*cmd, "--prefetch", *extra]
@@ -196,9 +211,11 @@ def run_psflow(
     workers: int,
     shm: bool,
     extra: Sequence[str] = (),
+    ps_threads: int | None = None,
 ) -> float:
     """The job's samples/s: each worker's own line (``examples/ctr.py``), summed."""
-    cmd = job_command(p, data, ps, workers, p["steps_per_worker"] * workers, extra)
+    steps = p["steps_per_worker"] * workers
+    cmd = job_command(p, data, ps, workers, steps, extra, ps_threads)
     env = dict(os.environ, PSFLOW_SHM="1" if shm else "0")
     proc = subprocess.run(
         cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT
@@ -259,15 +276,17 @@ def main() -> None:
         variants: list[tuple[str, list[str]]] = [("", [])]
         if args.against:
             variants.append(("against_", shlex.split(args.against)))
-        for ps, workers in jobs:
-            used = min(ps + workers, cores)
+        for ps, workers, ps_threads in jobs:
+            used = min(ps * (ps_threads or 1) + workers, cores)
             entry: dict[str, Any] = {"ps": ps, "workers": workers, "cores": used}
+            if ps_threads is not None:
+                entry["ps_threads"] = ps_threads
             for _ in range(p["repeat"]):
                 for path, shm in (("shm", True), ("socket", False)):
                     if path not in p.get("paths", ("shm", "socket")):
                         continue
                     for label, extra in variants:
-                        rate = run_psflow(args, p, data, ps, workers, shm, extra)
+                        rate = run_psflow(args, p, data, ps, workers, shm, extra, ps_threads)
                         entry.setdefault(f"{label}{path}_runs", []).append(round(rate))
             for path in p.get("paths", ("shm", "socket")):
                 for label, _ in variants:
@@ -294,7 +313,7 @@ def main() -> None:
         "jobs": rows,
         # On a small host the issue's yardstick: the job against one process of all threads.
         "vs_threads": {
-            f"{r['ps']}x{r['workers']}": {
+            f"{r['ps']}x{r['workers']}" + (f"t{r['ps_threads']}" if "ps_threads" in r else ""): {
                 path: round(r[f"{path}_samples_per_s"] / ceiling_threads, 3)
                 for path in p.get("paths", ("shm", "socket"))
             }
