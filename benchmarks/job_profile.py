@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/job_profile.py --ps 4 --workers 12 [--data DIR] \\
         [--preset full|smoke] [--window 10] [--warmup 15] [--pyspy ps:0,worker:0] \\
-        [--out DIR] [--socket]
+        [--out DIR] [--rate 50] [--socket]
 
 Starts ``psflow launch`` of ``examples/ctr.py`` with ``scaling.py``'s model (``--preset``),
 waits ``--warmup`` seconds once every task runs, then for ``--window`` seconds reads each task's
@@ -93,6 +93,7 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=10.0, help="seconds measured")
     parser.add_argument("--pyspy", default="", help="tasks to record with py-spy, e.g. ps:0")
     parser.add_argument("--out", default=".", help="where py-spy's files go")
+    parser.add_argument("--rate", type=int, default=50, help="py-spy's samples a second")
     parser.add_argument("--socket", action="store_true", help="PSFLOW_SHM=0")
     args = parser.parse_args()
     p = PRESETS[args.preset]
@@ -159,7 +160,7 @@ def profile(args: argparse.Namespace, p: dict[str, Any], data: str) -> dict[str,
                 break
             path = Path(args.out) / f"pyspy-{name.replace(':', '')}.txt"
             cmd = [pyspy, "record", "--pid", str(named[name]), "-d", str(int(args.window))]
-            cmd += ["--native", "--idle", "--threads", "-r", "50", "-f", "raw", "-o", str(path)]
+            cmd += ["--native", "--idle", "--threads", "-r", str(args.rate), "-f", "raw", "-o", str(path)]
             spies.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         for spy in spies:
             _, spy_err = spy.communicate(timeout=args.window + 60)

@@ -1,7 +1,8 @@
 /* psflow.sparse._kernels: row kernels for embedding tables, bound to Python. Each concern is
  * its own plain-C file (_kernels.h declares them): _rows.c, the fused row-wise optimizer
  * updates on the ps, the gather of rows (a lookup, a forward pass) and its gradient; _ids.c, the
- * partition of ids to shards and a hashed table's id map. This file only parses arguments,
+ * partition of ids to shards and a hashed table's id map; _init.c, the hashes of new rows'
+ * initial values. This file only parses arguments,
  * checks indices, allocates scratch and releases the GIL. psflow's other compiled code
  * (FarmHash, the Example parser) is the data layer's, in psflow/data/_native.c: nothing here
  * reads bytes off a file.
@@ -275,6 +276,44 @@ static PyObject *py_idmap_put(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(reused);
 }
 
+/* splitmix64(in, n, out): the finaliser of each int64 (bits as uint64), into out. */
+static PyObject *py_splitmix64(PyObject *self, PyObject *args) {
+    Py_ssize_t in, n, out;
+    if (!PyArg_ParseTuple(args, "nnn", &in, &n, &out)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    psflow_splitmix64(PTR(int64_t, in), n, PTR(int64_t, out));
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("");
+}
+
+/* initial_uniforms(ids, n, seed_key, pairs, angle, u1, u2): the uniforms of initial rows. */
+static PyObject *py_initial_uniforms(PyObject *self, PyObject *args) {
+    Py_ssize_t ids, n, pairs, u1, u2;
+    long long seed_key;
+    double angle;
+    if (!PyArg_ParseTuple(args, "nnLndnn", &ids, &n, &seed_key, &pairs, &angle, &u1, &u2))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    psflow_initial_uniforms(PTR(int64_t, ids), n, seed_key, pairs, angle, PTR(f64, u1),
+                            PTR(f64, u2));
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("");
+}
+
+/* interleave(double, out, c, s, n, pairs, dim): the normals placed, cast, into the rows. */
+static PyObject *py_interleave(PyObject *self, PyObject *args) {
+    int f64_;
+    Py_ssize_t out, c, s, n, pairs, dim;
+    if (!PyArg_ParseTuple(args, "pnnnnnn", &f64_, &out, &c, &s, &n, &pairs, &dim)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (f64_)
+        psflow_interleave_f64(PTR(f64, out), PTR(f64, c), PTR(f64, s), n, pairs, dim);
+    else
+        psflow_interleave_f32(PTR(f32, out), PTR(f64, c), PTR(f64, s), n, pairs, dim);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("");
+}
+
 static PyMethodDef methods[] = {
     {"sgd", py_sgd, METH_VARARGS, "Row-wise SGD in place; -1 or the first bad index."},
     {"adagrad", py_adagrad, METH_VARARGS, "Row-wise Adagrad in place; -1 or the first bad index."},
@@ -289,6 +328,9 @@ static PyMethodDef methods[] = {
     {"scatter_add", py_scatter_add, METH_VARARGS, "out[index[i]] += src[i]; -1 or the first bad."},
     {"idmap_find", py_idmap_find, METH_VARARGS, "Each id's cell (or slot) in an id map, or -1."},
     {"idmap_put", py_idmap_put, METH_VARARGS, "Adds ids to an id map; removed cells reused."},
+    {"splitmix64", py_splitmix64, METH_VARARGS, "splitmix64's finaliser of each int64."},
+    {"initial_uniforms", py_initial_uniforms, METH_VARARGS, "The uniforms of initial rows."},
+    {"interleave", py_interleave, METH_VARARGS, "Normals placed, cast, into initial rows."},
     {NULL, NULL, 0, NULL},
 };
 

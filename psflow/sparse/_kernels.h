@@ -98,4 +98,19 @@ void psflow_idmap_find(const int64_t *keys, const int64_t *vals, long long mask,
 long long psflow_idmap_put(int64_t *keys, int64_t *vals, long long mask, const int64_t *ids,
                            const int64_t *slots, ptrdiff_t n);
 
+/* -- _init.c ------------------------------------------------------------------------------ */
+
+/* out[i] = splitmix64's finaliser of in[i] + golden (bits as uint64). */
+void psflow_splitmix64(const int64_t *in, ptrdiff_t n, int64_t *out);
+
+/* The uniforms of ids' initial rows, [n, pairs] each: u1 in (0, 1], u2 = [0, 2**32) * angle. */
+void psflow_initial_uniforms(const int64_t *ids, ptrdiff_t n, int64_t seed_key, ptrdiff_t pairs,
+                             f64 angle, f64 *u1, f64 *u2);
+
+/* out[i, 2p] = c[i, p], out[i, 2p + 1] = s[i, p] (while below dim), cast to out's type. */
+void psflow_interleave_f32(f32 *out, const f64 *c, const f64 *s, ptrdiff_t n, ptrdiff_t pairs,
+                           ptrdiff_t dim);
+void psflow_interleave_f64(f64 *out, const f64 *c, const f64 *s, ptrdiff_t n, ptrdiff_t pairs,
+                           ptrdiff_t dim);
+
 #endif

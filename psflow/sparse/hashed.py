@@ -291,24 +291,27 @@ class HashedRows(Rows):
         known = slots >= 0
         if bool(known.all()):
             return kernels.gather(self.values, slots, out)
-        spec = self.spec
+        rows = torch.empty((ids.numel(), self.dim), dtype=self.dtype) if out is None else out
+        where = known.nonzero().squeeze(1)
+        if where.numel():
+            rows.index_copy_(0, where, kernels.gather(self.values, slots[where]))
+        # Only the ids not held get initial rows (a row depends on its id alone): in a stream
+        # of clicks most of a batch's ids are held, and the rest cost 0.3-0.5 us a row.
+        absent = (~known).nonzero().squeeze(1)
         if absent_zeros:
-            rows = torch.zeros((ids.numel(), self.dim), dtype=self.dtype)
+            rows.index_fill_(0, absent, 0)
         else:
-            rows = initial_rows(
+            spec = self.spec
+            fresh = initial_rows(
                 spec.seed,
-                ids,
+                ids[absent],
                 self.dim,
                 std=spec.init_std,
                 dtype=self.dtype,
                 padding_idx=spec.padding_idx,
             )
-        if bool(known.any()):
-            where = known.nonzero().squeeze(1)
-            rows.index_copy_(0, where, kernels.gather(self.values, slots[where]))
-        if out is None:
-            return rows
-        return out.copy_(rows)
+            rows.index_copy_(0, absent, fresh)
+        return rows
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         self._check_grads(ids, grads)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 
 import pytest
@@ -95,6 +96,46 @@ def test_initial_rows_depend_on_seed_id_and_column_only(monkeypatch: pytest.Monk
     out = torch.full((5, 7), float("nan"), dtype=F64)
     assert initial_rows(3, ids, 7, std=1.0, dtype=F64, out=out) is out
     assert torch.equal(out, whole)
+
+
+def _splitmix64(x: int) -> int:
+    """splitmix64's finaliser in Python's integers: the reference for both paths."""
+    z = (x + 0x9E3779B97F4A7C15) & (2**64 - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return z ^ (z >> 31)
+
+
+def test_initial_rows_hashes_as_the_reference_on_both_paths(path: str) -> None:
+    ids = torch.tensor([0, 1, -1, 2**63 - 1, -(2**63), 123456789012345])
+    got = init_module.splitmix64(ids)
+    want = [_splitmix64(i & (2**64 - 1)) for i in ids.tolist()]
+    assert [v & (2**64 - 1) for v in got.tolist()] == want
+    # Row 0's first pair, Box-Muller by hand from the reference's bits.
+    seed_key = _splitmix64(3)
+    key = _splitmix64((5 ^ seed_key) & (2**64 - 1))
+    h = _splitmix64((key + 0xD1B54A32D192ED03) & (2**64 - 1))
+    u1 = torch.tensor([((h >> 32) + 1) * 2.0**-32], dtype=F64)
+    u2 = torch.tensor([(h & 0xFFFFFFFF) * (2.0 * math.pi * 2.0**-32)], dtype=F64)
+    r = u1.log_().mul_(-2.0).sqrt_().mul_(0.5)
+    row = initial_rows(3, torch.tensor([5]), 3, std=0.5, dtype=F64)[0]
+    assert torch.equal(row[:2], torch.cat([u2.cos() * r, u2.sin() * r]))
+
+
+def test_initial_rows_are_the_same_bits_on_both_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.kernels import need_kernels
+
+    need_kernels()
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(-(2**62), 2**62, (3000,), generator=gen)
+    for dim in (1, 2, 5, 16, 33):
+        for dtype in (torch.float32, F64, torch.bfloat16):
+            monkeypatch.setattr(init_module, "CHUNK_VALUES", 4096)  # several passes
+            native = initial_rows(11, ids, dim, std=0.1, dtype=dtype, padding_idx=int(ids[9]))
+            with monkeypatch.context() as m:
+                m.setattr(kernels, "KERNELS", None)
+                fallback = initial_rows(11, ids, dim, std=0.1, dtype=dtype, padding_idx=int(ids[9]))
+            assert torch.equal(native.view(torch.int8), fallback.view(torch.int8)), (dim, dtype)
 
 
 def test_initial_rows_are_standard_normal_and_padding_is_zero() -> None:

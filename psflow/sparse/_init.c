@@ -1,0 +1,66 @@
+/* Initial rows of embedding tables (psflow/sparse/init.py), the integer half in C: each value
+ * of row `id` is a counter-based hash (splitmix64) of (seed, id, column pair), made two uniform
+ * numbers for Box-Muller. torch computes the logarithm, square root, sine and cosine of those
+ * uniforms (the vectorised maths of its own build, so that a row is the same bits on either
+ * path), and psflow_interleave_* places the normals, cast, into the rows. Every step here is
+ * exact (integer arithmetic, an integer below 2**33 made a double, a multiplication by a power
+ * of two or by the one constant the Python side passes), so it equals torch's int64 and
+ * float64 ops to the bit. Plain C, no Python: psflow/sparse/_kernels.c is the binding.
+ */
+#include <stddef.h>
+#include <stdint.h>
+
+#include "_kernels.h"
+
+#define GOLDEN 0x9E3779B97F4A7C15ULL
+#define MUL1 0xBF58476D1CE4E5B9ULL
+#define MUL2 0x94D049BB133111EBULL
+#define PAIR_STEP 0xD1B54A32D192ED03ULL
+
+static inline uint64_t splitmix64(uint64_t x) {
+    uint64_t z = x + GOLDEN;
+    z = (z ^ (z >> 30)) * MUL1;
+    z = (z ^ (z >> 27)) * MUL2;
+    return z ^ (z >> 31);
+}
+
+void psflow_splitmix64(const int64_t *in, ptrdiff_t n, int64_t *out) {
+    for (ptrdiff_t i = 0; i < n; i++) out[i] = (int64_t)splitmix64((uint64_t)in[i]);
+}
+
+void psflow_initial_uniforms(const int64_t *ids, ptrdiff_t n, int64_t seed_key, ptrdiff_t pairs,
+                             f64 angle, f64 *u1, f64 *u2) {
+    for (ptrdiff_t i = 0; i < n; i++) {
+        uint64_t key = splitmix64((uint64_t)ids[i] ^ (uint64_t)seed_key);
+        f64 *a = u1 + i * pairs, *b = u2 + i * pairs;
+        for (ptrdiff_t p = 0; p < pairs; p++) {
+            uint64_t h = splitmix64(key + (uint64_t)(p + 1) * PAIR_STEP);
+            a[p] = (f64)((h >> 32) + 1) * 0x1p-32; /* in (0, 1]: the logarithm never sees 0 */
+            b[p] = (f64)(h & 0xFFFFFFFFULL) * angle;
+        }
+    }
+}
+
+void psflow_interleave_f32(f32 *out, const f64 *c, const f64 *s, ptrdiff_t n, ptrdiff_t pairs,
+                           ptrdiff_t dim) {
+    for (ptrdiff_t i = 0; i < n; i++) {
+        f32 *row = out + i * dim;
+        const f64 *ci = c + i * pairs, *si = s + i * pairs;
+        for (ptrdiff_t p = 0; p < pairs; p++) {
+            row[2 * p] = (f32)ci[p];
+            if (2 * p + 1 < dim) row[2 * p + 1] = (f32)si[p];
+        }
+    }
+}
+
+void psflow_interleave_f64(f64 *out, const f64 *c, const f64 *s, ptrdiff_t n, ptrdiff_t pairs,
+                           ptrdiff_t dim) {
+    for (ptrdiff_t i = 0; i < n; i++) {
+        f64 *row = out + i * dim;
+        const f64 *ci = c + i * pairs, *si = s + i * pairs;
+        for (ptrdiff_t p = 0; p < pairs; p++) {
+            row[2 * p] = ci[p];
+            if (2 * p + 1 < dim) row[2 * p + 1] = si[p];
+        }
+    }
+}
