@@ -39,6 +39,31 @@ static PyObject *py_gather(PyObject *self, PyObject *args) {
     return PyLong_FromLong(-1);
 }
 
+/* put_rows(dst, src, index, n, bytes, rows): dst[index[i]] = src[i]; -1 or the first bad index
+ * (then nothing was written). */
+static PyObject *py_put_rows(PyObject *self, PyObject *args) {
+    Py_ssize_t dst, src, index, n, bytes, rows;
+    if (!PyArg_ParseTuple(args, "nnnnnn", &dst, &src, &index, &n, &bytes, &rows)) return NULL;
+    Py_ssize_t bad = psflow_first_bad(PTR(int64_t, index), n, rows);
+    if (bad >= 0) return PyLong_FromSsize_t(bad);
+    Py_BEGIN_ALLOW_THREADS
+    psflow_put_rows(PTR(char, dst), PTR(const char, src), PTR(int64_t, index), n, bytes);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(-1);
+}
+
+/* fill_rows(dst, index, n, row, bytes, rows): dst[index[i]] = row; -1 or the first bad index. */
+static PyObject *py_fill_rows(PyObject *self, PyObject *args) {
+    Py_ssize_t dst, index, n, row, bytes, rows;
+    if (!PyArg_ParseTuple(args, "nnnnnn", &dst, &index, &n, &row, &bytes, &rows)) return NULL;
+    Py_ssize_t bad = psflow_first_bad(PTR(int64_t, index), n, rows);
+    if (bad >= 0) return PyLong_FromSsize_t(bad);
+    Py_BEGIN_ALLOW_THREADS
+    psflow_fill_rows(PTR(char, dst), PTR(int64_t, index), n, PTR(const char, row), bytes);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(-1);
+}
+
 /* (out, srcs: int64 pointers, starts: int64 first rows, parts, index, n, bytes, rows) */
 static PyObject *py_gather_parts(PyObject *self, PyObject *args) {
     Py_ssize_t out, srcs, starts, parts, index, n, bytes, rows;
@@ -325,6 +350,8 @@ static PyMethodDef methods[] = {
     {"gather", py_gather, METH_VARARGS, "out[i] = src[index[i]]; -1 or the first bad index."},
     {"gather_parts", py_gather_parts, METH_VARARGS,
      "out[i] = row index[i] of rows held in parts; -1 or the first bad index."},
+    {"put_rows", py_put_rows, METH_VARARGS, "dst[index[i]] = src[i]; -1 or the first bad index."},
+    {"fill_rows", py_fill_rows, METH_VARARGS, "dst[index[i]] = row; -1 or the first bad index."},
     {"scatter_add", py_scatter_add, METH_VARARGS, "out[index[i]] += src[i]; -1 or the first bad."},
     {"idmap_find", py_idmap_find, METH_VARARGS, "Each id's cell (or slot) in an id map, or -1."},
     {"idmap_put", py_idmap_put, METH_VARARGS, "Adds ids to an id map; removed cells reused."},

@@ -29,6 +29,13 @@ static inline ptrdiff_t psflow_first_bad(const int64_t *index, ptrdiff_t n, ptrd
 void psflow_gather_rows(char *out, const char *src, const int64_t *index, ptrdiff_t n,
                         ptrdiff_t bytes);
 
+/* dst[index[i]] = src[i] (index_copy_), and dst[index[i]] = row (index_fill_), for rows of
+ * `bytes` bytes: a hashed table's new rows and their marks. */
+void psflow_put_rows(char *dst, const char *src, const int64_t *index, ptrdiff_t n,
+                     ptrdiff_t bytes);
+void psflow_fill_rows(char *dst, const int64_t *index, ptrdiff_t n, const char *row,
+                      ptrdiff_t bytes);
+
 /* out[i] = row index[i] of rows held in parts: part p holds rows [starts[p], starts[p + 1]) at
  * srcs[p]. */
 void psflow_gather_parts(char *out, const char *const *srcs, const int64_t *starts,

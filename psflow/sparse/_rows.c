@@ -149,6 +149,16 @@ void psflow_gather_rows(char *out, const char *src, const int64_t *index, ptrdif
     }
 }
 
+void psflow_put_rows(char *dst, const char *src, const int64_t *index, ptrdiff_t n,
+                     ptrdiff_t bytes) {
+    for (ptrdiff_t i = 0; i < n; i++) memcpy(dst + index[i] * bytes, src + i * bytes, (size_t)bytes);
+}
+
+void psflow_fill_rows(char *dst, const int64_t *index, ptrdiff_t n, const char *row,
+                      ptrdiff_t bytes) {
+    for (ptrdiff_t i = 0; i < n; i++) memcpy(dst + index[i] * bytes, row, (size_t)bytes);
+}
+
 /* out[i] = row index[i] of rows held in parts: part p holds rows [starts[p], starts[p + 1]) at
  * srcs[p] (each shard's rows where they came in, a lane of shared memory: no copy joins them
  * first). */

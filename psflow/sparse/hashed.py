@@ -183,20 +183,13 @@ class HashedRows(Rows):
         """Makes ``slots`` hold the initial rows of ``ids`` and fresh state."""
         self._preserve(slots)
         spec = self.spec
-        self.values.index_copy_(
-            0,
-            slots,
-            initial_rows(
-                spec.seed,
-                ids,
-                self.dim,
-                std=spec.init_std,
-                dtype=self.dtype,
-                padding_idx=spec.padding_idx,
-            ),
-        )
+        fresh = initial_rows(
+            spec.seed, ids, self.dim, std=spec.init_std, dtype=self.dtype,
+            padding_idx=spec.padding_idx,
+        )  # fmt: skip
+        kernels.put_rows(self.values, slots, fresh)
         self.optimizer.reset_rows(self.state, slots)
-        self.slot_ids.index_copy_(0, slots, ids)
+        kernels.put_rows(self.slot_ids, slots, ids)
         self._index.put(ids, slots)
 
     def _admit(self, ids: torch.Tensor) -> torch.Tensor:
@@ -294,7 +287,7 @@ class HashedRows(Rows):
         rows = torch.empty((ids.numel(), self.dim), dtype=self.dtype) if out is None else out
         where = known.nonzero().squeeze(1)
         if where.numel():
-            rows.index_copy_(0, where, kernels.gather(self.values, slots[where]))
+            kernels.put_rows(rows, where, kernels.gather(self.values, slots[where]))
         # Only the ids not held get initial rows (a row depends on its id alone): in a stream
         # of clicks most of a batch's ids are held, and the rest cost 0.3-0.5 us a row.
         absent = (~known).nonzero().squeeze(1)
@@ -310,7 +303,7 @@ class HashedRows(Rows):
                 dtype=self.dtype,
                 padding_idx=spec.padding_idx,
             )
-            rows.index_copy_(0, absent, fresh)
+            kernels.put_rows(rows, absent, fresh)
         return rows
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
@@ -322,16 +315,17 @@ class HashedRows(Rows):
         slots = self._slots(ids)
         unknown = slots < 0
         if bool(unknown.any()):
-            known_slots = slots[~unknown]
-            # Marked now, so that making room for the new rows never evicts these.
-            self.last_update.index_fill_(0, known_slots, self._tick)
+            known = slots[~unknown]
+            if self.max_rows is not None:
+                # Marked now, so that making room for the new rows never evicts these.
+                kernels.fill_rows(self.last_update, known, self._tick)
             new_pos = unknown.nonzero().squeeze(1)
             if self._sketch is not None:
                 admitted = self._admit(ids[new_pos])
                 self.counts["not_admitted"] += int(admitted.numel() - admitted.sum())
                 new_pos = new_pos[admitted]
             if self.max_rows is not None:
-                room = self.max_rows - known_slots.numel()
+                room = self.max_rows - known.numel()
                 if new_pos.numel() > room:
                     self.counts["dropped_full"] += new_pos.numel() - room
                     new_pos = new_pos[:room]
@@ -345,9 +339,9 @@ class HashedRows(Rows):
                 slots, grads = slots[keep], grads[keep]
         self._preserve(slots)
         self.optimizer.apply(self.values, self.state, slots, grads)
-        self.last_update.index_fill_(0, slots, self._tick)
+        kernels.fill_rows(self.last_update, slots, self._tick)
         if self.updated_at is not None:
-            self.updated_at.index_fill_(0, slots, now)
+            kernels.fill_rows(self.updated_at, slots, now)
 
     @property
     def num_rows(self) -> int:

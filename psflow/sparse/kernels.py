@@ -136,6 +136,60 @@ def gather(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = No
     return out
 
 
+def _storage_ok(dst: torch.Tensor, index: torch.Tensor) -> bool:
+    """A 1-D or 2-D contiguous CPU tensor (a table's rows, or one value a row) and an int64
+    CPU index: what :func:`put_rows` and :func:`fill_rows` take to their kernels."""
+    return (
+        KERNELS is not None
+        and dst.device.type == "cpu"
+        and dst.dim() in (1, 2)
+        and dst.is_contiguous()
+        and index.dtype == torch.int64
+        and index.device.type == "cpu"
+    )
+
+
+def put_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.index_copy_(0, index, src)`` (``index`` without repeats): rows set by slot, one
+    ``memcpy`` each where torch's ``index_copy_`` takes several microseconds to set up.
+
+    Raises:
+        IndexError: for an index outside ``dst``'s rows (then nothing was written).
+    """
+    if not _storage_ok(dst, index) or src.dtype != dst.dtype or not src.is_cpu:
+        dst.index_copy_(0, index, src)
+        return
+    assert KERNELS is not None
+    if src.shape != (index.numel(), *dst.shape[1:]):
+        raise ValueError(
+            f"put_rows: {list(src.shape)} for {index.numel()} rows of {list(dst.shape)}"
+        )
+    index, src = index.contiguous(), src.contiguous()
+    row_bytes = (dst.shape[1] if dst.dim() == 2 else 1) * dst.element_size()
+    bad = KERNELS.put_rows(
+        dst.data_ptr(), src.data_ptr(), index.data_ptr(), index.numel(), row_bytes, dst.shape[0]
+    )
+    check(bad, index, dst.shape[0])
+
+
+def fill_rows(dst: torch.Tensor, index: torch.Tensor, value: float | bool) -> None:
+    """``dst.index_fill_(0, index, value)``, each row one ``memcpy`` of a row of ``value``.
+
+    Raises:
+        IndexError: for an index outside ``dst``'s rows (then nothing was written).
+    """
+    if not _storage_ok(dst, index):
+        dst.index_fill_(0, index, value)
+        return
+    assert KERNELS is not None
+    index = index.contiguous()
+    row = torch.full(dst.shape[1:] or (1,), value, dtype=dst.dtype)
+    bad = KERNELS.fill_rows(
+        dst.data_ptr(), index.data_ptr(), index.numel(), row.data_ptr(), row.nbytes, dst.shape[0]
+    )
+    check(bad, index, dst.shape[0])
+
+
 def gather_parts(parts: Sequence[torch.Tensor], index: torch.Tensor) -> torch.Tensor:
     """``torch.cat(parts).index_select(0, index)`` without the ``cat``: rows that came in
     pieces (each shard's where it arrived, a lane of shared memory) gathered where they lie.

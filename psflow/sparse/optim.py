@@ -98,7 +98,7 @@ class RowOptimizer:
         """Sets the state of the rows at ``index`` to that of a fresh row."""
         fill = {"sum": self.initial_accumulator_value, "accum": self.initial_accumulator_value}
         for key, tensor in state.items():
-            tensor.index_fill_(0, index, fill.get(key, 0))
+            kernels.fill_rows(tensor, index, fill.get(key, 0))
 
     def apply(
         self,

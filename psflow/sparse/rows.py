@@ -159,7 +159,7 @@ class Rows(ABC):
         """Before rows at ``slots`` of the storage change: snapshots in progress keep them, and
         the next export counts them as changed."""
         if self._changed is not None:
-            self._changed.index_fill_(0, slots, True)
+            kernels.fill_rows(self._changed, slots, True)
         if self._snapshots:
             for snap in self._snapshots:
                 snap.preserve(slots)

@@ -354,6 +354,31 @@ def test_gather_and_scatter_add_refuse_a_bad_index() -> None:
         kernels.scatter_add(5, torch.ones(2, 2), torch.tensor([-1, 0]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64, torch.bool])
+def test_put_rows_and_fill_rows_are_index_copy_and_index_fill(
+    path: str, dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(17)
+    for shape in ((50, 3), (50,)):
+        dst = (torch.randn(shape, generator=gen) * 100).to(dtype)
+        index = torch.randperm(50, generator=gen)[:20]
+        src = (torch.randn((20, *shape[1:]), generator=gen) * 100).to(dtype)
+        got, want = dst.clone(), dst.clone().index_copy_(0, index, src)
+        kernels.put_rows(got, index, src)
+        assert torch.equal(got, want)
+        value = True if dtype == torch.bool else 7
+        got, want = dst.clone(), dst.clone().index_fill_(0, index, value)
+        kernels.fill_rows(got, index, value)
+        assert torch.equal(got, want)
+    if path == "native":
+        dst = torch.zeros(5, 2)
+        with pytest.raises(IndexError, match="row index 5 is out of range"):
+            kernels.put_rows(dst, torch.tensor([0, 5]), torch.ones(2, 2))
+        with pytest.raises(IndexError, match="row index -1 is out of range"):
+            kernels.fill_rows(dst, torch.tensor([1, -1]), 3.0)
+        assert not dst.any()  # checked before a row is written
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
 def test_gather_parts_is_a_gather_of_the_parts_joined(dtype: torch.dtype) -> None:
     """Rows in pieces (each shard's where it arrived) gather as if joined first; an empty
