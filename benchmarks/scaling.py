@@ -15,7 +15,10 @@ The model is ``examples/ctr.py``'s DLRM in DeepRec's shape (embedding dim 16, bo
   ``--jobs`` (default: by the host's cores), through shared memory and through the socket
   (``PSFLOW_SHM=0``), alternately; each worker's own samples/s line, summed. With
   ``--against ARGS``, each job also runs with those example arguments, alternating, for an A/B
-  on one machine (``--against=--no-fused``: torch's Adam loop against the fused form).
+  on one machine (``--against=--no-fused``: torch's Adam loop against the fused form); with
+  ``--against_tree DIR``, that run is another checkout's psflow and example (a worktree of
+  main: the code before a change against the code after it, alternating in one run). A job
+  ``PxWtN`` gives its ps tasks N threads (``psflow launch --ps-threads``).
 
 Printed per job and path: samples/s, samples/s per core (the cores the job's processes may
 use: ``min(P + W, cores)``), and efficiency: the job's samples/s over the ``procs`` ceiling of
@@ -190,14 +193,16 @@ def job_command(
     steps: int,
     extra: Sequence[str] = (),
     ps_threads: int | None = None,
+    root: Path = ROOT,
 ) -> list[str]:
     """``psflow launch`` of ``examples/ctr.py`` with the preset's model, ``steps`` in all, and
-    ``extra`` arguments for the example; ``ps_threads`` gives each ps that many threads."""
+    ``extra`` arguments for the example; ``ps_threads`` gives each ps that many threads; the
+    example of the checkout at ``root``."""
     cmd = [sys.executable, "-m", "psflow.cli", "launch", "--ps", str(ps), "--workers"]
     cmd += [str(workers)]
     if ps_threads is not None:
         cmd += ["--ps-threads", str(ps_threads)]
-    cmd += [str(ROOT / "examples" / "ctr.py"), "--data", data]
+    cmd += [str(root / "examples" / "ctr.py"), "--data", data]
     cmd += ["--train_steps", str(steps), "--dim", str(p["dim"]), "--bottom", p["bottom"]]
     cmd += ["--top", p["top"], "--batch_size", str(p["batch"]), "--no-wide", "--min_count", "0"]
     return [*cmd, "--prefetch", *extra]
@@ -212,13 +217,17 @@ def run_psflow(
     shm: bool,
     extra: Sequence[str] = (),
     ps_threads: int | None = None,
+    root: Path = ROOT,
 ) -> float:
-    """The job's samples/s: each worker's own line (``examples/ctr.py``), summed."""
+    """The job's samples/s: each worker's own line (``examples/ctr.py``), summed; the psflow
+    of the checkout at ``root``."""
     steps = p["steps_per_worker"] * workers
-    cmd = job_command(p, data, ps, workers, steps, extra, ps_threads)
+    cmd = job_command(p, data, ps, workers, steps, extra, ps_threads, root)
     env = dict(os.environ, PSFLOW_SHM="1" if shm else "0")
+    if root != ROOT:  # its package first: the launcher and every task import that one
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT
+        cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=root
     )
     rates = {int(m[1]): float(m[3].replace(",", "")) for m in WORKER_LINE.finditer(proc.stdout)}
     if proc.returncode != 0 or len(rates) != workers:
@@ -244,6 +253,12 @@ def main() -> None:
         "--against",
         help="example arguments for a second run of each job, alternating with the first "
         "(an A/B on one machine, e.g. '--no-fused'); its figures are prefixed against_",
+    )
+    parser.add_argument(
+        "--against_tree",
+        type=Path,
+        help="another psflow checkout for the second run of each job (with --against's "
+        "arguments, if any): the code before a change, alternating with this one",
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--role", choices=["ceiling"], help=argparse.SUPPRESS)
@@ -273,9 +288,11 @@ def main() -> None:
             flush=True,
         )
         rows = []
-        variants: list[tuple[str, list[str]]] = [("", [])]
-        if args.against:
-            variants.append(("against_", shlex.split(args.against)))
+        variants: list[tuple[str, list[str], Path]] = [("", [], ROOT)]
+        against = bool(args.against or args.against_tree)
+        if against:
+            tree = (args.against_tree or ROOT).resolve()
+            variants.append(("against_", shlex.split(args.against or ""), tree))
         for ps, workers, ps_threads in jobs:
             used = min(ps * (ps_threads or 1) + workers, cores)
             entry: dict[str, Any] = {"ps": ps, "workers": workers, "cores": used}
@@ -285,17 +302,17 @@ def main() -> None:
                 for path, shm in (("shm", True), ("socket", False)):
                     if path not in p.get("paths", ("shm", "socket")):
                         continue
-                    for label, extra in variants:
-                        rate = run_psflow(args, p, data, ps, workers, shm, extra, ps_threads)
+                    for label, extra, root in variants:
+                        rate = run_psflow(args, p, data, ps, workers, shm, extra, ps_threads, root)
                         entry.setdefault(f"{label}{path}_runs", []).append(round(rate))
             for path in p.get("paths", ("shm", "socket")):
-                for label, _ in variants:
+                for label, _, _ in variants:
                     runs = sorted(entry[f"{label}{path}_runs"])
                     rate = runs[len(runs) // 2]
                     entry[f"{label}{path}_samples_per_s"] = rate
                     entry[f"{label}{path}_per_core"] = round(rate / used)
                     entry[f"{label}{path}_efficiency"] = round(rate / (per_core * used), 3)
-                if args.against:
+                if against:
                     ratio = entry[f"{path}_samples_per_s"] / entry[f"against_{path}_samples_per_s"]
                     entry[f"{path}_vs_against"] = round(ratio, 3)
             print(json.dumps(entry), flush=True)
@@ -304,6 +321,7 @@ def main() -> None:
         "benchmark": "scaling",
         "preset": args.preset,
         "against": args.against,
+        "against_tree": None if args.against_tree is None else str(args.against_tree),
         "cores": cores,
         "model": {k: p[k] for k in ("dim", "bottom", "top", "batch")},
         "ceiling_one_process": None if one is None else round(one),

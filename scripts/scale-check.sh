@@ -3,7 +3,9 @@
 # (the device tool's `run`, ../.library/device): benchmarks/scaling.py at JOBS, then
 # benchmarks/job_profile.py on the largest job (each task's cores, py-spy stacks of a ps and a
 # worker). AGAINST gives scaling.py's --against (example arguments for an A/B run of each job,
-# alternating: AGAINST=--no-fused); PROFILE= skips the profile; ROW_THREADS=2,4 first measures a
+# alternating: AGAINST=--no-fused); AGAINST_TREE gives another checkout (a worktree of the code
+# before a change, carried with the tree: AGAINST_TREE=.ab/start) for that second run, its C
+# kernels built here too; PROFILE= skips the profile; ROW_THREADS=2,4 first measures a
 # shard's rows on that many threads (benchmarks/row_threads.py, then the sparse workload with
 # PSFLOW_PS_THREADS 1 and N, both paths each).
 #
@@ -45,6 +47,11 @@ fi
 echo "== scaling: $jobs =="
 against=()
 [ -n "${AGAINST:-}" ] && against=("--against=$AGAINST")
+if [ -n "${AGAINST_TREE:-}" ]; then
+    (cd "$AGAINST_TREE" && "$py" setup.py -q build_ext --inplace >"$out/build-against.log" 2>&1) ||
+        echo "C kernels of $AGAINST_TREE not built"
+    against+=("--against_tree=$AGAINST_TREE")
+fi
 "$py" benchmarks/scaling.py --data /tmp/ctr --jobs "$jobs" "${against[@]}" 2>&1 |
     tee "$out/scaling.log"
 [ -z "$profile" ] && exit 0
