@@ -304,6 +304,8 @@ def main() -> None:
                         continue
                     for label, extra, root in variants:
                         rate = run_psflow(args, p, data, ps, workers, shm, extra, ps_threads, root)
+                        name = f"{ps}x{workers}" + (f"t{ps_threads}" if ps_threads else "")
+                        print(f"run {name} {label}{path}: {rate:,.0f} samples/s", flush=True)
                         entry.setdefault(f"{label}{path}_runs", []).append(round(rate))
             for path in p.get("paths", ("shm", "socket")):
                 for label, _, _ in variants:
