@@ -94,6 +94,23 @@ def test_nan_guard_finds_a_bad_value_in_any_gradient_of_any_dtype(bad: float) ->
         guard.before_step(_ctx(sess, 3))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_nan_guard_lets_the_largest_finite_gradients_through(dtype: torch.dtype) -> None:
+    """Finite values whose squares overflow (the 2-norm infinite) are still finite: the
+    largest magnitude decides."""
+    sess = FakeSession()
+    sess.model = torch.nn.Linear(64, 4).to(dtype)
+    top = torch.finfo(dtype).max
+    sess.model.weight.grad = torch.full_like(sess.model.weight, top)
+    sess.model.weight.grad[0, :32] = -top
+    sess.model.bias.grad = torch.zeros_like(sess.model.bias)
+    assert not torch._foreach_norm([sess.model.weight.grad], 2)[0].isfinite()  # overflows
+    NanGuardHook().before_step(_ctx(sess, 1))
+    sess.model.bias.grad[3] = float("nan")
+    with pytest.raises(NanLossError, match="gradient of 'bias'"):
+        NanGuardHook().before_step(_ctx(sess, 2))
+
+
 def test_logging_hook_prints_rate_loss_and_eta_lines_when_not_a_tty() -> None:
     out = io.StringIO()
     hook = LoggingHook(every_n_steps=10, last_step=100, stream=out)
