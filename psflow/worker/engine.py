@@ -1,5 +1,6 @@
 """The modes that train against the ps share one :class:`ParameterExchange`:
-:class:`ExchangeEngine` is their common part, :class:`AsyncEngine` the default mode.
+:class:`ExchangeEngine` is their common part, :class:`KeepsInputPositions` that of the modes
+that keep input positions, :class:`AsyncEngine` the default mode.
 """
 
 from __future__ import annotations
@@ -33,16 +34,6 @@ class ExchangeEngine(Engine):
     def learning_rate(self) -> float | None:
         return self.exchange.learning_rate  # as shard 0 reported it
 
-    def input_positions(self) -> list[InputMark | None]:
-        standing = self.client.input_positions()
-        self.exchange.input_epochs = {s: st.epoch for s, st in standing.items()}
-        return [standing[s].mark for s in range(self.client.num_shards)]
-
-    def mark_input(self, seq: tuple[int, ...], position: dict[str, Any]) -> None:
-        if self.exchange.input_epochs is None:
-            raise RuntimeError("mark_input() before input_positions(): the shards' epochs")
-        self.exchange.input_mark = (seq, position)
-
     def start(self, spec: OptimizerSpec, *, ready_timeout: float) -> int:
         """The chief initialises the ps (others wait for it), then this worker pulls the
         mode's way. Returns the global step."""
@@ -62,7 +53,24 @@ class ExchangeEngine(Engine):
         self.exchange.close(finished=finished)
 
 
-class AsyncEngine(ExchangeEngine):
+class KeepsInputPositions(ExchangeEngine):
+    """A mode whose every step reaches the shards' optimizers (asynchronous, bounded
+    staleness): each push carries the input it trained on, kept by the shards with its update
+    (:mod:`psflow.train.input_position`). Synchronous training drops stale steps, so it keeps
+    none (:meth:`Engine.input_positions` refuses)."""
+
+    def input_positions(self) -> list[InputMark | None]:
+        standing = self.client.input_positions()
+        self.exchange.input_epochs = {s: st.epoch for s, st in standing.items()}
+        return [standing[s].mark for s in range(self.client.num_shards)]
+
+    def mark_input(self, seq: tuple[int, ...], position: dict[str, Any]) -> None:
+        if self.exchange.input_epochs is None:
+            raise RuntimeError("mark_input() before input_positions(): the shards' epochs")
+        self.exchange.input_mark = (seq, position)
+
+
+class AsyncEngine(KeepsInputPositions):
     """Asynchronous training: each step pushes this worker's gradients, which every shard
     applies on arrival, and pulls the values that result, in one round trip per shard."""
 

@@ -187,7 +187,7 @@ class Engine(ABC):
     def mark_input(self, seq: tuple[int, ...], position: dict[str, Any]) -> None:
         """The next :meth:`step` applies input number ``seq``, after which the reader is at
         ``position``: each shard keeps both with the update, or drops a step it holds."""
-        self.input_positions()  # the same refusal
+        Engine.input_positions(self)  # the refusal of a mode that keeps none
 
     def stats(self) -> dict[str, Any]:
         """The mode's counters (accepted and dropped gradients, staleness, waits)."""

@@ -11,12 +11,12 @@ from typing import Any
 
 from psflow.protocol import Key
 from psflow.transport import PeerError, PeerTimeoutError
-from psflow.worker.engine import ExchangeEngine
+from psflow.worker.engine import KeepsInputPositions
 from psflow.worker.exchange import ParameterExchange
 from psflow.worker.modes import Mode, ModeConfig, SyncTimeoutError
 
 
-class StalenessEngine(ExchangeEngine):
+class StalenessEngine(KeepsInputPositions):
     """Asynchronous steps, each first cleared by ps:0 against ``max_staleness``.
 
     Staleness of a gradient, as recorded here: the updates other workers applied between this

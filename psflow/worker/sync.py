@@ -13,12 +13,11 @@ import time
 from typing import Any
 
 from psflow.protocol import Key
-from psflow.protocol.messages import InputMark
 from psflow.transport import PeerError, PeerTimeoutError
 from psflow.worker.client import Replies
 from psflow.worker.engine import ExchangeEngine
 from psflow.worker.exchange import ParameterExchange
-from psflow.worker.modes import Engine, Mode, ModeConfig, SyncTimeoutError
+from psflow.worker.modes import Mode, ModeConfig, SyncTimeoutError
 
 _CONSISTENT_PULL_TRIES = 50
 
@@ -40,11 +39,6 @@ class SyncEngine(ExchangeEngine):
         self.accepted = 0
         self.dropped = 0
         self.wait_seconds = 0.0
-
-    def input_positions(self) -> list[InputMark | None]:
-        # A step's gradients may be dropped as stale (backup workers): no input position
-        # could say what reached the optimizer.
-        return Engine.input_positions(self)
 
     def step(self) -> int:
         grads, _, rows = self.exchange.gradients()

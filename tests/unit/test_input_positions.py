@@ -366,6 +366,21 @@ def test_modes_that_cannot_say_what_reached_the_optimizer_refuse_a_reader(
         psflow.TrainingSession(torch.nn.Linear(2, 1), ctx, mode=mode, input=reader)
 
 
+def test_only_the_modes_whose_steps_all_reach_the_optimizer_keep_positions() -> None:
+    from psflow.worker import AsyncEngine, StalenessEngine, SyncEngine
+    from psflow.worker.allreduce import AllReduceEngine
+    from psflow.worker.engine import KeepsInputPositions
+
+    for kept in (AsyncEngine, StalenessEngine):
+        assert issubclass(kept, KeepsInputPositions), kept
+    for refused in (SyncEngine, AllReduceEngine):
+        engine = object.__new__(refused)  # the refusal needs nothing the constructor makes
+        with pytest.raises(ValueError, match="training keeps no input positions"):
+            engine.input_positions()
+        with pytest.raises(ValueError, match="training keeps no input positions"):
+            engine.mark_input((1,), {})
+
+
 # -- the whole protocol, simulated: shards, crashes between pushes, restores -------------------
 
 
