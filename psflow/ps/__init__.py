@@ -9,8 +9,9 @@
   workers still ask.
 - ``liveness.py``: :class:`~psflow.ps.liveness.Liveness`, who has been heard from; who is dead.
 - ``service.py``: :class:`Service` (ops and lifecycle callbacks), :class:`ServiceHost` (what a
-  service may use of the server), :data:`Handler`, :class:`RequestError` and
-  :class:`NotInitializedError` (a refusal and its :class:`~psflow.protocol.Code`).
+  service may use of the server), :data:`Handler`.
+- ``errors.py``: :class:`RequestError` (a refusal and its :class:`~psflow.protocol.Code`),
+  :class:`NotInitializedError`, :class:`InputOvertakenError`.
 - ``status.py``: :class:`StatusService`, the ``hello``, ``status``, ``heartbeat`` and ``done``
   ops.
 - ``init.py``: :class:`InitService`, the chief's ``init`` (the shard's values, optimizer,
@@ -36,10 +37,11 @@
 
 from psflow.ps.checkpoint import CheckpointService, ShardCheckpointer
 from psflow.ps.config import ServerConfig
+from psflow.ps.errors import InputOvertakenError, NotInitializedError, RequestError
 from psflow.ps.exchange import ExchangeService
 from psflow.ps.init import InitService
 from psflow.ps.server import ParameterServer
-from psflow.ps.service import Handler, NotInitializedError, RequestError, Service, ServiceHost
+from psflow.ps.service import Handler, Service, ServiceHost
 from psflow.ps.staleness import ClockTable
 from psflow.ps.status import StatusService
 from psflow.ps.store import ShardStore
@@ -52,6 +54,7 @@ __all__ = [
     "ExchangeService",
     "Handler",
     "InitService",
+    "InputOvertakenError",
     "NotInitializedError",
     "ParameterServer",
     "RequestError",

@@ -21,10 +21,10 @@ from collections.abc import Mapping
 
 import torch
 
-from psflow.protocol import Code, Key, Op
+from psflow.protocol import Key, Op
 from psflow.protocol.messages import input_name, prefetch_tensor_names
 from psflow.ps.positions import input_mark
-from psflow.ps.service import Handler, RequestError, Service, ServiceHost
+from psflow.ps.service import Handler, Service, ServiceHost
 from psflow.ps.tables import (
     check_lookup,
     count_rows,
@@ -42,13 +42,6 @@ _STEP, _ROWS, _PREFETCH, _ROW_DTYPES = Key.STEP, Key.ROWS, Key.PREFETCH, Key.ROW
 _INPUT_SEQ = Key.INPUT_SEQ
 
 log = logging.getLogger(__name__)
-
-
-class InputOvertakenError(RequestError):
-    """A push whose input position its worker learnt from an earlier state of the shard
-    (:attr:`Key.INPUT_EPOCH`): applied, it would read on past what the shard lost."""
-
-    code = Code.RESTORED
 
 
 class ExchangeService(Service):
@@ -127,12 +120,7 @@ class ExchangeService(Service):
         if given is not None:
             mark, epoch = given
             sender = self.host.sender(request)
-            if epoch != self.store.inputs.epoch:
-                raise InputOvertakenError(
-                    f"{sender}'s input position is of an earlier state of this shard (restored "
-                    "from a checkpoint, or restarted, since): ask where the input stands again"
-                )
-            if self.store.inputs.applied(sender, mark[0]):
+            if self.store.inputs.applied(sender, mark[0], epoch):
                 # A restarted worker's replay of an input this shard holds: what the shard
                 # applied then stays, and the reply is as for any push.
                 log.info(

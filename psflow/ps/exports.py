@@ -33,8 +33,9 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from psflow.protocol import Key, Op, SaveState
+from psflow.ps.errors import RequestError
 from psflow.ps.files import atomic_write, join, url_to_fs
-from psflow.ps.service import Handler, RequestError, Service, ServiceHost
+from psflow.ps.service import Handler, Service, ServiceHost
 from psflow.ps.shard_file import safetensors_chunks
 from psflow.serve.delta import (
     EXPORT_META,

@@ -9,8 +9,8 @@ the shard's checkpoint with the rows it belongs to (metadata ``psflow.inputs``),
 restore the positions match the rows; a restarted worker asks every shard where it stands
 (``status``) and reads on from there. A shard whose state was set again since a worker asked
 (a restore from a checkpoint, a restart) refuses that worker's next push
-(:class:`~psflow.ps.exchange.InputOvertakenError`), so that it asks again rather than read on past what the shard
-lost.
+(:class:`~psflow.ps.errors.InputOvertakenError`, :meth:`InputPositions.applied`), so that it
+asks again rather than read on past what the shard lost.
 
 Positions are plain data (maps, lists, strings, numbers), checked like anything received: a
 position the shard cannot keep is refused before anything changes.
@@ -27,6 +27,7 @@ from typing import Any
 from psflow.protocol import Key
 from psflow.protocol.messages import MAX_INPUT_DEPTH, InputMark, input_key
 from psflow.ps import safefile
+from psflow.ps.errors import InputOvertakenError
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +104,19 @@ class InputPositions:
         self.epoch = secrets.randbits(62)
         """Drawn anew with every state of the shard (these positions are made with it)."""
 
-    def applied(self, task: str, seq: tuple[int, ...]) -> bool:
-        """Whether a push of ``task`` numbered ``seq`` is one this shard holds already."""
+    def applied(self, task: str, seq: tuple[int, ...], epoch: int) -> bool:
+        """Whether a push of ``task`` numbered ``seq``, learnt against shard state ``epoch``,
+        is one this shard holds already (a replay: dropped, answered as any push).
+
+        Raises:
+            InputOvertakenError: ``epoch`` is not this state's (a restore or a restart since
+                the worker asked where it stands): it must ask again.
+        """
+        if epoch != self.epoch:
+            raise InputOvertakenError(
+                f"{task}'s input position is of an earlier state of this shard (restored from "
+                "a checkpoint, or restarted, since): ask where the input stands again"
+            )
         mark = self.marks.get(task)
         return mark is not None and input_key(seq) <= input_key(mark[0])
 

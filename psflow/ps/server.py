@@ -52,12 +52,13 @@ from psflow.cluster.spec import TaskContext
 from psflow.protocol import Code, Key, Op
 from psflow.ps.checkpoint import CheckpointService
 from psflow.ps.config import ServerConfig
+from psflow.ps.errors import NotInitializedError, RequestError
 from psflow.ps.exchange import ExchangeService
 from psflow.ps.exports import ExportService
 from psflow.ps.host import TransportHost
 from psflow.ps.init import InitService
 from psflow.ps.liveness import Liveness
-from psflow.ps.service import Handler, NotInitializedError, RequestError, Service
+from psflow.ps.service import Handler, Service
 from psflow.ps.sigterm import Termination
 from psflow.ps.status import StatusService
 from psflow.ps.store import ShardStore

@@ -19,7 +19,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -30,23 +30,6 @@ from psflow.transport import Request, wire
 
 Handler = Callable[[Request], None]
 """Answers one request (through :meth:`ServiceHost.reply`, now or later), or raises."""
-
-
-class RequestError(ValueError):
-    """A request the ps refuses; :attr:`code` says what kind of refusal, for the client.
-
-    A handler refuses a request by raising: a plain ``ValueError`` or ``TypeError`` is answered
-    with :attr:`Code.REFUSED <psflow.protocol.Code.REFUSED>`, a subclass of this one with its
-    own code.
-    """
-
-    code: ClassVar[Code] = Code.REFUSED
-
-
-class NotInitializedError(RequestError):
-    """A request that needs the shard's variables before the chief has set them."""
-
-    code = Code.UNINITIALIZED
 
 
 class ServiceHost(Protocol):

@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from psflow.protocol import Code, Key, Op
-from psflow.ps.service import Handler, RequestError, Service, ServiceHost
+from psflow.ps.errors import RequestError
+from psflow.ps.service import Handler, Service, ServiceHost
 from psflow.ps.staleness import ClockTable
 from psflow.ps.store import GradBuffers, RowGrads, ShardStore
 from psflow.ps.tables import split_rows, sum_rows
