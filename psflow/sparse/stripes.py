@@ -58,14 +58,15 @@ def bounds(n: int) -> list[tuple[int, int]]:
     return [(i * n // k, (i + 1) * n // k) for i in range(k)]
 
 
-def run(n: int, work: Callable[[int, int], int]) -> int:
+def run(n: int, work: Callable[[int, int], int], *, writes: bool = True) -> int:
     """Calls ``work(begin, end)`` on each stripe of ``[0, n)``, the first on this thread, the
     others on the pool's, and waits for all; returns the first stripe's non-negative result
     offset to the whole range (a kernel's bad index), else ``-1``.
 
     An exception in a stripe is raised once every stripe has ended (nothing runs on after the
-    call returns), as :class:`StripeError` when there were several: the others may have
-    written their rows.
+    call returns): as :class:`StripeError` when there were several stripes of ``work`` that
+    ``writes`` the shard's rows (the others may have written theirs); as itself for work that
+    only reads them (a gather: nothing is half-done, the request fails alone).
     """
     stripes = bounds(n)
     pool = _pool
@@ -83,6 +84,8 @@ def run(n: int, work: Callable[[int, int], int]) -> int:
             results.append(f.result())
         except BaseException as e:
             error = error or e
+    if error is not None and not writes:
+        raise error
     if error is not None:
         raise StripeError(
             f"a stripe of {n} rows on {len(stripes)} threads failed while the others ran "

@@ -101,6 +101,11 @@ def test_a_stripe_that_fails_is_raised_once_every_stripe_has_ended() -> None:
     with pytest.raises(stripes.StripeError, match=f"RuntimeError: stripe at {last}"):
         stripes.run(N, work)
     assert sorted(ended) == [b for b, _ in stripes.bounds(N)]  # every stripe had ended
+    # Work that only reads rows (a gather) half-does nothing: its own error, the shard serves on.
+    ended.clear()
+    with pytest.raises(RuntimeError, match=f"^stripe at {last}$"):
+        stripes.run(N, work, writes=False)
+    assert sorted(ended) == [b for b, _ in stripes.bounds(N)]
 
 
 def test_small_requests_stay_on_one_thread_and_counts_are_checked(
