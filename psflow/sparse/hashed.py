@@ -284,7 +284,12 @@ class HashedRows(Rows):
         known = slots >= 0
         if bool(known.all()):
             return kernels.gather(self.values, slots, out)
-        rows = torch.empty((ids.numel(), self.dim), dtype=self.dtype) if out is None else out
+        shape = (ids.numel(), self.dim)
+        if out is not None and (out.shape != shape or out.dtype != self.dtype):
+            raise ValueError(
+                f"lookup into {out.dtype} {list(out.shape)}: expected {self.dtype} {list(shape)}"
+            )
+        rows = torch.empty(shape, dtype=self.dtype) if out is None else out
         where = known.nonzero().squeeze(1)
         if where.numel():
             kernels.put_rows(rows, where, kernels.gather(self.values, slots[where]))

@@ -355,6 +355,18 @@ def test_hashed_rows_are_made_on_first_apply() -> None:
     want[1:] -= 0.5
     assert torch.equal(rows.lookup(ids), want)
     assert rows.num_rows == 3
+    # Held and new ids mixed, into a given tensor (a reply's lane): the same rows, or zeros.
+    mixed = torch.tensor([7, 10, 99, -5])
+    out = torch.full((4, 4), float("nan"), dtype=F64)
+    assert rows.lookup(mixed, out) is out
+    assert torch.equal(out, torch.cat([initial_rows(2, mixed[:1], 4, std=1.0, dtype=F64),
+                                       want[:1], initial_rows(2, mixed[2:3], 4, std=1.0,
+                                       dtype=F64), want[2:]]))  # fmt: skip
+    zeros = rows.lookup(mixed, absent_zeros=True)
+    assert torch.equal(zeros[[0, 2]], torch.zeros(2, 4, dtype=F64))
+    assert torch.equal(zeros[[1, 3]], want[[0, 2]])
+    with pytest.raises(ValueError, match=r"expected torch\.float64 \[4, 4\]"):
+        rows.lookup(mixed, torch.empty(3, 4, dtype=F64))
 
 
 def test_hashed_rows_learn_as_a_fixed_table() -> None:
