@@ -76,6 +76,11 @@ def count(name: str, default: int) -> int:
     return int(raw)
 
 
+PSFLOW_PRELOAD = "PSFLOW_PRELOAD"
+"""Modules, comma-separated (``torch,psflow``), that ``psflow launch`` imports once in a fork
+server and forks every task from (its ``--preload``, which takes precedence):
+:mod:`psflow.cluster.forkserver`. Unset or empty: each task is a fresh ``python`` process."""
+
 PSFLOW_CLUSTER_FILE = "PSFLOW_CLUSTER_FILE"
 """Path of a YAML or JSON cluster file, used when no flags or TF_CONFIG give the cluster."""
 

@@ -160,6 +160,13 @@ def _add_launch(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "OMP_NUM_THREADS): the rows in stripes, one a thread, and the dense optimizer's; "
         "default: the host's cores shared out among all tasks",
     )
+    p.add_argument(
+        "--preload",
+        metavar="MODULES",
+        help="start each task by forking it from a server that imported these modules once "
+        "(torch,psflow): a task, and a restarted one, skips their import "
+        "(default: PSFLOW_PRELOAD; none: each task a fresh python)",
+    )
     _add_launch_watching(p)
     r = p.add_argument_group("on Ray (--backend ray)")
     r.add_argument(

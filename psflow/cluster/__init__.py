@@ -8,6 +8,8 @@
 - ``launch_config.py``: :class:`~psflow.cluster.launch_config.LaunchConfig`: what ``psflow launch``
   starts.
 - ``launcher.py``: :class:`Launcher`: ``psflow launch``, every task as a local process.
+- ``forkserver.py``: ``psflow launch --preload``: tasks forked from a server that imported torch
+  once.
 - ``ray_backend.py``: :class:`~psflow.cluster.ray_backend.RayLauncher`: ``psflow launch --backend
   ray``, every task as a Ray actor; ``ray_actor.py``: the actor that runs one task's script.
 - ``ports.py``: free ports below the ephemeral range; :func:`~psflow.cluster.ports.local_cluster`.

@@ -10,7 +10,7 @@ import sys
 from psflow.cluster.cores import host_cpus
 from psflow.cluster.launch_config import WORKERS_PER_PS, planned_ps
 from psflow.cluster.launcher import LaunchConfig, Launcher
-from psflow.env import threads_per_task
+from psflow.env import PSFLOW_PRELOAD, text, threads_per_task
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -18,6 +18,12 @@ def launch(args: argparse.Namespace) -> int:
     # Checked here, once: otherwise every task would fail alike with Python's own message.
     if not os.path.exists(args.script):
         raise FileNotFoundError(errno.ENOENT, "no such training script", args.script)
+    local = getattr(args, "backend", "local") == "local"
+    preload = getattr(args, "preload", None)
+    if preload and not local:
+        raise ValueError("--preload forks local processes: Ray starts its own actors")
+    if preload is None and local:
+        preload = text(PSFLOW_PRELOAD, "")
     planned = args.ps is None
     ps = planned_ps(args.workers, args.mode) if planned else args.ps
     config = LaunchConfig(
@@ -37,6 +43,7 @@ def launch(args: argparse.Namespace) -> int:
         progress=args.progress,
         bind_cores=args.bind_cores,
         ps_threads=args.ps_threads,
+        preload=[m.strip() for m in (preload or "").split(",") if m.strip()],
     )
     if getattr(args, "backend", "local") == "ray":
         # What only a local job has: refused rather than ignored.

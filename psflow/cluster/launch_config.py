@@ -89,6 +89,10 @@ class LaunchConfig:
     """Bind each task to cores of its own (:func:`~psflow.cluster.cores.core_sets`), as
     ``mpirun --bind-to core`` does: the scheduler then neither moves a task between cores nor
     puts two ps that answer the same step on one core while another idles."""
+    preload: Sequence[str] = ()
+    """Modules to import once in a fork server that starts every task by forking
+    (:mod:`psflow.cluster.forkserver`; ``("torch", "psflow")``): a task, started or restarted,
+    skips their import. Empty: each task is a fresh ``python`` process."""
 
     def __post_init__(self) -> None:
         if self.ps < 0:
@@ -111,6 +115,11 @@ class LaunchConfig:
             or self.ps_threads < 1
         ):
             raise ValueError(f"--ps-threads must be an integer >= 1, got {self.ps_threads!r}")
+        if isinstance(self.preload, str):
+            raise TypeError(f"preload must be a sequence of module names, got {self.preload!r}")
+        bad = [m for m in self.preload if not all(p.isidentifier() for p in m.split("."))]
+        if bad:
+            raise ValueError(f"--preload takes module names (torch,psflow), got {bad}")
         if self.evaluators not in (0, 1):
             raise ValueError(f"evaluators must be 0 or 1, got {self.evaluators}")
         if self.ps_exit_timeout <= 0 or self.grace <= 0 or self.eval_exit_timeout <= 0:

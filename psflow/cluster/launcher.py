@@ -30,6 +30,10 @@ has it) scores checkpoints beside the job and exits by itself after the chief's 
 may take up to ``eval_exit_timeout`` for that once the workers are done. Its failure does not
 stop training: the launcher names it, goes on, and the job then fails.
 
+``--preload torch,psflow`` starts each task by forking it from a server that imported those
+modules once (:mod:`psflow.cluster.forkserver`): a task, and a restarted one, skips the 1.5-2 s
+of CPU its ``import torch`` would take.
+
 Ctrl-C (or SIGTERM) stops the job: the workers get SIGTERM (a chief may save a last
 checkpoint), then, once they are gone, the ps tasks; whatever still runs after the grace period
 (``--grace``, 30 s; at least 5 s for the ps) gets SIGKILL. A second Ctrl-C kills at once. No task is left behind, nor any shared-memory file a task left
@@ -39,7 +43,6 @@ when it died (:mod:`psflow.cluster.shmfiles`).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import logging
 import os
@@ -58,6 +61,7 @@ from psflow import env as envvars
 from psflow import metrics
 from psflow.cluster import jobs, shmfiles
 from psflow.cluster.cores import bind, core_sets, host_cpus, task_threads
+from psflow.cluster.forkserver import ForkedTask, ForkServer, die_with_parent
 from psflow.cluster.launch_config import LAUNCH_MODES, LaunchConfig
 from psflow.cluster.ports import free_ports, local_cluster
 from psflow.cluster.progress import ProgressLine
@@ -67,21 +71,13 @@ __all__ = ["LAUNCH_MODES", "PS_GRACE", "LaunchConfig", "Launcher"]
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
-
 PS_GRACE = 5.0
 """Seconds the ps tasks get at least after SIGTERM, which they get once the workers are gone."""
 
 
-def _die_with_parent() -> None:
-    # The tasks must not outlive a launcher that is killed outright (SIGKILL cannot be caught).
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def _start_task(cores: Sequence[int] | None) -> None:
     """Runs in each task's process before it executes the script."""
-    _die_with_parent()
+    die_with_parent()  # a launcher killed outright (SIGKILL) cannot stop its tasks
     if cores is not None:
         bind(cores)
 
@@ -104,7 +100,9 @@ class Launcher:
         )
         self.cores = core_sets(self.cluster.tasks(), host_cpus()) if config.bind_cores else {}
         """Task to the cores it is bound to (``--bind-cores``; empty: not bound)."""
-        self.procs: dict[TaskSpec, subprocess.Popen[bytes]] = {}
+        self.procs: dict[TaskSpec, subprocess.Popen[bytes] | ForkedTask] = {}
+        self._forks: ForkServer | None = None
+        """The server that forks the tasks (``preload``), while it runs."""
         self._threads: list[threading.Thread] = []
         self._out_lock = threading.RLock()  # the signal handler may print too
         self._stopping = threading.Event()
@@ -126,6 +124,9 @@ class Launcher:
 
     def start(self) -> None:
         """Starts every task (ps first, so the workers find them listening sooner)."""
+        if self.config.preload and self._forks is None:
+            self._forks = ForkServer(self.config.preload, self._task_env())
+            self._forks.start()
         order = sorted(self.cluster.tasks(), key=lambda t: t.job != "ps")
         for task in order:
             self._spawn(task)
@@ -134,11 +135,8 @@ class Launcher:
     def _spawn(self, task: TaskSpec) -> None:
         """Starts ``task``'s process (again, after a failure: same address, same TF_CONFIG)
         and relays its output."""
-        env = {**envvars.TASK_DEFAULTS, **os.environ, **self.config.env}
-        # All of them on this host: the cores shared out, as torchrun does (unless set).
-        tasks_here = sum(1 for _ in self.cluster.tasks())
         cores = self.cores.get(task)
-        env.setdefault(envvars.OMP_NUM_THREADS, task_threads(cores, tasks_here))
+        env = self._task_env(cores)
         if task.job == "ps" and self.config.ps_threads is not None:
             env[envvars.PSFLOW_PS_THREADS] = env[envvars.OMP_NUM_THREADS] = str(
                 self.config.ps_threads
@@ -151,21 +149,35 @@ class Launcher:
         env["PYTHONUNBUFFERED"] = "1"
         if self.keys_dir is not None:
             env[envvars.PSFLOW_KEYS_DIR] = self.keys_dir
-        cmd = [sys.executable, self.config.script, *self.config.args]
-        proc = self.procs[task] = subprocess.Popen(
-            cmd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # Ctrl-C reaches the launcher, which stops every task
-            preexec_fn=functools.partial(_start_task, cores),
-        )
+        argv = [self.config.script, *self.config.args]
+        proc: subprocess.Popen[bytes] | ForkedTask
+        if self._forks is not None:
+            proc = self._forks.spawn(argv, env, cores)  # in a session of its own too
+        else:
+            proc = subprocess.Popen(
+                [sys.executable, *argv],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,  # Ctrl-C reaches the launcher, which stops every task
+                preexec_fn=functools.partial(_start_task, cores),
+            )
+        self.procs[task] = proc
         for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
             assert stream is not None
             t = threading.Thread(target=self._relay, args=(task, stream, sink), daemon=True)
             t.start()
             self._threads.append(t)
+
+    def _task_env(self, cores: Sequence[int] | None = None) -> dict[str, str]:
+        """The environment every task starts from; ``cores``: the task's, under
+        ``--bind-cores``."""
+        env = {**envvars.TASK_DEFAULTS, **os.environ, **self.config.env}
+        # All of them on this host: the cores shared out, as torchrun does (unless set).
+        tasks_here = sum(1 for _ in self.cluster.tasks())
+        env.setdefault(envvars.OMP_NUM_THREADS, task_threads(cores, tasks_here))
+        return env
 
     def _relay(self, task: TaskSpec, stream: IO[bytes], sink: IO[str]) -> None:
         prefix = f"[{task}] "
@@ -342,7 +354,13 @@ class Launcher:
         self._terminate(ps, max(deadline, time.monotonic() + min(grace, PS_GRACE)))
         self._sweep()
         self._join_relays()
+        self._stop_fork_server()
         self._forget_job()
+
+    def _stop_fork_server(self) -> None:
+        if self._forks is not None:
+            self._forks.stop()
+            self._forks = None
 
     def _terminate(self, tasks: list[TaskSpec], deadline: float) -> None:
         """SIGTERM to ``tasks``; SIGKILL to those still running at ``deadline``."""
@@ -413,6 +431,7 @@ class Launcher:
             self.stop()
             raise
         finally:
+            self._stop_fork_server()
             self._remove_keys()
             self._stop_progress()
             self._forget_job()

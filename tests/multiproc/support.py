@@ -22,6 +22,7 @@ from psflow.transport import TransportConfig
 from psflow.transport.shm import Lane
 from psflow.worker import DistributedOptimizer, ShardedClient
 from psflow.worker.engine import ExchangeEngine
+from tests.fault_matrix import PRELOAD
 
 from .forked import Forked
 
@@ -46,9 +47,16 @@ def start_ps(
 
 
 def launch_cmd(
-    script: Path, *args: str, ps: int = 1, workers: int = 2, grace: float | None = None
+    script: Path,
+    *args: str,
+    ps: int = 1,
+    workers: int = 2,
+    grace: float | None = None,
+    preload: bool = False,
 ) -> list[str]:
-    """``psflow launch`` of ``script`` as a command line (``grace``: its ``--grace``)."""
+    """``psflow launch`` of ``script`` as a command line (``grace``: its ``--grace``;
+    ``preload``: ``--preload`` :data:`PRELOAD`, each task forked from a server that imported
+    torch and psflow, 2-3 s of CPU less a task than a fresh ``python``)."""
     return [
         sys.executable,
         "-m",
@@ -59,6 +67,7 @@ def launch_cmd(
         "--workers",
         str(workers),
         *(["--grace", str(grace)] if grace is not None else []),
+        *(["--preload", PRELOAD] if preload else []),
         str(script),
         *args,
     ]
@@ -148,6 +157,7 @@ def stop(proc: subprocess.Popen[str] | Forked, timeout: float = 10) -> tuple[int
 
 
 __all__ = [
+    "PRELOAD",
     "ROOT",
     "freeze",
     "launch_cmd",

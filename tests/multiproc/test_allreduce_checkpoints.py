@@ -15,7 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from psflow.train import CheckpointDir, load_checkpoint
 
-from .support import ROOT
+from .support import PRELOAD, ROOT
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]  # up to 3 launches of 60 s
 
@@ -27,7 +27,8 @@ _RESULT = re.compile(r"\[worker:0\] W=(\S+) b=(\S+)")
 def _launch(script: Path, *args: str, ps: int = 0) -> subprocess.CompletedProcess[str]:
     """``psflow launch --workers 2`` of ``script``: all-reduce mode without ``ps``."""
     mode = ["--ps", str(ps)] if ps else ["--mode", "allreduce"]
-    cmd = [sys.executable, "-m", "psflow.cli", "launch", *mode, "--workers", "2", str(script)]
+    cmd = [sys.executable, "-m", "psflow.cli", "launch", *mode, "--workers", "2"]
+    cmd += ["--preload", PRELOAD, str(script)]
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=60)
 
 

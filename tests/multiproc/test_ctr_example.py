@@ -13,6 +13,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from psflow.train import CheckpointDir
+from tests.fault_matrix import PRELOAD
 from tests.paths import ROOT
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
@@ -64,7 +65,7 @@ def test_launched_on_two_ps_it_trains_checkpoints_and_is_evaluated(
     args = ["--data", str(data), "--train_steps", "60", "--batch_size", "64"]
     args += ["--save_checkpoint_steps", "30"]
     cmd = [sys.executable, "-m", "psflow.cli", "launch", "--ps", "2", "--workers", "2"]
-    cmd += ["--evaluator"]
+    cmd += ["--evaluator", "--preload", PRELOAD]
     proc = subprocess.run(
         [*cmd, str(EXAMPLE), *args, "--logdir", str(logdir)],
         capture_output=True,

@@ -117,6 +117,7 @@ def job_with_kills(tmp_path: Path, source: str, stack: contextlib.ExitStack) -> 
         *given,
         ps=2,
         workers=2,
+        preload=True,
     )
     cmd.insert(cmd.index("launch") + 1, "--max-restarts")
     # More than the 3 kills: a worker whose lookup (in the model's forward, outside the

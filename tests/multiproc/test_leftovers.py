@@ -62,7 +62,7 @@ def _launch(script: Path, *args: str, **env: str) -> tuple[subprocess.Popen[str]
     proc = subprocess.Popen(
         # A short grace: a frozen ps cannot act on SIGTERM, and the launcher's 30 s of grace
         # (for a chief's last checkpoint) would only make this test wait.
-        launch_cmd(script, *args, workers=1, grace=3),
+        launch_cmd(script, *args, workers=1, grace=3, preload=True),
         env={**os.environ, **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -125,7 +125,7 @@ def test_no_lane_file_of_a_job_remains(tmp_path: Path, fault: str) -> None:
     else:
         args = [*script, "--steps", "200", "--ps-no-shm"]
     proc = subprocess.Popen(
-        launch_cmd(Path(args[0]), *args[1:], workers=2),
+        launch_cmd(Path(args[0]), *args[1:], workers=2, preload=True),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -24,7 +24,7 @@ from psflow.protocol import OptimizerSpec, ScheduleSpec
 from psflow.train import CheckpointDir, TrainingSession, load_checkpoint
 from psflow.transport import TransportConfig
 
-from .support import ROOT, local_cluster, quiet_session, start_ps, stop, worker_ctx
+from .support import PRELOAD, ROOT, local_cluster, quiet_session, start_ps, stop, worker_ctx
 from .sync_support import assert_close, batch, loss_fn, make_model, run_threads
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
@@ -314,6 +314,7 @@ def test_allreduce_follows_the_schedule_on_every_rank() -> None:
     kwargs = {"mode": "allreduce", "lr": lr, "lr_schedule": list(STEP_LR)}
     script = ROOT / "tests" / "multiproc" / "scripts" / "lr_worker.py"
     cmd = [sys.executable, "-m", "psflow.cli", "launch", "--workers", "2", "--mode", "allreduce"]
+    cmd += ["--preload", PRELOAD]
     proc = subprocess.run(
         [*cmd, str(script), str(steps), json.dumps(kwargs)],
         capture_output=True,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fault_matrix import PRELOAD
 from tests.paths import ROOT
 
 from .kafka_broker import Broker, running_broker
@@ -44,7 +45,7 @@ def test_the_job_trains_from_the_topic_and_the_server_scores_each_export(
         stderr=subprocess.PIPE,
     )
     job = subprocess.Popen(
-        [*cli, "launch", "--ps", "2", "--workers", "2", EXAMPLE, *topic, "--export_dir",
+        [*cli, "launch", "--ps", "2", "--workers", "2", "--preload", PRELOAD, EXAMPLE, *topic, "--export_dir",
          str(exports), "--export_every", "3", "--train_seconds", "20", "--dim", "8"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip

@@ -19,7 +19,7 @@ from psflow.train import TrainingSession, load_checkpoint
 from psflow.transport import TransportConfig
 from psflow.worker import DistributedOptimizer
 
-from .support import ROOT, local_cluster, quiet_session, start_ps, stop, worker_ctx
+from .support import PRELOAD, ROOT, local_cluster, quiet_session, start_ps, stop, worker_ctx
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 
@@ -151,7 +151,8 @@ def test_a_launched_job_goes_on_from_the_given_state(mode: list[str]) -> None:
     """``psflow launch --workers 2``: each worker's ``TrainingSession`` starts from a torch
     run's Adam state (in all-reduce mode every rank loads it into its own optimizer; in sync
     mode the chief sends it to the ps) and its first step is the run's fourth, on both."""
-    cmd = [sys.executable, "-m", "psflow.cli", "launch", *mode, "--workers", "2", str(PROBE)]
+    cmd = [sys.executable, "-m", "psflow.cli", "launch", *mode, "--workers", "2"]
+    cmd += ["--preload", PRELOAD, str(PROBE)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0, proc.stderr[-3000:]
     diffs = dict(re.findall(r"\[(worker:\d)\] max diff (\S+)", proc.stdout))

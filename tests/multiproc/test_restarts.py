@@ -40,6 +40,7 @@ def test_a_killed_worker_chief_and_ps_are_restarted_and_the_job_finishes(tmp_pat
         str(EXAMPLE),
         *("--train_steps", str(STEPS), "--lr", "0.01", "--save_checkpoint_steps", "500"),
         *("--logdir", str(logdir)),
+        preload=True,  # each restart forked from the job's server, not a fresh python
     )
     cmd.insert(cmd.index("launch") + 1, "--max-restarts")
     cmd.insert(cmd.index("--max-restarts") + 1, "3")

@@ -75,7 +75,9 @@ def test_a_misspelt_optimizer_argument_is_named_before_any_request() -> None:
 def test_psflow_logdir_is_where_the_example_saves(tmp_path: Path) -> None:
     logdir = tmp_path / "logs"
     proc = subprocess.run(
-        launch_cmd(ROOT / "examples" / "linear_regression.py", "--train_steps", "2000"),
+        launch_cmd(
+            ROOT / "examples" / "linear_regression.py", "--train_steps", "2000", preload=True
+        ),
         capture_output=True,
         text=True,
         timeout=100,

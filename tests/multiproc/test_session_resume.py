@@ -34,6 +34,7 @@ def _launch(logdir: Path, faults: Sequence[str] = ()) -> subprocess.CompletedPro
         *_SCALED,
         "--logdir",
         str(logdir),
+        preload=True,
     )
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
 

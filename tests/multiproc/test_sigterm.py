@@ -3,7 +3,8 @@ finishes its step and saves a final checkpoint, the workers say ``done``, the ps
 once they have, and every task exits 0 within the grace period.
 
 The tasks are the README's example, started directly (one process per task, as a cluster
-manager starts them) and given SIGTERM while they train towards a step they never reach.
+manager starts them; each forked from a server that imported torch, :mod:`.forked`) and given
+SIGTERM while they train towards a step they never reach.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ from psflow.cluster.spec import ClusterSpec, TaskSpec
 from psflow.train import CheckpointDir, TrainingSession
 from psflow.transport import TransportConfig
 
+from .forked import Forked
 from .support import ROOT, local_cluster, start_ps, stop, worker_ctx
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(150)]
@@ -35,24 +38,23 @@ GRACE = 30.0
 
 
 class Task:
-    """One task of the job as its own process, its output in files."""
+    """One task of the job as its own process, its stderr read as it comes."""
 
     def __init__(
         self, cluster: ClusterSpec, task: TaskSpec, logdir: Path, env: dict[str, str]
     ) -> None:
         self.task = task
-        self.err_path = logdir.parent / f"{task.job}-{task.index}.err"
         e = dict(os.environ, TF_CONFIG=cluster.to_tf_config(task), PYTHONUNBUFFERED="1", **env)
         args = ["--logdir", str(logdir), "--train_steps", str(10**9)]
         args += ["--save_checkpoint_steps", "500"]
-        with open(self.err_path, "w") as err, open(f"{self.err_path}.out", "w") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(EXAMPLE), *args], env=e, stdout=out, stderr=err
-            )
+        self.proc = Forked([str(EXAMPLE), *args], env=e)
+        self._err: list[str] = []
+        for stream, lines in ((self.proc.stdout, []), (self.proc.stderr, self._err)):
+            threading.Thread(target=_read, args=(stream, lines), daemon=True).start()
 
     @property
     def stderr(self) -> str:
-        return self.err_path.read_text()
+        return "".join(self._err)
 
     def exit_code(self, timeout: float) -> int | None:
         """The exit code, or ``None`` if the task is still running after ``timeout``."""
@@ -60,6 +62,11 @@ class Task:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             return None
+
+
+def _read(stream: IO[str], lines: list[str]) -> None:
+    for line in iter(stream.readline, ""):  # a pipe not read would fill and block the task
+        lines.append(line)
 
 
 @contextmanager

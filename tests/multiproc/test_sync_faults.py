@@ -14,7 +14,7 @@ from psflow.transport import TransportConfig
 from psflow.worker.client import ShardedClient
 
 from .forked import Forked
-from .support import ROOT, local_cluster, start_ps, stop, worker_ctx
+from .support import PRELOAD, ROOT, local_cluster, start_ps, stop, worker_ctx
 
 SCRIPT = str(ROOT / "tests" / "multiproc" / "scripts" / "sync_worker.py")
 
@@ -78,6 +78,7 @@ def test_one_backup_worker_killing_a_worker_mid_run_does_not_stop_training(tmp_p
 
 def _launch(mode: str, workers: int, steps: int, extra: list[str]) -> list[dict]:  # type: ignore[type-arg]
     cmd = [sys.executable, "-m", "psflow.cli", "launch", "--workers", str(workers), "--mode", mode]
+    cmd += ["--preload", PRELOAD]
     proc = subprocess.run(
         [*cmd, *extra, SCRIPT, str(steps)], capture_output=True, text=True, timeout=100
     )

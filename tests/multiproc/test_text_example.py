@@ -73,7 +73,7 @@ def test_alone_it_learns_and_logs_its_scores(data: Path, tmp_path: Path) -> None
 def test_towers_job_trains_and_writes_test_accuracy(data: Path, tmp_path: Path) -> None:
     logdir = tmp_path / "run"
     args = ["--data", str(data), "--train_steps", "30", "--eval_steps", "10", *SMALL]
-    cmd = launch_cmd(EXAMPLE, *args, "--towers", "cpu,cpu", "--logdir", str(logdir))
+    cmd = launch_cmd(EXAMPLE, *args, "--towers", "cpu,cpu", "--logdir", str(logdir), preload=True)
     cmd.insert(cmd.index(str(EXAMPLE)), "--evaluator")
     stdout = _run(cmd)
     result = _result(stdout)
@@ -105,7 +105,7 @@ def test_towers_job_trains_and_writes_test_accuracy(data: Path, tmp_path: Path) 
 def test_stages_train_through_the_ps_in_sync_mode(data: Path) -> None:
     args = ["--data", str(data), "--encoder", "bag", "--train_steps", "60", *SMALL]
     args += ["--stages", "cpu,cpu", "--micro_batches", "3", *FAST]
-    cmd = launch_cmd(EXAMPLE, *args)
+    cmd = launch_cmd(EXAMPLE, *args, preload=True)
     cmd[cmd.index("launch") + 1 : cmd.index("launch") + 1] = ["--mode", "sync"]
     result = _result(_run(cmd))
     assert result["global_step"] == 60  # synchronous: one step per pair of gradients

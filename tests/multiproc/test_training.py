@@ -20,7 +20,9 @@ from .support import ROOT, in_area, lanes, launch_cmd, local_cluster, start_ps, 
 
 def test_linear_regression_example_converges_and_every_task_exits() -> None:
     proc = subprocess.run(
-        launch_cmd(ROOT / "examples" / "linear_regression.py", "--train_steps", "10000"),
+        launch_cmd(
+            ROOT / "examples" / "linear_regression.py", "--train_steps", "10000", preload=True
+        ),
         capture_output=True,
         text=True,
         timeout=100,

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import psflow.cli
+import psflow.cluster.ray_backend as ray_backend
 from psflow.cluster.cli import launch
 from psflow.cluster.cores import bind, core_sets
 from psflow.cluster.launcher import LaunchConfig, Launcher
@@ -153,3 +154,53 @@ def test_a_task_that_cannot_be_bound_says_so_and_runs_unbound(
     bind([10_000])  # no such core
     assert os.sched_getaffinity(0) == before
     assert "cannot bind this task to cores [10000]" in capfd.readouterr().err
+
+
+def test_preload_comes_from_the_flag_else_psflow_preload(
+    script: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[LaunchConfig] = []
+    monkeypatch.setattr(Launcher, "run", lambda self: started.append(self.config) or 0)
+    parser = psflow.cli.build_parser()
+    cases = [
+        (None, [], []),
+        ("torch, psflow", [], ["torch", "psflow"]),
+        ("torch,psflow", ["--preload", "numpy"], ["numpy"]),
+        ("torch", ["--preload", ""], []),  # the flag, even empty, overrides the environment
+    ]
+    for environ, argv, preload in cases:
+        if environ is None:
+            monkeypatch.delenv("PSFLOW_PRELOAD", raising=False)
+        else:
+            monkeypatch.setenv("PSFLOW_PRELOAD", environ)
+        assert launch(parser.parse_args(["launch", "--ps", "1", *argv, script])) == 0
+        assert list(started[-1].preload) == preload, (environ, argv)
+
+
+def test_preload_is_checked_and_refused_on_ray(
+    script: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ValueError, match=r"--preload takes module names .*\['to rch'\]"):
+        LaunchConfig(script=script, preload=["to rch"])
+    with pytest.raises(TypeError, match="preload must be a sequence of module names"):
+        LaunchConfig(script=script, preload="torch")
+    args = psflow.cli.build_parser().parse_args(
+        ["launch", "--backend", "ray", "--preload", "torch", script]
+    )
+    with pytest.raises(ValueError, match="--preload forks local processes"):
+        launch(args)
+    # On Ray the environment's PSFLOW_PRELOAD (set for local jobs) is not an error: unused.
+    monkeypatch.setenv("PSFLOW_PRELOAD", "torch")
+    args = psflow.cli.build_parser().parse_args(["launch", "--backend", "ray", script])
+    config: list[LaunchConfig] = []
+
+    class Stub:
+        def __init__(self, c: LaunchConfig, _options: object) -> None:
+            config.append(c)
+
+        def run(self) -> int:
+            return 0
+
+    monkeypatch.setattr(ray_backend, "RayLauncher", Stub)
+    assert launch(args) == 0
+    assert list(config[0].preload) == []

@@ -1,0 +1,199 @@
+"""``psflow launch --preload``'s fork server (:mod:`psflow.cluster.forkserver`): each task forked
+from it runs its script as ``python script.py`` would (exit code, traceback, threads, atexit,
+its own session and streams) and skips the preloaded imports; a launched job's tasks are forked
+from it, restarted ones included."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from psflow.cluster.forkserver import ForkedTask, ForkServer
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
+
+TASK = """\
+import atexit, os, sys, threading, time
+
+print("preloaded", "json" in sys.modules, "name", __name__, "argv", sys.argv[1:])
+print("own session", os.getsid(0) == os.getpid(), "stdin", repr(sys.stdin.read()))
+print("path0", sys.path[0])
+import numpy
+print("numpy draw", numpy.random.randint(1 << 62))
+atexit.register(lambda: print("atexit after", done))
+done = []
+threading.Thread(target=lambda: (time.sleep(0.2), done.append("thread"))).start()
+sys.stdout.write("last line, no newline")
+how = sys.argv[1]
+if how == "raise":
+    raise ValueError("boom")
+if how == "exit":
+    sys.exit(int(sys.argv[2]))
+if how == "message":
+    sys.exit("a message")
+if how == "interrupt":
+    raise KeyboardInterrupt
+"""
+
+
+@pytest.fixture
+def server() -> ForkServer:
+    fs = ForkServer(["json", "numpy"], dict(os.environ))
+    fs.start(timeout=60)
+    yield fs
+    fs.stop()
+
+
+def _run(server: ForkServer, script: Path, *args: str) -> tuple[int, str, str, ForkedTask]:
+    task = server.spawn([str(script), *args], dict(os.environ, PYTHONUNBUFFERED="1"))
+    code = task.wait(60)
+    return code, task.stdout.read().decode(), task.stderr.read().decode(), task
+
+
+def test_a_forked_task_runs_its_script_as_python_would(server: ForkServer, tmp_path: Path) -> None:
+    script = tmp_path / "task.py"
+    script.write_text(TASK)
+    code, out, err, task = _run(server, script, "ok")
+    assert code == 0 and task.poll() == 0, err
+    assert "preloaded True name __main__ argv ['ok']" in out
+    assert "own session True stdin ''" in out
+    assert f"path0 {tmp_path}" in out
+    # Output with no newline is flushed; the non-daemon thread ran to its end before atexit.
+    assert out.endswith("last line, no newlineatexit after ['thread']\n"), out
+    assert err == ""
+
+    # Two tasks draw different numbers (numpy's global state is reseeded in each).
+    _, again, _, _ = _run(server, script, "ok")
+    draws = [re.search(r"numpy draw (\d+)", o).group(1) for o in (out, again)]  # type: ignore[union-attr]
+    assert draws[0] != draws[1]
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "err"),
+    [
+        (["raise"], 1, r'^Traceback \(most recent call last\):\n  File ".*task.py", line \d+'),
+        (["exit", "3"], 3, r"^$"),
+        (["exit", "-1"], 255, r"^$"),
+        (["message"], 1, r"^a message\n$"),
+        (["interrupt"], -signal.SIGINT, r"KeyboardInterrupt\n$"),
+    ],
+)
+def test_a_forked_task_exits_as_python_would(
+    server: ForkServer, tmp_path: Path, args: list[str], code: int, err: str
+) -> None:
+    script = tmp_path / "task.py"
+    script.write_text(TASK)
+    got, out, stderr, _ = _run(server, script, *args)
+    assert got == code, stderr
+    assert re.search(err, stderr), stderr
+    # An uncaught exception still ran the threads out and atexit (as the interpreter does).
+    assert "atexit after ['thread']" in out
+    if args == ["raise"]:
+        assert "runpy" not in stderr and "forkserver" not in stderr, stderr
+        assert stderr.endswith("ValueError: boom\n"), stderr
+
+
+def test_a_task_killed_and_the_tasks_of_a_stopped_server(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    script = tmp_path / "sleeps.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(120)\n")
+    killed = server.spawn([str(script)], dict(os.environ))
+    assert killed.stdout.readline() == b"up\n"
+    os.killpg(killed.pid, signal.SIGKILL)  # a session of its own: its group is its pid
+    assert killed.wait(30) == -signal.SIGKILL
+    left = server.spawn([str(script)], dict(os.environ))
+    assert left.stdout.readline() == b"up\n"
+    with pytest.raises(subprocess.TimeoutExpired):
+        left.wait(0.1)
+    server.stop()
+    # The server exited; its task died with it (PR_SET_PDEATHSIG), and says so.
+    assert left.poll() == -signal.SIGKILL
+    assert left.stdout.read() == b""  # its end of the pipe closed: it is gone
+    with pytest.raises(RuntimeError, match="not running"):
+        server.spawn([str(script)], dict(os.environ))
+
+
+def test_torch_threads_follow_each_tasks_omp_num_threads(tmp_path: Path) -> None:
+    fs = ForkServer(["torch"], dict(os.environ, OMP_NUM_THREADS="1"))
+    fs.start(timeout=120)
+    try:
+        script = tmp_path / "threads.py"
+        script.write_text("import torch\nprint(torch.get_num_threads())\n")
+        for threads in ("1", "2"):
+            code, out, err, _ = _run_env(fs, script, OMP_NUM_THREADS=threads)
+            assert code == 0, err
+            assert out == f"{threads}\n"
+    finally:
+        fs.stop()
+
+
+def _run_env(server: ForkServer, script: Path, **env: str) -> tuple[int, str, str, ForkedTask]:
+    task = server.spawn([str(script)], dict(os.environ, **env))
+    code = task.wait(60)
+    return code, task.stdout.read().decode(), task.stderr.read().decode(), task
+
+
+def test_a_module_that_starts_a_thread_cannot_be_preloaded(tmp_path: Path) -> None:
+    (tmp_path / "threaded.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+    )
+    fs = ForkServer(["threaded"], dict(os.environ, PYTHONPATH=str(tmp_path)))
+    with pytest.raises(RuntimeError, match=r"could not preload \['threaded'\]: .*started threads"):
+        fs.start(timeout=60)
+    fs = ForkServer(["no_such_module_here"], dict(os.environ))
+    with pytest.raises(RuntimeError, match=r"could not preload \['no_such_module_here'\]$"):
+        fs.start(timeout=60)
+
+
+def test_a_launched_job_with_preload_forks_its_tasks_and_restarts(tmp_path: Path) -> None:
+    """Every task of ``psflow launch`` with ``PSFLOW_PRELOAD`` is a child of the fork server,
+    with its own TF_CONFIG and (``--ps-threads 2``) the ps's own thread count; a task that
+    fails is forked again by ``--max-restarts``; the job's exit is the tasks'."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""\
+            import json, os, sys, time
+            print("torch before import", "torch" in sys.modules)
+            import torch
+            task = json.loads(os.environ["TF_CONFIG"])["task"]
+            name = f"{{task['type']}}:{{task['index']}}"
+            parent = open(f"/proc/{{os.getppid()}}/cmdline", "rb").read()
+            forked = b"psflow.cluster.forkserver" in parent
+            print("forked", forked, "threads", torch.get_num_threads())
+            here = {str(tmp_path)!r}
+            if name == "ps:0":  # a ps stays until the workers are done (else no restart)
+                deadline = time.monotonic() + 60
+                while not all(os.path.exists(f"{{here}}/done-worker:{{i}}") for i in (0, 1)):
+                    assert time.monotonic() < deadline, "the workers never finished"
+                    time.sleep(0.02)
+            elif name == "worker:1" and not os.path.exists(f"{{here}}/failed-worker:1"):
+                open(f"{{here}}/failed-worker:1", "w").close()
+                raise RuntimeError("first run fails")
+            else:
+                open(f"{{here}}/done-{{name}}", "w").close()
+            """
+        )
+    )
+    cmd = [sys.executable, "-m", "psflow.cli", "launch", "--ps", "1", "--workers", "2"]
+    cmd += ["--ps-threads", "2", "--max-restarts", "1", "--no-metrics", str(script)]
+    env = dict(os.environ, PSFLOW_PRELOAD="torch", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out, err = proc.stdout, proc.stderr
+    for task in ("ps:0", "worker:0", "worker:1"):
+        assert f"[{task}] torch before import True" in out, out
+    assert out.count("forked True") == 4, out  # worker:1 twice
+    assert "[ps:0] forked True threads 2" in out
+    assert out.count("[worker:1] forked True threads 1") == 2
+    assert re.search(r"\[worker:1\] RuntimeError: first run fails", err), err
+    assert "task worker:1 failed with exit code 1; restarting it" in err
+    assert "job finished: 3 tasks exited 0" in err
