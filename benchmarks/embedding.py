@@ -15,7 +15,9 @@
   trip a step instead of two; with one worker its rows are those a lookup would get. With
   ``--wire_dtype float32,bfloat16`` (or ``float16``), each path runs once per dtype the rows
   and row gradients travel in (``psflow.nn.TableConfig.wire_dtype``), alternately, reported
-  as ``<path>_<dtype>`` with each dtype's payload bytes per step.
+  as ``<path>_<dtype>`` with each dtype's payload bytes per step. With ``--ps_threads 1,2``,
+  each path runs once per count of a ps's row threads (``PSFLOW_PS_THREADS``), alternately,
+  as ``<path>_t<N>``.
 - ``ctr``: ``examples/ctr.py``'s DLRM end to end on a ``psflow data synth-ctr`` set (or
   ``--data``), 2 ps and 2 workers, Adagrad for the dense layers and row-wise for the table:
   samples/s summed over the workers, against the same model in TensorFlow 1.x style
@@ -360,6 +362,11 @@ def main() -> None:
     parser.add_argument(
         "--paths", help="sparse: only these of the preset's paths, comma-separated (shm,socket)"
     )
+    parser.add_argument(
+        "--ps_threads",
+        help="sparse: each ps's row threads (PSFLOW_PS_THREADS), comma-separated (1,2), each "
+        "path run once per count, alternately, reported as <path>_t<N>",
+    )
     args = parser.parse_args()
     dtypes = args.wire_dtype.split(",")
     if not dtypes or any(d not in ("float32", "bfloat16", "float16") for d in dtypes):
@@ -423,20 +430,26 @@ def main() -> None:
             parser.error(f"--paths: the preset's paths are {known}, got {args.paths!r}")
         chosen = [v for v in chosen if v[0] in wanted]
     variants = _wired(chosen, dtypes)
-    runs: dict[str, list[float]] = {path: [] for path, *_ in variants}
+    threads: list[str | None] = [None]
+    if args.ps_threads:
+        threads = [t.strip() for t in args.ps_threads.split(",")]
+        if not all(t.isdigit() and int(t) >= 1 for t in threads):
+            parser.error(f"--ps_threads: counts >= 1, comma-separated, got {args.ps_threads!r}")
+    runs_of = [
+        (path if t is None else f"{path}_t{t}", shm, extra, bind, t)
+        for path, shm, extra, bind in variants
+        for t in threads
+    ]
+    runs: dict[str, list[float]] = {path: [] for path, *_ in runs_of}
     runs["tf"] = []
     bytes_per_step = 0.0
     wire_bytes: dict[str, float] = {}
     for _ in range(p["repeat"]):
         # Side by side: alternate the runtimes so that all see the same machine conditions.
-        for path, shm, extra, bind in variants:
+        for path, shm, extra, bind, t in runs_of:
             cmd = [*base, "--rows", str(p["rows"]), *extra]
-            r = run_job(
-                new_cluster(PS, 1),
-                lambda _t, c=cmd: c,
-                env={"PSFLOW_SHM": shm},
-                bind_cores=bind,
-            )
+            env = {"PSFLOW_SHM": shm} | ({} if t is None else {"PSFLOW_PS_THREADS": t})
+            r = run_job(new_cluster(PS, 1), lambda _t, c=cmd: c, env=env, bind_cores=bind)
             (only,) = r.values()
             runs[path].append(only["rows"] / only["seconds"] / PS)
             bytes_per_step = only["bytes_per_step"]
