@@ -75,15 +75,17 @@ def launch_cmd(
 
 def run_benchmark_smoke(script: str, *args: str, timeout: float = 110) -> dict[str, Any]:
     """Runs ``benchmarks/<script> --preset smoke [args]``; returns its last line, which must be
-    JSON."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), "--preset", "smoke", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    JSON. The script runs forked from the server that imported torch (:mod:`.forked`); the
+    tasks it starts are fresh processes, as the benchmark starts them."""
+    proc = Forked([str(ROOT / "benchmarks" / script), "--preset", "smoke", *args], dict(os.environ))
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, err[-3000:]
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     return result
 
 
