@@ -73,19 +73,36 @@ def launch_cmd(
     ]
 
 
-def run_benchmark_smoke(script: str, *args: str, timeout: float = 110) -> dict[str, Any]:
-    """Runs ``benchmarks/<script> --preset smoke [args]``; returns its last line, which must be
-    JSON. The script runs forked from the server that imported torch (:mod:`.forked`); the
-    tasks it starts are fresh processes, as the benchmark starts them."""
-    proc = Forked([str(ROOT / "benchmarks" / script), "--preset", "smoke", *args], dict(os.environ))
+CLI_MAIN = "import sys; from psflow.cli import main; sys.exit(main())"
+"""The ``psflow`` command as ``-c`` code: ``run_forked(["-c", CLI_MAIN, "data", ...])``."""
+
+
+def run_forked(
+    argv: Sequence[str], *, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(argv, capture_output=True, text=True, timeout=...)`` for a script (or
+    ``-c CODE``) forked from the server that imported torch (:mod:`.forked`) instead of a fresh
+    ``python``: its own process, environment (``env``, else this one's) and pipes, 2-3 s of CPU
+    sooner. Killed, and ``subprocess.TimeoutExpired`` raised, after ``timeout`` seconds."""
+    proc = Forked(argv, dict(os.environ) if env is None else env)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
         raise
-    assert proc.returncode == 0, err[-3000:]
-    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    assert proc.returncode is not None
+    return subprocess.CompletedProcess(list(argv), proc.returncode, out, err)
+
+
+def run_benchmark_smoke(script: str, *args: str, timeout: float = 110) -> dict[str, Any]:
+    """Runs ``benchmarks/<script> --preset smoke [args]``; returns its last line, which must be
+    JSON. The script runs forked (:func:`run_forked`); the tasks it starts are fresh processes,
+    as the benchmark starts them."""
+    argv = [str(ROOT / "benchmarks" / script), "--preset", "smoke", *args]
+    proc = run_forked(argv, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return result
 
 
@@ -165,6 +182,7 @@ __all__ = [
     "launch_cmd",
     "local_cluster",
     "run_benchmark_smoke",
+    "run_forked",
     "start_ps",
     "stop",
     "worker_ctx",

@@ -8,8 +8,6 @@ import math
 import os
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +19,7 @@ from psflow.cluster.spec import ClusterSpec, TaskContext
 from psflow.train import CheckpointDir, NanLossError, TrainingSession
 from psflow.train.alone import LocalEngine
 
-from .support import local_cluster, quiet_session, start_ps, stop, worker_ctx
+from .support import local_cluster, quiet_session, run_forked, start_ps, stop, worker_ctx
 from .test_tables import Recommender, batch, loss_of, table_rows
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
@@ -217,13 +215,8 @@ def test_the_readme_example_runs_alone_and_resumes(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "PSFLOW_CLUSTER_FILE")}
     args = ["--logdir", str(tmp_path / "run"), "--log_step_count_steps", "100"]
     for steps, restored in ((300, None), (500, "ckpt-300")):
-        proc = subprocess.run(
-            [sys.executable, str(script), "--train_steps", str(steps), *args],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=120,
-        )
+        # Forked from the server that imported torch, with this environment: python SCRIPT.
+        proc = run_forked([str(script), "--train_steps", str(steps), *args], env=env, timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert re.search(r"^W=[-\d.]+ b=[-\d.]+$", proc.stdout, re.M), proc.stdout
         assert CheckpointDir(str(tmp_path / "run")).latest() == f"ckpt-{steps}"

@@ -16,6 +16,8 @@ from psflow.train import CheckpointDir
 from tests.fault_matrix import PRELOAD
 from tests.paths import ROOT
 
+from .support import CLI_MAIN, run_forked
+
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
 
 EXAMPLE = ROOT / "examples" / "ctr.py"
@@ -24,9 +26,10 @@ EXAMPLE = ROOT / "examples" / "ctr.py"
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ctr")
-    cmd = [sys.executable, "-m", "psflow.cli", "data", "synth-ctr", str(out)]
+    cmd = ["-c", CLI_MAIN, "data", "synth-ctr", str(out)]
     cmd += ["--examples", "6000", "--test-examples", "2000", "--scale", "0.001"]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    made = run_forked(cmd, timeout=120)
+    assert made.returncode == 0, made.stderr[-3000:]
     return out
 
 
@@ -39,9 +42,7 @@ def _result(stdout: str) -> dict[str, object]:
 def test_alone_it_learns_checkpoints_and_logs_its_score(data: Path, tmp_path: Path) -> None:
     args = ["--data", str(data), "--train_steps", "150", "--batch_size", "128"]
     args += ["--logdir", str(tmp_path)]
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, timeout=200
-    )
+    proc = run_forked([str(EXAMPLE), *args], timeout=200)  # python EXAMPLE ..., forked
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = _result(proc.stdout)
     assert result["global_step"] == 150

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from psflow.data.text import TextConfig, corpus_files, prepare_text, read_tsv
 from psflow.train import CheckpointDir
-from tests.multiproc.support import launch_cmd
+from tests.multiproc.support import launch_cmd, run_forked
 from tests.paths import ROOT
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
@@ -46,8 +45,13 @@ def _result(stdout: str) -> dict[str, float]:
     return json.loads(lines[0].split("RESULT ", 1)[1])  # type: ignore[no-any-return]
 
 
-def _run(cmd: list[str]) -> str:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+def _run(cmd: list[str], *, forked: bool = False) -> str:
+    """Runs ``cmd``; ``forked``: ``cmd`` is a script and its arguments, forked from the server
+    that imported torch (``run_forked``) rather than started with ``python``."""
+    if forked:
+        proc = run_forked(cmd, timeout=200)
+    else:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -55,7 +59,7 @@ def _run(cmd: list[str]) -> str:
 def test_alone_it_learns_and_logs_its_scores(data: Path, tmp_path: Path) -> None:
     args = ["--data", str(data), "--encoder", "bag", "--train_steps", "120", *SMALL]
     args += ["--eval_steps", "60", "--logdir", str(tmp_path)]
-    result = _result(_run([sys.executable, str(EXAMPLE), *args, *FAST]))
+    result = _result(_run([str(EXAMPLE), *args, *FAST], forked=True))
     assert result["global_step"] == 120
     # 20 groups: chance is 0.05 and a uniform guess's loss ln(20) = 3.0.
     assert result["test_accuracy"] > 0.12, result
