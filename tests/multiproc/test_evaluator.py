@@ -14,6 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from psflow.cluster.launcher import LaunchConfig, Launcher
 from psflow.train import CheckpointDir
+from tests.fault_matrix import PRELOAD
 from tests.paths import ROOT
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
@@ -25,8 +26,9 @@ def test_the_evaluator_scores_every_checkpoint_of_the_job_once(tmp_path: Path) -
     logdir = tmp_path / "run"
     script = ROOT / "examples" / "linear_regression.py"
     args = ["--train_steps", "600", "--save_checkpoint_steps", "200", "--logdir", str(logdir)]
+    launch = [*LAUNCH, "--ps", "1", "--workers", "1", "--evaluator", "--preload", PRELOAD]
     proc = subprocess.run(
-        [*LAUNCH, "--ps", "1", "--workers", "1", "--evaluator", str(script), *args],
+        [*launch, str(script), *args],
         capture_output=True,
         text=True,
         timeout=200,
