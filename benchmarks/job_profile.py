@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from common import emit, machine  # noqa: E402
-from scaling import PRESETS, job_command, synthesize  # noqa: E402
+from scaling import PRESETS, Job, job_command, synthesize  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -121,7 +121,7 @@ def profile(args: argparse.Namespace, p: dict[str, Any], data: str) -> dict[str,
     steps = 10**6  # stopped after the window
     env = dict(os.environ, PSFLOW_SHM="0" if args.socket else "1")
     launcher = subprocess.Popen(
-        job_command(p, data, args.ps, args.workers, steps),
+        job_command(p, data, Job(args.ps, args.workers), steps),
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -160,7 +160,17 @@ def profile(args: argparse.Namespace, p: dict[str, Any], data: str) -> dict[str,
                 break
             path = Path(args.out) / f"pyspy-{name.replace(':', '')}.txt"
             cmd = [pyspy, "record", "--pid", str(named[name]), "-d", str(int(args.window))]
-            cmd += ["--native", "--idle", "--threads", "-r", str(args.rate), "-f", "raw", "-o", str(path)]
+            cmd += [
+                "--native",
+                "--idle",
+                "--threads",
+                "-r",
+                str(args.rate),
+                "-f",
+                "raw",
+                "-o",
+                str(path),
+            ]
             spies.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         for spy in spies:
             _, spy_err = spy.communicate(timeout=args.window + 60)

@@ -18,7 +18,8 @@ The model is ``examples/ctr.py``'s DLRM in DeepRec's shape (embedding dim 16, bo
   on one machine (``--against=--no-fused``: torch's Adam loop against the fused form); with
   ``--against_tree DIR``, that run is another checkout's psflow and example (a worktree of
   main: the code before a change against the code after it, alternating in one run). A job
-  ``PxWtN`` gives its ps tasks N threads (``psflow launch --ps-threads``).
+  ``PxWtN`` gives its ps tasks N threads (``psflow launch --ps-threads``), ``PxWb`` binds every
+  task to its cores (``--bind-cores``).
 
 Printed per job and path: samples/s, samples/s per core (the cores the job's processes may
 use: ``min(P + W, cores)``), and efficiency: the job's samples/s over the ``procs`` ceiling of
@@ -39,7 +40,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -89,19 +90,34 @@ def default_jobs(cores: int) -> str:
     return ",".join(f"{p}x{w}" for p, w in sizes if p + w <= cores + cores // 4)
 
 
-JOB = re.compile(r"(\d+)x([1-9]\d*)(?:t([1-9]\d*))?")
+JOB = re.compile(r"(\d+)x([1-9]\d*)(?:t([1-9]\d*))?(b?)")
 
 
-def parse_jobs(text: str) -> list[tuple[int, int, int | None]]:
-    """``PSxWORKERS`` sizes, each optionally ``tN``: its ps tasks on N threads (``--ps-threads``)."""
+class Job(NamedTuple):
+    """One job's shape: ``PSxWORKERS``, ``tN`` its ps tasks on N threads (``--ps-threads``),
+    ``b`` every task bound to its cores (``--bind-cores``)."""
+
+    ps: int
+    workers: int
+    ps_threads: int | None = None
+    bind: bool = False
+
+    @property
+    def name(self) -> str:
+        threads = "" if self.ps_threads is None else f"t{self.ps_threads}"
+        return f"{self.ps}x{self.workers}{threads}{'b' if self.bind else ''}"
+
+
+def parse_jobs(text: str) -> list[Job]:
+    """``PSxWORKERS[tTHREADS][b]`` sizes, comma-separated (:class:`Job`)."""
     out = []
     for item in text.split(","):
         m = JOB.fullmatch(item.strip())
         if m is None:
             raise SystemExit(
-                f"--jobs: {item!r} is not PSxWORKERS[tTHREADS] (for example 2x4, 2x12t2)"
+                f"--jobs: {item!r} is not PSxWORKERS[tTHREADS][b] (for example 2x4, 2x12t2, 4x12b)"
             )
-        out.append((int(m[1]), int(m[2]), None if m[3] is None else int(m[3])))
+        out.append(Job(int(m[1]), int(m[2]), None if m[3] is None else int(m[3]), m[4] == "b"))
     return out
 
 
@@ -188,20 +204,20 @@ def run_ceiling(
 def job_command(
     p: dict[str, Any],
     data: str,
-    ps: int,
-    workers: int,
+    job: Job,
     steps: int,
     extra: Sequence[str] = (),
-    ps_threads: int | None = None,
     root: Path = ROOT,
 ) -> list[str]:
-    """``psflow launch`` of ``examples/ctr.py`` with the preset's model, ``steps`` in all, and
-    ``extra`` arguments for the example; ``ps_threads`` gives each ps that many threads; the
-    example of the checkout at ``root``."""
-    cmd = [sys.executable, "-m", "psflow.cli", "launch", "--ps", str(ps), "--workers"]
-    cmd += [str(workers)]
-    if ps_threads is not None:
-        cmd += ["--ps-threads", str(ps_threads)]
+    """``psflow launch`` of ``examples/ctr.py`` with the preset's model in ``job``'s shape,
+    ``steps`` in all, and ``extra`` arguments for the example; the example of the checkout at
+    ``root``."""
+    cmd = [sys.executable, "-m", "psflow.cli", "launch", "--ps", str(job.ps), "--workers"]
+    cmd += [str(job.workers)]
+    if job.ps_threads is not None:
+        cmd += ["--ps-threads", str(job.ps_threads)]
+    if job.bind:
+        cmd.append("--bind-cores")
     cmd += [str(root / "examples" / "ctr.py"), "--data", data]
     cmd += ["--train_steps", str(steps), "--dim", str(p["dim"]), "--bottom", p["bottom"]]
     cmd += ["--top", p["top"], "--batch_size", str(p["batch"]), "--no-wide", "--min_count", "0"]
@@ -212,17 +228,15 @@ def run_psflow(
     args: argparse.Namespace,
     p: dict[str, Any],
     data: str,
-    ps: int,
-    workers: int,
+    job: Job,
     shm: bool,
     extra: Sequence[str] = (),
-    ps_threads: int | None = None,
     root: Path = ROOT,
 ) -> float:
     """The job's samples/s: each worker's own line (``examples/ctr.py``), summed; the psflow
     of the checkout at ``root``."""
-    steps = p["steps_per_worker"] * workers
-    cmd = job_command(p, data, ps, workers, steps, extra, ps_threads, root)
+    steps = p["steps_per_worker"] * job.workers
+    cmd = job_command(p, data, job, steps, extra, root)
     env = dict(os.environ, PSFLOW_SHM="1" if shm else "0")
     if root != ROOT:  # its package first: the launcher and every task import that one
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
@@ -230,9 +244,9 @@ def run_psflow(
         cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=root
     )
     rates = {int(m[1]): float(m[3].replace(",", "")) for m in WORKER_LINE.finditer(proc.stdout)}
-    if proc.returncode != 0 or len(rates) != workers:
+    if proc.returncode != 0 or len(rates) != job.workers:
         tail = (proc.stdout + proc.stderr)[-3000:]
-        raise SystemExit(f"psflow job {ps}x{workers} failed ({proc.returncode}):\n{tail}")
+        raise SystemExit(f"psflow job {job.name} failed ({proc.returncode}):\n{tail}")
     return sum(rates.values())
 
 
@@ -293,19 +307,21 @@ def main() -> None:
         if against:
             tree = (args.against_tree or ROOT).resolve()
             variants.append(("against_", shlex.split(args.against or ""), tree))
-        for ps, workers, ps_threads in jobs:
-            used = min(ps * (ps_threads or 1) + workers, cores)
-            entry: dict[str, Any] = {"ps": ps, "workers": workers, "cores": used}
-            if ps_threads is not None:
-                entry["ps_threads"] = ps_threads
+        for job in jobs:
+            used = min(job.ps * (job.ps_threads or 1) + job.workers, cores)
+            entry: dict[str, Any] = {"job": job.name, "ps": job.ps, "workers": job.workers}
+            entry["cores"] = used
+            if job.ps_threads is not None:
+                entry["ps_threads"] = job.ps_threads
+            if job.bind:
+                entry["bind_cores"] = True
             for _ in range(p["repeat"]):
                 for path, shm in (("shm", True), ("socket", False)):
                     if path not in p.get("paths", ("shm", "socket")):
                         continue
                     for label, extra, root in variants:
-                        rate = run_psflow(args, p, data, ps, workers, shm, extra, ps_threads, root)
-                        name = f"{ps}x{workers}" + (f"t{ps_threads}" if ps_threads else "")
-                        print(f"run {name} {label}{path}: {rate:,.0f} samples/s", flush=True)
+                        rate = run_psflow(args, p, data, job, shm, extra, root)
+                        print(f"run {job.name} {label}{path}: {rate:,.0f} samples/s", flush=True)
                         entry.setdefault(f"{label}{path}_runs", []).append(round(rate))
             for path in p.get("paths", ("shm", "socket")):
                 for label, _, _ in variants:
@@ -333,7 +349,7 @@ def main() -> None:
         "jobs": rows,
         # On a small host the issue's yardstick: the job against one process of all threads.
         "vs_threads": {
-            f"{r['ps']}x{r['workers']}" + (f"t{r['ps_threads']}" if "ps_threads" in r else ""): {
+            r["job"]: {
                 path: round(r[f"{path}_samples_per_s"] / ceiling_threads, 3)
                 for path in p.get("paths", ("shm", "socket"))
             }
