@@ -41,26 +41,20 @@ void psflow_initial_uniforms(const int64_t *ids, ptrdiff_t n, int64_t seed_key, 
     }
 }
 
-void psflow_interleave_f32(f32 *out, const f64 *c, const f64 *s, ptrdiff_t n, ptrdiff_t pairs,
-                           ptrdiff_t dim) {
-    for (ptrdiff_t i = 0; i < n; i++) {
-        f32 *row = out + i * dim;
-        const f64 *ci = c + i * pairs, *si = s + i * pairs;
-        for (ptrdiff_t p = 0; p < pairs; p++) {
-            row[2 * p] = (f32)ci[p];
-            if (2 * p + 1 < dim) row[2 * p + 1] = (f32)si[p];
-        }
+/* The normals of a row's pairs, cast to the rows' type: out[i, 2p] = c[i, p], out[i, 2p + 1] =
+ * s[i, p] while below dim (an odd dim drops the last sine). */
+#define INTERLEAVE(T)                                                                        \
+    void psflow_interleave_##T(T *out, const f64 *c, const f64 *s, ptrdiff_t n,             \
+                               ptrdiff_t pairs, ptrdiff_t dim) {                            \
+        for (ptrdiff_t i = 0; i < n; i++) {                                                  \
+            T *row = out + i * dim;                                                          \
+            const f64 *ci = c + i * pairs, *si = s + i * pairs;                              \
+            for (ptrdiff_t p = 0; p < pairs; p++) {                                          \
+                row[2 * p] = (T)ci[p];                                                       \
+                if (2 * p + 1 < dim) row[2 * p + 1] = (T)si[p];                              \
+            }                                                                                \
+        }                                                                                    \
     }
-}
 
-void psflow_interleave_f64(f64 *out, const f64 *c, const f64 *s, ptrdiff_t n, ptrdiff_t pairs,
-                           ptrdiff_t dim) {
-    for (ptrdiff_t i = 0; i < n; i++) {
-        f64 *row = out + i * dim;
-        const f64 *ci = c + i * pairs, *si = s + i * pairs;
-        for (ptrdiff_t p = 0; p < pairs; p++) {
-            row[2 * p] = ci[p];
-            if (2 * p + 1 < dim) row[2 * p + 1] = si[p];
-        }
-    }
-}
+INTERLEAVE(f32)
+INTERLEAVE(f64)
