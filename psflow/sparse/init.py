@@ -134,7 +134,8 @@ def initial_rows(
     # Distinct seeds give unrelated streams: the seed goes through the mixer first.
     seed_key = int(splitmix64(torch.tensor([_signed(seed)], dtype=torch.int64)).item())
     k = kernels.KERNELS
-    native = k is not None and ids.device.type == "cpu" and dtype in _NATIVE and out.is_contiguous()
+    native = k is not None and ids.device.type == out.device.type == "cpu" and dtype in _NATIVE
+    native = native and out.is_contiguous()
     rows_per_chunk = max(1, CHUNK_VALUES // (2 * pairs))
     for start in range(0, n, rows_per_chunk):
         chunk = ids[start : start + rows_per_chunk].contiguous()
