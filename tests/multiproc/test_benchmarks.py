@@ -43,9 +43,10 @@ def test_mlp_benchmark_runs_every_mode_and_ddp() -> None:
             assert result[f"{key}_{unit}"] > 0, key
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(130)
 def test_checkpoint_pause_benchmark() -> None:
-    result = run_benchmark_smoke("checkpoint_pause.py", timeout=50)
+    # 5 s alone; 34-50 s under the suite's load (it once ran out of 50 after its last line).
+    result = run_benchmark_smoke("checkpoint_pause.py", timeout=120)
     assert result["benchmark"] == "checkpoint_pause" and result["ps_pause_ms"] >= 0
 
 
