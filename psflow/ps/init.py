@@ -91,9 +91,10 @@ class InitService(Service):
             if opt_tensors or opt_plain:
                 load_optimizer_state(host.store, opt_tensors, opt_plain)
             if tables_from:
-                restore_tables(host.store.tables, tables_from)
+                root = self.checkpoint_dir
+                metadata = restore_tables(host.store.tables, tables_from, root)
                 host.store.inputs = restored_positions(
-                    tables_from, host.shard, self.num_shards, self.checkpoint_dir
+                    tables_from, host.shard, self.num_shards, root, metadata
                 )
         except (ValueError, KeyError, RuntimeError) as e:
             host.store.reset()  # not initialised: the chief may try again

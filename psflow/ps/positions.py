@@ -155,26 +155,36 @@ class InputPositions:
         return cls(marks)
 
 
-def read_positions(url: str, root: str | None = None) -> InputPositions:
-    """The positions a shard file holds (none for a file saved without them): its header
-    alone is read."""
-    meta = safefile.read_metadata(url, root)
+def read_positions(
+    url: str, root: str | None = None, metadata: Mapping[str, str] | None = None
+) -> InputPositions:
+    """The positions a shard file holds (none for a file saved without them): its
+    ``metadata`` where read already, else its header alone is read."""
+    meta = safefile.read_metadata(url, root) if metadata is None else metadata
     text = meta.get(METADATA_KEY)
     return InputPositions() if text is None else InputPositions.from_metadata(text, url)
 
 
 def restored_positions(
-    urls: Sequence[str], shard: int, num_shards: int, root: str | None = None
+    urls: Sequence[str],
+    shard: int,
+    num_shards: int,
+    root: str | None = None,
+    metadata: Sequence[Mapping[str, str]] | None = None,
 ) -> InputPositions:
     """Shard ``shard``'s positions after a restore from the checkpoint files ``urls``: its own
     file's, when the checkpoint has as many shards; else (the rows re-sharded) each task's
     lowest over all files, where a worker reads on from: rows of the shards that were ahead
-    get the inputs between again (logged)."""
+    get the inputs between again (logged). ``metadata``: each file's, where the restore read
+    it with the rows (:func:`~psflow.ps.tables.restore_tables`); else each header is read."""
     if not urls:
         return InputPositions()
+    metas: Sequence[Mapping[str, str] | None] = [None] * len(urls) if metadata is None else metadata
+    if len(metas) != len(urls):
+        raise ValueError(f"{len(metas)} files' metadata for {len(urls)} shard files")
     if len(urls) == num_shards:
-        return read_positions(urls[shard], root)
-    every = [read_positions(u, root) for u in urls]
+        return read_positions(urls[shard], root, metas[shard])
+    every = [read_positions(u, root, m) for u, m in zip(urls, metas, strict=True)]
     tasks = set().union(*(p.marks for p in every))
     marks: dict[str, InputMark] = {}
     for task in sorted(tasks):

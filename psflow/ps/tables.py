@@ -428,12 +428,18 @@ def finish_table_snapshots(snapshots: Mapping[str, RowSnapshot]) -> dict[str, to
     return out
 
 
-def read_table_tensors(urls: Sequence[str]) -> dict[str, list[dict[str, torch.Tensor]]]:
-    """Every table's tensors in the shard files at ``urls``: per table, one map
-    (``ids``, ``values``, ``opt/<key>``) per file that holds part of it."""
+def read_table_tensors(
+    urls: Sequence[str], root: str | None = None, metadata: list[dict[str, str]] | None = None
+) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """Every table's tensors in the shard files at ``urls`` (under ``root``, as
+    :func:`~psflow.ps.safefile.read` checks): per table, one map (``ids``, ``values``,
+    ``opt/<key>``) per file that holds part of it; each file's metadata appended to
+    ``metadata`` when given."""
     out: dict[str, list[dict[str, torch.Tensor]]] = {}
     for url in urls:
-        tensors, _ = safefile.read(url)
+        tensors, meta = safefile.read(url, root)
+        if metadata is not None:
+            metadata.append(meta)
         parts: dict[str, dict[str, torch.Tensor]] = {}
         for name, t in tensors.items():
             split = split_table_tensor_name(name)
@@ -444,16 +450,20 @@ def read_table_tensors(urls: Sequence[str]) -> dict[str, list[dict[str, torch.Te
     return out
 
 
-def restore_tables(tables: Mapping[str, Rows], urls: Sequence[str]) -> None:
+def restore_tables(
+    tables: Mapping[str, Rows], urls: Sequence[str], root: str | None = None
+) -> list[dict[str, str]] | None:
     """Loads each table's rows of this shard from the checkpoint files at ``urls`` (written
-    by any number of shards).
+    by any number of shards, under ``root``); returns each file's metadata as read with them
+    (``None`` without tables: no file was read).
 
     Raises:
         ValueError: when a table is missing from the checkpoint, or a file is unreadable.
     """
     if not tables:
-        return
-    saved = read_table_tensors(urls)
+        return None
+    metadata: list[dict[str, str]] = []
+    saved = read_table_tensors(urls, root, metadata)
     missing = sorted(set(tables) - set(saved))
     if missing:
         raise ValueError(f"the checkpoint holds no table {missing}")
@@ -463,6 +473,7 @@ def restore_tables(tables: Mapping[str, Rows], urls: Sequence[str]) -> None:
                 raise ValueError(f"table {name!r}: a shard file lacks its ids or values")
             state = {k[len("opt/") :]: v for k, v in part.items() if k.startswith("opt/")}
             table.load(part["ids"], part["values"], state)
+    return metadata
 
 
 class TableService(Service):

@@ -121,8 +121,8 @@ class LocalShard:
         tensors = ckpt.opt_tensors if optimizer_state else {}
         plain = ckpt.opt_plain if optimizer_state else {}
         self._load(ckpt.params, tensors, plain)
-        restore_tables(self.store.tables, table_files)
-        self.store.inputs = restored_positions(table_files, 0, 1)
+        metadata = restore_tables(self.store.tables, table_files)
+        self.store.inputs = restored_positions(table_files, 0, 1, metadata=metadata)
 
     def load_shard(self, shard: ShardFile) -> None:
         """Loads the state another rank sent (:meth:`state_bytes`)."""
