@@ -18,6 +18,7 @@ from psflow.data import write_records
 from psflow.data.stream import FileStreamConfig, FileStreamReader
 from psflow.protocol import Key, OptimizerSpec
 from psflow.protocol.messages import input_key
+from psflow.ps import safefile
 from psflow.ps.positions import (
     METADATA_KEY,
     InputPositions,
@@ -264,7 +265,7 @@ def test_positions_are_saved_with_the_shard_and_read_back(tmp_path: Path) -> Non
 
 
 def test_restored_positions_are_the_shards_own_or_the_earliest_when_resharded(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     urls = []
     for shard, at in enumerate((5, 7)):
@@ -276,6 +277,13 @@ def test_restored_positions_are_the_shards_own_or_the_earliest_when_resharded(
     merged = restored_positions(urls, 0, 1)  # two shards into one: the earliest of each task
     assert merged.marks == {"worker:0": (whole(5), pos(5)), "worker:1": (whole(2), pos(2))}
     assert "worker:0's input at different points" in caplog.text
+    # The files' metadata as the restore read it with the rows: no header is read again.
+    metadata = [safefile.read(u)[1] for u in urls]
+    monkeypatch.setattr(safefile, "read_metadata", None)  # a call would fail
+    assert restored_positions(urls, 0, 1, metadata=metadata).marks == merged.marks
+    assert restored_positions(urls, 1, 2, metadata=metadata).marks["worker:0"][0] == whole(7)
+    with pytest.raises(ValueError, match="1 files' metadata for 2 shard files"):
+        restored_positions(urls, 0, 1, metadata=metadata[:1])
 
 
 def test_positions_in_a_file_that_are_not_positions_are_refused() -> None:
