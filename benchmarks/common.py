@@ -35,8 +35,10 @@ def run_job(
     ps_exit_timeout: float | None = 10.0,
     share_cores: bool = True,
     bind_cores: bool = False,
+    ps_results: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Runs every task of ``cluster``; returns each worker's ``RESULT`` keyed by task name.
+    """Runs every task of ``cluster``; returns each worker's ``RESULT`` keyed by task name
+    (and puts each ps task's, where it prints one, into ``ps_results`` when given).
 
     ``ps_exit_timeout`` is how long the ps tasks get to exit by themselves once the workers are
     done (a ps still running then is an error); ``None`` kills them (TensorFlow's never exit).
@@ -89,6 +91,13 @@ def run_job(
                         raise RuntimeError(
                             f"{task} exited with {code}: {proc.stderr.read()[-3000:]}"
                         )  # type: ignore[union-attr]
+                    if ps_results is not None:
+                        lines = [
+                            ln for ln in proc.stdout.read().splitlines()  # type: ignore[union-attr]
+                            if ln.startswith("RESULT ")
+                        ]  # fmt: skip
+                        if lines:
+                            ps_results[str(task)] = json.loads(lines[-1][len("RESULT ") :])
         return results
     finally:
         for proc in procs.values():

@@ -17,7 +17,13 @@
   and row gradients travel in (``psflow.nn.TableConfig.wire_dtype``), alternately, reported
   as ``<path>_<dtype>`` with each dtype's payload bytes per step. With ``--ps_threads 1,2``,
   each path runs once per count of a ps's row threads (``PSFLOW_PS_THREADS``), alternately,
-  as ``<path>_t<N>``.
+  as ``<path>_t<N>``. Each run also reports the rows a shard's core serves a second
+  (``<path>_rows_per_shard_cpu_s``): a step's rows over the CPU time the ps tasks' serving
+  threads spent handling its lookups and pushes (``ParameterServer.handling_cpu``: not their
+  waits, not the worker's, so a 2-core machine shows what a shard does with a core of its
+  own; a ps's row threads beyond the serving one are not counted). With ``--against_tree
+  DIR`` (a worktree of main), that checkout runs each path too, alternating, as
+  ``against_<path>``, with ``<path>_vs_against`` and ``<path>_per_core_vs_against``.
 - ``ctr``: ``examples/ctr.py``'s DLRM end to end on a ``psflow data synth-ctr`` set (or
   ``--data``), 2 ps and 2 workers, Adagrad for the dense layers and row-wise for the table:
   samples/s summed over the workers, against the same model in TensorFlow 1.x style
@@ -132,7 +138,14 @@ def psflow_task(
 
     ctx, _ = psflow.resolve([])
     if ctx.job == "ps":
-        psflow.ParameterServer(ctx).join()
+        server = psflow.ParameterServer(ctx)
+        server.join()
+        # What its serving thread spent on the rows (the steps' lookups and pushes, warm-up
+        # included), for the rows a shard's core serves a second.
+        cpu = getattr(server, "handling_cpu", None)  # an older checkout (--against_tree) has none
+        if cpu is not None:
+            served = sum(cpu.get(op, 0.0) for op in ("lookup", "push", "push_pull"))
+            print("RESULT " + json.dumps({"handling_cpu_seconds": served}))
         return
     rng = np.random.default_rng(ctx.index)
     batches = [
@@ -184,6 +197,7 @@ def psflow_task(
                 time.sleep(0.2)
     result = {
         "rows": UNIQUE_IDS * steps,
+        "all_rows": UNIQUE_IDS * (steps + warmup),
         "seconds": seconds,
         "bytes_per_step": payload / steps,
         "peak_rss_bytes": _peak_rss_bytes(),
@@ -207,7 +221,14 @@ def ctr_task(p: dict[str, Any], data: str, prefetch: bool) -> None:
 
     ctx, _ = psflow.resolve([])
     if ctx.job == "ps":
-        psflow.ParameterServer(ctx).join()
+        server = psflow.ParameterServer(ctx)
+        server.join()
+        # What its serving thread spent on the rows (the steps' lookups and pushes, warm-up
+        # included), for the rows a shard's core serves a second.
+        cpu = getattr(server, "handling_cpu", None)  # an older checkout (--against_tree) has none
+        if cpu is not None:
+            served = sum(cpu.get(op, 0.0) for op in ("lookup", "push", "push_pull"))
+            print("RESULT " + json.dumps({"handling_cpu_seconds": served}))
         return
     trainers = ctx.cluster.trainers
     torch.manual_seed(0)
@@ -363,6 +384,12 @@ def main() -> None:
         "--paths", help="sparse: only these of the preset's paths, comma-separated (shm,socket)"
     )
     parser.add_argument(
+        "--against_tree",
+        help="sparse: another psflow checkout (a worktree of main, kernels built) whose "
+        "benchmark and psflow run each path too, alternating, reported as against_<path> with "
+        "<path>_vs_against",
+    )
+    parser.add_argument(
         "--ps_threads",
         help="sparse: each ps's row threads (PSFLOW_PS_THREADS), comma-separated (1,2), each "
         "path run once per count, alternately, reported as <path>_t<N>",
@@ -435,23 +462,44 @@ def main() -> None:
         threads = [t.strip() for t in args.ps_threads.split(",")]
         if not all(t.isdigit() and int(t) >= 1 for t in threads):
             parser.error(f"--ps_threads: counts >= 1, comma-separated, got {args.ps_threads!r}")
+    trees: list[tuple[str, str | None]] = [("", None)]
+    if args.against_tree:
+        tree = os.path.abspath(args.against_tree)
+        if not os.path.isfile(os.path.join(tree, "benchmarks", "embedding.py")):
+            parser.error(f"--against_tree: no benchmarks/embedding.py under {tree}")
+        trees.append(("against_", tree))
     runs_of = [
-        (path if t is None else f"{path}_t{t}", shm, extra, bind, t)
+        (label + (path if t is None else f"{path}_t{t}"), shm, extra, bind, t, tree)
         for path, shm, extra, bind in variants
         for t in threads
+        for label, tree in trees
     ]
     runs: dict[str, list[float]] = {path: [] for path, *_ in runs_of}
     runs["tf"] = []
+    per_core: dict[str, list[float]] = {path: [] for path, *_ in runs_of}
     bytes_per_step = 0.0
     wire_bytes: dict[str, float] = {}
     for _ in range(p["repeat"]):
         # Side by side: alternate the runtimes so that all see the same machine conditions.
-        for path, shm, extra, bind, t in runs_of:
-            cmd = [*base, "--rows", str(p["rows"]), *extra]
+        for path, shm, extra, bind, t, tree in runs_of:
+            script = me if tree is None else os.path.join(tree, "benchmarks", "embedding.py")
+            cmd = [script, *base[1:], "--rows", str(p["rows"]), *extra]
             env = {"PSFLOW_SHM": shm} | ({} if t is None else {"PSFLOW_PS_THREADS": t})
-            r = run_job(new_cluster(PS, 1), lambda _t, c=cmd: c, env=env, bind_cores=bind)
+            if tree is not None:  # that checkout's psflow, not this one's
+                env["PYTHONPATH"] = os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")]))
+            shards: dict[str, dict[str, Any]] = {}
+            r = run_job(
+                new_cluster(PS, 1), lambda _t, c=cmd: c, env=env, bind_cores=bind, ps_results=shards
+            )
             (only,) = r.values()
             runs[path].append(only["rows"] / only["seconds"] / PS)
+            line = f"run {path}: {runs[path][-1]:,.0f} rows/s per shard"
+            cpu = sum(x["handling_cpu_seconds"] for x in shards.values())
+            if len(shards) == PS and cpu > 0:
+                # Every unique id of a step is looked up and pushed once, on its one shard.
+                per_core[path].append(only["all_rows"] / cpu)
+                line += f", {per_core[path][-1]:,.0f} rows per second of a shard's serving CPU"
+            print(line, flush=True)
             bytes_per_step = only["bytes_per_step"]
             wire_bytes[
                 extra[extra.index("--wire_dtype") + 1] if "--wire_dtype" in extra else "float32"
@@ -472,6 +520,22 @@ def main() -> None:
     if len(dtypes) > 1:
         result["payload_bytes_per_step"] = {d: round(b) for d, b in wire_bytes.items()}
     result.update(summarize(runs, "rows_per_s_per_shard"))
+    for path, values in per_core.items():
+        if values:
+            result[f"{path}_rows_per_shard_cpu_s"] = round(sorted(values)[len(values) // 2])
+            result[f"{path}_per_core_runs"] = [round(v) for v in values]
+    if args.against_tree:
+        result["against_tree"] = trees[1][1]
+        for path, *_ in runs_of:
+            if path.startswith("against_") or not runs.get(f"against_{path}"):
+                continue
+            new_rate = sorted(runs[path])[len(runs[path]) // 2]
+            old_rate = sorted(runs[f"against_{path}"])[len(runs[f"against_{path}"]) // 2]
+            result[f"{path}_vs_against"] = round(new_rate / old_rate, 3)
+            new_cpu, old_cpu = per_core[path], per_core[f"against_{path}"]
+            if new_cpu and old_cpu:
+                ratio = sorted(new_cpu)[len(new_cpu) // 2] / sorted(old_cpu)[len(old_cpu) // 2]
+                result[f"{path}_per_core_vs_against"] = round(ratio, 3)
     result["machine"] = machine()
     emit(result)
 

@@ -140,6 +140,10 @@ class ParameterServer(TransportHost):
         self._handlers: dict[str, Handler] = {}
         self._owners: dict[str, str] = {}
         self._services: list[Service] = []
+        self.handling_cpu: dict[str, float] = {}
+        """CPU seconds the serving thread spent handling each op's requests (its own CPU
+        time: not its waits, not other threads'): what a shard's core does per request, for
+        benchmarks (``benchmarks/embedding.py``'s rows per shard core)."""
         self.metrics = metrics.for_task(self.name, ctx.host).ps(self.shard)
         """This shard's Prometheus metrics (:mod:`psflow.metrics`)."""
         self.register(
@@ -221,6 +225,7 @@ class ParameterServer(TransportHost):
         for op in ops:
             self._handlers[op] = handlers[op]
             self._owners[op] = owner
+            self.handling_cpu[op] = 0.0
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -288,6 +293,7 @@ class ParameterServer(TransportHost):
         # Often enough that a death is noticed within a tenth of the timeout of its bound.
         check_every = min(0.5, liveness.timeout / 10)
         next_check = last_seen + check_every
+        handling = self.handling_cpu
         try:
             while not self._stop.is_set():
                 try:
@@ -301,7 +307,11 @@ class ParameterServer(TransportHost):
                 if request is not None:
                     last_seen = now
                     self._heard(request, now)
+                    began = time.thread_time()
                     self._handle(request)
+                    op = request.header[_OP]
+                    if op in handling:  # an op no one serves (a peer's garbage) counts nowhere
+                        handling[op] += time.thread_time() - began
                     sender = request.header.get(_TASK)
                     if isinstance(sender, str):
                         # Its request had this ps's attention until now: a long one (an init
