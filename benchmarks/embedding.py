@@ -486,7 +486,9 @@ def main() -> None:
             cmd = [script, *base[1:], "--rows", str(p["rows"]), *extra]
             env = {"PSFLOW_SHM": shm} | ({} if t is None else {"PSFLOW_PS_THREADS": t})
             if tree is not None:  # that checkout's psflow, not this one's
-                env["PYTHONPATH"] = os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")]))
+                env["PYTHONPATH"] = os.pathsep.join(
+                    filter(None, [tree, os.environ.get("PYTHONPATH")])
+                )
             shards: dict[str, dict[str, Any]] = {}
             r = run_job(
                 new_cluster(PS, 1), lambda _t, c=cmd: c, env=env, bind_cores=bind, ps_results=shards
