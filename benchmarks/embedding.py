@@ -371,7 +371,9 @@ def main() -> None:
     parser.add_argument("--compare-tf", action="store_true", help="also run TensorFlow's")
     parser.add_argument("--tf-python", default=sys.executable, help="a Python with tensorflow")
     parser.add_argument("--role", choices=["psflow"], help=argparse.SUPPRESS)
-    parser.add_argument("--rows", type=int, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--rows", type=int, help="sparse: the table's rows (default: the preset's; >= 4096)"
+    )
     parser.add_argument("--save-dir", help=argparse.SUPPRESS)
     parser.add_argument("--prefetch", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
@@ -462,6 +464,9 @@ def main() -> None:
         threads = [t.strip() for t in args.ps_threads.split(",")]
         if not all(t.isdigit() and int(t) >= 1 for t in threads):
             parser.error(f"--ps_threads: counts >= 1, comma-separated, got {args.ps_threads!r}")
+    table_rows = args.rows or p["rows"]
+    if table_rows < UNIQUE_IDS:
+        parser.error(f"--rows: at least {UNIQUE_IDS} (the unique ids of a step), got {table_rows}")
     trees: list[tuple[str, str | None]] = [("", None)]
     if args.against_tree:
         tree = os.path.abspath(args.against_tree)
@@ -483,7 +488,7 @@ def main() -> None:
         # Side by side: alternate the runtimes so that all see the same machine conditions.
         for path, shm, extra, bind, t, tree in runs_of:
             script = me if tree is None else os.path.join(tree, "benchmarks", "embedding.py")
-            cmd = [script, *base[1:], "--rows", str(p["rows"]), *extra]
+            cmd = [script, *base[1:], "--rows", str(table_rows), *extra]
             env = {"PSFLOW_SHM": shm} | ({} if t is None else {"PSFLOW_PS_THREADS": t})
             if tree is not None:  # that checkout's psflow, not this one's
                 env["PYTHONPATH"] = os.pathsep.join(
@@ -512,7 +517,7 @@ def main() -> None:
             runs["tf"].append(sum(x["rows"] / x["seconds"] for x in r.values()) / PS)
     result.update(
         {
-            "table_rows": p["rows"],
+            "table_rows": table_rows,
             "dim": DIM,
             "unique_ids_per_step": UNIQUE_IDS,
             "ps": PS,
