@@ -19,6 +19,7 @@ import torch
 from psflow.protocol import OptimizerSpec, ScheduleSpec, TableSpec
 from psflow.ps import safefile
 from psflow.ps.files import join
+from psflow.ps.positions import InputPositions
 from psflow.ps.shard_file import ShardFile, read_shard, shard_file_name
 from psflow.ps.tables import TABLE_PREFIX
 from psflow.train.checkpoint_check import (
@@ -52,6 +53,9 @@ class Checkpoint:
     file that holds some, checked against the manifest's specs."""
     table_specs: dict[str, TableSpec] = field(default_factory=dict)
     """The manifest's tables' specs, by name."""
+    inputs: dict[str, InputPositions] = field(default_factory=dict)
+    """The input positions of each shard file read (by file name): those holding variables,
+    and every one where there are tables."""
 
     @property
     def global_step(self) -> int:
@@ -222,6 +226,7 @@ def load_checkpoint(
         opt_plain=opt_plain,
         tables=tables,
         table_specs=specs,
+        inputs={file: shard.inputs for file, shard in files.items()},
     )
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import fsspec
 
 if TYPE_CHECKING:
+    from psflow.ps.positions import InputPositions
     from psflow.train.tf_checkpoint import TFCheckpoint
 
 
@@ -35,6 +36,7 @@ def _tf_prefix(path: str) -> str | None:
 
 
 def inspect(args: argparse.Namespace) -> int:
+    from psflow.ps.shard_file import shard_file_name
     from psflow.train.checkpoint import load_checkpoint
     from psflow.train.manifest import CheckpointDir
 
@@ -78,19 +80,23 @@ def inspect(args: argparse.Namespace) -> int:
                 f"{entry['bytes'] / 1e6:.1f} MB  partition {spec.partition}  "
                 f"row-wise {optimizer}"
             )
-    _print_inputs(d.shard_urls(name, m.num_shards))
+    # The shard files the check read: their positions are known, their headers not read again.
+    read = [ckpt.inputs.get(shard_file_name(i, m.num_shards)) for i in range(m.num_shards)]
+    _print_inputs(d.shard_urls(name, m.num_shards), read)
     return 0
 
 
-def _print_inputs(urls: list[str]) -> None:
+def _print_inputs(urls: list[str], read: list[InputPositions | None]) -> None:
     """Where each worker's reader stood in what the shards hold (``input=``), once for a task
-    whose shards agree, else per shard (a restarted worker replays between them)."""
+    whose shards agree, else per shard (a restarted worker replays between them); ``read``:
+    each shard's positions where its file was read already (its header is not read again)."""
     from psflow.protocol.messages import InputMark, input_name
     from psflow.ps.positions import read_positions
 
     by_task: dict[str, list[InputMark | None]] = {}
-    for i, url in enumerate(urls):
-        for task, mark in read_positions(url).marks.items():
+    for i, (url, known) in enumerate(zip(urls, read, strict=True)):
+        positions = read_positions(url) if known is None else known
+        for task, mark in positions.marks.items():
             by_task.setdefault(task, [None] * len(urls))[i] = mark
     if not by_task:
         return

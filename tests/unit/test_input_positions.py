@@ -4,6 +4,8 @@ positions a shard keeps, checks and saves (psflow.ps.positions)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import random
@@ -357,6 +359,27 @@ def test_a_cluster_of_one_keeps_its_readers_position_in_its_checkpoints(tmp_path
     second = run(stop_after=None)
     assert first[16:] == second[:8]  # input 3 again: its update was not in the checkpoint
     assert sorted(first[:16] + second) == list(range(48))
+
+    # psflow checkpoint inspect says where the reader stood, from the shard file it checked:
+    # the file's header is not read a second time.
+    import argparse
+
+    from psflow.ps import positions
+    from psflow.train import cli
+
+    again: list[str] = []
+    read = positions.read_positions
+
+    def counted(url: str, *args: Any, **kwargs: Any) -> positions.InputPositions:
+        again.append(url)
+        return read(url, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(io.StringIO()) as out:
+        mp.setattr(positions, "read_positions", counted)
+        cli.inspect(argparse.Namespace(dir=str(tmp_path / "ckpt"), name=None, json=False))
+    shown = out.getvalue().split("input positions")[1].splitlines()[1]
+    assert shown.startswith("  chief:0  input 6  {") and "part-1.tfrecord" in shown, shown
+    assert again == []
 
 
 @pytest.mark.parametrize("mode", ["sync", "allreduce"])
