@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Sequence
 from multiprocessing import reduction
+from pathlib import Path
 from typing import IO, Any
 
 _CONTEXT = multiprocessing.get_context("forkserver")
@@ -64,11 +65,22 @@ def _child(argv: Sequence[str], env: dict[str, str], out: int, err: int) -> None
 
 
 class Forked:
-    """A child of the fork server running ``argv`` (see :func:`_child`) with ``env``."""
+    """A child of the fork server running ``argv`` (see :func:`_child`) with ``env``.
 
-    def __init__(self, argv: Sequence[str], env: dict[str, str]) -> None:
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
+    ``output``: a file that gets the child's stdout and stderr both (written from the start),
+    for a child nobody reads while it runs; :attr:`stdout` and :attr:`stderr` are then empty.
+    """
+
+    def __init__(
+        self, argv: Sequence[str], env: dict[str, str], output: Path | None = None
+    ) -> None:
+        if output is None:
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+        else:  # the child's two streams onto the file; ours read nothing
+            out_r, err_r = os.open(os.devnull, os.O_RDONLY), os.open(os.devnull, os.O_RDONLY)
+            out_w = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            err_w = os.dup(out_w)
         self.args = list(argv)
         self._process = _CONTEXT.Process(
             target=_child, args=(self.args, env, _Fd(out_w), _Fd(err_w)), daemon=True

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import re
 import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from tests.faults import FAULTS
 
 from .kafka_broker import running_broker
 from .scripts.counted_stream import SPEC, Counter
-from .support import ROOT, launch_cmd, quiet_session, start_ps, stop
+from .support import CLI_MAIN, ROOT, launch_cmd, quiet_session, run_forked, start_ps, stop
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
 
@@ -218,10 +217,7 @@ def test_a_push_that_reached_one_shard_is_replayed_to_the_other_alone(tmp_path: 
             assert stop(p, timeout=30)[0] == 0
         assert_each_once(counted_rows(tmp_path / "ckpt"), records)
         # The checkpoint says where the reader stood: past the last file, on both shards.
-        shown = subprocess.run(
-            [sys.executable, "-m", "psflow.cli", "checkpoint", "inspect", logdir],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+        shown = run_forked(["-c", CLI_MAIN, "checkpoint", "inspect", logdir], timeout=60)
         assert shown.returncode == 0, shown.stderr
         line = shown.stdout.split("input positions")[1].splitlines()[1]
         assert line.startswith("  worker:0  input 6  {") and "part-2.tfrecord" in line, line

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,12 +26,14 @@ from psflow.transport import (
 from psflow.worker.client import ShardedClient
 
 from .support import (
+    CLI_MAIN,
     ROOT,
     freeze,
     in_area,
     lanes,
     launch_cmd,
     local_cluster,
+    run_forked,
     start_ps,
     stop,
     worker_ctx,
@@ -119,12 +120,8 @@ def test_garbage_messages_get_errors_and_the_ps_keeps_serving() -> None:
 def test_unauthorised_clients_can_neither_read_nor_write(tmp_path: Path) -> None:
     keys_dir, other_dir = tmp_path / "keys", tmp_path / "other"
     for d in (keys_dir, other_dir):
-        out = subprocess.run(
-            [sys.executable, "-m", "psflow.cli", "keys", "generate", str(d)],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        # `psflow keys generate`, forked from the server that imported torch (:mod:`.forked`).
+        out = run_forked(["-c", CLI_MAIN, "keys", "generate", str(d)], timeout=30)
         assert out.returncode == 0, out.stderr
     cluster = local_cluster(1, 1)
     ps = start_ps(cluster, env={"PSFLOW_KEYS_DIR": str(keys_dir)})

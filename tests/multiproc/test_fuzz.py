@@ -63,7 +63,8 @@ def _status(address: str, timeout: float = 10.0, keys: CurveKeys | None = None) 
         ctx.term()
 
 
-def _start_ps(cluster, tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
+def _start_ps(cluster, tmp_path: Path, env: dict[str, str]) -> tuple[Forked, Path]:
+    """The ps, forked from the server that imported torch, its output into ``ps.log``."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     log = tmp_path / "ps.log"
     e = dict(
@@ -72,9 +73,8 @@ def _start_ps(cluster, tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.
         PYTHONUNBUFFERED="1",
         **env,
     )
-    with open(log, "w") as out:  # a file, not a pipe: nobody need drain it while fuzzing
-        proc = subprocess.Popen([sys.executable, "-c", PS_MAIN], env=e, stdout=out, stderr=out)
-    return proc, log
+    # A file, not a pipe: nobody need drain it while fuzzing.
+    return Forked(["-c", PS_MAIN], env=e, output=log), log
 
 
 def _train(tmp_path: Path, *, fuzz: bool) -> tuple[str, dict | None]:

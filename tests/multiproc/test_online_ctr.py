@@ -16,6 +16,7 @@ from tests.fault_matrix import PRELOAD
 from tests.paths import ROOT
 
 from .kafka_broker import Broker, running_broker
+from .support import CLI_MAIN, run_forked
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 
@@ -34,8 +35,9 @@ def test_the_job_trains_from_the_topic_and_the_server_scores_each_export(
 ) -> None:
     data, exports = tmp_path / "ctr", tmp_path / "exports"
     cli = [sys.executable, "-m", "psflow.cli"]
-    subprocess.run([*cli, "data", "synth-ctr", str(data), "--examples", "60000",
-                    "--test-examples", "100"], check=True, capture_output=True, timeout=60)  # fmt: skip
+    made = run_forked(["-c", CLI_MAIN, "data", "synth-ctr", str(data), "--examples", "60000",
+                       "--test-examples", "100"], timeout=60)  # fmt: skip
+    assert made.returncode == 0, made.stderr[-3000:]
     topic = ["--brokers", broker.address, "--topic", "clicks"]
     producer = subprocess.Popen(
         # --loop: records keep arriving whenever the job and the scorer get there (a loaded
@@ -50,11 +52,10 @@ def test_the_job_trains_from_the_topic_and_the_server_scores_each_export(
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
-        score = subprocess.run(
-            [sys.executable, EXAMPLE, "--score", str(exports), *topic, "--score_records", "10000"],
-            capture_output=True,
-            text=True,
-            timeout=120,
+        # The scorer forked from the server that imported torch (:mod:`.forked`): it serves
+        # sooner, while the job's exports still come.
+        score = run_forked(
+            [EXAMPLE, "--score", str(exports), *topic, "--score_records", "10000"], timeout=120
         )
         out, _ = job.communicate(timeout=120)
     finally:

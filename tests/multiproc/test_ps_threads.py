@@ -34,7 +34,9 @@ def rows_saved(logdir: Path) -> dict[str, torch.Tensor]:
 
 
 def run(logdir: Path, *flags: str) -> str:
-    cmd = launch_cmd(SCRIPT, "--logdir", str(logdir), ps=1, workers=1)
+    # Each task forked from a server that imported torch (2 tasks: one import instead of two);
+    # the thread settings are each task's own (the fork server sets them after the fork).
+    cmd = launch_cmd(SCRIPT, "--logdir", str(logdir), ps=1, workers=1, preload=True)
     cmd[cmd.index("launch") + 1 : cmd.index("launch") + 1] = list(flags)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,15 @@ from psflow.worker import DistributedOptimizer
 from psflow.worker.engine import ExchangeEngine
 from psflow.worker.tables import TableClient
 
-from .support import local_cluster, quiet_session, start_ps, stop, worker_ctx
+from .support import (
+    CLI_MAIN,
+    local_cluster,
+    quiet_session,
+    run_forked,
+    start_ps,
+    stop,
+    worker_ctx,
+)
 from .sync_support import run_threads
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
@@ -358,19 +365,16 @@ def test_a_checkpoint_restores_tables_into_another_number_of_ps(tmp_path: Path) 
     assert set(manifest.tables) == {"items", "users"}
     assert manifest.tables["items"]["rows"] == VOCAB
     assert manifest.tables["users"]["rows"] == len(probe_users)
-    cli = [sys.executable, "-m", "psflow.cli", "checkpoint"]
-    shown = subprocess.run(
-        [*cli, "inspect", url, "--name", "ckpt-3"], capture_output=True, text=True, check=True
-    ).stdout
+    cli = ["-c", CLI_MAIN, "checkpoint"]  # `psflow checkpoint`, forked (:mod:`.forked`)
+    inspected = run_forked([*cli, "inspect", url, "--name", "ckpt-3"], timeout=60)
+    assert inspected.returncode == 0, inspected.stderr[-3000:]
+    shown = inspected.stdout
     assert re.search(rf"items\s+{VOCAB} x {DIM}\s+rows {VOCAB}", shown), shown
     assert re.search(rf"users\s+hashed x {HASHED_DIM}\s+rows {len(probe_users)}", shown), shown
     out = tmp_path / "plain.safetensors"
-    said = subprocess.run(
-        [*cli, "export", url, str(out), "--name", "ckpt-3"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    exported = run_forked([*cli, "export", url, str(out), "--name", "ckpt-3"], timeout=60)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    said = exported.stdout
     assert "2 embedding tables (1 hashed: <table>.ids and <table>.rows) of ckpt-3" in said, said
     plain = torch.nn.Embedding(VOCAB, DIM)
     exported = load_file(out)

@@ -96,14 +96,28 @@ def test_data_inspect_reads_a_glob_and_a_directory(
         ("empty", "no data file in directory"),
     ],
 )
-def test_data_inspect_mistakes_are_one_line(tmp_path: Path, target: str, message: str) -> None:
+def test_data_inspect_mistakes_are_one_line(
+    tmp_path: Path, target: str, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "empty").mkdir()
     path = str(tmp_path / target)
     proc = psflow_cmd("data", "inspect", path)
     assert_one_line_error(proc, "psflow data inspect", message)
     assert f"{path}'" in proc.stderr
+    # Each way of asking for the traceback lets the error out of main (the process prints it:
+    # test_debug_shows_the_traceback), here in this process.
+    with pytest.raises(FileNotFoundError, match=message):
+        psflow.cli.main(["data", "inspect", path, "--debug"])
+    with pytest.raises(FileNotFoundError, match=message):
+        psflow.cli.main(["--debug", "data", "inspect", path])
+    monkeypatch.setenv("PSFLOW_LOG_LEVEL", "DEBUG")
+    with pytest.raises(FileNotFoundError, match=message):
+        psflow.cli.main(["data", "inspect", path])
+
+
+def test_debug_shows_the_traceback(tmp_path: Path) -> None:
+    path = str(tmp_path / "missing.tfrecord")
     assert_traceback(psflow_cmd("data", "inspect", path, "--debug"), "FileNotFoundError")
-    assert_traceback(psflow_cmd("--debug", "data", "inspect", path), "FileNotFoundError")
     debug_env = {"PSFLOW_LOG_LEVEL": "DEBUG"}
     assert_traceback(psflow_cmd("data", "inspect", path, env=debug_env), "FileNotFoundError")
 

@@ -7,7 +7,6 @@ import json
 import random
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from safetensors.torch import load_file
 import psflow.nn as pnn
 from psflow.train.tf_checkpoint import TFCheckpoint
 from tests import tf_index
+from tests.multiproc.support import CLI_MAIN, run_forked
 
 pytestmark = pytest.mark.unit
 
@@ -142,9 +142,9 @@ def test_any_damage_to_the_index_raises_a_clear_error_or_reads_right(tmp_path: P
 
 
 def _psflow(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "psflow.cli", *argv], capture_output=True, text=True, timeout=120
-    )
+    """``psflow ARGV`` as a process of its own, forked from the server that imported torch
+    (:mod:`tests.multiproc.forked`): its exit code and output, 2 s of CPU sooner."""
+    return run_forked(["-c", CLI_MAIN, *argv], timeout=120)
 
 
 def test_the_cli_lists_a_tensorflow_checkpoint() -> None:
