@@ -144,8 +144,9 @@ def psflow_task(
         # included), for the rows a shard's core serves a second.
         cpu = getattr(server, "handling_cpu", None)  # an older checkout (--against_tree) has none
         if cpu is not None:
-            served = sum(cpu.get(op, 0.0) for op in ("lookup", "push", "push_pull"))
-            print("RESULT " + json.dumps({"handling_cpu_seconds": served}))
+            ops = {op: cpu.get(op, 0.0) for op in ("lookup", "push", "push_pull")}
+            served = sum(ops.values())
+            print("RESULT " + json.dumps({"handling_cpu_seconds": served, "by_op": ops}))
         return
     rng = np.random.default_rng(ctx.index)
     batches = [
@@ -227,8 +228,9 @@ def ctr_task(p: dict[str, Any], data: str, prefetch: bool) -> None:
         # included), for the rows a shard's core serves a second.
         cpu = getattr(server, "handling_cpu", None)  # an older checkout (--against_tree) has none
         if cpu is not None:
-            served = sum(cpu.get(op, 0.0) for op in ("lookup", "push", "push_pull"))
-            print("RESULT " + json.dumps({"handling_cpu_seconds": served}))
+            ops = {op: cpu.get(op, 0.0) for op in ("lookup", "push", "push_pull")}
+            served = sum(ops.values())
+            print("RESULT " + json.dumps({"handling_cpu_seconds": served, "by_op": ops}))
         return
     trainers = ctx.cluster.trainers
     torch.manual_seed(0)
@@ -506,6 +508,20 @@ def main() -> None:
                 # Every unique id of a step is looked up and pushed once, on its one shard.
                 per_core[path].append(only["all_rows"] / cpu)
                 line += f", {per_core[path][-1]:,.0f} rows per second of a shard's serving CPU"
+                steps = only["all_rows"] / UNIQUE_IDS * PS  # requests of each op, all shards
+                by_op: dict[str, float] = {}
+                for x in shards.values():
+                    for op, seconds in x.get("by_op", {}).items():
+                        by_op[op] = by_op.get(op, 0.0) + seconds
+                line += (
+                    " ("
+                    + ", ".join(
+                        f"{op} {seconds / steps * 1e6:,.0f} us"
+                        for op, seconds in by_op.items()
+                        if seconds
+                    )
+                    + " a request)"
+                )
             print(line, flush=True)
             bytes_per_step = only["bytes_per_step"]
             wire_bytes[
