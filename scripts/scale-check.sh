@@ -39,8 +39,9 @@ if [ -n "${ROW_THREADS:-}" ]; then  # e.g. ROW_THREADS=2,4: a shard's rows on N 
         # The sparse workload, PSFLOW_PS_THREADS 1 and n alternating, both paths (about 3
         # minutes on 16 cores; the full preset's 7 variants took over 4 a count).
         echo "== sparse shard, PSFLOW_PS_THREADS 1 against $n =="
+        # Each run's line says the rows a shard's core serves and each op's microseconds.
         "$py" benchmarks/embedding.py --workload sparse --paths shm,socket \
-            --ps_threads "1,$n" 2>&1 | tail -1 | tee "$out/sparse-t$n.log"
+            --ps_threads "1,$n" 2>&1 | tee "$out/sparse-t$n.log" | grep -v Warning
     done
 fi
 
