@@ -46,10 +46,11 @@ ENV = {
 }
 """Timeouts shorter than the hang, so that every hang outlasts them."""
 
-PRELOAD = "torch,psflow.train,psflow.ps,psflow.worker"
+PRELOAD = "torch,torch._dynamo,psflow.train,psflow.ps,psflow.worker"
 """What a job preloads with ``--preload`` (``psflow launch --preload``): the test runs every
 scenario so, each task (and each restart) forked from a server that imported these once,
-sparing 2-3 s of CPU a task."""
+sparing 2-3 s of CPU a task. ``torch._dynamo``: torch imports it at a process's first
+``torch.optim`` optimizer (every ps builds one), 1.5 s of CPU more a task else."""
 
 WORKERS = 3
 """Three workers: in synchronous mode, two aggregated per step and one backup."""

@@ -29,7 +29,11 @@ from pathlib import Path
 from typing import IO, Any
 
 _CONTEXT = multiprocessing.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "psflow", "psflow.ps", "tests.faults"])
+# torch._dynamo too: torch imports it at the first torch.optim optimizer a process builds (a ps
+# builds one for its first variables), 1.5 s of CPU and 800 modules more in each task else. It
+# starts no thread (multiprocessing's preload would not say so: the ForkServer of psflow launch
+# --preload checks, and tests.fault_matrix.PRELOAD has it too).
+_CONTEXT.set_forkserver_preload(["torch", "torch._dynamo", "psflow", "psflow.ps", "tests.faults"])
 
 
 class _Fd:
