@@ -6,21 +6,26 @@ exit by themselves; TensorFlow's never do, so whatever is still running at the e
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from psflow import env as envvars
 from psflow.cluster.cores import bind, core_sets, host_cpus, task_threads
+from psflow.cluster.forkserver import ForkedTask, ForkServer
 from psflow.cluster.ports import local_cluster
 from psflow.cluster.spec import ClusterSpec, TaskSpec
 
@@ -36,6 +41,7 @@ def run_job(
     share_cores: bool = True,
     bind_cores: bool = False,
     ps_results: dict[str, dict[str, Any]] | None = None,
+    preload: Sequence[str] = (),
 ) -> dict[str, dict[str, Any]]:
     """Runs every task of ``cluster``; returns each worker's ``RESULT`` keyed by task name
     (and puts each ps task's, where it prints one, into ``ps_results`` when given).
@@ -45,39 +51,46 @@ def run_job(
     ``share_cores``: each task gets ``OMP_NUM_THREADS`` as ``psflow launch`` gives it
     (``psflow.env.threads_per_task``), unless set; TensorFlow's tasks keep their own defaults.
     ``bind_cores``: each task is bound to the cores ``psflow launch --bind-cores`` gives it
-    (``psflow.cluster.cores.core_sets``).
+    (``psflow.cluster.cores.core_sets``). ``preload``: modules (``torch``, ``psflow``) a fork
+    server of this process imports once, every task then forked from it as ``psflow launch
+    --preload`` does (this Python's tasks only): what a smoke preset, run again and again by
+    the tests, spends mostly on importing torch in each task.
     """
-    procs: dict[TaskSpec, subprocess.Popen[str]] = {}
+    procs: dict[TaskSpec, _Task] = {}
     base_env = {**envvars.TASK_DEFAULTS, **os.environ, **(env or {})}  # as psflow launch does
     tasks_here = sum(1 for _ in cluster.tasks())
     cores = core_sets(cluster.tasks(), host_cpus()) if bind_cores else {}
+    server = _fork_server(preload, base_env) if preload and python == sys.executable else None
     try:
         for task in sorted(cluster.tasks(), key=lambda t: t.job != "ps"):
             e = dict(base_env, TF_CONFIG=cluster.to_tf_config(task), PYTHONUNBUFFERED="1")
             bound = cores.get(task)
             if share_cores or bound:  # as psflow launch does, unless set
                 e.setdefault(envvars.OMP_NUM_THREADS, task_threads(bound, tasks_here))
-            procs[task] = subprocess.Popen(
-                [python, *command(task)],
-                env=e,
-                preexec_fn=None if bound is None else functools.partial(bind, bound),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
+            if server is not None:
+                procs[task] = _Task(server.spawn(command(task), e, bound))
+                continue
+            procs[task] = _Task(
+                subprocess.Popen(
+                    [python, *command(task)],
+                    env=e,
+                    preexec_fn=None if bound is None else functools.partial(bind, bound),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                )
             )
         results: dict[str, dict[str, Any]] = {}
         deadline = time.monotonic() + timeout
         for task, proc in procs.items():
             if task.job == "ps":
                 continue
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            if proc.returncode != 0:
-                raise RuntimeError(
-                    f"{task} failed with exit code {proc.returncode}:\n{err[-3000:]}"
-                )
-            lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
-            if lines:
-                results[str(task)] = json.loads(lines[-1][len("RESULT ") :])
+            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            out, err = proc.output()
+            if code != 0:
+                raise RuntimeError(f"{task} failed with exit code {code}:\n{err[-3000:]}")
+            result = _result(out)
+            if result is not None:
+                results[str(task)] = result
         if ps_exit_timeout is not None:
             for task, proc in procs.items():
                 if task.job == "ps":
@@ -87,23 +100,81 @@ def run_job(
                         raise RuntimeError(
                             f"{task} did not exit after the workers finished"
                         ) from None
+                    out, err = proc.output()
                     if code != 0:
-                        raise RuntimeError(
-                            f"{task} exited with {code}: {proc.stderr.read()[-3000:]}"
-                        )  # type: ignore[union-attr]
-                    if ps_results is not None:
-                        lines = [
-                            ln for ln in proc.stdout.read().splitlines()  # type: ignore[union-attr]
-                            if ln.startswith("RESULT ")
-                        ]  # fmt: skip
-                        if lines:
-                            ps_results[str(task)] = json.loads(lines[-1][len("RESULT ") :])
+                        raise RuntimeError(f"{task} exited with {code}: {err[-3000:]}")
+                    result = _result(out)
+                    if ps_results is not None and result is not None:
+                        ps_results[str(task)] = result
         return results
     finally:
         for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
+            proc.kill()
+
+
+def _result(out: str) -> dict[str, Any] | None:
+    """A task's last ``RESULT`` line, read."""
+    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    return json.loads(lines[-1][len("RESULT ") :]) if lines else None
+
+
+class _Task:
+    """A task's process (started fresh, or forked by a :class:`ForkServer`) with its output
+    read as it comes: a task that prints much never waits on a full pipe."""
+
+    def __init__(self, proc: subprocess.Popen[bytes] | ForkedTask) -> None:
+        self.proc = proc
+        self._out: list[bytes] = []
+        self._err: list[bytes] = []
+        self._readers = [
+            threading.Thread(target=_drain, args=(stream, into), daemon=True)
+            for stream, into in ((proc.stdout, self._out), (proc.stderr, self._err))
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    def wait(self, timeout: float | None) -> int:
+        """The exit code (``subprocess.TimeoutExpired`` after ``timeout`` seconds)."""
+        return self.proc.wait(timeout)
+
+    def output(self) -> tuple[str, str]:
+        """Its standard output and error, once it has ended (and closed them)."""
+        for reader in self._readers:
+            reader.join(10.0)
+        return (
+            b"".join(self._out).decode(errors="replace"),
+            b"".join(self._err).decode(errors="replace"),
+        )
+
+    def kill(self) -> None:
+        """Kills it if it still runs, and waits for it."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30.0)
+
+
+def _drain(stream: IO[bytes] | None, into: list[bytes]) -> None:
+    if stream is None:
+        return
+    with stream:
+        for chunk in iter(lambda: stream.read1(1 << 16), b""):  # type: ignore[attr-defined]
+            into.append(chunk)
+
+
+_servers: dict[tuple[str, ...], ForkServer] = {}
+
+
+def _fork_server(modules: Sequence[str], env: dict[str, str]) -> ForkServer:
+    """This process's fork server for ``modules``, started at its first job (with that job's
+    environment: each task gets its own) and stopped at exit."""
+    key = tuple(modules)
+    server = _servers.get(key)
+    if server is None:
+        server = _servers[key] = ForkServer(modules, env)
+        server.start()
+        atexit.register(server.stop)
+    return server
 
 
 def run_tf_job(cluster: ClusterSpec, argv: list[str], tf_python: str) -> dict[str, dict[str, Any]]:
