@@ -162,6 +162,19 @@ def _drain(stream: IO[bytes] | None, into: list[bytes]) -> None:
             into.append(chunk)
 
 
+PRELOAD = ("torch", "torch._dynamo", "psflow", "psflow.ps", "psflow.worker")
+"""What a smoke preset's tasks are forked from (:func:`smoke_preload`). ``torch._dynamo``:
+torch imports it at a process's first ``torch.optim`` optimizer (each ps builds one), 1.5 s of
+CPU a task."""
+
+
+def smoke_preload(preset: str) -> tuple[str, ...]:
+    """``run_job``'s ``preload`` for a benchmark's ``preset``: the smoke preset, which the test
+    suite runs again and again, forks its tasks from one server (:data:`PRELOAD`); the presets
+    that measure start every task fresh, as ``psflow launch`` does by default."""
+    return PRELOAD if preset == "smoke" else ()
+
+
 _servers: dict[tuple[str, ...], ForkServer] = {}
 
 

@@ -105,17 +105,7 @@ PRESETS["profile"] = {
 PRESETS["example"] |= {k: v for k, v in PRESETS["full"].items() if k != "ctr"}
 DIM = 64
 UNIQUE_IDS = 4096
-PRELOAD = ("torch", "torch._dynamo", "psflow", "psflow.ps", "psflow.worker")
-"""The smoke preset's preloaded modules (``_preload``). ``torch._dynamo``: torch imports it at
-a process's first ``torch.optim`` optimizer (each ps builds one), 1.5 s of CPU a task."""
 PS = 2
-
-
-def _preload(preset: str) -> tuple[str, ...]:
-    """What the tasks are forked from (``common.run_job``'s ``preload``): the smoke preset,
-    which the test suite runs, skips each task's imports; the presets that measure start every
-    task fresh, as ``psflow launch`` does by default."""
-    return PRELOAD if preset == "smoke" else ()
 
 
 def _peak_rss_bytes() -> int:
@@ -295,7 +285,7 @@ def _synthesize(out: str, p: dict[str, Any]) -> None:
 
 def run_ctr(args: argparse.Namespace, p: dict[str, Any], base: list[str]) -> dict[str, Any]:
     """The ctr workload, both runtimes side by side (see the module docstring)."""
-    from common import new_cluster, run_job, run_tf_job
+    from common import new_cluster, run_job, run_tf_job, smoke_preload
 
     tf_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf_embedding.py")
     out: dict[str, Any] = {"batch": p["batch"], "workers": 2, "ps": PS}
@@ -313,7 +303,7 @@ def run_ctr(args: argparse.Namespace, p: dict[str, Any], base: list[str]) -> dic
                     lambda _t, c=cmd: c,
                     env={"PSFLOW_SHM": shm},
                     bind_cores=bind,
-                    preload=_preload(args.preset),
+                    preload=smoke_preload(args.preset),
                 )
                 runs[path].append(sum(x["samples"] / x["seconds"] for x in r.values()))
                 out["psflow_last_loss"] = round(max(x["last_loss"] for x in r.values()), 4)
@@ -429,7 +419,7 @@ def main() -> None:
         )
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from common import emit, machine, new_cluster, run_job, run_tf_job
+    from common import emit, machine, new_cluster, run_job, run_tf_job, smoke_preload
 
     me = os.path.abspath(__file__)
     tf_script = os.path.join(os.path.dirname(me), "tf_embedding.py")
@@ -449,7 +439,7 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 cmd = [*base, "--rows", str(rows), "--save-dir", tmp]
                 job = run_job(
-                    new_cluster(PS, 1), lambda _t, c=cmd: c, preload=_preload(args.preset)
+                    new_cluster(PS, 1), lambda _t, c=cmd: c, preload=smoke_preload(args.preset)
                 )
                 r = next(iter(job.values()))
             entry = {
@@ -518,7 +508,7 @@ def main() -> None:
                 bind_cores=bind,
                 ps_results=shards,
                 # Another checkout's tasks import its own psflow: never this one's server.
-                preload=_preload(args.preset) if tree is None else (),
+                preload=smoke_preload(args.preset) if tree is None else (),
             )
             (only,) = r.values()
             runs[path].append(only["rows"] / only["seconds"] / PS)

@@ -144,7 +144,16 @@ def main() -> None:
 
     # Imported only here: the TensorFlow tasks run in a Python that may lack psflow and torch.
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from common import emit, keys_dir, machine, median, new_cluster, run_job, run_tf_job
+    from common import (
+        emit,
+        keys_dir,
+        machine,
+        median,
+        new_cluster,
+        run_job,
+        run_tf_job,
+        smoke_preload,
+    )
 
     me = os.path.abspath(__file__)
     result: dict[str, object] = {
@@ -168,7 +177,12 @@ def main() -> None:
         # Side by side: the variants alternate, in turn first and last (ABBA), so that both see
         # the same machine conditions and neither always follows the other.
         for out, env in sides if i % 2 == 0 else sides[::-1]:
-            res = run_job(new_cluster(1, args.workers), lambda _t, c=cmd: c, env=env)
+            res = run_job(
+                new_cluster(1, args.workers),
+                lambda _t, c=cmd: c,
+                env=env,
+                preload=smoke_preload(args.preset),
+            )
             out.append(steps_per_second(res))
             cpu[id(out)].append(worker_cpu_us(res))
         if args.compare_tf:

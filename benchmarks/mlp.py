@@ -244,7 +244,7 @@ def main() -> None:
         return tf_task(mode == "sync", dims, steps, warmup)
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from common import emit, keys_dir, machine, median, new_cluster, run_job
+    from common import emit, keys_dir, machine, median, new_cluster, run_job, smoke_preload
 
     me = os.path.abspath(__file__)
     model_bytes = _num_params(dims) * 4
@@ -261,13 +261,14 @@ def main() -> None:
     def run(runtime: str, mode: str) -> tuple[float, float]:
         cmd = [me, "--role", f"{runtime.split('+')[0]}:{mode}", "--preset", args.preset]
         ps = 0 if mode == "allreduce" else 1
-        kwargs: dict[str, object] = {}
+        # All-reduce's tasks (gloo) start fresh: forked from the preloaded server, they hung.
+        kwargs: dict[str, object] = {"preload": smoke_preload(args.preset) if ps else ()}
         if runtime == "tf":
             kwargs = {"python": args.tf_python, "ps_exit_timeout": None, "env": tf_env}
         if runtime == "psflow+metrics":  # every task records and serves its metrics
-            kwargs = {"env": {"PSFLOW_METRICS_PORT": "0"}}
+            kwargs["env"] = {"PSFLOW_METRICS_PORT": "0"}
         if runtime == "psflow+keys":  # CurveZMQ: every socket message encrypted
-            kwargs = {"env": {"PSFLOW_KEYS_DIR": keys_dir()}}
+            kwargs["env"] = {"PSFLOW_KEYS_DIR": keys_dir()}
         res = run_job(new_cluster(ps, args.workers), lambda _t, c=cmd: c, **kwargs)  # type: ignore[arg-type]
         return figures(mode, res, model_bytes)
 

@@ -167,7 +167,7 @@ def main() -> None:
         return tf_worker(p["mb"], p["iters"], p["warmup"])
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from common import emit, machine, median, new_cluster, run_job, run_tf_job
+    from common import emit, machine, median, new_cluster, run_job, run_tf_job, smoke_preload
 
     me = os.path.abspath(__file__)
     raw, ours, lanes, theirs = [], [], [], []
@@ -176,7 +176,12 @@ def main() -> None:
         raw.append(run_raw(p["mb"], p["iters"], p["warmup"]))
         cmd = [me, "--role", "psflow", "--preset", args.preset]
         for shm, out in (("0", ours), ("1", lanes)):
-            r = run_job(new_cluster(1, 1), lambda _t, c=cmd: c, env={"PSFLOW_SHM": shm})
+            r = run_job(
+                new_cluster(1, 1),
+                lambda _t, c=cmd: c,
+                env={"PSFLOW_SHM": shm},
+                preload=smoke_preload(args.preset),
+            )
             out.append(r["worker:0"]["bytes"] / r["worker:0"]["seconds"] / 1e9)
         if args.compare_tf:
             cmd = [me, "--role", "tf", "--preset", args.preset]
