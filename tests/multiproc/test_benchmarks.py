@@ -73,6 +73,8 @@ def test_embedding_benchmark(workload: str) -> None:
     assert result["benchmark"] == "embedding" and result["workload"] == workload
     if workload == "sparse":
         assert result["shm_rows_per_s_per_shard"] > 0 and result["socket_rows_per_s_per_shard"] > 0
+        # What a shard's core serves, from the ps tasks' own serving CPU (handling_cpu).
+        assert result["shm_rows_per_shard_cpu_s"] > result["shm_rows_per_s_per_shard"]
         assert result["payload_bytes_per_step"] == 2 * 4096 * (8 + 64 * 4)
     elif workload == "ctr":
         assert result["shm_samples_per_s"] > 0 and result["socket_samples_per_s"] > 0
