@@ -22,7 +22,7 @@ It imports only torch, :mod:`psflow.protocol` and :mod:`psflow.sparse`.
 
 from psflow.nn.config import TableConfig
 from psflow.nn.embedding import Embedding, EmbeddingBag
-from psflow.nn.table import RowSource, TableModule
+from psflow.nn.table import RowSource, RowSourceReplaced, TableModule
 from psflow.protocol import RowOptimizerSpec
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "EmbeddingBag",
     "RowOptimizerSpec",
     "RowSource",
+    "RowSourceReplaced",
     "TableConfig",
     "TableModule",
 ]

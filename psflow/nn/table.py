@@ -27,6 +27,12 @@ from psflow.protocol import TableSpec
 from psflow.sparse import initial_rows
 
 
+class RowSourceReplaced(Exception):
+    """Raised by a row source that was replaced while it served a lookup: the worker's job
+    recovered from a lost ps and attached a new source to the model's tables. The table asks
+    again, of the source attached now."""
+
+
 @runtime_checkable
 class RowSource(Protocol):
     """Where an attached table's rows come from: set on the module by the worker.
@@ -300,7 +306,12 @@ class TableModule(FrozenTable):
                 0, self.embedding_dim, dtype=self._dtype, device=ids.device, requires_grad=True
             )
             return flat.reshape(ids.shape), rows, None
-        rows, positions = batch_rows(self._row_source(), self, flat)
+        while True:
+            try:
+                rows, positions = batch_rows(self._row_source(), self, flat)
+                break
+            except RowSourceReplaced:
+                continue  # asked again, of the source attached now
         unique = int(positions.max()) + 1
         if rows.shape != (unique, self.embedding_dim):
             raise RuntimeError(
@@ -328,7 +339,10 @@ class TableModule(FrozenTable):
         flat = self._batch_ids(ids, check_range=False)  # the source checks, as it groups them
         if not flat.numel():
             return None
-        rows, parts, positions = parts_of(self, flat)
+        try:
+            rows, parts, positions = parts_of(self, flat)
+        except RowSourceReplaced:
+            return self._gather_parts(ids)  # the source attached now (it may have no parts)
         held = sum(p.shape[0] for p in parts)
         if rows.shape != (held, self.embedding_dim) or any(
             p.shape[1:] != (self.embedding_dim,) for p in parts

@@ -29,7 +29,7 @@ from psflow.train.session_config import SessionConfig
 from psflow.transport import PeerError, PeerLostError, PeerTimeoutError, TransportConfig
 from psflow.worker import DistributedOptimizer, Mode, ShardedClient
 from psflow.worker.placement import Piece, dense_parameters
-from psflow.worker.tables import table_specs, tables_of
+from psflow.worker.tables import TableClient, table_specs, tables_of
 
 if TYPE_CHECKING:
     from psflow.worker.allreduce import AllReduceEngine
@@ -254,6 +254,22 @@ class Restoring:
             log.info("the ps were already initialised: not restoring %s", ckpt.name)
         return True
 
+    def _watch_lookups(self) -> None:
+        """A table's lookup in the forward pass that meets a lost ps recovers as a step does
+        (:meth:`_recover`), then asks the tables' new source again. Not with ``input=``: the
+        batch in that forward was read past what the ps hold, and the reader goes back to
+        where they stand (it fails, and the job's restart replays exactly)."""
+        exchange = getattr(self.opt.engine, "exchange", None)
+        tables = getattr(exchange, "tables", None)
+        if isinstance(tables, TableClient) and tables and self._input is None:
+            tables.on_lost = self._lost_in_a_lookup
+
+    def _lost_in_a_lookup(self, error: PeerError) -> None:
+        log.warning("%s: a table's lookup met a lost ps (%s): recovering", self.ctx.task, error)
+        self.global_step = (
+            self._ended_by_sigterm(error) if self._terminated else self._recover(error)
+        )
+
     def _recover(self, error: PeerError) -> int:
         """After a ps failed to answer: waits for every ps to answer again; the chief restores
         the latest checkpoint into every shard when one came back empty (a crashed ps that its
@@ -307,6 +323,7 @@ class Restoring:
                     "%s came back empty: every shard restored from %s", names, self.restored_from
                 )
         self.opt = self._optimizer(timeout)
+        self._watch_lookups()
         if self._input is not None:  # where the ps stand now: maybe a checkpoint's positions
             self._input.resume(self.opt)
         log.warning("%s: training goes on at global step %d", self.ctx.task, self.opt.global_step)

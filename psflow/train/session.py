@@ -203,6 +203,7 @@ class TrainingSession(Restoring, StopOnSignals):
                 self._client.wait_ready(ready_timeout, initialized=False)  # ps may be starting
                 self._restore_or_nothing(ready_timeout)
             self.opt = self._optimizer(ready_timeout)
+            self._watch_lookups()
             if self.alone:
                 self._start_alone()
             elif self.opt.mode == Mode.ALLREDUCE:

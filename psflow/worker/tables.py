@@ -19,14 +19,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 import psflow.sparse.kernels as kernels
-from psflow.nn import TableModule
+from psflow.nn import RowSourceReplaced, TableModule
 from psflow.protocol import OptimizerSpec, RowOptimizerSpec, TableSpec
 from psflow.protocol.messages import (
     initial_ids_tensor_name,
@@ -36,6 +36,7 @@ from psflow.protocol.messages import (
     row_tensor_names,
 )
 from psflow.sparse import Partition, coalesce
+from psflow.transport import PeerError, PeerLostError, PeerTimeoutError
 from psflow.worker.client import ShardedClient, Tensors
 
 log = logging.getLogger(__name__)
@@ -179,6 +180,11 @@ class TableClient:
         """Per table, rows that came with the last push (each shard's, where it came: its
         lane, until the next request to that shard moves it out): used by the forward that
         asks for exactly those ids."""
+        self.on_lost: Callable[[PeerError], None] | None = None
+        """What a lookup that meets a lost ps (:class:`~psflow.transport.PeerLostError`, a
+        timeout) calls before the table asks again: the training session's recovery, which
+        waits for the ps, has the chief restore an empty one, and attaches a new source to
+        the tables (it raises when it cannot). ``None``: the error reaches the forward pass."""
         for module in self.modules.values():
             module.attach(self)
 
@@ -367,14 +373,20 @@ class TableClient:
             dtype = getattr(torch, spec.dtype)
             values = torch.empty((unique.numel(), spec.embedding_dim), dtype=dtype)
             into = {s: {name: values[at]} for s, (_, at) in split.items() if isinstance(at, slice)}
-        replies = self.client.lookup(
-            {s: [(name, shard_ids)] for s, (shard_ids, _) in split.items()},
-            into,
-            # Narrow rows are left where they came and cast as they are copied out of there.
-            views=views or wire is not None,
-            absent_zeros=eval,
-            row_dtypes=None if wire is None else {name: wire},
-        )
+        try:
+            replies = self.client.lookup(
+                {s: [(name, shard_ids)] for s, (shard_ids, _) in split.items()},
+                into,
+                # Narrow rows are left where they came and cast as they are copied out of there.
+                views=views or wire is not None,
+                absent_zeros=eval,
+                row_dtypes=None if wire is None else {name: wire},
+            )
+        except (PeerLostError, PeerTimeoutError) as e:
+            if self.on_lost is None:
+                raise
+            self.on_lost(e)  # recovered (or raises): a new source is attached to the tables
+            raise RowSourceReplaced(f"{name}'s lookup met {e.peer} lost; asked again") from e
         parts = {}
         for s, (_, shard_tensors) in replies.items():
             if len(shard_tensors) != 1 or shard_tensors[0][0] != name:
