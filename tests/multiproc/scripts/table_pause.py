@@ -33,13 +33,18 @@ if ctx.job == "ps":
 
 
 class Scores(torch.nn.Module):
+    """DLRM's order: a dense layer's output before the lookup, both in the loss."""
+
     def __init__(self) -> None:
         super().__init__()
+        self.bottom = torch.nn.Linear(4, 8)
+        self.big = torch.nn.Linear(256, 256)  # values that do not travel inline
         self.rows = psflow.nn.Embedding(512, 8)
         self.out = torch.nn.Linear(8, 1)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.out(self.rows(ids)).squeeze(-1)
+    def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        x = self.bottom(dense) + 1e-3 * self.big(torch.ones(1, 256)).mean()
+        return self.out(x * self.rows(ids)).squeeze(-1)
 
 
 torch.manual_seed(ctx.index)
@@ -59,7 +64,8 @@ with TrainingSession(
     while not sess.should_stop():
         ids = torch.randint(0, 512, (64,))  # rows on every shard: each lookup asks them all
         sess.zero_grad()
-        torch.nn.functional.mse_loss(model(ids), torch.ones(64)).backward()
+        dense = torch.randn(64, 4)
+        torch.nn.functional.mse_loss(model(dense, ids), torch.ones(64)).backward()
         sess.step()
         if not paused and sess.global_step >= args.pause_at:
             paused = True
