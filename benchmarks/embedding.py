@@ -116,6 +116,20 @@ def _peak_rss_bytes() -> int:
     return 0
 
 
+def serve_shard(ctx: Any) -> None:
+    """A ps task: serves until the workers are done, then prints what its serving thread
+    spent on the rows (the steps' lookups and pushes, warm-up included) as its ``RESULT``, for
+    the rows a shard's core serves a second."""
+    import psflow
+
+    server = psflow.ParameterServer(ctx)
+    server.join()
+    cpu = getattr(server, "handling_cpu", None)  # an older checkout (--against_tree) has none
+    if cpu is not None:
+        ops = {op: cpu.get(op, 0.0) for op in ("lookup", "push", "push_pull")}
+        print("RESULT " + json.dumps({"handling_cpu_seconds": sum(ops.values()), "by_op": ops}))
+
+
 def psflow_task(
     rows: int,
     steps: int,
@@ -138,16 +152,7 @@ def psflow_task(
 
     ctx, _ = psflow.resolve([])
     if ctx.job == "ps":
-        server = psflow.ParameterServer(ctx)
-        server.join()
-        # What its serving thread spent on the rows (the steps' lookups and pushes, warm-up
-        # included), for the rows a shard's core serves a second.
-        cpu = getattr(server, "handling_cpu", None)  # an older checkout (--against_tree) has none
-        if cpu is not None:
-            ops = {op: cpu.get(op, 0.0) for op in ("lookup", "push", "push_pull")}
-            served = sum(ops.values())
-            print("RESULT " + json.dumps({"handling_cpu_seconds": served, "by_op": ops}))
-        return
+        return serve_shard(ctx)
     rng = np.random.default_rng(ctx.index)
     batches = [
         torch.from_numpy(unique_zipf_ids(rng, rows, UNIQUE_IDS)) for _ in range(steps + warmup)
@@ -222,16 +227,7 @@ def ctr_task(p: dict[str, Any], data: str, prefetch: bool) -> None:
 
     ctx, _ = psflow.resolve([])
     if ctx.job == "ps":
-        server = psflow.ParameterServer(ctx)
-        server.join()
-        # What its serving thread spent on the rows (the steps' lookups and pushes, warm-up
-        # included), for the rows a shard's core serves a second.
-        cpu = getattr(server, "handling_cpu", None)  # an older checkout (--against_tree) has none
-        if cpu is not None:
-            ops = {op: cpu.get(op, 0.0) for op in ("lookup", "push", "push_pull")}
-            served = sum(ops.values())
-            print("RESULT " + json.dumps({"handling_cpu_seconds": served, "by_op": ops}))
-        return
+        return serve_shard(ctx)
     trainers = ctx.cluster.trainers
     torch.manual_seed(0)
     adagrad = {"lr": 0.01, "initial_accumulator_value": 0.1}  # TensorFlow's side's
