@@ -265,10 +265,10 @@ class Restoring:
             tables.on_lost = self._lost_in_a_lookup
 
     def _lost_in_a_lookup(self, error: PeerError) -> None:
+        # _recover attaches a new source to the tables or raises: the table never asks the
+        # old one again (a lost ps or a timeout, never SIGTERM's STOPPING refusal).
         log.warning("%s: a table's lookup met a lost ps (%s): recovering", self.ctx.task, error)
-        self.global_step = (
-            self._ended_by_sigterm(error) if self._terminated else self._recover(error)
-        )
+        self.global_step = self._recover(error)
 
     def _recover(self, error: PeerError) -> int:
         """After a ps failed to answer: waits for every ps to answer again; the chief restores
