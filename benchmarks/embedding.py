@@ -415,7 +415,7 @@ def main() -> None:
         )
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from common import emit, machine, new_cluster, run_job, run_tf_job, smoke_preload
+    from common import emit, machine, median, new_cluster, run_job, run_tf_job, smoke_preload
 
     me = os.path.abspath(__file__)
     tf_script = os.path.join(os.path.dirname(me), "tf_embedding.py")
@@ -551,20 +551,18 @@ def main() -> None:
     result.update(summarize(runs, "rows_per_s_per_shard"))
     for path, values in per_core.items():
         if values:
-            result[f"{path}_rows_per_shard_cpu_s"] = round(sorted(values)[len(values) // 2])
+            result[f"{path}_rows_per_shard_cpu_s"] = round(median(values))
             result[f"{path}_per_core_runs"] = [round(v) for v in values]
     if args.against_tree:
         result["against_tree"] = trees[1][1]
         for path, *_ in runs_of:
             if path.startswith("against_") or not runs.get(f"against_{path}"):
                 continue
-            new_rate = sorted(runs[path])[len(runs[path]) // 2]
-            old_rate = sorted(runs[f"against_{path}"])[len(runs[f"against_{path}"]) // 2]
-            result[f"{path}_vs_against"] = round(new_rate / old_rate, 3)
+            ratio = median(runs[path]) / median(runs[f"against_{path}"])
+            result[f"{path}_vs_against"] = round(ratio, 3)
             new_cpu, old_cpu = per_core[path], per_core[f"against_{path}"]
             if new_cpu and old_cpu:
-                ratio = sorted(new_cpu)[len(new_cpu) // 2] / sorted(old_cpu)[len(old_cpu) // 2]
-                result[f"{path}_per_core_vs_against"] = round(ratio, 3)
+                result[f"{path}_per_core_vs_against"] = round(median(new_cpu) / median(old_cpu), 3)
     result["machine"] = machine()
     emit(result)
 

@@ -41,9 +41,19 @@ def start_ps(
     options of :mod:`tests.faults` (``["--slow-save", "1.5"]``). Forked from a server that has
     imported torch (:mod:`tests.multiproc.forked`), it serves a second or two sooner than
     ``python -c PS_MAIN`` would, at the CPU cost of a fork."""
-    task = TaskSpec(job="ps", index=index)
-    e = dict(os.environ, TF_CONFIG=cluster.to_tf_config(task), PYTHONUNBUFFERED="1", **(env or {}))
-    return Forked([*faults, "-c", PS_MAIN], env=e)
+    return Forked(
+        [*faults, "-c", PS_MAIN], env=task_env(cluster, TaskSpec(job="ps", index=index), env)
+    )
+
+
+def task_env(
+    cluster: ClusterSpec, task: TaskSpec, extra: dict[str, str] | None = None
+) -> dict[str, str]:
+    """A task's environment as a launcher gives it: this one's, its ``TF_CONFIG``, unbuffered
+    output, and ``extra``."""
+    return dict(
+        os.environ, TF_CONFIG=cluster.to_tf_config(task), PYTHONUNBUFFERED="1", **(extra or {})
+    )
 
 
 def launch_cmd(

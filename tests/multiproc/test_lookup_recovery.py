@@ -4,7 +4,6 @@ back empty) before the table asks again; no worker fails or restarts."""
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 import psflow
 
 from .forked import Forked
-from .support import ROOT, local_cluster, start_ps, stop
+from .support import ROOT, local_cluster, start_ps, stop, task_env
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
@@ -24,15 +23,9 @@ PAUSE_AT = 20
 
 
 def _worker(cluster: psflow.ClusterSpec, index: int, tmp: Path) -> Forked:
-    task = psflow.TaskSpec(job="worker", index=index)
-    env = dict(
-        os.environ,
-        TF_CONFIG=cluster.to_tf_config(task),
-        PYTHONUNBUFFERED="1",
-        # The killed ps is named at once (its lane hangs up, or the new one has no tables);
-        # this only bounds a request to a ps that is alive on a loaded machine.
-        PSFLOW_TIMEOUT="10",
-    )
+    # The killed ps is named at once (its lane hangs up, or the new one has no tables); the
+    # timeout only bounds a request to a ps that is alive on a loaded machine.
+    env = task_env(cluster, psflow.TaskSpec(job="worker", index=index), {"PSFLOW_TIMEOUT": "10"})
     args = ["--logdir", str(tmp / "run"), "--steps", str(STEPS), "--pause_at", str(PAUSE_AT)]
     return Forked(
         [str(SCRIPT), *args, "--go", str(tmp / "go")], env=env, output=tmp / f"worker-{index}.log"

@@ -4,7 +4,6 @@ checkpoint, restored by the chief into every shard."""
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import signal
 import time
@@ -21,7 +20,7 @@ from psflow.transport import PeerError, PeerLostError, TransportConfig
 from psflow.worker.client import ShardedClient
 
 from .forked import Forked
-from .support import ROOT, local_cluster, start_ps, stop, worker_ctx
+from .support import ROOT, local_cluster, start_ps, stop, task_env, worker_ctx
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
@@ -38,18 +37,18 @@ SAVE = STEPS // 6
 def _worker(cluster: psflow.ClusterSpec, index: int, logdir: Path, mode: str) -> Forked:
     """The example as worker ``index``, forked from the server that imported torch
     (:mod:`tests.multiproc.forked`): its own process, environment and pipes."""
-    task = psflow.TaskSpec(job="worker", index=index)
-    env = dict(
-        os.environ,
-        TF_CONFIG=cluster.to_tf_config(task),
-        PYTHONUNBUFFERED="1",
-        # The ps that is killed is named at once (its connection drops); this only bounds a
-        # request to a ps that is alive, which a loaded machine can keep waiting seconds.
-        PSFLOW_TIMEOUT="10",
-        PSFLOW_MODE=mode,
-        # A synchronous step that lost a worker to the recovery cannot complete: its other
-        # workers notice after this long.
-        PSFLOW_SYNC_TIMEOUT="5",
+    env = task_env(
+        cluster,
+        psflow.TaskSpec(job="worker", index=index),
+        {
+            # The ps that is killed is named at once (its connection drops); this only bounds
+            # a request to a ps that is alive, which a loaded machine can keep waiting seconds.
+            "PSFLOW_TIMEOUT": "10",
+            "PSFLOW_MODE": mode,
+            # A synchronous step that lost a worker to the recovery cannot complete: its other
+            # workers notice after this long.
+            "PSFLOW_SYNC_TIMEOUT": "5",
+        },
     )
     args = ["--train_steps", str(STEPS), "--lr", str(LR), "--save_checkpoint_steps", str(SAVE)]
     return Forked([EXAMPLE, *args, "--logdir", str(logdir)], env=env)
