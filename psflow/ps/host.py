@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from psflow.protocol import Code, Key, Op
@@ -58,10 +59,7 @@ class TransportHost:
     ) -> None:
         """Answers ``request`` (op ``ok`` and the shard's step unless ``header`` says)."""
         assert self._server is not None
-        header.setdefault(_OP, _OK)
-        header.setdefault(_STEP, self.store.step)
-        if self.store.schedule is not None:
-            header.setdefault(_LR, self.store.learning_rate())
+        self._defaults(header)
         self._server.reply(request, header, tensors)
 
     def reply_tensors(
@@ -71,6 +69,40 @@ class TransportHost:
         ``Server.reply_tensors``), or ``None``."""
         assert self._server is not None
         return self._server.reply_tensors(request, specs)
+
+    def tensor_buffers(self, request: Request) -> list[tuple[Any, int]] | None:
+        """Where each tensor of ``request`` lies as it came, or ``None`` (see
+        ``Server.tensor_buffers``)."""
+        assert self._server is not None
+        return self._server.tensor_buffers(request)
+
+    def reply_area(
+        self, request: Request, sizes: Sequence[int]
+    ) -> tuple[np.ndarray[Any, Any], list[int]] | None:
+        """Where a native path writes a reply's tensors of these byte sizes in ``request``'s
+        lane, or ``None`` (see ``Server.reply_area``)."""
+        assert self._server is not None
+        return self._server.reply_area(request, sizes)
+
+    def reply_placed(
+        self,
+        request: Request,
+        header: dict[str, Any],
+        metas: list[list[Any]],
+        raws: Sequence[Any] | None = None,
+    ) -> None:
+        """Answers ``request`` as :meth:`reply` does, with tensors a native path wrote itself
+        (see ``Server.reply_placed``)."""
+        assert self._server is not None
+        self._defaults(header)
+        self._server.reply_placed(request, header, metas, raws)
+
+    def _defaults(self, header: dict[str, Any]) -> None:
+        """A reply's op ``ok`` and the shard's step (and learning rate), unless it says."""
+        header.setdefault(_OP, _OK)
+        header.setdefault(_STEP, self.store.step)
+        if self.store.schedule is not None:
+            header.setdefault(_LR, self.store.learning_rate())
 
     def refuse(self, request: Request, message: str, code: Code) -> None:
         """Answers ``request`` with an error of kind ``code``."""

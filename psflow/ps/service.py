@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from psflow.metrics import PsMetrics
@@ -83,6 +84,30 @@ class ServiceHost(Protocol):
         """Tensors of these dtypes and shapes made where :meth:`reply` would copy them (the
         request's lane), for a handler to fill and answer with; ``None``: answer with tensors
         of its own. They overlay the request's tensors: take those without ``transient``."""
+        ...
+
+    def tensor_buffers(self, request: Request) -> list[tuple[Any, int]] | None:
+        """Where each tensor of ``request`` lies as it came, ``(buffer, byte offset)``, for a
+        native path; ``None`` where only :meth:`tensors` can make them."""
+        ...
+
+    def reply_area(
+        self, request: Request, sizes: Sequence[int]
+    ) -> tuple[np.ndarray[Any, Any], list[int]] | None:
+        """Where a native path writes a reply's tensors of these byte sizes (``request``'s
+        lane, its request area) and each one's offset; ``None``: not by lane, or too large."""
+        ...
+
+    def reply_placed(
+        self,
+        request: Request,
+        header: dict[str, Any],
+        metas: list[list[Any]],
+        raws: Sequence[Any] | None = None,
+    ) -> None:
+        """Answers ``request`` as :meth:`reply` does, with tensors (``metas``: ``[name,
+        dtype, shape]`` each) a native path wrote where :meth:`reply_area` said, or whose
+        bytes are ``raws`` (fresh buffers)."""
         ...
 
     def refuse(self, request: Request, message: str, code: Code) -> None:

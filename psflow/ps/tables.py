@@ -36,6 +36,7 @@ from psflow.protocol.messages import (
 )
 from psflow.protocol.tables import check_wire_dtype
 from psflow.ps import safefile
+from psflow.ps.native import NativeLookup
 from psflow.ps.service import Handler, Service, ServiceHost
 from psflow.ps.store import RowGrads
 from psflow.sparse import FixedRows, HashedRows, Rows, coalesce, make_rows
@@ -481,12 +482,16 @@ class TableService(Service):
 
     def __init__(self, host: ServiceHost) -> None:
         self.host = host
+        self.native = NativeLookup(host)
+        """Fixed tables' lookups served from bytes to bytes (:mod:`psflow.ps.native`)."""
 
     def handlers(self) -> Mapping[Op, Handler]:
         return {Op.LOOKUP: self._lookup, Op.TABLE_STATUS: self._status}
 
     def _lookup(self, request: Request) -> None:
         self.host.require_initialized()
+        if self.native.serve(request):
+            return
         zeros = request.header.get(Key.ABSENT_ZEROS, False)
         if not isinstance(zeros, bool):
             raise ValueError(f"'{Key.ABSENT_ZEROS}' must be true or false, got {zeros!r}")

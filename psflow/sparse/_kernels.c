@@ -16,6 +16,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "_kernels.h"
 
@@ -339,6 +340,131 @@ static PyObject *py_interleave(PyObject *self, PyObject *args) {
     return Py_BuildValue("");
 }
 
+/* A lookup served from the request's bytes to the reply's: each job is
+ * (src, src_off, n, dst, dst_off, values, rows, row_bytes, num_embeddings, div, num_shards, shard,
+ *  q, r, boundary): n int64 ids at byte src_off of buffer src, looked up in a fixed table's shard
+ * (values: its storage's address, rows of row_bytes bytes) and, with `gather`, gathered to byte
+ * dst_off of buffer dst. Every job's ids are copied out first (the rows may overlay them, as in a
+ * lane's request area) and checked as psflow_check_ids checks them; their rows in storage go to
+ * `local` (a buffer of every job's ids' count of int64, one job after another), for a caller
+ * that gathers them itself (in stripes, on several threads). No row is written unless every
+ * job's ids are good. Returns (-1, 0, -1) when done, else (job, why, position): why 1 out of
+ * range, 2 another shard's, 3 twice (psflow_check_ids), 4 the job does not fit its buffers. */
+#define LOOKUP_FIELDS 15
+static PyObject *py_lookup_rows(PyObject *self, PyObject *args) {
+    PyObject *jobs;
+    Py_buffer local_buf;
+    int gather;
+    if (!PyArg_ParseTuple(args, "O!w*p", &PyList_Type, &jobs, &local_buf, &gather)) return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(jobs);
+    typedef struct {
+        Py_buffer src, dst;
+        Py_ssize_t src_off, n, dst_off, values, rows, row_bytes;
+        long long num_embeddings, q, r, boundary;
+        int div, num_shards, shard;
+    } job_t;
+    job_t *job = calloc((size_t)(count ? count : 1), sizeof(job_t));
+    if (job == NULL) {
+        PyBuffer_Release(&local_buf);
+        return PyErr_NoMemory();
+    }
+    PyObject *result = NULL;
+    int64_t *ids = NULL, *set = NULL;
+    unsigned char *used = NULL;
+    Py_ssize_t held = 0, total = 0, most = 0, failed = -1, at = -1;
+    int why = 0;
+    for (; held < count; held++) {
+        job_t *j = &job[held];
+        PyObject *t = PyList_GET_ITEM(jobs, held);
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != LOOKUP_FIELDS) {
+            PyErr_SetString(PyExc_TypeError, "lookup_rows: each job is a tuple of 15");
+            goto done;
+        }
+        if (!PyArg_ParseTuple(t, "y*nnw*nnnnLpiiLLL", &j->src, &j->src_off, &j->n, &j->dst,
+                              &j->dst_off, &j->values, &j->rows, &j->row_bytes,
+                              &j->num_embeddings, &j->div, &j->num_shards, &j->shard, &j->q,
+                              &j->r, &j->boundary))
+            goto done;
+        int fits = j->n >= 0 && j->row_bytes > 0 && j->src_off >= 0 && j->dst_off >= 0 &&
+                   j->n <= (j->src.len - j->src_off) / 8 &&
+                   j->src_off <= j->src.len && j->dst_off <= j->dst.len &&
+                   j->n <= (j->dst.len - j->dst_off) / j->row_bytes;
+        if (!fits && failed < 0) {
+            failed = held;
+            why = 4;
+        }
+        total += j->n;
+        if (j->n > most) most = j->n;
+    }
+    if (failed < 0 && local_buf.len / 8 < total) {
+        PyErr_SetString(PyExc_ValueError, "lookup_rows: `local` is smaller than the ids");
+        goto done;
+    }
+    if (failed >= 0) {
+        result = Py_BuildValue("nin", failed, why, at);
+        goto done;
+    }
+    Py_ssize_t slots = hash_slots(most);
+    ids = malloc((size_t)(total ? total : 1) * sizeof(int64_t));
+    set = malloc((size_t)slots * sizeof(int64_t));
+    used = malloc((size_t)slots);
+    if (ids == NULL || set == NULL || used == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    int64_t *at_ids = ids;
+    for (Py_ssize_t i = 0; i < count && failed < 0; i++) {
+        job_t *j = &job[i];
+        memcpy(at_ids, (const char *)j->src.buf + j->src_off, (size_t)j->n * 8);
+        memset(used, 0, (size_t)hash_slots(j->n));
+        int code = psflow_check_ids(at_ids, j->n, j->num_embeddings, j->div, j->num_shards,
+                                    j->shard, j->q, j->r, j->boundary, hash_slots(j->n), set,
+                                    used, &at);
+        if (code != 0) {
+            failed = i;
+            why = code;
+        }
+        at_ids += j->n;
+    }
+    if (failed < 0) {
+        int64_t *local = (int64_t *)local_buf.buf;
+        at_ids = ids;
+        for (Py_ssize_t i = 0; i < count && failed < 0; i++) {
+            job_t *j = &job[i];
+            psflow_local_index(at_ids, j->n, j->div, j->num_shards, j->q, j->r, j->boundary, local);
+            ptrdiff_t bad = psflow_first_bad(local, j->n, j->rows);
+            if (bad >= 0) { /* a shard's ids that its storage lacks: a bug, named as one */
+                failed = i;
+                why = 1;
+                at = bad;
+            }
+            at_ids += j->n;
+            local += j->n;
+        }
+        local = (int64_t *)local_buf.buf;
+        for (Py_ssize_t i = 0; i < count && failed < 0 && gather; i++) {
+            job_t *j = &job[i];
+            psflow_gather_rows((char *)j->dst.buf + j->dst_off, PTR(const char, j->values), local,
+                               j->n, j->row_bytes);
+            local += j->n;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("nin", failed, why, failed < 0 ? (Py_ssize_t)-1 : at);
+done:
+    for (Py_ssize_t i = 0; i < held; i++) {
+        PyBuffer_Release(&job[i].src);
+        PyBuffer_Release(&job[i].dst);
+    }
+    PyBuffer_Release(&local_buf);
+    free(job);
+    free(ids);
+    free(set);
+    free(used);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"sgd", py_sgd, METH_VARARGS, "Row-wise SGD in place; -1 or the first bad index."},
     {"adagrad", py_adagrad, METH_VARARGS, "Row-wise Adagrad in place; -1 or the first bad index."},
@@ -347,6 +473,8 @@ static PyMethodDef methods[] = {
     {"group_ids", py_group_ids, METH_VARARGS, "A batch's unique ids grouped by shard; how many."},
     {"local_index", py_local_index, METH_VARARGS, "Each id's row in its shard's storage."},
     {"check_ids", py_check_ids, METH_VARARGS, "A request's ids: (0, -1) or (reason, position)."},
+    {"lookup_rows", py_lookup_rows, METH_VARARGS,
+     "A lookup's ids checked and its rows gathered, buffer to buffer: (-1, 0, -1) or a refusal."},
     {"gather", py_gather, METH_VARARGS, "out[i] = src[index[i]]; -1 or the first bad index."},
     {"gather_parts", py_gather_parts, METH_VARARGS,
      "out[i] = row index[i] of rows held in parts; -1 or the first bad index."},

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 import psflow.sparse.kernels as kernels
@@ -49,6 +51,25 @@ class FixedRows(Rows):
         self, ids: torch.Tensor, out: torch.Tensor | None = None, *, absent_zeros: bool = False
     ) -> torch.Tensor:
         return kernels.gather(self.values, kernels.local_index(ids, self.partition), out)
+
+    def lookup_job(
+        self, src: Any, src_offset: int, n: int, dst: Any, dst_offset: int
+    ) -> tuple[Any, ...] | None:
+        """What :func:`kernels.lookup_rows` takes to look up ``n`` ids that lie at byte
+        ``src_offset`` of buffer ``src`` (int64, unchecked), their rows to go to byte
+        ``dst_offset`` of buffer ``dst``; ``None`` where the kernels cannot (not built, or the
+        rows not one contiguous CPU tensor)."""
+        v = self.values
+        if kernels.KERNELS is None or not v.is_contiguous() or v.device.type != "cpu":
+            return None
+        n_emb = self.spec.num_embeddings
+        assert n_emb is not None
+        div, shards, q, r, boundary = self.partition.rule()
+        row_bytes = self.dim * v.element_size()
+        return (
+            src, src_offset, n, dst, dst_offset, v.data_ptr(), self._rows, row_bytes,
+            n_emb, div, shards, self.shard, q, r, boundary,
+        )  # fmt: skip
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         self._check_grads(ids, grads)

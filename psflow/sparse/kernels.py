@@ -30,7 +30,9 @@ import itertools
 import logging
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
 
+import numpy as np
 import torch
 
 from psflow import env as envvars
@@ -126,14 +128,45 @@ def gather(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = No
             f"{[index.numel(), dim]} on the CPU"
         )
     n, row_bytes = index.numel(), dim * src.element_size()
-    k, o, s, i = KERNELS, out.data_ptr(), src.data_ptr(), index.data_ptr()
+    bad = gather_at(out.data_ptr(), src.data_ptr(), index.data_ptr(), n, row_bytes, rows)
+    check(bad, index, rows)
+    return out
+
+
+def gather_at(out: int, src: int, index: int, n: int, row_bytes: int, rows: int) -> int:
+    """:func:`gather` by address: ``n`` rows of ``row_bytes`` from ``src`` (``rows`` of them)
+    at the int64 ``index`` to ``out``, in stripes (:mod:`psflow.sparse.stripes`); -1, or the
+    position of the first index outside ``[0, rows)``."""
+    k = KERNELS
+    assert k is not None
 
     def work(b: int, e: int) -> int:  # rows [b, e) of the index and of out
-        bad: int = k.gather(o + row_bytes * b, s, i + 8 * b, e - b, row_bytes, rows)
+        bad: int = k.gather(out + row_bytes * b, src, index + 8 * b, e - b, row_bytes, rows)
         return bad
 
-    check(stripes.run(n, work, writes=False), index, rows)
-    return out
+    return stripes.run(n, work, writes=False)
+
+
+def lookup_rows(jobs: list[tuple[Any, ...]]) -> bool:
+    """A lookup served from buffer to buffer (the jobs of
+    :meth:`~psflow.sparse.fixed.FixedRows.lookup_job`, one a table): every job's ids copied
+    out and checked (range, shard, repeats) in one call, then their rows gathered (in the same
+    call on one thread, else in stripes). ``False`` when the kernel refused one (then no row
+    was written): the caller's Python path says why."""
+    k = KERNELS
+    assert k is not None
+    local = np.empty(sum(job[2] for job in jobs), np.int64)
+    striped = stripes.threads() > 1
+    failed, _, _ = k.lookup_rows(jobs, local, not striped)
+    if failed >= 0:
+        return False
+    if striped:
+        at = local.ctypes.data
+        for _, _, n, dst, dst_offset, values, rows, row_bytes, *_ in jobs:
+            out = np.frombuffer(dst, np.uint8).ctypes.data + dst_offset
+            assert gather_at(out, values, at, n, row_bytes, rows) < 0  # checked above
+            at += 8 * n
+    return True
 
 
 def _storage_ok(dst: torch.Tensor, index: torch.Tensor) -> bool:

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import zmq
 
@@ -75,6 +76,18 @@ class Replier:
             transient=transient,
         )
 
+    def tensor_buffers(self, request: Request) -> list[tuple[Any, int]] | None:
+        """Where each tensor of ``request`` lies as it came, ``(buffer, byte offset)``, for a
+        native path that reads the bytes itself; ``None`` where :meth:`tensors` must make them
+        (see :func:`wire.tensor_buffers`)."""
+        lane = request.lane
+        return wire.tensor_buffers(
+            request.header,
+            request.frames,
+            max_bytes=self.config.max_message_bytes,
+            area=lane.request_views if lane is not None else None,
+        )
+
     def reply(
         self,
         request: Request,
@@ -123,12 +136,54 @@ class Replier:
             note: dict[str, Any] = {Key.OP: Op.USE_SOCKET, Key.ID: rid, Key.NEED: need}
             self._post(lane, request.identity, wire.encode(note))
         frames = wire.encode(header, tensors, chunk=self.config.chunk_bytes)
+        self._send_reply(request, frames, track=True)
+
+    def _send_reply(self, request: Request, frames: list[Any], *, track: bool) -> None:
+        """Sends a reply's frames on the socket: small ones copied, large ones from their own
+        memory (with ``track``, kept until :meth:`flush` says ZeroMQ is done with them)."""
         size = sum(len(f) for f in frames[1:])
         msg = [request.identity, *frames]
         if size < ZERO_COPY_ABOVE:
             self._send(msg)
-        else:
+        elif track:
             self._pending.append(self._send(msg, copy=False, track=True))
+        else:
+            self._send(msg, copy=False)
+
+    def reply_area(
+        self, request: Request, sizes: Sequence[int]
+    ) -> tuple[np.ndarray[Any, Any], list[int]] | None:
+        """Where a reply's tensors of these byte sizes go in ``request``'s lane (its request
+        area, as :meth:`reply_tensors` places them): the area and each one's offset, for a
+        native path to write them there and answer with :meth:`reply_placed`. ``None`` when
+        the request did not come by lane or they do not fit."""
+        lane = request.lane
+        if lane is None or lane.closed:
+            return None
+        offsets, need = wire.lane_layout(sizes)
+        return (lane.request, offsets) if need <= len(lane.request) else None
+
+    def reply_placed(
+        self,
+        request: Request,
+        header: dict[str, Any],
+        metas: list[list[Any]],
+        raws: Sequence[Any] | None = None,
+    ) -> None:
+        """Answers ``request`` with tensors a native path wrote itself, described by
+        ``metas`` (``[name, dtype, shape]`` each): where :meth:`reply_area` placed them
+        (``raws`` is ``None``), or the bytes of each in ``raws``, sent from their own memory
+        (fresh buffers, which nothing changes after)."""
+        header[_ID] = request.header[_ID]
+        if raws is None:
+            lane = request.lane
+            assert lane is not None, "reply_placed without raws needs the request's lane"
+            frames = wire.encode_raw(header, metas, in_lane=IN_REQUEST_AREA)
+            if lane.closed or not lane.post_reply(frames[0]):
+                log.debug("dropped the reply to %s: its lane is gone", request.header[_OP])
+            return
+        frames = wire.encode_raw(header, metas, raws, chunk=self.config.chunk_bytes)
+        self._send_reply(request, frames, track=False)
 
     def reply_tensors(
         self, request: Request, specs: Sequence[tuple[torch.dtype, Sequence[int]]]

@@ -19,8 +19,10 @@ Its modules, each of one role:
 
 - ``framing.py``: the limits (:data:`INLINE_BYTES`, :data:`MAX_HEADER_BYTES`, ...),
   :data:`DTYPES`, :class:`TensorMeta`, :class:`WireError`.
-- ``encoding.py``: :func:`encode`, :class:`Layout`, :class:`TensorSet`.
-- ``decoding.py``: :func:`decode_header`, :func:`tensor_metas`, :func:`decode_tensors`.
+- ``encoding.py``: :func:`encode` (and :func:`encode_raw`, for bytes written without a tensor),
+  :class:`Layout`, :class:`TensorSet`.
+- ``decoding.py``: :func:`decode_header`, :func:`tensor_metas`, :func:`decode_tensors` (and
+  :func:`tensor_buffers`: where they lie, for a native path).
 - ``lanes.py``: where tensors lie in a lane's area: :class:`AreaViews`, :func:`lane_tensors`,
   :func:`placed_in`, :func:`lane_bytes`.
 
@@ -33,9 +35,10 @@ from psflow.transport.wire.decoding import (
     decode_header,
     decode_tensors,
     frame_views,
+    tensor_buffers,
     tensor_metas,
 )
-from psflow.transport.wire.encoding import Layout, TensorSet, encode, lane_bytes_of
+from psflow.transport.wire.encoding import Layout, TensorSet, encode, encode_raw, lane_bytes_of
 from psflow.transport.wire.framing import (
     DEFAULT_CHUNK_BYTES,
     DTYPE_NAMES,
@@ -61,6 +64,7 @@ from psflow.transport.wire.lanes import (
     LANE_ALIGN,
     AreaViews,
     lane_bytes,
+    lane_layout,
     lane_tensors,
     placed_in,
 )
@@ -92,11 +96,14 @@ __all__ = [
     "decode_tensors",
     "dtype_name",
     "encode",
+    "encode_raw",
     "frame_views",
     "lane_bytes",
     "lane_bytes_of",
+    "lane_layout",
     "lane_tensors",
     "num_frames",
     "placed_in",
+    "tensor_buffers",
     "tensor_metas",
 ]

@@ -244,6 +244,53 @@ def decode_tensors(
     return out
 
 
+def tensor_buffers(
+    header: Mapping[str, Any],
+    frames: Sequence[Any],
+    *,
+    max_bytes: int,
+    area: AreaViews | None = None,
+) -> list[tuple[Any, int]] | None:
+    """Where each tensor of a message lies as it came, as ``(buffer, byte offset)``, without
+    making a tensor: for a native path that reads the bytes itself. The buffers are the
+    header's inline bytes, a lane's area (``area``) or the frames; ``None`` when a tensor lies
+    in several frames, or the message does not match its header (:func:`decode_tensors` then
+    says how).
+    """
+    metas = tensor_metas(header)
+    if _INLINE in header:
+        blob = header[_INLINE]
+        if frames or not isinstance(blob, bytes):
+            return None
+        out: list[tuple[Any, int]] = []
+        off = 0
+        for m in metas:
+            out.append((blob, off))
+            off += _aligned(m.nbytes)
+        return out if off == len(blob) else None
+    if _IN_LANE in header:
+        if area is None or frames:
+            return None
+        out = []
+        off = 0
+        for m in metas:
+            out.append((area.area, off))
+            off = _lane_aligned(off + m.nbytes)
+        return out if off <= max_bytes and off <= len(area.area) else None
+    chunk = header.get(_CHUNK)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+        return None
+    if len(frames) != len(metas) or sum(m.nbytes for m in metas) > max_bytes:
+        return None
+    out = []
+    for m, frame in zip(metas, frames, strict=True):
+        buf = _buffer(frame)
+        if len(buf) != m.nbytes or m.nbytes > chunk:
+            return None
+        out.append((buf, 0))
+    return out
+
+
 def _destination(m: TensorMeta, into: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
     t = into.get(m.name) if into is not None else None
     if t is not None and _fits(t, m):

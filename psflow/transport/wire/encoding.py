@@ -19,7 +19,7 @@ from psflow.transport.wire.framing import (
     NUMPY_DTYPES,
     dtype_name,
 )
-from psflow.transport.wire.lanes import _lane_layout, lane_bytes
+from psflow.transport.wire.lanes import lane_bytes, lane_layout
 
 # The framing keys as plain strings, bound once: ``header[Key.OP]`` costs five times
 # ``header["op"]`` (a class attribute, then a key that is not a plain str), and each message
@@ -62,7 +62,7 @@ class Layout:
             for dtype, shape in zip(self.dtypes, self.shapes, strict=True)
         ]
         self.nbytes = sum(sizes)
-        self.offsets, self.lane_bytes = _lane_layout(sizes)
+        self.offsets, self.lane_bytes = lane_layout(sizes)
 
     @classmethod
     def of(cls, tensors: Sequence[tuple[str, torch.Tensor]]) -> Layout:
@@ -153,27 +153,59 @@ def encode(
             if layout is not None:
                 offsets, need = layout.offsets, layout.lane_bytes
             else:
-                offsets, need = _lane_layout([len(r) for r in raws])
+                offsets, need = lane_layout([len(r) for r in raws])
             if need <= len(area):
                 dst = area.data  # a memoryview: its copies are plain memcpy, faster than numpy's
-        if dst is not None:
-            if not placed:
-                for off, raw in zip(offsets, raws, strict=True):
-                    dst[off : off + len(raw)] = raw
-            header[_IN_LANE] = in_lane
-        elif nbytes <= INLINE_BYTES:
-            # Each tensor starts 8-byte aligned, so the receiver can view it in place.
-            header[_INLINE] = b"".join(
-                bytes(r) + bytes(-len(r) % 8) if len(r) % 8 else r for r in raws
-            )
-        else:
-            header[_CHUNK] = chunk
-            for raw in raws:
-                n = len(raw)
-                if n <= chunk:
-                    frames.append(raw)
-                else:
-                    frames.extend(raw[i : i + chunk] for i in range(0, n, chunk))
+        if dst is None:
+            return _framed(header, raws, nbytes, chunk)
+        if not placed:
+            for off, raw in zip(offsets, raws, strict=True):
+                dst[off : off + len(raw)] = raw
+        header[_IN_LANE] = in_lane
+    frames[0] = msgpack.packb(header, use_bin_type=True)
+    return frames
+
+
+def encode_raw(
+    header: dict[str, Any],
+    metas: list[list[Any]],
+    raws: Sequence[Any] = (),
+    *,
+    chunk: int = DEFAULT_CHUNK_BYTES,
+    in_lane: int | None = None,
+) -> list[Any]:
+    """The frames of a message whose tensors are described by ``metas`` (``[name, dtype,
+    shape]`` each) and held as bytes in ``raws`` (buffers, one a tensor), or, with
+    ``in_lane``, already in that area of a lane (laid out by :func:`lane_layout`): what
+    :func:`encode` sends, for a sender that wrote the bytes itself (a native path, no tensor
+    made). ``header`` is completed in place."""
+    header[_VERSION] = PROTOCOL_VERSION
+    if metas:
+        header[_TENSORS] = metas
+        if in_lane is None:
+            views = [memoryview(r).cast("B") for r in raws]
+            return _framed(header, views, sum(len(v) for v in views), chunk)
+        header[_IN_LANE] = in_lane
+    return [msgpack.packb(header, use_bin_type=True)]
+
+
+def _framed(
+    header: dict[str, Any], raws: Sequence[memoryview], nbytes: int, chunk: int
+) -> list[Any]:
+    """The frames of a message whose tensors travel by socket: inline when small, else in
+    chunks of ``chunk`` bytes."""
+    frames: list[Any] = [b""]
+    if nbytes <= INLINE_BYTES:
+        # Each tensor starts 8-byte aligned, so the receiver can view it in place.
+        header[_INLINE] = b"".join(bytes(r) + bytes(-len(r) % 8) if len(r) % 8 else r for r in raws)
+    else:
+        header[_CHUNK] = chunk
+        for raw in raws:
+            n = len(raw)
+            if n <= chunk:
+                frames.append(raw)
+            else:
+                frames.extend(raw[i : i + chunk] for i in range(0, n, chunk))
     frames[0] = msgpack.packb(header, use_bin_type=True)
     return frames
 

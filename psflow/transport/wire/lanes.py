@@ -20,7 +20,7 @@ def _lane_aligned(n: int) -> int:
     return (n + LANE_ALIGN - 1) & ~(LANE_ALIGN - 1)
 
 
-def _lane_layout(sizes: Iterable[int]) -> tuple[list[int], int]:
+def lane_layout(sizes: Iterable[int]) -> tuple[list[int], int]:
     """Where tensors of these sizes start in a lane area (each 64-byte aligned), and the bytes
     the area needs."""
     offsets = []
@@ -82,7 +82,7 @@ def lane_tensors(
     :func:`encode` lays them out (a sender that fills them spares encode's copy), or ``None``
     when they do not fit."""
     sizes = [math.prod(shape) * dtype.itemsize for dtype, shape in specs]
-    offsets, need = _lane_layout(sizes)
+    offsets, need = lane_layout(sizes)
     if need > len(views.area):
         return None
     return [
@@ -107,4 +107,4 @@ def placed_in(tensors: Sequence[tuple[str, torch.Tensor]], area: AreaViews) -> b
 
 def lane_bytes(sizes: Iterable[int]) -> int:
     """Bytes a lane area needs for tensors of these sizes (each starts 64-byte aligned)."""
-    return _lane_layout(sizes)[1]
+    return lane_layout(sizes)[1]
