@@ -23,6 +23,7 @@ import torch
 
 from psflow.protocol import Key, Op
 from psflow.protocol.messages import input_name, prefetch_tensor_names
+from psflow.ps.native import NativePush
 from psflow.ps.positions import input_mark
 from psflow.ps.service import Handler, Service, ServiceHost
 from psflow.ps.tables import (
@@ -59,6 +60,8 @@ class ExchangeService(Service):
         self.tensors = host.tensors
         self.flush = host.flush
         self.require_initialized = host.require_initialized
+        self.native = NativePush(host)
+        """Row gradients alone, of fixed tables, applied from bytes (:mod:`psflow.ps.native`)."""
 
     def handlers(self) -> Mapping[Op, Handler]:
         return {Op.PULL: self._pull, Op.PUSH: self._push, Op.PUSH_PULL: self._push_pull}
@@ -79,6 +82,11 @@ class ExchangeService(Service):
         self.reply(request, {}, tensors)
 
     def _push(self, request: Request) -> None:
+        self.require_initialized()
+        step = self.native.apply(request)
+        if step is not None:
+            self.reply(request, {_STEP: step})
+            return
         step, prefetch, dtypes = self._apply_push(request)
         if not prefetch:
             self.reply(request, {_STEP: step})
@@ -86,6 +94,11 @@ class ExchangeService(Service):
         self._reply_with_rows(request, step, [], prefetch, dtypes)
 
     def _push_pull(self, request: Request) -> None:
+        self.require_initialized()
+        step = self.native.apply(request)
+        if step is not None:
+            self.reply(request, {_STEP: step}, self.store.wire_set)
+            return
         step, prefetch, dtypes = self._apply_push(request)
         if not prefetch:
             self.reply(request, {_STEP: step}, self.store.wire_set)

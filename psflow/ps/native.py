@@ -15,6 +15,7 @@ and its tests hold for both. ``PSFLOW_NATIVE_REQUESTS=0`` serves everything in P
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ import torch
 import psflow.sparse.kernels as kernels
 from psflow import env as envvars
 from psflow.protocol import Key
+from psflow.protocol.messages import row_tensor_names
 from psflow.ps.service import ServiceHost
 from psflow.sparse import FixedRows
 from psflow.transport import Request, wire
@@ -38,6 +40,19 @@ _PLAIN_LOOKUP = frozenset(
 )  # fmt: skip
 """The header keys of a lookup the native path serves: any other (``row_dtypes``, or a key
 no client sends) leaves it to Python."""
+
+
+_ROWS = Key.ROWS.value
+
+_PLAIN_PUSH = frozenset(
+    k.value
+    for k in (
+        Key.VERSION, Key.OP, Key.ID, Key.TASK, Key.TENSORS, Key.INLINE, Key.CHUNK, Key.IN_LANE,
+        Key.ROWS, Key.STEP,
+    )
+)  # fmt: skip
+"""The header keys of a push the native path serves: a prefetch, an input position or rows
+in another dtype leave it to Python."""
 
 
 def enabled() -> bool:
@@ -110,3 +125,79 @@ class NativeLookup:
         self.served += 1
         self.host.reply_placed(request, {}, out, raws)
         return True
+
+
+class NativePush:
+    """The native path of one shard's ``push`` and ``push_pull`` of row gradients alone (no
+    dense gradient), for fixed tables: the ids and gradients read where they came, checked,
+    mapped to their rows and applied with the table's row-wise optimizer by one call of
+    :func:`psflow.sparse.kernels.apply_rows`. What it does not serve (dense gradients, a
+    learning-rate schedule, a prefetch, a table with a ``padding_idx`` or under a snapshot or
+    an export, bad ids) is left to the Python path, nothing changed."""
+
+    def __init__(self, host: ServiceHost) -> None:
+        self.host = host
+        self.on = enabled()
+        self.served = 0
+        """Pushes applied here (the rest went to the Python path)."""
+
+    def apply(self, request: Request) -> int | None:
+        """Applies ``request``'s row gradients natively and returns the shard's new step;
+        ``None`` when it is left to the Python path, with nothing changed.
+
+        Raises:
+            wire.WireError: for a header whose tensor list is malformed (as the Python path).
+        """
+        header = request.header
+        store = self.host.store
+        if not self.on or store.schedule is not None or not _PLAIN_PUSH.issuperset(header):
+            return None
+        names = header.get(_ROWS)
+        if type(names) is not list or not names or len(set(names)) != len(names):
+            return None
+        metas = wire.tensor_metas(header)
+        if len(metas) != 2 * len(names):
+            return None  # dense gradients too, or tensors missing
+        sources = self.host.tensor_buffers(request)
+        if sources is None:
+            return None
+        where = {m.name: (m, src) for m, src in zip(metas, sources, strict=True)}
+        tables = store.tables
+        jobs = []
+        chosen: list[tuple[str, FixedRows, int]] = []
+        for name in names:
+            table = tables.get(name) if type(name) is str else None
+            if type(table) is not FixedRows:
+                return None
+            ids_name, grads_name = row_tensor_names(name)
+            ids, grads = where.get(ids_name), where.get(grads_name)
+            if ids is None or grads is None:
+                return None
+            (ids_meta, (ids_src, ids_offset)), (g_meta, (g_src, g_offset)) = ids, grads
+            n = ids_meta.shape[0] if len(ids_meta.shape) == 1 else -1
+            if (
+                ids_meta.dtype is not torch.int64
+                or n < 0
+                or g_meta.dtype is not table.dtype
+                or g_meta.shape != (n, table.dim)
+            ):
+                return None
+            job = table.apply_job(ids_src, ids_offset, n, g_src, g_offset)
+            if job is None:
+                return None
+            jobs.append(job)
+            chosen.append((name, table, n))
+        self.host.flush()  # as the Python path: replies still leaving keep their values
+        start = time.perf_counter()
+        if not kernels.apply_rows(jobs):
+            return None  # a bad id: the Python path names it
+        for _, table, _ in chosen:
+            table.applied()
+        store.step += 1
+        metrics = self.host.metrics
+        metrics.apply_seconds.observe(time.perf_counter() - start)
+        if metrics.on:
+            for name, _, n in chosen:
+                metrics.rows_pushed(name).inc(n)
+        self.served += 1
+        return store.step

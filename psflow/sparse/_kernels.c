@@ -465,6 +465,162 @@ done:
     return result;
 }
 
+/* Row gradients applied from the request's bytes: each job is
+ * (ids, ids_off, n, grads, grads_off, kind, f64, w, s1, s2, s3, rows, dim, num_embeddings, div,
+ *  num_shards, shard, q, r, boundary, h1, h2, h3, h4): n int64 ids at byte ids_off of buffer ids,
+ * their gradients (n x dim, f64 or f32) at byte grads_off of buffer grads, applied to a fixed
+ * table's shard (w: its rows; s1..s3: its optimizer state, as the kernels above take them) by
+ * row-wise `kind` (0 SGD, 1 Adagrad, 2 Adam, 3 FTRL; h1..h4 its settings, in the order of
+ * py_sgd .. py_ftrl). Every job's ids are checked (psflow_check_ids) and their rows in storage
+ * written to `local` before any row changes; with `apply`, the updates follow in the same call
+ * (else the caller applies them, in stripes). Returns (-1, 0, -1) or (job, why, position) as
+ * lookup_rows does. */
+#define APPLY_FIELDS 24
+static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
+    PyObject *jobs;
+    Py_buffer local_buf;
+    int apply;
+    if (!PyArg_ParseTuple(args, "O!w*p", &PyList_Type, &jobs, &local_buf, &apply)) return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(jobs);
+    typedef struct {
+        Py_buffer ids, grads;
+        Py_ssize_t ids_off, n, grads_off, w, s1, s2, s3, rows, dim;
+        long long num_embeddings, q, r, boundary;
+        int kind, f64_, div, num_shards, shard;
+        double h1, h2, h3, h4;
+    } job_t;
+    job_t *job = calloc((size_t)(count ? count : 1), sizeof(job_t));
+    if (job == NULL) {
+        PyBuffer_Release(&local_buf);
+        return PyErr_NoMemory();
+    }
+    PyObject *result = NULL;
+    int64_t *set = NULL;
+    unsigned char *used = NULL;
+    Py_ssize_t held = 0, total = 0, most = 0, failed = -1, at = -1;
+    int why = 0;
+    for (; held < count; held++) {
+        job_t *j = &job[held];
+        PyObject *t = PyList_GET_ITEM(jobs, held);
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != APPLY_FIELDS) {
+            PyErr_SetString(PyExc_TypeError, "apply_rows: each job is a tuple of 24");
+            goto done;
+        }
+        if (!PyArg_ParseTuple(t, "y*nny*nipnnnnnnLpiiLLLdddd", &j->ids, &j->ids_off, &j->n,
+                              &j->grads, &j->grads_off, &j->kind, &j->f64_, &j->w, &j->s1,
+                              &j->s2, &j->s3, &j->rows, &j->dim, &j->num_embeddings, &j->div,
+                              &j->num_shards, &j->shard, &j->q, &j->r, &j->boundary, &j->h1,
+                              &j->h2, &j->h3, &j->h4))
+            goto done;
+        Py_ssize_t item = j->f64_ ? 8 : 4;
+        int fits = j->n >= 0 && j->dim > 0 && j->kind >= 0 && j->kind <= 3 && j->ids_off >= 0 &&
+                   j->grads_off >= 0 && j->ids_off <= j->ids.len &&
+                   j->grads_off <= j->grads.len && j->n <= (j->ids.len - j->ids_off) / 8 &&
+                   j->n <= (j->grads.len - j->grads_off) / (j->dim * item);
+        if (!fits && failed < 0) {
+            failed = held;
+            why = 4;
+        }
+        total += j->n;
+        if (j->n > most) most = j->n;
+    }
+    if (failed >= 0) {
+        result = Py_BuildValue("nin", failed, why, at);
+        goto done;
+    }
+    if (local_buf.len / 8 < total) {
+        PyErr_SetString(PyExc_ValueError, "apply_rows: `local` is smaller than the ids");
+        goto done;
+    }
+    Py_ssize_t slots = hash_slots(most);
+    set = malloc((size_t)slots * sizeof(int64_t));
+    used = malloc((size_t)slots);
+    if (set == NULL || used == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    int64_t *local = (int64_t *)local_buf.buf;
+    for (Py_ssize_t i = 0; i < count && failed < 0; i++) {
+        job_t *j = &job[i];
+        memcpy(local, (const char *)j->ids.buf + j->ids_off, (size_t)j->n * 8);
+        memset(used, 0, (size_t)hash_slots(j->n));
+        int code = psflow_check_ids(local, j->n, j->num_embeddings, j->div, j->num_shards,
+                                    j->shard, j->q, j->r, j->boundary, hash_slots(j->n), set, used,
+                                    &at);
+        if (code != 0) {
+            failed = i;
+            why = code;
+            break;
+        }
+        if (j->num_shards != 1) /* else each id is its row (in place: no memcpy onto itself) */
+            psflow_local_index(local, j->n, j->div, j->num_shards, j->q, j->r, j->boundary, local);
+        ptrdiff_t bad = psflow_first_bad(local, j->n, j->rows);
+        if (bad >= 0) { /* a shard's ids that its storage lacks: a bug, named as one */
+            failed = i;
+            why = 1;
+            at = bad;
+        }
+        local += j->n;
+    }
+    local = (int64_t *)local_buf.buf;
+    for (Py_ssize_t i = 0; i < count && failed < 0 && apply; i++) {
+        job_t *j = &job[i];
+        const char *g = (const char *)j->grads.buf + j->grads_off;
+        ptrdiff_t n = j->n, dim = j->dim;
+        if (j->f64_) {
+            switch (j->kind) {
+            case 0: psflow_sgd_f64(PTR(f64, j->w), local, (const f64 *)g, n, dim, -j->h1); break;
+            case 1:
+                psflow_adagrad_f64(PTR(f64, j->w), PTR(f64, j->s1), local, (const f64 *)g, n, dim,
+                                   -j->h1, j->h2);
+                break;
+            case 2:
+                psflow_adam_f64(PTR(f64, j->w), PTR(f64, j->s1), PTR(f64, j->s2),
+                                PTR(int64_t, j->s3), local, (const f64 *)g, n, dim, j->h1, j->h2,
+                                j->h3, j->h4);
+                break;
+            default:
+                psflow_ftrl_f64(PTR(f64, j->w), PTR(f64, j->s1), PTR(f64, j->s2), local,
+                                (const f64 *)g, n, dim, j->h1, j->h2, 2 * j->h3, -j->h4,
+                                j->h4 == -0.5);
+            }
+        } else {
+            switch (j->kind) {
+            case 0:
+                psflow_sgd_f32(PTR(f32, j->w), local, (const f32 *)g, n, dim, (f32)-j->h1);
+                break;
+            case 1:
+                psflow_adagrad_f32(PTR(f32, j->w), PTR(f32, j->s1), local, (const f32 *)g, n, dim,
+                                   (f32)-j->h1, (f32)j->h2);
+                break;
+            case 2:
+                psflow_adam_f32(PTR(f32, j->w), PTR(f32, j->s1), PTR(f32, j->s2),
+                                PTR(int64_t, j->s3), local, (const f32 *)g, n, dim, j->h1, j->h2,
+                                j->h3, (f32)j->h4);
+                break;
+            default:
+                psflow_ftrl_f32(PTR(f32, j->w), PTR(f32, j->s1), PTR(f32, j->s2), local,
+                                (const f32 *)g, n, dim, (f32)j->h1, (f32)j->h2,
+                                (f32)(2 * j->h3), (f32)-j->h4, j->h4 == -0.5);
+            }
+        }
+        local += j->n;
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("nin", failed, why, failed < 0 ? (Py_ssize_t)-1 : at);
+done:
+    for (Py_ssize_t i = 0; i < held; i++) {
+        PyBuffer_Release(&job[i].ids);
+        PyBuffer_Release(&job[i].grads);
+    }
+    PyBuffer_Release(&local_buf);
+    free(job);
+    free(set);
+    free(used);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"sgd", py_sgd, METH_VARARGS, "Row-wise SGD in place; -1 or the first bad index."},
     {"adagrad", py_adagrad, METH_VARARGS, "Row-wise Adagrad in place; -1 or the first bad index."},
@@ -475,6 +631,8 @@ static PyMethodDef methods[] = {
     {"check_ids", py_check_ids, METH_VARARGS, "A request's ids: (0, -1) or (reason, position)."},
     {"lookup_rows", py_lookup_rows, METH_VARARGS,
      "A lookup's ids checked and its rows gathered, buffer to buffer: (-1, 0, -1) or a refusal."},
+    {"apply_rows", py_apply_rows, METH_VARARGS,
+     "A push's row gradients checked and applied, from its buffers: (-1, 0, -1) or a refusal."},
     {"gather", py_gather, METH_VARARGS, "out[i] = src[index[i]]; -1 or the first bad index."},
     {"gather_parts", py_gather_parts, METH_VARARGS,
      "out[i] = row index[i] of rows held in parts; -1 or the first bad index."},

@@ -164,9 +164,57 @@ def lookup_rows(jobs: list[tuple[Any, ...]]) -> bool:
         at = local.ctypes.data
         for _, _, n, dst, dst_offset, values, rows, row_bytes, *_ in jobs:
             out = np.frombuffer(dst, np.uint8).ctypes.data + dst_offset
-            assert gather_at(out, values, at, n, row_bytes, rows) < 0  # checked above
+            bad = gather_at(out, values, at, n, row_bytes, rows)
+            assert bad < 0, "an index lookup_rows checked"
             at += 8 * n
     return True
+
+
+def apply_rows(jobs: list[tuple[Any, ...]]) -> bool:
+    """A push's row gradients applied from its buffers (the jobs of
+    :meth:`~psflow.sparse.fixed.FixedRows.apply_job`, one a table): every job's ids checked
+    (range, shard, repeats) in one call before any row changes, then the updates (in the same
+    call on one thread, else in stripes). ``False`` when the kernel refused one (then nothing
+    changed): the caller's Python path says why."""
+    k = KERNELS
+    assert k is not None
+    local = np.empty(sum(job[2] for job in jobs), np.int64)
+    striped = stripes.threads() > 1
+    failed, _, _ = k.apply_rows(jobs, local, not striped)
+    if failed >= 0:
+        return False
+    if striped:
+        at = local.ctypes.data
+        for job in jobs:
+            _apply_striped(k, job, at)
+            at += 8 * job[2]
+    return True
+
+
+def _apply_striped(k: ModuleType, job: tuple[Any, ...], index: int) -> None:
+    """One job of :func:`apply_rows` applied in stripes, its rows in storage at ``index``."""
+    _, _, n, grads, grads_offset, kind, double, w, s1, s2, s3, rows, dim = job[:13]
+    fn, head = getattr(k, _KINDS[kind]), (s1, s2, s3)[: _STATE_COUNT[kind]]
+    tail = job[20 : 20 + _SETTING_COUNT[kind]]
+    g = np.frombuffer(grads, np.uint8).ctypes.data + grads_offset
+    step = dim * (8 if double else 4)
+
+    def work(b: int, e: int) -> int:  # rows [b, e) of the index and the gradients
+        bad: int = fn(double, w, *head, index + 8 * b, g + step * b, e - b, dim, rows, *tail)
+        return bad
+
+    bad = stripes.run(n, work)
+    assert bad < 0, "an index apply_rows checked"
+
+
+ROW_KINDS = ("SGD", "Adagrad", "Adam", "Ftrl")
+"""The row-wise optimizers :func:`apply_rows` applies, by the number a job gives."""
+_KINDS = ("sgd", "adagrad", "adam", "ftrl")
+"""Their kernels."""
+_STATE_COUNT = (0, 1, 3, 2)
+"""The state tensors each one's kernel takes."""
+_SETTING_COUNT = (1, 2, 4, 4)
+"""And its settings (lr; lr, eps; lr, betas, eps; lr, l1, l2, lr_power)."""
 
 
 def _storage_ok(dst: torch.Tensor, index: torch.Tensor) -> bool:

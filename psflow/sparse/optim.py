@@ -129,6 +129,20 @@ class RowOptimizer:
             raise IndexError(f"row index {low if low < 0 else high} is out of range [0, {rows})")
         self._apply(values, state, index, grad)
 
+    def settings(self) -> tuple[int, tuple[str, ...], tuple[float, float, float, float]]:
+        """What :func:`kernels.apply_rows` takes of this optimizer: its kind (the place of its
+        name in :data:`kernels.ROW_KINDS`), its state's keys in the kernel's order, and its
+        settings (four, unused ones zero), read now (a schedule may have moved ``lr``)."""
+        name = self.spec.name
+        if name == "SGD":
+            return 0, (), (self.lr, 0.0, 0.0, 0.0)
+        if name == "Adagrad":
+            return 1, ("sum",), (self.lr, self.eps, 0.0, 0.0)
+        if name == "Adam":
+            keys = ("exp_avg", "exp_avg_sq", "step")
+            return 2, keys, (self.lr, float(self.beta1), float(self.beta2), self.eps)
+        return 3, ("accum", "linear"), (self.lr, self.l1, self.l2, self.lr_power)
+
     def _fused(
         self,
         values: torch.Tensor,

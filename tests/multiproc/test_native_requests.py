@@ -1,0 +1,293 @@
+"""The native request paths (:mod:`psflow.ps.native`): a fixed table's lookups served and
+its row gradients applied from the request's bytes, through a lane and through the socket, to
+the bits of the Python path, and every bad request refused with the Python path's own words."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import psflow
+import psflow.nn as pnn
+from psflow.cluster.ports import local_cluster
+from psflow.cluster.spec import TaskContext, TaskSpec
+from psflow.protocol import Key, Op, RowOptimizerSpec
+from psflow.protocol.messages import row_tensor_names
+from psflow.ps.exchange import ExchangeService
+from psflow.ps.tables import TableService
+from psflow.sparse import stripes
+from psflow.transport import PeerError, TransportConfig, wire
+from psflow.worker import DistributedOptimizer
+from psflow.worker.engine import ExchangeEngine
+
+from .support import worker_ctx
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
+
+VOCAB, DIM = 40_000, 16
+"""Rows of 64 bytes: a lookup of 300 ids travels inline, one of 20,000 in a frame of its own."""
+
+
+@contextlib.contextmanager
+def started(
+    path: str, optimizer: RowOptimizerSpec | str = "Adagrad"
+) -> Iterator[tuple[DistributedOptimizer, list[Any]]]:
+    """Two in-process ps shards holding a fixed table (``mod``) and a worker's optimizer
+    attached to them, through lanes or the socket alone."""
+    cluster = local_cluster(2, 1)
+    transport = TransportConfig(timeout=30, shared_memory=path == "shm")
+    servers = [
+        psflow.ParameterServer(
+            TaskContext(cluster=cluster, task=TaskSpec(job="ps", index=i)), transport=transport
+        ).start()
+        for i in range(2)
+    ]
+    table = pnn.Embedding(VOCAB, DIM, seed=3, optimizer=optimizer)
+    opt = DistributedOptimizer(table, worker_ctx(cluster), lr=0.1, transport=transport)
+    try:
+        yield opt, servers
+    finally:
+        opt.close()
+        for s in servers:
+            s.stop()
+
+
+@pytest.fixture(params=["shm", "socket"])
+def job(request: pytest.FixtureRequest) -> Iterator[tuple[DistributedOptimizer, list[Any]]]:
+    with started(request.param) as out:
+        yield out
+
+
+def client_of(opt: DistributedOptimizer) -> Any:
+    engine = opt.engine
+    assert isinstance(engine, ExchangeEngine)
+    return engine.exchange.tables.client
+
+
+def native_of(server: psflow.ParameterServer) -> Any:
+    (service,) = [s for s in server.services if isinstance(s, TableService)]
+    return service.native
+
+
+def native_push_of(server: psflow.ParameterServer) -> Any:
+    (service,) = [s for s in server.services if isinstance(s, ExchangeService)]
+    return service.native
+
+
+def push_rows(client: Any, name: str, ids: torch.Tensor, grads: torch.Tensor, shard: int = 0):
+    ids_name, grads_name = row_tensor_names(name)
+    header = {Key.OP: Op.PUSH, Key.ROWS: [name]}
+    return client.call({shard: header}, {shard: [(ids_name, ids), (grads_name, grads)]})
+
+
+def table_state(server: psflow.ParameterServer) -> dict[str, torch.Tensor]:
+    (table,) = server.store.tables.values()
+    return {"values": table.values.clone(), **{k: t.clone() for k, t in table.state.items()}}
+
+
+def set_table_state(server: psflow.ParameterServer, state: dict[str, torch.Tensor]) -> None:
+    (table,) = server.store.tables.values()
+    table.values.copy_(state["values"])
+    for k, t in table.state.items():
+        t.copy_(state[k])
+
+
+def held_rows(server: psflow.ParameterServer, ids: torch.Tensor) -> torch.Tensor:
+    """The rows of ``ids`` as the shard holds them (``mod``: id // 2 is the row)."""
+    (table,) = server.store.tables.values()
+    return table.values[ids // 2].clone()
+
+
+@pytest.mark.parametrize("count", [0, 1, 300, 20_000])
+def test_native_lookups_are_the_shards_rows(
+    job: tuple[DistributedOptimizer, list[Any]], count: int
+) -> None:
+    opt, servers = job
+    client = client_of(opt)
+    ids = torch.randperm(VOCAB // 2, generator=torch.Generator().manual_seed(count))[:count] * 2
+    name = next(iter(servers[0].store.tables))
+    before = native_of(servers[0]).served
+    (header, tensors), = client.lookup({0: [(name, ids)]}).values()  # fmt: skip
+    assert native_of(servers[0]).served == before + 1
+    ((got_name, rows),) = tensors
+    assert got_name == name and rows.dtype == torch.float32 and rows.shape == (count, DIM)
+    assert torch.equal(rows, servers[0].store.tables[name].values[ids // 2])
+    assert header[Key.STEP] == 0
+
+
+def test_the_python_path_gives_the_same_rows(job: tuple[DistributedOptimizer, list[Any]]) -> None:
+    opt, servers = job
+    client = client_of(opt)
+    name = next(iter(servers[1].store.tables))
+    ids = torch.arange(1, 2001, 2)  # shard 1's
+    native = client.lookup({1: [(name, ids)]})[1][1][0][1].clone()
+    native_of(servers[1]).on = False
+    served = native_of(servers[1]).served
+    python = client.lookup({1: [(name, ids)]})[1][1][0][1].clone()
+    assert native_of(servers[1]).served == served  # not served natively
+    assert torch.equal(native, python)
+
+
+BAD_LOOKUPS = {
+    "out of range": lambda name: [(name, torch.tensor([2, VOCAB + 2]))],
+    "negative": lambda name: [(name, torch.tensor([-2]))],
+    "another shard's": lambda name: [(name, torch.tensor([2, 5]))],
+    "twice": lambda name: [(name, torch.tensor([4, 6, 4]))],
+    "not int64": lambda name: [(name, torch.tensor([2], dtype=torch.int32))],
+    "floats": lambda name: [(name, torch.tensor([2.0]))],
+    "2-D": lambda name: [(name, torch.tensor([[2, 4]]))],
+    "unknown table": lambda name: [("nothing", torch.tensor([2]))],
+    "one bad of two": lambda name: [(name, torch.tensor([2])), ("nothing", torch.tensor([2]))],
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_LOOKUPS))
+def test_bad_lookups_get_the_python_paths_refusal(
+    job: tuple[DistributedOptimizer, list[Any]], case: str
+) -> None:
+    """Each refusal is word for word the Python path's, and the shard serves on."""
+    opt, servers = job
+    client = client_of(opt)
+    name = next(iter(servers[0].store.tables))
+    before = held_rows(servers[0], torch.arange(0, 20, 2))
+    refusals = []
+    for native in (True, False):
+        native_of(servers[0]).on = native
+        with pytest.raises(PeerError) as e:
+            client.lookup({0: BAD_LOOKUPS[case](name)})
+        refusals.append((str(e.value), e.value.code))
+    assert refusals[0] == refusals[1]
+    native_of(servers[0]).on = True
+    assert torch.equal(held_rows(servers[0], torch.arange(0, 20, 2)), before)
+    ok = client.lookup({0: [(name, torch.tensor([0, 2]))]})[0][1][0][1]
+    assert torch.equal(ok, before[:2])
+
+
+def test_rows_in_another_dtype_go_to_the_python_path(
+    job: tuple[DistributedOptimizer, list[Any]],
+) -> None:
+    opt, servers = job
+    client = client_of(opt)
+    name = next(iter(servers[0].store.tables))
+    served = native_of(servers[0]).served
+    ids = torch.tensor([0, 2, 4])
+    rows = client.lookup({0: [(name, ids)]}, row_dtypes={name: "bfloat16"})[0][1][0][1]
+    assert native_of(servers[0]).served == served
+    assert rows.dtype == torch.bfloat16
+    assert torch.equal(rows, held_rows(servers[0], ids).to(torch.bfloat16))
+
+
+def test_a_malformed_lookup_is_refused_as_malformed(
+    job: tuple[DistributedOptimizer, list[Any]],
+) -> None:
+    """A header whose tensor list does not match its bytes: the Python path's WireError."""
+    opt, servers = job
+    client = client_of(opt)
+    name = next(iter(servers[0].store.tables))
+    header = {Key.OP: Op.LOOKUP, Key.TENSORS: [[name, "int64", [3]]], Key.INLINE: bytes(16)}
+    with pytest.raises(PeerError, match="inline data holds 16 bytes"):
+        client.call({0: header})
+    assert isinstance(wire.WireError("x"), ValueError)
+
+
+OPTIMIZERS = {
+    "SGD": RowOptimizerSpec.of("SGD", lr=0.05),
+    "Adagrad": RowOptimizerSpec.of("Adagrad", lr=0.05, initial_accumulator_value=0.1),
+    "Adam": RowOptimizerSpec.of("Adam", lr=0.01),
+    "Ftrl": RowOptimizerSpec.of("Ftrl", lr=0.05, l1=0.001, l2=0.01),
+}
+
+
+@pytest.mark.parametrize("path", ["shm", "socket"])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_native_pushes_give_the_python_paths_bits(path: str, optimizer: str) -> None:
+    """Three pushes (small, inline; large, in frames or the lane) applied natively, then the
+    same three through the Python path from the same rows and state: the same bits."""
+    with started(path, OPTIMIZERS[optimizer]) as (opt, servers):
+        client = client_of(opt)
+        server = servers[0]
+        name = next(iter(server.store.tables))
+        g = torch.Generator().manual_seed(7)
+        pushes = []
+        for count in (3, 5000, 12_000):
+            ids = torch.randperm(VOCAB // 2, generator=g)[:count] * 2
+            pushes.append((ids, torch.randn(count, DIM, generator=g)))
+        start = table_state(server)
+        results = []
+        for native in (True, False):
+            set_table_state(server, start)
+            native_push_of(server).on = native
+            served = native_push_of(server).served
+            steps = [push_rows(client, name, ids, grads)[0][0][Key.STEP] for ids, grads in pushes]
+            assert native_push_of(server).served == served + (3 if native else 0)
+            assert steps == sorted(steps) and len(set(steps)) == 3
+            results.append(table_state(server))
+        assert results[0].keys() == results[1].keys()
+        for key in results[0]:
+            assert torch.equal(results[0][key], results[1][key]), key
+        assert not torch.equal(results[0]["values"], start["values"])
+
+
+def test_striped_native_pushes_give_one_threads_bits() -> None:
+    """With row threads (PSFLOW_PS_THREADS), the native path applies in stripes: the bits of
+    one thread."""
+    with started("shm") as (opt, servers):
+        client = client_of(opt)
+        server = servers[0]
+        name = next(iter(server.store.tables))
+        ids = torch.arange(0, 2 * 6000, 2)
+        grads = torch.randn(6000, DIM, generator=torch.Generator().manual_seed(1))
+        start = table_state(server)
+        results = []
+        for threads in (1, 3):
+            stripes.set_threads(threads)
+            try:
+                set_table_state(server, start)
+                served = native_push_of(server).served
+                push_rows(client, name, ids, grads)
+                assert native_push_of(server).served == served + 1
+                results.append(table_state(server))
+            finally:
+                stripes.set_threads(1)
+        for key in results[0]:
+            assert torch.equal(results[0][key], results[1][key]), key
+
+
+BAD_PUSHES = {
+    "out of range": lambda: (torch.tensor([2, VOCAB + 2]), torch.ones(2, DIM)),
+    "another shard's": lambda: (torch.tensor([2, 5]), torch.ones(2, DIM)),
+    "twice": lambda: (torch.tensor([4, 6, 4]), torch.ones(3, DIM)),
+    "narrow gradients": lambda: (torch.tensor([2]), torch.ones(1, DIM - 1)),
+    "float64 gradients": lambda: (torch.tensor([2]), torch.ones(1, DIM, dtype=torch.float64)),
+    "int32 ids": lambda: (torch.tensor([2], dtype=torch.int32), torch.ones(1, DIM)),
+    "fewer gradients": lambda: (torch.tensor([2, 4]), torch.ones(1, DIM)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_PUSHES))
+def test_bad_pushes_get_the_python_paths_refusal_and_change_nothing(
+    job: tuple[DistributedOptimizer, list[Any]], case: str
+) -> None:
+    opt, servers = job
+    client = client_of(opt)
+    server = servers[0]
+    name = next(iter(server.store.tables))
+    start = table_state(server)
+    step = server.store.step
+    refusals = []
+    for native in (True, False):
+        native_push_of(server).on = native
+        with pytest.raises(PeerError) as e:
+            push_rows(client, name, *BAD_PUSHES[case]())
+        refusals.append((str(e.value), e.value.code))
+    native_push_of(server).on = True
+    assert refusals[0] == refusals[1]
+    assert server.store.step == step
+    for key, t in table_state(server).items():
+        assert torch.equal(t, start[key]), key
+    push_rows(client, name, torch.tensor([2]), torch.ones(1, DIM))  # and it serves on
+    assert server.store.step == step + 1
