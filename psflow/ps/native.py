@@ -1,16 +1,19 @@
 """A shard's sparse requests served in native code, from the request's bytes to the reply's.
 
-:class:`NativeLookup` serves a ``lookup`` of fixed tables' rows without making a tensor in
-Python: the ids are read where they came (a lane's request area, the header's inline bytes, a
-frame), checked, mapped to their rows in the shard's storage and gathered where the reply goes
-(the lane's request area, or one fresh buffer sent from its own memory) by one call of
-:func:`psflow.sparse.kernels.lookup_rows`, which releases the GIL. Python decodes the header and
-encodes the reply's: the dispatch around the call.
+:class:`NativeLookup` serves a ``lookup`` without making a tensor in Python: the ids are read
+where they came (a lane's request area, the header's inline bytes, a frame), checked, mapped to
+their rows in the shard's storage (a fixed table's by its partition, a hashed table's through
+its id map) and gathered where the reply goes (the lane's request area, or one fresh buffer sent
+from its own memory) by one call of :func:`psflow.sparse.kernels.lookup_rows`, which releases
+the GIL. :class:`NativePush` applies a push of row gradients the same way
+(:func:`psflow.sparse.kernels.apply_rows`). Python decodes the header and encodes the reply's:
+the dispatch around the call.
 
 What it does not serve as it came is left to the handler's Python path, which serves or refuses
-it: a hashed table, rows asked in another dtype, a tensor in several frames, a reply too large
-for the lane, a bad id (the kernel writes nothing then). So a refusal's words are that path's,
-and its tests hold for both. ``PSFLOW_NATIVE_REQUESTS=0`` serves everything in Python.
+it: an id a hashed table does not hold (its row is made there), rows asked in another dtype, a
+tensor in several frames, a reply too large for the lane, a bad id (the kernel writes nothing
+then). So a refusal's words are that path's, and its tests hold for both.
+``PSFLOW_NATIVE_REQUESTS=0`` serves everything in Python.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from psflow import env as envvars
 from psflow.protocol import Key
 from psflow.protocol.messages import row_tensor_names
 from psflow.ps.service import ServiceHost
-from psflow.sparse import FixedRows
+from psflow.sparse import Rows
 from psflow.transport import Request, wire
 
 _ABSENT_ZEROS = Key.ABSENT_ZEROS.value
@@ -87,10 +90,10 @@ class NativeLookup:
         if not metas or sources is None or len({m.name for m in metas}) != len(metas):
             return False
         tables = self.host.store.tables
-        chosen: list[FixedRows] = []
+        chosen: list[Rows] = []
         for m in metas:
             table = tables.get(m.name)
-            if type(table) is not FixedRows or m.dtype is not torch.int64 or len(m.shape) != 1:
+            if table is None or m.dtype is not torch.int64 or len(m.shape) != 1:
                 return False
             chosen.append(table)
         sizes = [m.shape[0] * t.dim * t.dtype.itemsize for m, t in zip(metas, chosen, strict=True)]
@@ -129,11 +132,12 @@ class NativeLookup:
 
 class NativePush:
     """The native path of one shard's ``push`` and ``push_pull`` of row gradients alone (no
-    dense gradient), for fixed tables: the ids and gradients read where they came, checked,
-    mapped to their rows and applied with the table's row-wise optimizer by one call of
+    dense gradient): the ids and gradients read where they came, checked, mapped to their
+    rows and applied with the table's row-wise optimizer by one call of
     :func:`psflow.sparse.kernels.apply_rows`. What it does not serve (dense gradients, a
-    learning-rate schedule, a prefetch, a table with a ``padding_idx`` or under a snapshot or
-    an export, bad ids) is left to the Python path, nothing changed."""
+    learning-rate schedule, a prefetch, an id a hashed table does not hold, a hashed table's
+    time to live, a ``padding_idx``, rows a snapshot or an export is keeping, bad ids) is left
+    to the Python path, nothing changed."""
 
     def __init__(self, host: ServiceHost) -> None:
         self.host = host
@@ -164,10 +168,10 @@ class NativePush:
         where = {m.name: (m, src) for m, src in zip(metas, sources, strict=True)}
         tables = store.tables
         jobs = []
-        chosen: list[tuple[str, FixedRows, int]] = []
+        chosen: list[tuple[str, Rows, int]] = []
         for name in names:
             table = tables.get(name) if type(name) is str else None
-            if type(table) is not FixedRows:
+            if table is None:
                 return None
             ids_name, grads_name = row_tensor_names(name)
             ids, grads = where.get(ids_name), where.get(grads_name)

@@ -342,15 +342,18 @@ static PyObject *py_interleave(PyObject *self, PyObject *args) {
 
 /* A lookup served from the request's bytes to the reply's: each job is
  * (src, src_off, n, dst, dst_off, values, rows, row_bytes, num_embeddings, div, num_shards, shard,
- *  q, r, boundary): n int64 ids at byte src_off of buffer src, looked up in a fixed table's shard
- * (values: its storage's address, rows of row_bytes bytes) and, with `gather`, gathered to byte
+ *  q, r, boundary, keys, vals, mask): n int64 ids at byte src_off of buffer src, looked up in a
+ * table's shard (values: its storage's address, rows of row_bytes bytes; a hashed table's: keys,
+ * vals and mask its id map's, whose every id must be held, else why 5; a fixed table's: keys 0)
+ * and, with `gather`, gathered to byte
  * dst_off of buffer dst. Every job's ids are copied out first (the rows may overlay them, as in a
  * lane's request area) and checked as psflow_check_ids checks them; their rows in storage go to
  * `local` (a buffer of every job's ids' count of int64, one job after another), for a caller
  * that gathers them itself (in stripes, on several threads). No row is written unless every
  * job's ids are good. Returns (-1, 0, -1) when done, else (job, why, position): why 1 out of
- * range, 2 another shard's, 3 twice (psflow_check_ids), 4 the job does not fit its buffers. */
-#define LOOKUP_FIELDS 15
+ * range, 2 another shard's, 3 twice (psflow_check_ids), 4 the job does not fit its buffers, 5 an
+ * id a hashed table does not hold. */
+#define LOOKUP_FIELDS 18
 static PyObject *py_lookup_rows(PyObject *self, PyObject *args) {
     PyObject *jobs;
     Py_buffer local_buf;
@@ -359,8 +362,8 @@ static PyObject *py_lookup_rows(PyObject *self, PyObject *args) {
     Py_ssize_t count = PyList_GET_SIZE(jobs);
     typedef struct {
         Py_buffer src, dst;
-        Py_ssize_t src_off, n, dst_off, values, rows, row_bytes;
-        long long num_embeddings, q, r, boundary;
+        Py_ssize_t src_off, n, dst_off, values, rows, row_bytes, keys, vals;
+        long long num_embeddings, q, r, boundary, mask;
         int div, num_shards, shard;
     } job_t;
     job_t *job = calloc((size_t)(count ? count : 1), sizeof(job_t));
@@ -377,13 +380,13 @@ static PyObject *py_lookup_rows(PyObject *self, PyObject *args) {
         job_t *j = &job[held];
         PyObject *t = PyList_GET_ITEM(jobs, held);
         if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != LOOKUP_FIELDS) {
-            PyErr_SetString(PyExc_TypeError, "lookup_rows: each job is a tuple of 15");
+            PyErr_SetString(PyExc_TypeError, "lookup_rows: each job is a tuple of 18");
             goto done;
         }
-        if (!PyArg_ParseTuple(t, "y*nnw*nnnnLpiiLLL", &j->src, &j->src_off, &j->n, &j->dst,
+        if (!PyArg_ParseTuple(t, "y*nnw*nnnnLpiiLLLnnL", &j->src, &j->src_off, &j->n, &j->dst,
                               &j->dst_off, &j->values, &j->rows, &j->row_bytes,
                               &j->num_embeddings, &j->div, &j->num_shards, &j->shard, &j->q,
-                              &j->r, &j->boundary))
+                              &j->r, &j->boundary, &j->keys, &j->vals, &j->mask))
             goto done;
         int fits = j->n >= 0 && j->row_bytes > 0 && j->src_off >= 0 && j->dst_off >= 0 &&
                    j->n <= (j->src.len - j->src_off) / 8 &&
@@ -432,8 +435,18 @@ static PyObject *py_lookup_rows(PyObject *self, PyObject *args) {
         at_ids = ids;
         for (Py_ssize_t i = 0; i < count && failed < 0; i++) {
             job_t *j = &job[i];
-            psflow_local_index(at_ids, j->n, j->div, j->num_shards, j->q, j->r, j->boundary, local);
+            if (j->keys)
+                psflow_idmap_find(PTR(int64_t, j->keys), PTR(int64_t, j->vals), j->mask, at_ids,
+                                  j->n, local, 1);
+            else
+                psflow_local_index(at_ids, j->n, j->div, j->num_shards, j->q, j->r, j->boundary,
+                                   local);
             ptrdiff_t bad = psflow_first_bad(local, j->n, j->rows);
+            if (bad >= 0 && j->keys && local[bad] == -1) { /* not held: the Python path makes it */
+                failed = i;
+                why = 5;
+                at = bad;
+            } else
             if (bad >= 0) { /* a shard's ids that its storage lacks: a bug, named as one */
                 failed = i;
                 why = 1;
@@ -467,15 +480,17 @@ done:
 
 /* Row gradients applied from the request's bytes: each job is
  * (ids, ids_off, n, grads, grads_off, kind, f64, w, s1, s2, s3, rows, dim, num_embeddings, div,
- *  num_shards, shard, q, r, boundary, h1, h2, h3, h4): n int64 ids at byte ids_off of buffer ids,
+ *  num_shards, shard, q, r, boundary, h1, h2, h3, h4, keys, vals, mask, stamps, stamp): n int64
+ * ids at byte ids_off of buffer ids (a hashed table's: its id map's keys, vals and mask, every id
+ * held, else why 5; keys 0 for a fixed table),
  * their gradients (n x dim, f64 or f32) at byte grads_off of buffer grads, applied to a fixed
  * table's shard (w: its rows; s1..s3: its optimizer state, as the kernels above take them) by
  * row-wise `kind` (0 SGD, 1 Adagrad, 2 Adam, 3 FTRL; h1..h4 its settings, in the order of
  * py_sgd .. py_ftrl). Every job's ids are checked (psflow_check_ids) and their rows in storage
  * written to `local` before any row changes; with `apply`, the updates follow in the same call
- * (else the caller applies them, in stripes). Returns (-1, 0, -1) or (job, why, position) as
- * lookup_rows does. */
-#define APPLY_FIELDS 24
+ * (else the caller applies them, in stripes), and each updated row's int64 at `stamps` (when not
+ * 0) is set to `stamp`. Returns (-1, 0, -1) or (job, why, position) as lookup_rows does. */
+#define APPLY_FIELDS 29
 static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
     PyObject *jobs;
     Py_buffer local_buf;
@@ -484,8 +499,8 @@ static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
     Py_ssize_t count = PyList_GET_SIZE(jobs);
     typedef struct {
         Py_buffer ids, grads;
-        Py_ssize_t ids_off, n, grads_off, w, s1, s2, s3, rows, dim;
-        long long num_embeddings, q, r, boundary;
+        Py_ssize_t ids_off, n, grads_off, w, s1, s2, s3, rows, dim, keys, vals, stamps;
+        long long num_embeddings, q, r, boundary, mask, stamp;
         int kind, f64_, div, num_shards, shard;
         double h1, h2, h3, h4;
     } job_t;
@@ -503,14 +518,15 @@ static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
         job_t *j = &job[held];
         PyObject *t = PyList_GET_ITEM(jobs, held);
         if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != APPLY_FIELDS) {
-            PyErr_SetString(PyExc_TypeError, "apply_rows: each job is a tuple of 24");
+            PyErr_SetString(PyExc_TypeError, "apply_rows: each job is a tuple of 29");
             goto done;
         }
-        if (!PyArg_ParseTuple(t, "y*nny*nipnnnnnnLpiiLLLdddd", &j->ids, &j->ids_off, &j->n,
+        if (!PyArg_ParseTuple(t, "y*nny*nipnnnnnnLpiiLLLddddnnLnL", &j->ids, &j->ids_off, &j->n,
                               &j->grads, &j->grads_off, &j->kind, &j->f64_, &j->w, &j->s1,
                               &j->s2, &j->s3, &j->rows, &j->dim, &j->num_embeddings, &j->div,
                               &j->num_shards, &j->shard, &j->q, &j->r, &j->boundary, &j->h1,
-                              &j->h2, &j->h3, &j->h4))
+                              &j->h2, &j->h3, &j->h4, &j->keys, &j->vals, &j->mask, &j->stamps,
+                              &j->stamp))
             goto done;
         Py_ssize_t item = j->f64_ ? 8 : 4;
         int fits = j->n >= 0 && j->dim > 0 && j->kind >= 0 && j->kind <= 3 && j->ids_off >= 0 &&
@@ -553,10 +569,17 @@ static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
             why = code;
             break;
         }
-        if (j->num_shards != 1) /* else each id is its row (in place: no memcpy onto itself) */
+        if (j->keys) /* in place: each id read before its slot is written */
+            psflow_idmap_find(PTR(int64_t, j->keys), PTR(int64_t, j->vals), j->mask, local, j->n,
+                              local, 1);
+        else if (j->num_shards != 1) /* else each id is its row (no memcpy onto itself) */
             psflow_local_index(local, j->n, j->div, j->num_shards, j->q, j->r, j->boundary, local);
         ptrdiff_t bad = psflow_first_bad(local, j->n, j->rows);
-        if (bad >= 0) { /* a shard's ids that its storage lacks: a bug, named as one */
+        if (bad >= 0 && j->keys && local[bad] == -1) { /* not held: the Python path makes it */
+            failed = i;
+            why = 5;
+            at = bad;
+        } else if (bad >= 0) { /* a shard's ids that its storage lacks: a bug, named as one */
             failed = i;
             why = 1;
             at = bad;
@@ -605,6 +628,13 @@ static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
                                 (f32)(2 * j->h3), (f32)-j->h4, j->h4 == -0.5);
             }
         }
+        local += j->n;
+    }
+    local = (int64_t *)local_buf.buf;
+    for (Py_ssize_t i = 0; i < count && failed < 0; i++) {
+        job_t *j = &job[i];
+        if (j->stamps)
+            for (ptrdiff_t k = 0; k < j->n; k++) PTR(int64_t, j->stamps)[local[k]] = j->stamp;
         local += j->n;
     }
     Py_END_ALLOW_THREADS

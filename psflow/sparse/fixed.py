@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 import psflow.sparse.kernels as kernels
@@ -52,55 +50,10 @@ class FixedRows(Rows):
     ) -> torch.Tensor:
         return kernels.gather(self.values, kernels.local_index(ids, self.partition), out)
 
-    def lookup_job(
-        self, src: Any, src_offset: int, n: int, dst: Any, dst_offset: int
-    ) -> tuple[Any, ...] | None:
-        """What :func:`kernels.lookup_rows` takes to look up ``n`` ids that lie at byte
-        ``src_offset`` of buffer ``src`` (int64, unchecked), their rows to go to byte
-        ``dst_offset`` of buffer ``dst``; ``None`` where the kernels cannot (not built, or the
-        rows not one contiguous CPU tensor)."""
-        v = self.values
-        if kernels.KERNELS is None or not v.is_contiguous() or v.device.type != "cpu":
-            return None
+    def _native_map(self) -> tuple[int, int, int, int, int] | None:
         n_emb = self.spec.num_embeddings
         assert n_emb is not None
-        div, shards, q, r, boundary = self.partition.rule()
-        row_bytes = self.dim * v.element_size()
-        return (
-            src, src_offset, n, dst, dst_offset, v.data_ptr(), self._rows, row_bytes,
-            n_emb, div, shards, self.shard, q, r, boundary,
-        )  # fmt: skip
-
-    def apply_job(
-        self, ids: Any, ids_offset: int, n: int, grads: Any, grads_offset: int
-    ) -> tuple[Any, ...] | None:
-        """What :func:`kernels.apply_rows` takes to apply the gradients of ``n`` ids that lie
-        at byte ``ids_offset`` of buffer ``ids`` (int64, unchecked), their gradients (``[n,
-        dim]`` of the table's dtype) at byte ``grads_offset`` of buffer ``grads``; ``None``
-        where only :meth:`apply` can: the kernels are not built or cannot take the rows, a
-        ``padding_idx`` (its row never changes), or rows a snapshot or an export is keeping."""
-        v = self.values
-        if (
-            self.spec.padding_idx is not None
-            or self._snapshots
-            or self._changed is not None
-            or not kernels.fused(v, self.state, v)
-        ):
-            return None
-        kind, keys, settings = self.optimizer.settings()
-        state = [self.state[k].data_ptr() for k in keys] + [0] * (3 - len(keys))
-        n_emb = self.spec.num_embeddings
-        assert n_emb is not None
-        div, shards, q, r, boundary = self.partition.rule()
-        return (
-            ids, ids_offset, n, grads, grads_offset, kind, kernels.is_double(v), v.data_ptr(),
-            *state, self._rows, self.dim, n_emb, div, shards, self.shard, q, r, boundary,
-            *settings,
-        )  # fmt: skip
-
-    def applied(self) -> None:
-        """Counts an update :func:`kernels.apply_rows` made with :meth:`apply_job`'s job."""
-        self.updates += 1
+        return self._rows, n_emb, 0, 0, 0
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         self._check_grads(ids, grads)

@@ -273,6 +273,23 @@ class HashedRows(Rows):
             self._changed[m:n] = False
         self._n = m
 
+    # -- the native request path (Rows.lookup_job, Rows.apply_job) ----------------------------
+
+    def _native_map(self) -> tuple[int, int, int, int, int] | None:
+        if self.ttl is not None:
+            return None  # expiry scans are Python's
+        keys, vals, mask = self._index.native()
+        return self._n, -1, keys, vals, mask
+
+    def _native_stamp(self) -> tuple[int, int]:
+        # The tick this update will have (applied() moves to it): the least recently updated
+        # rows go first when room is needed.
+        return self.last_update.data_ptr(), self._tick + 1
+
+    def applied(self) -> None:
+        self._tick += 1
+        self.updates += 1
+
     # -- the interface -----------------------------------------------------------------------
 
     def lookup(

@@ -65,6 +65,10 @@ class IdMap:
     def _home(self, ids: torch.Tensor) -> torch.Tensor:
         return splitmix64(ids).bitwise_and_(self._mask)
 
+    def native(self) -> tuple[int, int, int]:
+        """What a kernel needs to find ids here: the keys' and values' addresses, the mask."""
+        return self.keys.data_ptr(), self.vals.data_ptr(), self._mask
+
     def _kernel_find(self, ids: torch.Tensor, slots: bool) -> torch.Tensor | None:
         """Each id's cell (or, with ``slots``, its slot), -1 where it is absent, by the kernel;
         ``None`` without it."""

@@ -61,6 +61,8 @@ class Rows(ABC):
 
     values: torch.Tensor
     """The rows, one per storage slot."""
+    state: dict[str, torch.Tensor]
+    """Their row-wise optimizer state (:meth:`RowOptimizer.new_state`), one row per slot."""
 
     def __init__(
         self,
@@ -164,6 +166,70 @@ class Rows(ABC):
             for snap in self._snapshots:
                 snap.preserve(slots)
             self._snapshots = [s for s in self._snapshots if not s.done]
+
+    # -- the native request path (psflow.ps.native) --------------------------------------------
+
+    def _native_map(self) -> tuple[int, int, int, int, int] | None:
+        """How the kernels find an id's row: the rows held, the table's size (-1: hashed), and
+        a hashed table's id map (its keys' and values' addresses and mask; zeros: a fixed
+        table's rows are found by the partition). ``None`` where they cannot serve it."""
+        return None
+
+    def lookup_job(
+        self, src: Any, src_offset: int, n: int, dst: Any, dst_offset: int
+    ) -> tuple[Any, ...] | None:
+        """What :func:`kernels.lookup_rows` takes to look up ``n`` ids that lie at byte
+        ``src_offset`` of buffer ``src`` (int64, unchecked), their rows to go to byte
+        ``dst_offset`` of buffer ``dst``; ``None`` where the kernels cannot (not built, the
+        rows not one contiguous CPU tensor, a hashed table's time to live)."""
+        v = self.values
+        found = self._native_map()
+        if kernels.KERNELS is None or found is None or not v.is_contiguous() or not v.is_cpu:
+            return None
+        rows, n_emb, keys, vals, mask = found
+        div, shards, q, r, boundary = self.partition.rule()
+        row_bytes = self.dim * v.element_size()
+        return (
+            src, src_offset, n, dst, dst_offset, v.data_ptr(), rows, row_bytes,
+            n_emb, div, shards, self.shard, q, r, boundary, keys, vals, mask,
+        )  # fmt: skip
+
+    def apply_job(
+        self, ids: Any, ids_offset: int, n: int, grads: Any, grads_offset: int
+    ) -> tuple[Any, ...] | None:
+        """What :func:`kernels.apply_rows` takes to apply the gradients of ``n`` ids that lie
+        at byte ``ids_offset`` of buffer ``ids`` (int64, unchecked), their gradients (``[n,
+        dim]`` of the table's dtype) at byte ``grads_offset`` of buffer ``grads``; ``None``
+        where only :meth:`apply` can: the kernels cannot (as :meth:`lookup_job`), a
+        ``padding_idx`` (its row never changes), or rows a snapshot or an export is keeping.
+        :meth:`applied` counts the update the kernel made."""
+        v = self.values
+        found = self._native_map()
+        if (
+            found is None
+            or self.spec.padding_idx is not None
+            or self._snapshots
+            or self._changed is not None
+            or not kernels.fused(v, self.state, v)
+        ):
+            return None
+        rows, n_emb, keys, vals, mask = found
+        kind, names, settings = self.optimizer.settings()
+        state = [self.state[k].data_ptr() for k in names] + [0] * (3 - len(names))
+        div, shards, q, r, boundary = self.partition.rule()
+        return (
+            ids, ids_offset, n, grads, grads_offset, kind, kernels.is_double(v), v.data_ptr(),
+            *state, rows, self.dim, n_emb, div, shards, self.shard, q, r, boundary, *settings,
+            keys, vals, mask, *self._native_stamp(),
+        )  # fmt: skip
+
+    def _native_stamp(self) -> tuple[int, int]:
+        """Where the kernel marks each updated row, and with what (an address, 0: nowhere)."""
+        return 0, 0
+
+    def applied(self) -> None:
+        """Counts an update :func:`kernels.apply_rows` made with :meth:`apply_job`'s job."""
+        self.updates += 1
 
     # -- checks ------------------------------------------------------------------------------
 

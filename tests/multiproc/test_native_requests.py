@@ -34,10 +34,13 @@ VOCAB, DIM = 40_000, 16
 
 @contextlib.contextmanager
 def started(
-    path: str, optimizer: RowOptimizerSpec | str = "Adagrad"
+    path: str,
+    optimizer: RowOptimizerSpec | str = "Adagrad",
+    vocab: int | None = VOCAB,
+    **table: pnn.TableConfig,
 ) -> Iterator[tuple[DistributedOptimizer, list[Any]]]:
-    """Two in-process ps shards holding a fixed table (``mod``) and a worker's optimizer
-    attached to them, through lanes or the socket alone."""
+    """Two in-process ps shards holding a table (``mod``: fixed, or hashed with ``vocab``
+    ``None``) and a worker's optimizer attached to them, through lanes or the socket alone."""
     cluster = local_cluster(2, 1)
     transport = TransportConfig(timeout=30, shared_memory=path == "shm")
     servers = [
@@ -46,8 +49,12 @@ def started(
         ).start()
         for i in range(2)
     ]
-    table = pnn.Embedding(VOCAB, DIM, seed=3, optimizer=optimizer)
-    opt = DistributedOptimizer(table, worker_ctx(cluster), lr=0.1, transport=transport)
+    module = (
+        pnn.Embedding(config=table["config"])
+        if "config" in table
+        else pnn.Embedding(vocab, DIM, seed=3, optimizer=optimizer)
+    )
+    opt = DistributedOptimizer(module, worker_ctx(cluster), lr=0.1, transport=transport)
     try:
         yield opt, servers
     finally:
@@ -291,3 +298,64 @@ def test_bad_pushes_get_the_python_paths_refusal_and_change_nothing(
         assert torch.equal(t, start[key]), key
     push_rows(client, name, torch.tensor([2]), torch.ones(1, DIM))  # and it serves on
     assert server.store.step == step + 1
+
+
+def hashed_state(server: psflow.ParameterServer) -> dict[str, torch.Tensor]:
+    """A hashed shard's rows as it holds them, slot by slot."""
+    (table,) = server.store.tables.values()
+    n = table.num_rows
+    held = {"values": table.values, "slot_ids": table.slot_ids, "last_update": table.last_update}
+    return {k: t[:n].clone() for k, t in {**held, **table.state}.items()}
+
+
+@pytest.mark.parametrize("path", ["shm", "socket"])
+def test_hashed_tables_are_native_once_their_ids_are_held(path: str) -> None:
+    """The same requests against two hashed shards, one native and one not: the same replies
+    and the same rows, slot by slot. Ids the table does not hold yet go to the Python path
+    (it makes their rows); once held, their lookups and pushes are native."""
+    g = torch.Generator().manual_seed(5)
+    first = torch.randperm(5000, generator=g)[:3000] * 2
+    more = torch.cat([first[:1000], torch.arange(20_000, 22_000, 2)])  # 1,000 of them new
+    requests = [
+        ("push", first), ("push", first), ("lookup", first), ("push", more),
+        ("lookup", torch.cat([first[:10], torch.tensor([90_000])])), ("push", first.flip(0)),
+        ("lookup", more),
+    ]  # fmt: skip
+    grads = {i: torch.randn(len(ids), DIM, generator=g) for i, (_, ids) in enumerate(requests)}
+    outcomes = []
+    for native in (True, False):
+        with started(path, vocab=None) as (opt, servers):
+            client = client_of(opt)
+            server = servers[0]
+            native_of(server).on = native_push_of(server).on = native
+            name = next(iter(server.store.tables))
+            replies = []
+            for i, (op, ids) in enumerate(requests):
+                if op == "push":
+                    replies.append(push_rows(client, name, ids, grads[i])[0][0][Key.STEP])
+                else:
+                    replies.append(client.lookup({0: [(name, ids)]})[0][1][0][1].clone())
+            served = (native_push_of(server).served, native_of(server).served)
+            outcomes.append((replies, hashed_state(server), served))
+    (native_replies, native_rows, served), (python_replies, python_rows, none) = outcomes
+    assert served == (2, 2) and none == (0, 0)  # pushes 2 and 6, lookups 3 and 7
+    for a, b in zip(native_replies, python_replies, strict=True):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    assert native_rows.keys() == python_rows.keys()
+    for key in native_rows:
+        assert torch.equal(native_rows[key], python_rows[key]), key
+
+
+def test_a_hashed_table_with_a_time_to_live_is_served_in_python() -> None:
+    config = pnn.TableConfig(
+        num_embeddings=None, embedding_dim=DIM, optimizer="Adagrad", ttl_seconds=3600.0
+    )
+    with started("shm", config=config) as (opt, servers):
+        client = client_of(opt)
+        server = servers[0]
+        name = next(iter(server.store.tables))
+        ids = torch.arange(0, 200, 2)
+        for _ in range(2):
+            push_rows(client, name, ids, torch.ones(len(ids), DIM))
+        client.lookup({0: [(name, ids)]})
+        assert native_push_of(server).served == native_of(server).served == 0
