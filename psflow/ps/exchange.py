@@ -61,7 +61,8 @@ class ExchangeService(Service):
         self.flush = host.flush
         self.require_initialized = host.require_initialized
         self.native = NativePush(host)
-        """Row gradients alone, of fixed tables, applied from bytes (:mod:`psflow.ps.native`)."""
+        """Pushes with row gradients or a prefetch: the tables' part in native code
+        (:mod:`psflow.ps.native`)."""
 
     def handlers(self) -> Mapping[Op, Handler]:
         return {Op.PULL: self._pull, Op.PUSH: self._push, Op.PUSH_PULL: self._push_pull}
@@ -83,9 +84,9 @@ class ExchangeService(Service):
 
     def _push(self, request: Request) -> None:
         self.require_initialized()
-        step = self.native.apply(request)
-        if step is not None:
-            self.reply(request, {_STEP: step})
+        plan = self.native.plan(request, pull=False)
+        if plan is not None:
+            self.native.run(request, plan)
             return
         step, prefetch, dtypes = self._apply_push(request)
         if not prefetch:
@@ -95,9 +96,9 @@ class ExchangeService(Service):
 
     def _push_pull(self, request: Request) -> None:
         self.require_initialized()
-        step = self.native.apply(request)
-        if step is not None:
-            self.reply(request, {_STEP: step}, self.store.wire_set)
+        plan = self.native.plan(request, pull=True)
+        if plan is not None:
+            self.native.run(request, plan)
             return
         step, prefetch, dtypes = self._apply_push(request)
         if not prefetch:

@@ -9,7 +9,7 @@ until replies have left. :class:`~psflow.ps.server.ParameterServer` is one, and 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -46,10 +46,11 @@ class TransportHost:
         *,
         into: Mapping[str, torch.Tensor] | None = None,
         transient: bool = False,
+        only: Container[str] | None = None,
     ) -> list[tuple[str, torch.Tensor]]:
         """The tensors of ``request``, validated (see ``Server.tensors``)."""
         assert self._server is not None
-        return self._server.tensors(request, into=into, transient=transient)
+        return self._server.tensors(request, into=into, transient=transient, only=only)
 
     def reply(
         self,
@@ -90,12 +91,14 @@ class TransportHost:
         header: dict[str, Any],
         metas: list[list[Any]],
         raws: Sequence[Any] | None = None,
+        *,
+        live: bool = False,
     ) -> None:
         """Answers ``request`` as :meth:`reply` does, with tensors a native path wrote itself
         (see ``Server.reply_placed``)."""
         assert self._server is not None
         self._defaults(header)
-        self._server.reply_placed(request, header, metas, raws)
+        self._server.reply_placed(request, header, metas, raws, live=live)
 
     def _defaults(self, header: dict[str, Any]) -> None:
         """A reply's op ``ok`` and the shard's step (and learning rate), unless it says."""

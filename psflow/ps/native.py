@@ -19,6 +19,7 @@ then). So a refusal's words are that path's, and its tests hold for both.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,8 +27,8 @@ import torch
 
 import psflow.sparse.kernels as kernels
 from psflow import env as envvars
-from psflow.protocol import Key
-from psflow.protocol.messages import row_tensor_names
+from psflow.protocol import Key, Op
+from psflow.protocol.messages import prefetch_tensor_names, row_tensor_names
 from psflow.ps.service import ServiceHost
 from psflow.sparse import Rows
 from psflow.transport import Request, wire
@@ -47,15 +48,20 @@ no client sends) leaves it to Python."""
 
 _ROWS = Key.ROWS.value
 
+_PREFETCH = Key.PREFETCH.value
+_STEP = Key.STEP.value
+_OP = Key.OP.value
+_PUSH_PULL = Op.PUSH_PULL.value
+
 _PLAIN_PUSH = frozenset(
     k.value
     for k in (
         Key.VERSION, Key.OP, Key.ID, Key.TASK, Key.TENSORS, Key.INLINE, Key.CHUNK, Key.IN_LANE,
-        Key.ROWS, Key.STEP,
+        Key.ROWS, Key.STEP, Key.PREFETCH,
     )
 )  # fmt: skip
-"""The header keys of a push the native path serves: a prefetch, an input position or rows
-in another dtype leave it to Python."""
+"""The header keys of a push the native path serves: an input position or rows in another
+dtype leave it to Python."""
 
 
 def enabled() -> bool:
@@ -130,78 +136,207 @@ class NativeLookup:
         return True
 
 
+@dataclass(eq=False, slots=True)
+class PushPlan:
+    """A push the native path takes: its row gradients and prefetch ids checked and mapped to
+    their rows by the kernels, its dense gradients decoded; nothing changed yet."""
+
+    dense: list[tuple[str, torch.Tensor]]
+    """The dense gradients (views of the lane or the frames, as the Python path's)."""
+    rows: list[tuple[str, Rows, int]]
+    """Each table the push updates, with its count of ids."""
+    row_jobs: list[tuple[Any, ...]]
+    row_slots: np.ndarray[Any, Any]
+    prefetch: list[tuple[str, Rows, int]]
+    """Each table whose rows the reply brings (read after the update), with its count of ids."""
+    prefetch_jobs: list[tuple[Any, ...]]
+    prefetch_slots: np.ndarray[Any, Any]
+    reply_metas: list[list[Any]]
+    """The reply's tensors when it prefetches: the shard's values (a ``push_pull``), then the
+    rows."""
+    reply_raws: list[Any] | None
+    """Their bytes, by socket; ``None``: in the lane's request area, the values still to be
+    copied to ``values_at``."""
+    values_at: list[int]
+    """Where each value goes in the lane's request area."""
+
+
+_NO_SLOTS = np.empty(0, np.int64)
+
+
 class NativePush:
-    """The native path of one shard's ``push`` and ``push_pull`` of row gradients alone (no
-    dense gradient): the ids and gradients read where they came, checked, mapped to their
-    rows and applied with the table's row-wise optimizer by one call of
-    :func:`psflow.sparse.kernels.apply_rows`. What it does not serve (dense gradients, a
-    learning-rate schedule, a prefetch, an id a hashed table does not hold, a hashed table's
-    time to live, a ``padding_idx``, rows a snapshot or an export is keeping, bad ids) is left
-    to the Python path, nothing changed."""
+    """The native path of one shard's ``push`` and ``push_pull`` with row gradients or a
+    prefetch: the tables' ids and gradients read where they came, checked, mapped to their rows
+    and applied with each table's row-wise optimizer by one call of
+    :func:`psflow.sparse.kernels.apply_rows`; the prefetched rows gathered after it where the
+    reply goes by one call of :func:`psflow.sparse.kernels.lookup_rows`. Dense gradients are
+    applied by the shard's optimizer, as in the Python path. What it does not serve (a
+    learning-rate schedule, rows in another dtype, an input position, an id a hashed table does
+    not hold, a hashed table's time to live, a ``padding_idx``, rows a snapshot or an export is
+    keeping, bad ids, a reply too large for its lane) is left to the Python path, nothing
+    changed."""
 
     def __init__(self, host: ServiceHost) -> None:
         self.host = host
         self.on = enabled()
         self.served = 0
-        """Pushes applied here (the rest went to the Python path)."""
+        """Pushes served here (the rest went to the Python path)."""
 
-    def apply(self, request: Request) -> int | None:
-        """Applies ``request``'s row gradients natively and returns the shard's new step;
+    def plan(self, request: Request, *, pull: bool) -> PushPlan | None:
+        """``request`` checked and mapped for :meth:`run` (a ``push_pull`` with ``pull``);
         ``None`` when it is left to the Python path, with nothing changed.
 
         Raises:
-            wire.WireError: for a header whose tensor list is malformed (as the Python path).
+            wire.WireError: for a header whose tensor list is malformed, or tensors that do not
+                match it (as the Python path).
         """
         header = request.header
         store = self.host.store
         if not self.on or store.schedule is not None or not _PLAIN_PUSH.issuperset(header):
             return None
-        names = header.get(_ROWS)
-        if type(names) is not list or not names or len(set(names)) != len(names):
+        names, prefetch_names = _tables(header.get(_ROWS)), _tables(header.get(_PREFETCH))
+        if names is None or prefetch_names is None or not (names or prefetch_names):
             return None
         metas = wire.tensor_metas(header)
-        if len(metas) != 2 * len(names):
-            return None  # dense gradients too, or tensors missing
         sources = self.host.tensor_buffers(request)
         if sources is None:
             return None
         where = {m.name: (m, src) for m, src in zip(metas, sources, strict=True)}
+        if len(where) != len(metas):
+            return None
         tables = store.tables
-        jobs = []
-        chosen: list[tuple[str, Rows, int]] = []
+        taken: set[str] = set()
+        rows, row_jobs = [], []
         for name in names:
-            table = tables.get(name) if type(name) is str else None
-            if table is None:
-                return None
+            table = tables.get(name)
             ids_name, grads_name = row_tensor_names(name)
             ids, grads = where.get(ids_name), where.get(grads_name)
-            if ids is None or grads is None:
+            if table is None or ids is None or grads is None:
                 return None
             (ids_meta, (ids_src, ids_offset)), (g_meta, (g_src, g_offset)) = ids, grads
-            n = ids_meta.shape[0] if len(ids_meta.shape) == 1 else -1
-            if (
-                ids_meta.dtype is not torch.int64
-                or n < 0
-                or g_meta.dtype is not table.dtype
-                or g_meta.shape != (n, table.dim)
-            ):
+            n = _count(ids_meta)
+            if n < 0 or g_meta.dtype is not table.dtype or g_meta.shape != (n, table.dim):
                 return None
             job = table.apply_job(ids_src, ids_offset, n, g_src, g_offset)
             if job is None:
                 return None
-            jobs.append(job)
-            chosen.append((name, table, n))
-        self.host.flush()  # as the Python path: replies still leaving keep their values
+            row_jobs.append(job)
+            rows.append((name, table, n))
+            taken.update((ids_name, grads_name))
+        prefetch, fetch_from = [], []
+        for name in prefetch_names:
+            table = tables.get(name)
+            ids_name = prefetch_tensor_names(name)[0]
+            ids = where.get(ids_name)
+            if table is None or ids is None or _count(ids[0]) < 0:
+                return None
+            prefetch.append((name, table, _count(ids[0])))
+            fetch_from.append(ids[1])
+            taken.add(ids_name)
+        reply = self._reply(request, pull, prefetch)
+        if reply is None:
+            return None
+        reply_metas, reply_raws, dst, offsets, values_at = reply
+        prefetch_jobs = []
+        for (_, table, n), (src, src_offset), offset in zip(
+            prefetch, fetch_from, offsets, strict=True
+        ):
+            job = table.lookup_job(src, src_offset, n, dst, offset)
+            if job is None:
+                return None
+            prefetch_jobs.append(job)
+        row_slots = kernels.map_rows(row_jobs) if row_jobs else _NO_SLOTS
+        if row_slots is None:
+            return None  # a bad id, or one a hashed table does not hold: the Python path's
+        prefetch_slots = kernels.map_lookup(prefetch_jobs) if prefetch_jobs else _NO_SLOTS
+        if prefetch_slots is None:
+            return None
+        dense_names = {m.name for m in metas} - taken
+        dense = (
+            self.host.tensors(request, into=store.grad_buffers, transient=True, only=dense_names)
+            if dense_names
+            else []
+        )
+        return PushPlan(
+            dense, rows, row_jobs, row_slots, prefetch, prefetch_jobs, prefetch_slots,
+            reply_metas, reply_raws, values_at,
+        )  # fmt: skip
+
+    def _reply(
+        self, request: Request, pull: bool, prefetch: list[tuple[str, Rows, int]]
+    ) -> tuple[list[list[Any]], list[Any] | None, Any, list[int], list[int]] | None:
+        """Where a prefetching reply's tensors go: their descriptions, their bytes (by
+        socket; ``None``: the lane), the buffer the rows are gathered into and each one's
+        offset there, and where the values go in the lane; ``None`` when it is too large for
+        the request's lane (the Python path answers by socket)."""
+        if not prefetch:
+            return [], None, None, [], []
+        values = self.host.store.wire_set if pull else None
+        row_metas = [
+            [prefetch_tensor_names(name)[1], wire.dtype_name(t.dtype), [n, t.dim]]
+            for name, t, n in prefetch
+        ]
+        sizes = [n * t.dim * t.dtype.itemsize for _, t, n in prefetch]
+        value_sizes = [len(r) for r in values.raws] if values is not None else []
+        metas = (values.layout.metas if values is not None else []) + row_metas
+        place = self.host.reply_area(request, value_sizes + sizes)
+        if place is not None:
+            dst, offsets = place
+            return metas, None, dst, offsets[len(value_sizes) :], offsets[: len(value_sizes)]
+        if request.lane is not None:
+            return None
+        dst = np.empty(sum(sizes), np.uint8)
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        raws = [dst[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
+        return metas, (list(values.raws) if values is not None else []) + raws, dst, offsets, []
+
+    def run(self, request: Request, plan: PushPlan) -> None:
+        """Applies ``plan`` and answers ``request``: the dense gradients by the shard's
+        optimizer, the rows by the kernels, the prefetched rows gathered after them."""
+        host = self.host
+        store = host.store
+        host.flush()  # as the Python path: values still leaving must not change under them
         start = time.perf_counter()
-        if not kernels.apply_rows(jobs):
-            return None  # a bad id: the Python path names it
-        for _, table, _ in chosen:
-            table.applied()
-        store.step += 1
-        metrics = self.host.metrics
+        # Dense first: its checks refuse a bad push before any row changes.
+        step = store.apply(plan.dense) if plan.dense else store.advance()
+        if plan.row_jobs:
+            kernels.apply_mapped(plan.row_jobs, plan.row_slots)
+            for _, table, _ in plan.rows:
+                table.applied()
+        metrics = host.metrics
         metrics.apply_seconds.observe(time.perf_counter() - start)
         if metrics.on:
-            for name, _, n in chosen:
+            for name, _, n in plan.rows:
                 metrics.rows_pushed(name).inc(n)
+            for name, _, n in plan.prefetch:
+                metrics.rows_pulled(name).inc(n)
         self.served += 1
-        return store.step
+        header: dict[str, Any] = {_STEP: step}
+        if not plan.prefetch:
+            if request.header[_OP] == _PUSH_PULL:
+                host.reply(request, header, store.wire_set)
+            else:
+                host.reply(request, header)
+            return
+        if plan.reply_raws is None and plan.values_at:
+            area = plan.prefetch_jobs[0][3].data  # the lane's request area: memcpy's
+            for offset, raw in zip(plan.values_at, store.wire_set.raws, strict=True):
+                area[offset : offset + len(raw)] = raw
+        kernels.gather_mapped(plan.prefetch_jobs, plan.prefetch_slots)
+        # Values sent by socket from their own memory: the next update waits until they left.
+        live = plan.reply_raws is not None and request.header[_OP] == _PUSH_PULL
+        host.reply_placed(request, header, plan.reply_metas, plan.reply_raws, live=live)
+
+
+def _tables(names: Any) -> list[str] | None:
+    """A header's list of table names (none: empty), or ``None`` when it is not one."""
+    if names is None:
+        return []
+    if type(names) is not list or len(set(names)) != len(names):
+        return None
+    return names if all(type(n) is str for n in names) else None
+
+
+def _count(meta: wire.TensorMeta) -> int:
+    """The ids a tensor of ids holds, or -1 when it is not 1-D int64."""
+    return meta.shape[0] if meta.dtype is torch.int64 and len(meta.shape) == 1 else -1

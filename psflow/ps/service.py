@@ -17,7 +17,7 @@ one :meth:`~psflow.ps.server.ParameterServer.register` of that service.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any, Protocol
 
@@ -104,10 +104,12 @@ class ServiceHost(Protocol):
         header: dict[str, Any],
         metas: list[list[Any]],
         raws: Sequence[Any] | None = None,
+        *,
+        live: bool = False,
     ) -> None:
         """Answers ``request`` as :meth:`reply` does, with tensors (``metas``: ``[name,
         dtype, shape]`` each) a native path wrote where :meth:`reply_area` said, or whose
-        bytes are ``raws`` (fresh buffers)."""
+        bytes are ``raws`` (``live``: some may change later, a shard's variables)."""
         ...
 
     def refuse(self, request: Request, message: str, code: Code) -> None:
@@ -121,9 +123,11 @@ class ServiceHost(Protocol):
         *,
         into: Mapping[str, torch.Tensor] | None = None,
         transient: bool = False,
+        only: Container[str] | None = None,
     ) -> list[tuple[str, torch.Tensor]]:
         """The tensors of ``request``, validated; assembled in ``into`` when they arrive in
-        pieces; with ``transient``, possibly views of a lane, valid until the reply is sent."""
+        pieces; with ``transient``, possibly views of a lane, valid until the reply is sent;
+        with ``only``, those of these names alone."""
         ...
 
     def flush(self) -> None:

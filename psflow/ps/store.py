@@ -262,6 +262,13 @@ class ShardStore:
         self.step += 1
         return self.step
 
+    def advance(self) -> int:
+        """Counts an update that changed no dense variable (row gradients alone, applied by
+        the native path) and returns the new step: what :meth:`apply` does with no dense
+        gradient and no schedule."""
+        self.step += 1
+        return self.step
+
     def _apply_dense(
         self,
         grads: Sequence[tuple[str, torch.Tensor]],

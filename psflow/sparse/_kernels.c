@@ -345,20 +345,20 @@ static PyObject *py_interleave(PyObject *self, PyObject *args) {
  *  q, r, boundary, keys, vals, mask): n int64 ids at byte src_off of buffer src, looked up in a
  * table's shard (values: its storage's address, rows of row_bytes bytes; a hashed table's: keys,
  * vals and mask its id map's, whose every id must be held, else why 5; a fixed table's: keys 0)
- * and, with `gather`, gathered to byte
- * dst_off of buffer dst. Every job's ids are copied out first (the rows may overlay them, as in a
- * lane's request area) and checked as psflow_check_ids checks them; their rows in storage go to
- * `local` (a buffer of every job's ids' count of int64, one job after another), for a caller
- * that gathers them itself (in stripes, on several threads). No row is written unless every
- * job's ids are good. Returns (-1, 0, -1) when done, else (job, why, position): why 1 out of
+ * and gathered to byte dst_off of buffer dst, in two phases (`phases`: 1 the first, 2 the
+ * second, 3 both). The first copies every job's ids out (the rows may overlay them, as in a
+ * lane's request area), checks them as psflow_check_ids does, and writes their rows in storage
+ * to `local` (a buffer of every job's ids' count of int64, one job after another). The second
+ * gathers the rows `local` names (the first's, for a caller that gathers later, or itself in
+ * stripes). No row is written unless every job's ids are good. Returns (-1, 0, -1) when done, else (job, why, position): why 1 out of
  * range, 2 another shard's, 3 twice (psflow_check_ids), 4 the job does not fit its buffers, 5 an
  * id a hashed table does not hold. */
 #define LOOKUP_FIELDS 18
 static PyObject *py_lookup_rows(PyObject *self, PyObject *args) {
     PyObject *jobs;
     Py_buffer local_buf;
-    int gather;
-    if (!PyArg_ParseTuple(args, "O!w*p", &PyList_Type, &jobs, &local_buf, &gather)) return NULL;
+    int phases;
+    if (!PyArg_ParseTuple(args, "O!w*i", &PyList_Type, &jobs, &local_buf, &phases)) return NULL;
     Py_ssize_t count = PyList_GET_SIZE(jobs);
     typedef struct {
         Py_buffer src, dst;
@@ -417,7 +417,7 @@ static PyObject *py_lookup_rows(PyObject *self, PyObject *args) {
     }
     Py_BEGIN_ALLOW_THREADS
     int64_t *at_ids = ids;
-    for (Py_ssize_t i = 0; i < count && failed < 0; i++) {
+    for (Py_ssize_t i = 0; i < count && failed < 0 && (phases & 1); i++) {
         job_t *j = &job[i];
         memcpy(at_ids, (const char *)j->src.buf + j->src_off, (size_t)j->n * 8);
         memset(used, 0, (size_t)hash_slots(j->n));
@@ -433,7 +433,7 @@ static PyObject *py_lookup_rows(PyObject *self, PyObject *args) {
     if (failed < 0) {
         int64_t *local = (int64_t *)local_buf.buf;
         at_ids = ids;
-        for (Py_ssize_t i = 0; i < count && failed < 0; i++) {
+        for (Py_ssize_t i = 0; i < count && failed < 0 && (phases & 1); i++) {
             job_t *j = &job[i];
             if (j->keys)
                 psflow_idmap_find(PTR(int64_t, j->keys), PTR(int64_t, j->vals), j->mask, at_ids,
@@ -456,7 +456,7 @@ static PyObject *py_lookup_rows(PyObject *self, PyObject *args) {
             local += j->n;
         }
         local = (int64_t *)local_buf.buf;
-        for (Py_ssize_t i = 0; i < count && failed < 0 && gather; i++) {
+        for (Py_ssize_t i = 0; i < count && failed < 0 && (phases & 2); i++) {
             job_t *j = &job[i];
             psflow_gather_rows((char *)j->dst.buf + j->dst_off, PTR(const char, j->values), local,
                                j->n, j->row_bytes);
@@ -486,16 +486,16 @@ done:
  * their gradients (n x dim, f64 or f32) at byte grads_off of buffer grads, applied to a fixed
  * table's shard (w: its rows; s1..s3: its optimizer state, as the kernels above take them) by
  * row-wise `kind` (0 SGD, 1 Adagrad, 2 Adam, 3 FTRL; h1..h4 its settings, in the order of
- * py_sgd .. py_ftrl). Every job's ids are checked (psflow_check_ids) and their rows in storage
- * written to `local` before any row changes; with `apply`, the updates follow in the same call
- * (else the caller applies them, in stripes), and each updated row's int64 at `stamps` (when not
- * 0) is set to `stamp`. Returns (-1, 0, -1) or (job, why, position) as lookup_rows does. */
+ * py_sgd .. py_ftrl), in two phases as lookup_rows's: the first checks every job's ids
+ * (psflow_check_ids) and writes their rows in storage to `local`, before any row changes; the
+ * second applies the updates to the rows `local` names (with 4 too: the caller applies them,
+ * in stripes), and sets each updated row's int64 at `stamps` (when not 0) to `stamp`. Returns (-1, 0, -1) or (job, why, position) as lookup_rows does. */
 #define APPLY_FIELDS 29
 static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
     PyObject *jobs;
     Py_buffer local_buf;
-    int apply;
-    if (!PyArg_ParseTuple(args, "O!w*p", &PyList_Type, &jobs, &local_buf, &apply)) return NULL;
+    int phases;
+    if (!PyArg_ParseTuple(args, "O!w*i", &PyList_Type, &jobs, &local_buf, &phases)) return NULL;
     Py_ssize_t count = PyList_GET_SIZE(jobs);
     typedef struct {
         Py_buffer ids, grads;
@@ -557,7 +557,7 @@ static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
     }
     Py_BEGIN_ALLOW_THREADS
     int64_t *local = (int64_t *)local_buf.buf;
-    for (Py_ssize_t i = 0; i < count && failed < 0; i++) {
+    for (Py_ssize_t i = 0; i < count && failed < 0 && (phases & 1); i++) {
         job_t *j = &job[i];
         memcpy(local, (const char *)j->ids.buf + j->ids_off, (size_t)j->n * 8);
         memset(used, 0, (size_t)hash_slots(j->n));
@@ -587,7 +587,7 @@ static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
         local += j->n;
     }
     local = (int64_t *)local_buf.buf;
-    for (Py_ssize_t i = 0; i < count && failed < 0 && apply; i++) {
+    for (Py_ssize_t i = 0; i < count && failed < 0 && (phases & 2) && !(phases & 4); i++) {
         job_t *j = &job[i];
         const char *g = (const char *)j->grads.buf + j->grads_off;
         ptrdiff_t n = j->n, dim = j->dim;
@@ -631,7 +631,7 @@ static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
         local += j->n;
     }
     local = (int64_t *)local_buf.buf;
-    for (Py_ssize_t i = 0; i < count && failed < 0; i++) {
+    for (Py_ssize_t i = 0; i < count && failed < 0 && (phases & 2); i++) {
         job_t *j = &job[i];
         if (j->stamps)
             for (ptrdiff_t k = 0; k < j->n; k++) PTR(int64_t, j->stamps)[local[k]] = j->stamp;

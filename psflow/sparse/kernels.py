@@ -147,52 +147,100 @@ def gather_at(out: int, src: int, index: int, n: int, row_bytes: int, rows: int)
     return stripes.run(n, work, writes=False)
 
 
-def lookup_rows(jobs: list[tuple[Any, ...]]) -> bool:
-    """A lookup served from buffer to buffer (the jobs of
-    :meth:`~psflow.sparse.fixed.FixedRows.lookup_job`, one a table): every job's ids copied
-    out and checked (range, shard, repeats) in one call, then their rows gathered (in the same
-    call on one thread, else in stripes). ``False`` when the kernel refused one (then no row
-    was written): the caller's Python path says why."""
+_MAP, _RUN, _STAMPS_ONLY = 1, 2, 4
+"""The phases of the kernels' ``lookup_rows`` and ``apply_rows``: check and map the ids; gather
+or apply; with the second, only the stamps (the updates go in stripes, from Python)."""
+
+
+def map_lookup(jobs: list[tuple[Any, ...]]) -> np.ndarray[Any, Any] | None:
+    """A lookup's first phase (the jobs of :meth:`~psflow.sparse.Rows.lookup_job`, one a
+    table): every job's ids copied out and checked (range, shard, repeats), and mapped to their
+    rows in storage, returned for :func:`gather_mapped`. ``None`` when the kernel refused one
+    (a bad id, or one a hashed table does not hold): the caller's Python path says why."""
     k = KERNELS
     assert k is not None
     local = np.empty(sum(job[2] for job in jobs), np.int64)
-    striped = stripes.threads() > 1
-    failed, _, _ = k.lookup_rows(jobs, local, not striped)
-    if failed >= 0:
+    failed, _, _ = k.lookup_rows(jobs, local, _MAP)
+    return local if failed < 0 else None
+
+
+def gather_mapped(jobs: list[tuple[Any, ...]], local: np.ndarray[Any, Any]) -> None:
+    """A lookup's second phase: the rows :func:`map_lookup` found gathered where each job's
+    reply goes (in one call, or in stripes on several threads)."""
+    k = KERNELS
+    assert k is not None
+    if stripes.threads() == 1:
+        failed, _, _ = k.lookup_rows(jobs, local, _RUN)
+        assert failed < 0, "jobs map_lookup mapped"
+        return
+    at = local.ctypes.data
+    for _, _, n, dst, dst_offset, values, rows, row_bytes, *_ in jobs:
+        out = np.frombuffer(dst, np.uint8).ctypes.data + dst_offset
+        bad = gather_at(out, values, at, n, row_bytes, rows)
+        assert bad < 0, "an index map_lookup checked"
+        at += 8 * n
+
+
+def lookup_rows(jobs: list[tuple[Any, ...]]) -> bool:
+    """A lookup served from buffer to buffer: :func:`map_lookup` then :func:`gather_mapped`
+    (one call on one thread). ``False`` when refused, no row written."""
+    k = KERNELS
+    assert k is not None
+    if stripes.threads() == 1:
+        local = np.empty(sum(job[2] for job in jobs), np.int64)
+        failed, _, _ = k.lookup_rows(jobs, local, _MAP | _RUN)
+        return bool(failed < 0)
+    mapped = map_lookup(jobs)
+    if mapped is None:
         return False
-    if striped:
-        at = local.ctypes.data
-        for _, _, n, dst, dst_offset, values, rows, row_bytes, *_ in jobs:
-            out = np.frombuffer(dst, np.uint8).ctypes.data + dst_offset
-            bad = gather_at(out, values, at, n, row_bytes, rows)
-            assert bad < 0, "an index lookup_rows checked"
-            at += 8 * n
+    gather_mapped(jobs, mapped)
     return True
 
 
-def apply_rows(jobs: list[tuple[Any, ...]]) -> bool:
-    """A push's row gradients applied from its buffers (the jobs of
-    :meth:`~psflow.sparse.fixed.FixedRows.apply_job`, one a table): every job's ids checked
-    (range, shard, repeats) in one call before any row changes, then the updates (in the same
-    call on one thread, else in stripes). ``False`` when the kernel refused one (then nothing
-    changed): the caller's Python path says why."""
+def map_rows(jobs: list[tuple[Any, ...]]) -> np.ndarray[Any, Any] | None:
+    """A push's first phase (the jobs of :meth:`~psflow.sparse.Rows.apply_job`, one a table):
+    every job's ids checked and mapped to their rows, returned for :func:`apply_mapped`;
+    ``None`` when the kernel refused one (nothing changed)."""
     k = KERNELS
     assert k is not None
     local = np.empty(sum(job[2] for job in jobs), np.int64)
+    failed, _, _ = k.apply_rows(jobs, local, _MAP)
+    return local if failed < 0 else None
+
+
+def apply_mapped(jobs: list[tuple[Any, ...]], local: np.ndarray[Any, Any]) -> None:
+    """A push's second phase: the row-wise updates of the rows :func:`map_rows` found (in one
+    call, or in stripes on several threads), each row stamped where its job says."""
+    k = KERNELS
+    assert k is not None
     striped = stripes.threads() > 1
-    failed, _, _ = k.apply_rows(jobs, local, not striped)
-    if failed >= 0:
-        return False
+    failed, _, _ = k.apply_rows(jobs, local, _RUN | (_STAMPS_ONLY if striped else 0))
+    assert failed < 0, "jobs map_rows mapped"
     if striped:
         at = local.ctypes.data
         for job in jobs:
             _apply_striped(k, job, at)
             at += 8 * job[2]
+
+
+def apply_rows(jobs: list[tuple[Any, ...]]) -> bool:
+    """A push's row gradients applied from its buffers: :func:`map_rows` then
+    :func:`apply_mapped` (one call on one thread). ``False`` when refused, nothing changed."""
+    k = KERNELS
+    assert k is not None
+    if stripes.threads() == 1:
+        local = np.empty(sum(job[2] for job in jobs), np.int64)
+        failed, _, _ = k.apply_rows(jobs, local, _MAP | _RUN)
+        return bool(failed < 0)
+    mapped = map_rows(jobs)
+    if mapped is None:
+        return False
+    apply_mapped(jobs, mapped)
     return True
 
 
 def _apply_striped(k: ModuleType, job: tuple[Any, ...], index: int) -> None:
-    """One job of :func:`apply_rows` applied in stripes, its rows in storage at ``index``."""
+    """One job of :func:`apply_mapped` applied in stripes, its rows in storage at ``index``."""
     _, _, n, grads, grads_offset, kind, double, w, s1, s2, s3, rows, dim = job[:13]
     fn, head = getattr(k, _KINDS[kind]), (s1, s2, s3)[: _STATE_COUNT[kind]]
     tail = job[20 : 20 + _SETTING_COUNT[kind]]
@@ -204,7 +252,7 @@ def _apply_striped(k: ModuleType, job: tuple[Any, ...], index: int) -> None:
         return bad
 
     bad = stripes.run(n, work)
-    assert bad < 0, "an index apply_rows checked"
+    assert bad < 0, "an index map_rows checked"
 
 
 ROW_KINDS = ("SGD", "Adagrad", "Adam", "Ftrl")

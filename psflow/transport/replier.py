@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,11 +60,12 @@ class Replier:
         *,
         into: Mapping[str, torch.Tensor] | None = None,
         transient: bool = False,
+        only: Container[str] | None = None,
     ) -> list[tuple[str, torch.Tensor]]:
         """The tensors of ``request``, validated (see :func:`wire.decode_tensors`).
 
         With ``transient``, tensors that came through a lane may be views of it: valid until
-        the reply to ``request`` is sent.
+        the reply to ``request`` is sent. With ``only``, the tensors of these names alone.
         """
         lane = request.lane
         return wire.decode_tensors(
@@ -74,6 +75,7 @@ class Replier:
             into=into,
             area=lane.request_views if lane is not None else None,
             transient=transient,
+            only=only,
         )
 
     def tensor_buffers(self, request: Request) -> list[tuple[Any, int]] | None:
@@ -169,11 +171,14 @@ class Replier:
         header: dict[str, Any],
         metas: list[list[Any]],
         raws: Sequence[Any] | None = None,
+        *,
+        live: bool = False,
     ) -> None:
         """Answers ``request`` with tensors a native path wrote itself, described by
         ``metas`` (``[name, dtype, shape]`` each): where :meth:`reply_area` placed them
-        (``raws`` is ``None``), or the bytes of each in ``raws``, sent from their own memory
-        (fresh buffers, which nothing changes after)."""
+        (``raws`` is ``None``), or the bytes of each in ``raws``, sent from their own memory.
+        ``live``: some of those bytes may change later (a shard's variables), so
+        :meth:`flush` waits until they have left; else they are fresh buffers."""
         header[_ID] = request.header[_ID]
         if raws is None:
             lane = request.lane
@@ -183,7 +188,7 @@ class Replier:
                 log.debug("dropped the reply to %s: its lane is gone", request.header[_OP])
             return
         frames = wire.encode_raw(header, metas, raws, chunk=self.config.chunk_bytes)
-        self._send_reply(request, frames, track=False)
+        self._send_reply(request, frames, track=live)
 
     def reply_tensors(
         self, request: Request, specs: Sequence[tuple[torch.dtype, Sequence[int]]]

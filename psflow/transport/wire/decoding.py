@@ -4,7 +4,7 @@ lane's area (:func:`decode_tensors`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -201,8 +201,11 @@ def decode_tensors(
     area: AreaViews | None = None,
     transient: bool = False,
     keep: bool = True,
+    only: Container[str] | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
-    """The tensors of a message whose header was decoded by :func:`decode_header`.
+    """The tensors of a message whose header was decoded by :func:`decode_header` (with
+    ``only``, those of these names alone: the rest are read by a native path, from
+    :func:`tensor_buffers`; every one is still checked against the frames).
 
     A tensor that arrived in one frame is a zero-copy view of that frame; one that arrived in
     several is assembled into ``into[name]`` when that is a contiguous tensor of the same dtype
@@ -220,13 +223,16 @@ def decode_tensors(
             raise WireError(f"{len(frames)} data frame(s) but the header lists no tensors")
         return []
     if _INLINE in header:
-        return _decode_inline(metas, header[_INLINE], frames)
+        return _decode_inline(metas, header[_INLINE], frames, only)
     if _IN_LANE in header:
         return _decode_lane(
-            metas, area, frames, max_bytes=max_bytes, into=into, view=transient, keep=keep
-        )
+            metas, area, frames, max_bytes=max_bytes, into=into, view=transient, keep=keep,
+            only=only,
+        )  # fmt: skip
     out = []
     for m, parts in frame_views(header, frames, max_bytes=max_bytes):
+        if only is not None and m.name not in only:
+            continue
         if m.nbytes == 0:
             t = torch.empty(0, dtype=m.dtype)
         elif len(parts) == 1 and not parts[0].readonly and m.nbytes >= _CLONE_BELOW:
@@ -315,11 +321,13 @@ def _decode_lane(
     into: Mapping[str, torch.Tensor] | None,
     view: bool,
     keep: bool,
+    only: Container[str] | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
     if area is None:
         raise WireError("tensors in a shared-memory lane, but no lane is attached")
     if frames:
         raise WireError("a message with tensors in a lane carries no data frames")
+    keep = keep and only is None  # a part of the tensors: not what the list describes
     if view and keep:
         hit = area.recent.get(id(metas))
         if hit is not None and hit[0] is metas:
@@ -332,6 +340,9 @@ def _decode_lane(
     out = []
     off = 0
     for m in metas:
+        if only is not None and m.name not in only:
+            off = _lane_aligned(off + m.nbytes)
+            continue
         if m.nbytes == 0:
             t = torch.empty(m.shape, dtype=m.dtype)
         else:
@@ -357,7 +368,7 @@ _LANE_VIEWS = 16
 
 
 def _decode_inline(
-    metas: list[TensorMeta], blob: Any, frames: Sequence[Any]
+    metas: list[TensorMeta], blob: Any, frames: Sequence[Any], only: Container[str] | None = None
 ) -> list[tuple[str, torch.Tensor]]:
     if not isinstance(blob, bytes):
         raise WireError(f"inline tensor data {_INLINE!r} must be bytes")
@@ -372,6 +383,9 @@ def _decode_inline(
     out = []
     off = 0
     for m in metas:
+        if only is not None and m.name not in only:
+            off += _aligned(m.nbytes)
+            continue
         np_dtype = NUMPY_DTYPES.get(m.dtype)
         if m.nbytes == 0:
             t = torch.empty(m.shape, dtype=m.dtype)
