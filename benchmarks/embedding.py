@@ -127,7 +127,14 @@ def serve_shard(ctx: Any) -> None:
     cpu = getattr(server, "handling_cpu", None)  # an older checkout (--against_tree) has none
     if cpu is not None:
         ops = {op: cpu.get(op, 0.0) for op in ("lookup", "push", "push_pull")}
-        print("RESULT " + json.dumps({"handling_cpu_seconds": sum(ops.values()), "by_op": ops}))
+        # How many requests the native path served (psflow/ps/native.py), where there is one.
+        native = {
+            type(s).__name__: s.native.served
+            for s in server.services
+            if hasattr(getattr(s, "native", None), "served")
+        }
+        result = {"handling_cpu_seconds": sum(ops.values()), "by_op": ops, "native": native}
+        print("RESULT " + json.dumps(result))
 
 
 def psflow_task(
@@ -283,26 +290,58 @@ def run_ctr(args: argparse.Namespace, p: dict[str, Any], base: list[str]) -> dic
     """The ctr workload, both runtimes side by side (see the module docstring)."""
     from common import new_cluster, run_job, run_tf_job, smoke_preload
 
+    from common import median
+
     tf_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf_embedding.py")
     out: dict[str, Any] = {"batch": p["batch"], "workers": 2, "ps": PS}
-    runs: dict[str, list[float]] = {path: [] for path, *_ in _variants(p)}
+    settings = args.native_requests.split(",") if args.native_requests else [None]
+    chosen = _variants(p)
+    if args.paths:
+        chosen = [v for v in chosen if v[0] in args.paths.split(",")]
+    variants = [
+        ("python_" + path if native == "0" else path, shm, extra, bind, native)
+        for path, shm, extra, bind in chosen
+        for native in settings
+    ]
+    runs: dict[str, list[float]] = {path: [] for path, *_ in variants}
     runs["tf"] = []
+    per_core: dict[str, list[float]] = {path: [] for path, *_ in variants}
     with tempfile.TemporaryDirectory(prefix="ctr-") as tmp:
         data = args.data or tmp
         if args.data is None:
             _synthesize(tmp, p)
         for _ in range(p["repeat"]):
-            for path, shm, extra, bind in _variants(p):
+            for path, shm, extra, bind, native in variants:
                 cmd = [*base, "--data", data, *extra]
+                env = {"PSFLOW_SHM": shm}
+                if native is not None:
+                    env["PSFLOW_NATIVE_REQUESTS"] = native
+                shards: dict[str, dict[str, Any]] = {}
                 r = run_job(
                     new_cluster(PS, 2),
                     lambda _t, c=cmd: c,
-                    env={"PSFLOW_SHM": shm},
+                    env=env,
                     bind_cores=bind,
+                    ps_results=shards,
                     preload=smoke_preload(args.preset),
                 )
                 runs[path].append(sum(x["samples"] / x["seconds"] for x in r.values()))
                 out["psflow_last_loss"] = round(max(x["last_loss"] for x in r.values()), 4)
+                line = f"run {path}: {runs[path][-1]:,.0f} samples/s"
+                cpu = sum(x["handling_cpu_seconds"] for x in shards.values())
+                if len(shards) == PS and cpu > 0:
+                    # Every step of every worker (warm-up included) reaches every shard once.
+                    steps = len(r) * (p["steps"] + p["warmup"])
+                    per_core[path].append(steps * p["batch"] * PS / cpu)
+                    line += (
+                        f", {per_core[path][-1]:,.0f} samples per second of a shard's serving "
+                        f"CPU ({cpu / steps / PS * 1e6:,.0f} us a step a shard)"
+                    )
+                    served = sum(
+                        x.get("native", {}).get("ExchangeService", 0) for x in shards.values()
+                    )
+                    line += f"; {served / steps / PS:.0%} of the pushes native"
+                print(line, flush=True)
             if args.compare_tf:
                 argv = [tf_script, "--role", "tf", "--workload", "ctr", "--preset", args.preset]
                 argv += ["--data", os.path.abspath(data)]
@@ -310,6 +349,15 @@ def run_ctr(args: argparse.Namespace, p: dict[str, Any], base: list[str]) -> dic
                 runs["tf"].append(sum(x["samples"] / x["seconds"] for x in r.values()))
                 out["tf_last_loss"] = round(max(x["last_loss"] for x in r.values()), 4)
     out.update(summarize(runs, "samples_per_s"))
+    for path, values in per_core.items():
+        if values:
+            out[f"{path}_samples_per_shard_cpu_s"] = round(median(values))
+            python = per_core.get("python_" + path)
+            if python:
+                out[f"{path}_per_core_vs_python"] = round(median(values) / median(python), 3)
+                out[f"{path}_vs_python"] = round(
+                    median(runs[path]) / median(runs["python_" + path]), 3
+                )
     return out
 
 
@@ -382,13 +430,19 @@ def main() -> None:
         "each path run once per dtype, alternately",
     )
     parser.add_argument(
-        "--paths", help="sparse: only these of the preset's paths, comma-separated (shm,socket)"
+        "--paths", help="only these of the preset's paths, comma-separated (shm,socket)"
     )
     parser.add_argument(
         "--against_tree",
         help="sparse: another psflow checkout (a worktree of main, kernels built) whose "
         "benchmark and psflow run each path too, alternating, reported as against_<path> with "
         "<path>_vs_against",
+    )
+    parser.add_argument(
+        "--native_requests",
+        help="ctr: PSFLOW_NATIVE_REQUESTS settings, comma-separated (1,0), each path run once "
+        "per setting, alternately; 0's reported as python_<path>, with <path>_vs_python and "
+        "<path>_per_core_vs_python (samples per second of a shard's serving CPU)",
     )
     parser.add_argument(
         "--ps_threads",

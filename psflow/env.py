@@ -174,9 +174,9 @@ operations, the pure-Python hash and the vectorized decoder (the references, and
 without a C compiler)."""
 
 PSFLOW_NATIVE_REQUESTS = "PSFLOW_NATIVE_REQUESTS"
-"""``1`` (default): a ps serves the sparse requests it can in native code, from the request's
-bytes to the reply's (:mod:`psflow.ps.native`); ``0`` serves every request in Python, the
-reference path (the kernels, :data:`PSFLOW_KERNELS`, are used in both)."""
+"""``1`` (default): a ps serves lookups and the tables' part of pushes in native code, from the
+request's bytes to the reply's (:mod:`psflow.ps.native`); ``0`` serves every request in Python,
+the reference path (the kernels, :data:`PSFLOW_KERNELS`, are used in both)."""
 
 PSFLOW_METRICS_PORT = "PSFLOW_METRICS_PORT"
 """Port on which the task serves its Prometheus metrics (:mod:`psflow.metrics`) at

@@ -18,7 +18,7 @@
   schedule and tables, or a restore).
 - ``exchange.py``: :class:`ExchangeService`, ``pull``, ``push`` and ``push_pull`` (the hot path).
 - ``native.py``: :class:`~psflow.ps.native.NativeLookup` and
-  :class:`~psflow.ps.native.NativePush`, a fixed table's lookups and row pushes served from the
+  :class:`~psflow.ps.native.NativePush`, lookups and the tables' part of pushes served from the
   request's bytes in one C call (the Python path serves and refuses the rest).
 - ``tables.py``: the embedding tables on a shard (:func:`~psflow.ps.tables.build_tables`, row
   gradients, restore), :class:`TableService` (``lookup``, ``table_status``).
