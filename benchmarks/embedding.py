@@ -288,9 +288,7 @@ def _synthesize(out: str, p: dict[str, Any]) -> None:
 
 def run_ctr(args: argparse.Namespace, p: dict[str, Any], base: list[str]) -> dict[str, Any]:
     """The ctr workload, both runtimes side by side (see the module docstring)."""
-    from common import new_cluster, run_job, run_tf_job, smoke_preload
-
-    from common import median
+    from common import median, new_cluster, run_job, run_tf_job, smoke_preload
 
     tf_script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf_embedding.py")
     out: dict[str, Any] = {"batch": p["batch"], "workers": 2, "ps": PS}

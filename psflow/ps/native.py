@@ -5,9 +5,11 @@ where they came (a lane's request area, the header's inline bytes, a frame), che
 their rows in the shard's storage (a fixed table's by its partition, a hashed table's through
 its id map) and gathered where the reply goes (the lane's request area, or one fresh buffer sent
 from its own memory) by one call of :func:`psflow.sparse.kernels.lookup_rows`, which releases
-the GIL. :class:`NativePush` applies a push of row gradients the same way
-(:func:`psflow.sparse.kernels.apply_rows`). Python decodes the header and encodes the reply's:
-the dispatch around the call.
+the GIL. :class:`NativePush` serves the tables' part of a ``push`` or ``push_pull`` the same
+way: every table's row gradients applied by :func:`psflow.sparse.kernels.apply_rows`, the
+next batch's rows (a prefetch) gathered after them; its dense gradients go to the shard's
+optimizer, as in the Python path. Python decodes the header and encodes the reply's: the
+dispatch around the calls.
 
 What it does not serve as it came is left to the handler's Python path, which serves or refuses
 it: an id a hashed table does not hold (its row is made there), rows asked in another dtype, a
@@ -34,6 +36,11 @@ from psflow.sparse import Rows
 from psflow.transport import Request, wire
 
 _ABSENT_ZEROS = Key.ABSENT_ZEROS.value
+_ROWS = Key.ROWS.value
+_PREFETCH = Key.PREFETCH.value
+_STEP = Key.STEP.value
+_OP = Key.OP.value
+_PUSH_PULL = Op.PUSH_PULL.value
 
 _PLAIN_LOOKUP = frozenset(
     k.value
@@ -45,13 +52,6 @@ _PLAIN_LOOKUP = frozenset(
 """The header keys of a lookup the native path serves: any other (``row_dtypes``, or a key
 no client sends) leaves it to Python."""
 
-
-_ROWS = Key.ROWS.value
-
-_PREFETCH = Key.PREFETCH.value
-_STEP = Key.STEP.value
-_OP = Key.OP.value
-_PUSH_PULL = Op.PUSH_PULL.value
 
 _PLAIN_PUSH = frozenset(
     k.value
@@ -110,9 +110,7 @@ class NativeLookup:
         elif request.lane is not None:
             return False  # too large for its lane: the Python path answers by socket
         else:
-            dst = np.empty(sum(sizes), np.uint8)
-            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-            raws = [dst[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
+            dst, offsets, raws = _fresh(sizes)
         jobs = []
         for m, table, (src, src_offset), offset in zip(
             metas, chosen, sources, offsets, strict=True
@@ -285,9 +283,7 @@ class NativePush:
             return metas, None, dst, offsets[len(value_sizes) :], offsets[: len(value_sizes)]
         if request.lane is not None:
             return None
-        dst = np.empty(sum(sizes), np.uint8)
-        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        raws = [dst[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
+        dst, offsets, raws = _fresh(sizes)
         return metas, (list(values.raws) if values is not None else []) + raws, dst, offsets, []
 
     def run(self, request: Request, plan: PushPlan) -> None:
@@ -326,6 +322,14 @@ class NativePush:
         # Values sent by socket from their own memory: the next update waits until they left.
         live = plan.reply_raws is not None and request.header[_OP] == _PUSH_PULL
         host.reply_placed(request, header, plan.reply_metas, plan.reply_raws, live=live)
+
+
+def _fresh(sizes: list[int]) -> tuple[np.ndarray[Any, Any], list[int], list[Any]]:
+    """One fresh buffer for a reply's tensors of these byte sizes, sent by socket: the buffer,
+    each one's offset, and each one's bytes there."""
+    dst = np.empty(sum(sizes), np.uint8)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    return dst, offsets, [dst[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
 
 
 def _tables(names: Any) -> list[str] | None:

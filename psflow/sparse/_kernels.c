@@ -480,7 +480,8 @@ done:
 
 /* Row gradients applied from the request's bytes: each job is
  * (ids, ids_off, n, grads, grads_off, kind, f64, w, s1, s2, s3, rows, dim, num_embeddings, div,
- *  num_shards, shard, q, r, boundary, h1, h2, h3, h4, keys, vals, mask, stamps, stamp): n int64
+ *  num_shards, shard, q, r, boundary, h1, h2, h3, h4, keys, vals, mask, stamps, stamp, changed):
+ * n int64
  * ids at byte ids_off of buffer ids (a hashed table's: its id map's keys, vals and mask, every id
  * held, else why 5; keys 0 for a fixed table),
  * their gradients (n x dim, f64 or f32) at byte grads_off of buffer grads, applied to a fixed
@@ -489,8 +490,9 @@ done:
  * py_sgd .. py_ftrl), in two phases as lookup_rows's: the first checks every job's ids
  * (psflow_check_ids) and writes their rows in storage to `local`, before any row changes; the
  * second applies the updates to the rows `local` names (with 4 too: the caller applies them,
- * in stripes), and sets each updated row's int64 at `stamps` (when not 0) to `stamp`. Returns (-1, 0, -1) or (job, why, position) as lookup_rows does. */
-#define APPLY_FIELDS 29
+ * in stripes), sets each updated row's int64 at `stamps` (when not 0) to `stamp`, and marks
+ * its byte at `changed` (when not 0: the rows an export is tracking). Returns (-1, 0, -1) or (job, why, position) as lookup_rows does. */
+#define APPLY_FIELDS 30
 static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
     PyObject *jobs;
     Py_buffer local_buf;
@@ -499,7 +501,7 @@ static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
     Py_ssize_t count = PyList_GET_SIZE(jobs);
     typedef struct {
         Py_buffer ids, grads;
-        Py_ssize_t ids_off, n, grads_off, w, s1, s2, s3, rows, dim, keys, vals, stamps;
+        Py_ssize_t ids_off, n, grads_off, w, s1, s2, s3, rows, dim, keys, vals, stamps, changed;
         long long num_embeddings, q, r, boundary, mask, stamp;
         int kind, f64_, div, num_shards, shard;
         double h1, h2, h3, h4;
@@ -518,15 +520,15 @@ static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
         job_t *j = &job[held];
         PyObject *t = PyList_GET_ITEM(jobs, held);
         if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != APPLY_FIELDS) {
-            PyErr_SetString(PyExc_TypeError, "apply_rows: each job is a tuple of 29");
+            PyErr_SetString(PyExc_TypeError, "apply_rows: each job is a tuple of 30");
             goto done;
         }
-        if (!PyArg_ParseTuple(t, "y*nny*nipnnnnnnLpiiLLLddddnnLnL", &j->ids, &j->ids_off, &j->n,
+        if (!PyArg_ParseTuple(t, "y*nny*nipnnnnnnLpiiLLLddddnnLnLn", &j->ids, &j->ids_off, &j->n,
                               &j->grads, &j->grads_off, &j->kind, &j->f64_, &j->w, &j->s1,
                               &j->s2, &j->s3, &j->rows, &j->dim, &j->num_embeddings, &j->div,
                               &j->num_shards, &j->shard, &j->q, &j->r, &j->boundary, &j->h1,
                               &j->h2, &j->h3, &j->h4, &j->keys, &j->vals, &j->mask, &j->stamps,
-                              &j->stamp))
+                              &j->stamp, &j->changed))
             goto done;
         Py_ssize_t item = j->f64_ ? 8 : 4;
         int fits = j->n >= 0 && j->dim > 0 && j->kind >= 0 && j->kind <= 3 && j->ids_off >= 0 &&
@@ -635,6 +637,8 @@ static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
         job_t *j = &job[i];
         if (j->stamps)
             for (ptrdiff_t k = 0; k < j->n; k++) PTR(int64_t, j->stamps)[local[k]] = j->stamp;
+        if (j->changed)
+            for (ptrdiff_t k = 0; k < j->n; k++) PTR(unsigned char, j->changed)[local[k]] = 1;
         local += j->n;
     }
     Py_END_ALLOW_THREADS

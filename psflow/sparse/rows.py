@@ -201,15 +201,19 @@ class Rows(ABC):
         at byte ``ids_offset`` of buffer ``ids`` (int64, unchecked), their gradients (``[n,
         dim]`` of the table's dtype) at byte ``grads_offset`` of buffer ``grads``; ``None``
         where only :meth:`apply` can: the kernels cannot (as :meth:`lookup_job`), a
-        ``padding_idx`` (its row never changes), or rows a snapshot or an export is keeping.
-        :meth:`applied` counts the update the kernel made."""
+        ``padding_idx`` (its row never changes), or rows a snapshot is keeping (it copies them
+        before they change). The kernel marks the rows it changes for the next export.
+        :meth:`applied` counts the update it made."""
         v = self.values
         found = self._native_map()
+        changed = self._changed
         if (
             found is None
             or self.spec.padding_idx is not None
             or self._snapshots
-            or self._changed is not None
+            or (
+                changed is not None and (changed.dtype != torch.bool or not changed.is_contiguous())
+            )
             or not kernels.fused(v, self.state, v)
         ):
             return None
@@ -220,7 +224,7 @@ class Rows(ABC):
         return (
             ids, ids_offset, n, grads, grads_offset, kind, kernels.is_double(v), v.data_ptr(),
             *state, rows, self.dim, n_emb, div, shards, self.shard, q, r, boundary, *settings,
-            keys, vals, mask, *self._native_stamp(),
+            keys, vals, mask, *self._native_stamp(), 0 if changed is None else changed.data_ptr(),
         )  # fmt: skip
 
     def _native_stamp(self) -> tuple[int, int]:

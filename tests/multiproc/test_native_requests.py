@@ -452,3 +452,36 @@ def test_pushes_with_dense_gradients_and_a_prefetch_give_the_python_paths_bits(
     assert native["held"].keys() == python["held"].keys()
     for key, t in native["held"].items():
         assert torch.equal(t, python["held"][key]), key
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, None])
+def test_native_pushes_mark_the_rows_an_export_tracks(vocab: int | None) -> None:
+    """After an export, the rows the native path updates are the next delta's, as the Python
+    path's are: the same ids and values, fixed and hashed."""
+    g = torch.Generator().manual_seed(9)
+    first = torch.randperm(3000, generator=g)[:1000] * 2
+    pushes = [first, first[:300], first[300:700]]  # held once the first push made them
+    grads = [torch.randn(len(ids), DIM, generator=g) for ids in pushes]
+    deltas = []
+    for native in (True, False):
+        with started("shm", vocab=vocab) as (opt, servers):
+            client = client_of(opt)
+            server = servers[0]
+            native_push_of(server).on = native
+            (table,) = server.store.tables.values()
+            name = next(iter(server.store.tables))
+            push_rows(client, name, pushes[0], grads[0])  # hashed: makes the rows (Python)
+            table.begin_export(base=True).rows.result()  # between requests: the client waits
+            served = native_push_of(server).served
+            for ids, g_ in zip(pushes[1:], grads[1:], strict=True):
+                push_rows(client, name, ids, g_)
+            # The first push after the export prunes its finished snapshot (Python's); the
+            # next is native.
+            assert native_push_of(server).served == served + (1 if native else 0)
+            delta = table.begin_export(base=False).rows.result()
+            order = delta["ids"].argsort()
+            deltas.append({k: t[order] for k, t in delta.items()})
+    assert deltas[0].keys() == deltas[1].keys()
+    for key in deltas[0]:
+        assert torch.equal(deltas[0][key], deltas[1][key]), key
+    assert torch.equal(deltas[0]["ids"], first[:700].sort().values)
