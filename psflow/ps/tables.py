@@ -483,7 +483,7 @@ class TableService(Service):
     def __init__(self, host: ServiceHost) -> None:
         self.host = host
         self.native = NativeLookup(host)
-        """Fixed tables' lookups served from bytes to bytes (:mod:`psflow.ps.native`)."""
+        """Lookups served from the request's bytes to the reply's (:mod:`psflow.ps.native`)."""
 
     def handlers(self) -> Mapping[Op, Handler]:
         return {Op.LOOKUP: self._lookup, Op.TABLE_STATUS: self._status}

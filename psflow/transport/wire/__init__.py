@@ -24,7 +24,7 @@ Its modules, each of one role:
 - ``decoding.py``: :func:`decode_header`, :func:`tensor_metas`, :func:`decode_tensors` (and
   :func:`tensor_buffers`: where they lie, for a native path).
 - ``lanes.py``: where tensors lie in a lane's area: :class:`AreaViews`, :func:`lane_tensors`,
-  :func:`placed_in`, :func:`lane_bytes`.
+  :func:`placed_in`, :func:`lane_bytes`, :func:`lane_layout`.
 
 Code outside this package takes every name from here (``wire.encode``, ``from
 psflow.transport.wire import TensorSet``), never from the modules, which hold the code.
