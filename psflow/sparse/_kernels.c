@@ -340,19 +340,52 @@ static PyObject *py_interleave(PyObject *self, PyObject *args) {
     return Py_BuildValue("");
 }
 
-/* A lookup served from the request's bytes to the reply's: each job is
- * (src, src_off, n, dst, dst_off, values, rows, row_bytes, num_embeddings, div, num_shards, shard,
- *  q, r, boundary, keys, vals, mask): n int64 ids at byte src_off of buffer src, looked up in a
- * table's shard (values: its storage's address, rows of row_bytes bytes; a hashed table's: keys,
- * vals and mask its id map's, whose every id must be held, else why 5; a fixed table's: keys 0)
- * and gathered to byte dst_off of buffer dst, in two phases (`phases`: 1 the first, 2 the
- * second, 3 both). The first copies every job's ids out (the rows may overlay them, as in a
- * lane's request area), checks them as psflow_check_ids does, and writes their rows in storage
- * to `local` (a buffer of every job's ids' count of int64, one job after another). The second
- * gathers the rows `local` names (the first's, for a caller that gathers later, or itself in
- * stripes). No row is written unless every job's ids are good. Returns (-1, 0, -1) when done, else (job, why, position): why 1 out of
- * range, 2 another shard's, 3 twice (psflow_check_ids), 4 the job does not fit its buffers, 5 an
- * id a hashed table does not hold. */
+/* How a request's job finds its ids' rows (psflow_map_ids): the table's partition, or its id
+ * map, and the rows it holds. */
+typedef struct {
+    Py_ssize_t rows, keys, vals;
+    long long num_embeddings, q, r, boundary, mask;
+    int div, num_shards, shard;
+} rule_t;
+
+static int map_job(const rule_t *u, const char *src, Py_ssize_t n, int64_t *set,
+                   unsigned char *used, int64_t *out, Py_ssize_t *at) {
+    return psflow_map_ids(src, n, u->num_embeddings, u->div, u->num_shards, u->shard, u->q, u->r,
+                          u->boundary, u->keys ? PTR(const int64_t, u->keys) : NULL,
+                          PTR(const int64_t, u->vals), u->mask, u->rows, hash_slots(n), set,
+                          used, out, at);
+}
+
+/* The scratch of psflow_map_ids for jobs of at most `most` ids; 0, or -1 with MemoryError. */
+static int map_scratch(Py_ssize_t most, int64_t **set, unsigned char **used) {
+    Py_ssize_t slots = hash_slots(most);
+    *set = malloc((size_t)slots * sizeof(int64_t));
+    *used = malloc((size_t)slots);
+    if (*set == NULL || *used == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+/* The phases of lookup_rows and apply_rows: 1 maps the ids (copied out of the request, checked,
+ * their rows in storage written to `local`, a buffer of every job's count of int64, one job after
+ * another); 2 gathers or applies the rows `local` names (the first's: in the same call, or a
+ * caller's that mapped them earlier); 4, with 2, only the rows' marks (the caller applies the
+ * updates, in stripes). Nothing is written to a table or a reply unless every job's ids are good.
+ * Each returns (-1, 0, -1) when done, else (job, why, position): why 1 out of range, 2 another
+ * shard's, 3 twice, 4 the job does not fit its buffers, 5 an id a hashed table does not hold
+ * (the Python path makes its row), 6 a row past the storage (a bug, named as one). */
+#define MAP 1
+#define RUN 2
+#define MARKS_ONLY 4
+
+/* lookup_rows(jobs, local, phases): each job is (src, src_off, n, dst, dst_off, values, rows,
+ * row_bytes, num_embeddings, div, num_shards, shard, q, r, boundary, keys, vals, mask): n int64
+ * ids at byte src_off of buffer src, looked up in a table's shard (values: its rows' address,
+ * row_bytes each; keys 0 for a fixed table, else its id map's keys, vals and mask), their rows
+ * gathered to byte dst_off of buffer dst (which may overlay the ids: they are copied out
+ * first). */
 #define LOOKUP_FIELDS 18
 static PyObject *py_lookup_rows(PyObject *self, PyObject *args) {
     PyObject *jobs;
@@ -362,9 +395,8 @@ static PyObject *py_lookup_rows(PyObject *self, PyObject *args) {
     Py_ssize_t count = PyList_GET_SIZE(jobs);
     typedef struct {
         Py_buffer src, dst;
-        Py_ssize_t src_off, n, dst_off, values, rows, row_bytes, keys, vals;
-        long long num_embeddings, q, r, boundary, mask;
-        int div, num_shards, shard;
+        Py_ssize_t src_off, n, dst_off, values, row_bytes;
+        rule_t u;
     } job_t;
     job_t *job = calloc((size_t)(count ? count : 1), sizeof(job_t));
     if (job == NULL) {
@@ -372,7 +404,7 @@ static PyObject *py_lookup_rows(PyObject *self, PyObject *args) {
         return PyErr_NoMemory();
     }
     PyObject *result = NULL;
-    int64_t *ids = NULL, *set = NULL;
+    int64_t *set = NULL;
     unsigned char *used = NULL;
     Py_ssize_t held = 0, total = 0, most = 0, failed = -1, at = -1;
     int why = 0;
@@ -384,13 +416,14 @@ static PyObject *py_lookup_rows(PyObject *self, PyObject *args) {
             goto done;
         }
         if (!PyArg_ParseTuple(t, "y*nnw*nnnnLpiiLLLnnL", &j->src, &j->src_off, &j->n, &j->dst,
-                              &j->dst_off, &j->values, &j->rows, &j->row_bytes,
-                              &j->num_embeddings, &j->div, &j->num_shards, &j->shard, &j->q,
-                              &j->r, &j->boundary, &j->keys, &j->vals, &j->mask))
+                              &j->dst_off, &j->values, &j->u.rows, &j->row_bytes,
+                              &j->u.num_embeddings, &j->u.div, &j->u.num_shards, &j->u.shard,
+                              &j->u.q, &j->u.r, &j->u.boundary, &j->u.keys, &j->u.vals,
+                              &j->u.mask))
             goto done;
         int fits = j->n >= 0 && j->row_bytes > 0 && j->src_off >= 0 && j->dst_off >= 0 &&
-                   j->n <= (j->src.len - j->src_off) / 8 &&
                    j->src_off <= j->src.len && j->dst_off <= j->dst.len &&
+                   j->n <= (j->src.len - j->src_off) / 8 &&
                    j->n <= (j->dst.len - j->dst_off) / j->row_bytes;
         if (!fits && failed < 0) {
             failed = held;
@@ -403,65 +436,21 @@ static PyObject *py_lookup_rows(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "lookup_rows: `local` is smaller than the ids");
         goto done;
     }
-    if (failed >= 0) {
-        result = Py_BuildValue("nin", failed, why, at);
-        goto done;
-    }
-    Py_ssize_t slots = hash_slots(most);
-    ids = malloc((size_t)(total ? total : 1) * sizeof(int64_t));
-    set = malloc((size_t)slots * sizeof(int64_t));
-    used = malloc((size_t)slots);
-    if (ids == NULL || set == NULL || used == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
+    if (failed < 0 && map_scratch(most, &set, &used) < 0) goto done;
     Py_BEGIN_ALLOW_THREADS
-    int64_t *at_ids = ids;
-    for (Py_ssize_t i = 0; i < count && failed < 0 && (phases & 1); i++) {
+    int64_t *local = (int64_t *)local_buf.buf;
+    for (Py_ssize_t i = 0; i < count && failed < 0 && (phases & MAP); i++) {
         job_t *j = &job[i];
-        memcpy(at_ids, (const char *)j->src.buf + j->src_off, (size_t)j->n * 8);
-        memset(used, 0, (size_t)hash_slots(j->n));
-        int code = psflow_check_ids(at_ids, j->n, j->num_embeddings, j->div, j->num_shards,
-                                    j->shard, j->q, j->r, j->boundary, hash_slots(j->n), set,
-                                    used, &at);
-        if (code != 0) {
-            failed = i;
-            why = code;
-        }
-        at_ids += j->n;
+        why = map_job(&j->u, (const char *)j->src.buf + j->src_off, j->n, set, used, local, &at);
+        if (why != 0) failed = i;
+        local += j->n;
     }
-    if (failed < 0) {
-        int64_t *local = (int64_t *)local_buf.buf;
-        at_ids = ids;
-        for (Py_ssize_t i = 0; i < count && failed < 0 && (phases & 1); i++) {
-            job_t *j = &job[i];
-            if (j->keys)
-                psflow_idmap_find(PTR(int64_t, j->keys), PTR(int64_t, j->vals), j->mask, at_ids,
-                                  j->n, local, 1);
-            else
-                psflow_local_index(at_ids, j->n, j->div, j->num_shards, j->q, j->r, j->boundary,
-                                   local);
-            ptrdiff_t bad = psflow_first_bad(local, j->n, j->rows);
-            if (bad >= 0 && j->keys && local[bad] == -1) { /* not held: the Python path makes it */
-                failed = i;
-                why = 5;
-                at = bad;
-            } else
-            if (bad >= 0) { /* a shard's ids that its storage lacks: a bug, named as one */
-                failed = i;
-                why = 1;
-                at = bad;
-            }
-            at_ids += j->n;
-            local += j->n;
-        }
-        local = (int64_t *)local_buf.buf;
-        for (Py_ssize_t i = 0; i < count && failed < 0 && (phases & 2); i++) {
-            job_t *j = &job[i];
-            psflow_gather_rows((char *)j->dst.buf + j->dst_off, PTR(const char, j->values), local,
-                               j->n, j->row_bytes);
-            local += j->n;
-        }
+    local = (int64_t *)local_buf.buf;
+    for (Py_ssize_t i = 0; i < count && failed < 0 && (phases & RUN); i++) {
+        job_t *j = &job[i];
+        psflow_gather_rows((char *)j->dst.buf + j->dst_off, PTR(const char, j->values), local,
+                           j->n, j->row_bytes);
+        local += j->n;
     }
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("nin", failed, why, failed < 0 ? (Py_ssize_t)-1 : at);
@@ -472,26 +461,55 @@ done:
     }
     PyBuffer_Release(&local_buf);
     free(job);
-    free(ids);
     free(set);
     free(used);
     return result;
 }
 
-/* Row gradients applied from the request's bytes: each job is
- * (ids, ids_off, n, grads, grads_off, kind, f64, w, s1, s2, s3, rows, dim, num_embeddings, div,
- *  num_shards, shard, q, r, boundary, h1, h2, h3, h4, keys, vals, mask, stamps, stamp, changed):
- * n int64
- * ids at byte ids_off of buffer ids (a hashed table's: its id map's keys, vals and mask, every id
- * held, else why 5; keys 0 for a fixed table),
- * their gradients (n x dim, f64 or f32) at byte grads_off of buffer grads, applied to a fixed
- * table's shard (w: its rows; s1..s3: its optimizer state, as the kernels above take them) by
- * row-wise `kind` (0 SGD, 1 Adagrad, 2 Adam, 3 FTRL; h1..h4 its settings, in the order of
- * py_sgd .. py_ftrl), in two phases as lookup_rows's: the first checks every job's ids
- * (psflow_check_ids) and writes their rows in storage to `local`, before any row changes; the
- * second applies the updates to the rows `local` names (with 4 too: the caller applies them,
- * in stripes), sets each updated row's int64 at `stamps` (when not 0) to `stamp`, and marks
- * its byte at `changed` (when not 0: the rows an export is tracking). Returns (-1, 0, -1) or (job, why, position) as lookup_rows does. */
+/* Row-wise `kind`'s update (0 SGD, 1 Adagrad, 2 Adam, 3 FTRL; h1..h4 its settings, in the order of
+ * py_sgd .. py_ftrl) of the n rows at `local` with the gradients at g. */
+static void update_rows(int kind, int f64_, Py_ssize_t w, Py_ssize_t s1, Py_ssize_t s2,
+                        Py_ssize_t s3, const int64_t *local, const char *g, ptrdiff_t n,
+                        ptrdiff_t dim, double h1, double h2, double h3, double h4) {
+    if (f64_) {
+        const f64 *g64 = (const f64 *)g;
+        switch (kind) {
+        case 0: psflow_sgd_f64(PTR(f64, w), local, g64, n, dim, -h1); break;
+        case 1: psflow_adagrad_f64(PTR(f64, w), PTR(f64, s1), local, g64, n, dim, -h1, h2); break;
+        case 2:
+            psflow_adam_f64(PTR(f64, w), PTR(f64, s1), PTR(f64, s2), PTR(int64_t, s3), local, g64,
+                            n, dim, h1, h2, h3, h4);
+            break;
+        default:
+            psflow_ftrl_f64(PTR(f64, w), PTR(f64, s1), PTR(f64, s2), local, g64, n, dim, h1, h2,
+                            2 * h3, -h4, h4 == -0.5);
+        }
+        return;
+    }
+    const f32 *g32 = (const f32 *)g;
+    switch (kind) {
+    case 0: psflow_sgd_f32(PTR(f32, w), local, g32, n, dim, (f32)-h1); break;
+    case 1:
+        psflow_adagrad_f32(PTR(f32, w), PTR(f32, s1), local, g32, n, dim, (f32)-h1, (f32)h2);
+        break;
+    case 2:
+        psflow_adam_f32(PTR(f32, w), PTR(f32, s1), PTR(f32, s2), PTR(int64_t, s3), local, g32, n,
+                        dim, h1, h2, h3, (f32)h4);
+        break;
+    default:
+        psflow_ftrl_f32(PTR(f32, w), PTR(f32, s1), PTR(f32, s2), local, g32, n, dim, (f32)h1,
+                        (f32)h2, (f32)(2 * h3), (f32)-h4, h4 == -0.5);
+    }
+}
+
+/* apply_rows(jobs, local, phases): each job is (ids, ids_off, n, grads, grads_off, kind, f64, w,
+ * s1, s2, s3, rows, dim, num_embeddings, div, num_shards, shard, q, r, boundary, h1, h2, h3, h4,
+ * keys, vals, mask, stamps, stamp, changed): n int64 ids at byte ids_off of buffer ids, their
+ * gradients (n x dim, f64 or f32) at byte grads_off of buffer grads, applied to a table's shard
+ * (w: its rows; s1..s3: its optimizer state, as the kernels above take them; the id map as in
+ * lookup_rows) by row-wise `kind` (0 SGD, 1 Adagrad, 2 Adam, 3 FTRL; h1..h4 its settings, in the
+ * order of py_sgd .. py_ftrl). Each updated row's int64 at `stamps` is set to `stamp`, and its
+ * byte at `changed` (the rows an export tracks) to 1, where those are not 0. */
 #define APPLY_FIELDS 30
 static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
     PyObject *jobs;
@@ -501,10 +519,11 @@ static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
     Py_ssize_t count = PyList_GET_SIZE(jobs);
     typedef struct {
         Py_buffer ids, grads;
-        Py_ssize_t ids_off, n, grads_off, w, s1, s2, s3, rows, dim, keys, vals, stamps, changed;
-        long long num_embeddings, q, r, boundary, mask, stamp;
-        int kind, f64_, div, num_shards, shard;
+        Py_ssize_t ids_off, n, grads_off, w, s1, s2, s3, dim, stamps, changed;
+        long long stamp;
+        int kind, f64_;
         double h1, h2, h3, h4;
+        rule_t u;
     } job_t;
     job_t *job = calloc((size_t)(count ? count : 1), sizeof(job_t));
     if (job == NULL) {
@@ -525,10 +544,10 @@ static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
         }
         if (!PyArg_ParseTuple(t, "y*nny*nipnnnnnnLpiiLLLddddnnLnLn", &j->ids, &j->ids_off, &j->n,
                               &j->grads, &j->grads_off, &j->kind, &j->f64_, &j->w, &j->s1,
-                              &j->s2, &j->s3, &j->rows, &j->dim, &j->num_embeddings, &j->div,
-                              &j->num_shards, &j->shard, &j->q, &j->r, &j->boundary, &j->h1,
-                              &j->h2, &j->h3, &j->h4, &j->keys, &j->vals, &j->mask, &j->stamps,
-                              &j->stamp, &j->changed))
+                              &j->s2, &j->s3, &j->u.rows, &j->dim, &j->u.num_embeddings,
+                              &j->u.div, &j->u.num_shards, &j->u.shard, &j->u.q, &j->u.r,
+                              &j->u.boundary, &j->h1, &j->h2, &j->h3, &j->h4, &j->u.keys,
+                              &j->u.vals, &j->u.mask, &j->stamps, &j->stamp, &j->changed))
             goto done;
         Py_ssize_t item = j->f64_ ? 8 : 4;
         int fits = j->n >= 0 && j->dim > 0 && j->kind >= 0 && j->kind <= 3 && j->ids_off >= 0 &&
@@ -542,104 +561,32 @@ static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
         total += j->n;
         if (j->n > most) most = j->n;
     }
-    if (failed >= 0) {
-        result = Py_BuildValue("nin", failed, why, at);
-        goto done;
-    }
-    if (local_buf.len / 8 < total) {
+    if (failed < 0 && local_buf.len / 8 < total) {
         PyErr_SetString(PyExc_ValueError, "apply_rows: `local` is smaller than the ids");
         goto done;
     }
-    Py_ssize_t slots = hash_slots(most);
-    set = malloc((size_t)slots * sizeof(int64_t));
-    used = malloc((size_t)slots);
-    if (set == NULL || used == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
+    if (failed < 0 && map_scratch(most, &set, &used) < 0) goto done;
     Py_BEGIN_ALLOW_THREADS
     int64_t *local = (int64_t *)local_buf.buf;
-    for (Py_ssize_t i = 0; i < count && failed < 0 && (phases & 1); i++) {
+    for (Py_ssize_t i = 0; i < count && failed < 0 && (phases & MAP); i++) {
         job_t *j = &job[i];
-        memcpy(local, (const char *)j->ids.buf + j->ids_off, (size_t)j->n * 8);
-        memset(used, 0, (size_t)hash_slots(j->n));
-        int code = psflow_check_ids(local, j->n, j->num_embeddings, j->div, j->num_shards,
-                                    j->shard, j->q, j->r, j->boundary, hash_slots(j->n), set, used,
-                                    &at);
-        if (code != 0) {
-            failed = i;
-            why = code;
-            break;
-        }
-        if (j->keys) /* in place: each id read before its slot is written */
-            psflow_idmap_find(PTR(int64_t, j->keys), PTR(int64_t, j->vals), j->mask, local, j->n,
-                              local, 1);
-        else if (j->num_shards != 1) /* else each id is its row (no memcpy onto itself) */
-            psflow_local_index(local, j->n, j->div, j->num_shards, j->q, j->r, j->boundary, local);
-        ptrdiff_t bad = psflow_first_bad(local, j->n, j->rows);
-        if (bad >= 0 && j->keys && local[bad] == -1) { /* not held: the Python path makes it */
-            failed = i;
-            why = 5;
-            at = bad;
-        } else if (bad >= 0) { /* a shard's ids that its storage lacks: a bug, named as one */
-            failed = i;
-            why = 1;
-            at = bad;
-        }
+        why = map_job(&j->u, (const char *)j->ids.buf + j->ids_off, j->n, set, used, local, &at);
+        if (why != 0) failed = i;
         local += j->n;
     }
     local = (int64_t *)local_buf.buf;
-    for (Py_ssize_t i = 0; i < count && failed < 0 && (phases & 2) && !(phases & 4); i++) {
+    for (Py_ssize_t i = 0; i < count && failed < 0 && (phases & RUN); i++) {
         job_t *j = &job[i];
         const char *g = (const char *)j->grads.buf + j->grads_off;
         ptrdiff_t n = j->n, dim = j->dim;
-        if (j->f64_) {
-            switch (j->kind) {
-            case 0: psflow_sgd_f64(PTR(f64, j->w), local, (const f64 *)g, n, dim, -j->h1); break;
-            case 1:
-                psflow_adagrad_f64(PTR(f64, j->w), PTR(f64, j->s1), local, (const f64 *)g, n, dim,
-                                   -j->h1, j->h2);
-                break;
-            case 2:
-                psflow_adam_f64(PTR(f64, j->w), PTR(f64, j->s1), PTR(f64, j->s2),
-                                PTR(int64_t, j->s3), local, (const f64 *)g, n, dim, j->h1, j->h2,
-                                j->h3, j->h4);
-                break;
-            default:
-                psflow_ftrl_f64(PTR(f64, j->w), PTR(f64, j->s1), PTR(f64, j->s2), local,
-                                (const f64 *)g, n, dim, j->h1, j->h2, 2 * j->h3, -j->h4,
-                                j->h4 == -0.5);
-            }
-        } else {
-            switch (j->kind) {
-            case 0:
-                psflow_sgd_f32(PTR(f32, j->w), local, (const f32 *)g, n, dim, (f32)-j->h1);
-                break;
-            case 1:
-                psflow_adagrad_f32(PTR(f32, j->w), PTR(f32, j->s1), local, (const f32 *)g, n, dim,
-                                   (f32)-j->h1, (f32)j->h2);
-                break;
-            case 2:
-                psflow_adam_f32(PTR(f32, j->w), PTR(f32, j->s1), PTR(f32, j->s2),
-                                PTR(int64_t, j->s3), local, (const f32 *)g, n, dim, j->h1, j->h2,
-                                j->h3, (f32)j->h4);
-                break;
-            default:
-                psflow_ftrl_f32(PTR(f32, j->w), PTR(f32, j->s1), PTR(f32, j->s2), local,
-                                (const f32 *)g, n, dim, (f32)j->h1, (f32)j->h2,
-                                (f32)(2 * j->h3), (f32)-j->h4, j->h4 == -0.5);
-            }
-        }
-        local += j->n;
-    }
-    local = (int64_t *)local_buf.buf;
-    for (Py_ssize_t i = 0; i < count && failed < 0 && (phases & 2); i++) {
-        job_t *j = &job[i];
+        if (!(phases & MARKS_ONLY))
+            update_rows(j->kind, j->f64_, j->w, j->s1, j->s2, j->s3, local, g, n, dim, j->h1,
+                        j->h2, j->h3, j->h4);
         if (j->stamps)
-            for (ptrdiff_t k = 0; k < j->n; k++) PTR(int64_t, j->stamps)[local[k]] = j->stamp;
+            for (ptrdiff_t k = 0; k < n; k++) PTR(int64_t, j->stamps)[local[k]] = j->stamp;
         if (j->changed)
-            for (ptrdiff_t k = 0; k < j->n; k++) PTR(unsigned char, j->changed)[local[k]] = 1;
-        local += j->n;
+            for (ptrdiff_t k = 0; k < n; k++) PTR(unsigned char, j->changed)[local[k]] = 1;
+        local += n;
     }
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("nin", failed, why, failed < 0 ? (Py_ssize_t)-1 : at);

@@ -28,7 +28,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -152,26 +152,49 @@ _MAP, _RUN, _STAMPS_ONLY = 1, 2, 4
 or apply; with the second, only the stamps (the updates go in stripes, from Python)."""
 
 
+def _call(
+    kernel: str, jobs: list[tuple[Any, ...]], phases: int, local: np.ndarray[Any, Any] | None = None
+) -> np.ndarray[Any, Any] | None:
+    """The ``kernel`` (``lookup_rows`` or ``apply_rows``) run on ``jobs`` for ``phases``: the
+    rows their ids map to (``local``, made when not given), or ``None`` when it refused one."""
+    k = KERNELS
+    assert k is not None
+    if local is None:
+        local = np.empty(sum(job[2] for job in jobs), np.int64)
+    failed, _, _ = getattr(k, kernel)(jobs, local, phases)
+    return local if failed < 0 else None
+
+
+def _whole(
+    kernel: str,
+    jobs: list[tuple[Any, ...]],
+    second: Callable[[list[tuple[Any, ...]], np.ndarray[Any, Any]], None],
+) -> bool:
+    """Both phases of ``kernel``: one call on one thread, else the first and then ``second``
+    (in stripes). ``False`` when refused, nothing written."""
+    if stripes.threads() == 1:
+        return _call(kernel, jobs, _MAP | _RUN) is not None
+    mapped = _call(kernel, jobs, _MAP)
+    if mapped is None:
+        return False
+    second(jobs, mapped)
+    return True
+
+
 def map_lookup(jobs: list[tuple[Any, ...]]) -> np.ndarray[Any, Any] | None:
     """A lookup's first phase (the jobs of :meth:`~psflow.sparse.Rows.lookup_job`, one a
     table): every job's ids copied out and checked (range, shard, repeats), and mapped to their
     rows in storage, returned for :func:`gather_mapped`. ``None`` when the kernel refused one
     (a bad id, or one a hashed table does not hold): the caller's Python path says why."""
-    k = KERNELS
-    assert k is not None
-    local = np.empty(sum(job[2] for job in jobs), np.int64)
-    failed, _, _ = k.lookup_rows(jobs, local, _MAP)
-    return local if failed < 0 else None
+    return _call("lookup_rows", jobs, _MAP)
 
 
 def gather_mapped(jobs: list[tuple[Any, ...]], local: np.ndarray[Any, Any]) -> None:
     """A lookup's second phase: the rows :func:`map_lookup` found gathered where each job's
     reply goes (in one call, or in stripes on several threads)."""
-    k = KERNELS
-    assert k is not None
     if stripes.threads() == 1:
-        failed, _, _ = k.lookup_rows(jobs, local, _RUN)
-        assert failed < 0, "jobs map_lookup mapped"
+        done = _call("lookup_rows", jobs, _RUN, local)
+        assert done is not None, "jobs map_lookup mapped"
         return
     at = local.ctypes.data
     for _, _, n, dst, dst_offset, values, rows, row_bytes, *_ in jobs:
@@ -184,39 +207,25 @@ def gather_mapped(jobs: list[tuple[Any, ...]], local: np.ndarray[Any, Any]) -> N
 def lookup_rows(jobs: list[tuple[Any, ...]]) -> bool:
     """A lookup served from buffer to buffer: :func:`map_lookup` then :func:`gather_mapped`
     (one call on one thread). ``False`` when refused, no row written."""
-    k = KERNELS
-    assert k is not None
-    if stripes.threads() == 1:
-        local = np.empty(sum(job[2] for job in jobs), np.int64)
-        failed, _, _ = k.lookup_rows(jobs, local, _MAP | _RUN)
-        return bool(failed < 0)
-    mapped = map_lookup(jobs)
-    if mapped is None:
-        return False
-    gather_mapped(jobs, mapped)
-    return True
+    return _whole("lookup_rows", jobs, gather_mapped)
 
 
 def map_rows(jobs: list[tuple[Any, ...]]) -> np.ndarray[Any, Any] | None:
     """A push's first phase (the jobs of :meth:`~psflow.sparse.Rows.apply_job`, one a table):
     every job's ids checked and mapped to their rows, returned for :func:`apply_mapped`;
     ``None`` when the kernel refused one (nothing changed)."""
-    k = KERNELS
-    assert k is not None
-    local = np.empty(sum(job[2] for job in jobs), np.int64)
-    failed, _, _ = k.apply_rows(jobs, local, _MAP)
-    return local if failed < 0 else None
+    return _call("apply_rows", jobs, _MAP)
 
 
 def apply_mapped(jobs: list[tuple[Any, ...]], local: np.ndarray[Any, Any]) -> None:
     """A push's second phase: the row-wise updates of the rows :func:`map_rows` found (in one
     call, or in stripes on several threads), each row stamped where its job says."""
-    k = KERNELS
-    assert k is not None
     striped = stripes.threads() > 1
-    failed, _, _ = k.apply_rows(jobs, local, _RUN | (_STAMPS_ONLY if striped else 0))
-    assert failed < 0, "jobs map_rows mapped"
+    done = _call("apply_rows", jobs, _RUN | (_STAMPS_ONLY if striped else 0), local)
+    assert done is not None, "jobs map_rows mapped"
     if striped:
+        k = KERNELS
+        assert k is not None
         at = local.ctypes.data
         for job in jobs:
             _apply_striped(k, job, at)
@@ -226,17 +235,7 @@ def apply_mapped(jobs: list[tuple[Any, ...]], local: np.ndarray[Any, Any]) -> No
 def apply_rows(jobs: list[tuple[Any, ...]]) -> bool:
     """A push's row gradients applied from its buffers: :func:`map_rows` then
     :func:`apply_mapped` (one call on one thread). ``False`` when refused, nothing changed."""
-    k = KERNELS
-    assert k is not None
-    if stripes.threads() == 1:
-        local = np.empty(sum(job[2] for job in jobs), np.int64)
-        failed, _, _ = k.apply_rows(jobs, local, _MAP | _RUN)
-        return bool(failed < 0)
-    mapped = map_rows(jobs)
-    if mapped is None:
-        return False
-    apply_mapped(jobs, mapped)
-    return True
+    return _whole("apply_rows", jobs, apply_mapped)
 
 
 def _apply_striped(k: ModuleType, job: tuple[Any, ...], index: int) -> None:

@@ -37,10 +37,15 @@ def started(
     path: str,
     optimizer: RowOptimizerSpec | str = "Adagrad",
     vocab: int | None = VOCAB,
-    **table: pnn.TableConfig,
+    *,
+    config: pnn.TableConfig | None = None,
+    model: torch.nn.Module | None = None,
+    dense: str = "SGD",
+    lr: float = 0.1,
 ) -> Iterator[tuple[DistributedOptimizer, list[Any]]]:
-    """Two in-process ps shards holding a table (``mod``: fixed, or hashed with ``vocab``
-    ``None``) and a worker's optimizer attached to them, through lanes or the socket alone."""
+    """Two in-process ps shards and a worker's optimizer attached to them, through lanes or
+    the socket alone: for ``model`` (with ``dense`` for its dense layers), or one table
+    (``config``, else ``mod``: fixed, or hashed with ``vocab`` ``None``)."""
     cluster = local_cluster(2, 1)
     transport = TransportConfig(timeout=30, shared_memory=path == "shm")
     servers = [
@@ -49,12 +54,15 @@ def started(
         ).start()
         for i in range(2)
     ]
-    module = (
-        pnn.Embedding(config=table["config"])
-        if "config" in table
-        else pnn.Embedding(vocab, DIM, seed=3, optimizer=optimizer)
+    if model is None:
+        model = (
+            pnn.Embedding(config=config)
+            if config is not None
+            else pnn.Embedding(vocab, DIM, seed=3, optimizer=optimizer)
+        )
+    opt = DistributedOptimizer(
+        model, worker_ctx(cluster), optimizer=dense, lr=lr, transport=transport
     )
-    opt = DistributedOptimizer(module, worker_ctx(cluster), lr=0.1, transport=transport)
     try:
         yield opt, servers
     finally:
@@ -394,16 +402,6 @@ def train_mixed(path: str, native: bool, steps: int = 8) -> dict[str, Any]:
     """Steps of :class:`Mixed` with the next batch's rows prefetched, against 2 in-process
     shards whose native paths are on or off: the losses, what the shards hold, and how many
     pushes the native path served."""
-    cluster = local_cluster(2, 1)
-    transport = TransportConfig(timeout=30, shared_memory=path == "shm")
-    servers = [
-        psflow.ParameterServer(
-            TaskContext(cluster=cluster, task=TaskSpec(job="ps", index=i)), transport=transport
-        ).start()
-        for i in range(2)
-    ]
-    for s in servers:
-        native_of(s).on = native_push_of(s).on = native
     g = torch.Generator().manual_seed(3)
     # Few distinct ids: the hashed table holds them all after the first steps (then native).
     batches = [
@@ -412,10 +410,9 @@ def train_mixed(path: str, native: bool, steps: int = 8) -> dict[str, Any]:
     ]
     ys = [torch.randn(32, generator=g) for _ in range(steps)]
     model = Mixed()
-    opt = DistributedOptimizer(
-        model, worker_ctx(cluster), optimizer="Adam", lr=0.01, transport=transport
-    )
-    try:
+    with started(path, model=model, dense="Adam", lr=0.01) as (opt, servers):
+        for s in servers:
+            native_of(s).on = native_push_of(s).on = native
         losses = []
         for step in range(steps):
             items, users = batches[step]
@@ -436,10 +433,6 @@ def train_mixed(path: str, native: bool, steps: int = 8) -> dict[str, Any]:
                     held[f"{i}/{name}/{key}"] = t[:n].clone()
         served = sum(native_push_of(s).served for s in servers)
         return {"losses": losses, "held": held, "served": served}
-    finally:
-        opt.close()
-        for s in servers:
-            s.stop()
 
 
 @pytest.mark.parametrize("path", ["shm", "socket"])
