@@ -20,6 +20,7 @@ then). So a refusal's words are that path's, and its tests hold for both.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -144,7 +145,11 @@ class PushPlan:
     rows: list[tuple[str, Rows, int]]
     """Each table the push updates, with its count of ids."""
     row_jobs: list[tuple[Any, ...]]
+    """The kernels' jobs: the tables whose every id is held."""
     row_slots: np.ndarray[Any, Any]
+    python_rows: list[tuple[Rows, torch.Tensor, torch.Tensor]]
+    """The tables with ids they do not hold yet, their ids and gradients: the Python path's
+    ``apply`` makes their rows (admission, eviction) and updates them."""
     prefetch: list[tuple[str, Rows, int]]
     """Each table whose rows the reply brings (read after the update), with its count of ids."""
     prefetch_jobs: list[tuple[Any, ...]]
@@ -243,12 +248,26 @@ class NativePush:
             if job is None:
                 return None
             prefetch_jobs.append(job)
-        row_slots = kernels.map_rows(row_jobs) if row_jobs else _NO_SLOTS
+        # Every id checked before anything changes; ids a hashed table does not hold yet are
+        # left at -1 (their tables are served by the Python path's apply and lookup).
+        row_slots = kernels.map_rows(row_jobs, absent_ok=True) if row_jobs else _NO_SLOTS
         if row_slots is None:
-            return None  # a bad id, or one a hashed table does not hold: the Python path's
-        prefetch_slots = kernels.map_lookup(prefetch_jobs) if prefetch_jobs else _NO_SLOTS
+            return None  # a bad id: the Python path names it
+        prefetch_slots = (
+            kernels.map_lookup(prefetch_jobs, absent_ok=True) if prefetch_jobs else _NO_SLOTS
+        )
         if prefetch_slots is None:
             return None
+        python_rows = []
+        held, row_slots, python_at = _held(row_jobs, row_slots)
+        for i in python_at:
+            ids, ids_offset, n, grads, grads_offset = row_jobs[i][:5]
+            table = rows[i][1]
+            python_rows.append(
+                (table, _tensor(ids, ids_offset, torch.int64, (n,)),
+                 _tensor(grads, grads_offset, table.dtype, (n, table.dim)))
+            )  # fmt: skip
+        row_jobs = held
         dense_names = {m.name for m in metas} - taken
         dense = (
             self.host.tensors(request, into=store.grad_buffers, transient=True, only=dense_names)
@@ -256,8 +275,8 @@ class NativePush:
             else []
         )
         return PushPlan(
-            dense, rows, row_jobs, row_slots, prefetch, prefetch_jobs, prefetch_slots,
-            reply_metas, reply_raws, values_at,
+            dense, rows, row_jobs, row_slots, python_rows, prefetch, prefetch_jobs,
+            prefetch_slots, reply_metas, reply_raws, values_at,
         )  # fmt: skip
 
     def _reply(
@@ -297,8 +316,12 @@ class NativePush:
         step = store.apply(plan.dense) if plan.dense else store.advance()
         if plan.row_jobs:
             kernels.apply_mapped(plan.row_jobs, plan.row_slots)
-            for _, table, _ in plan.rows:
+        python = {id(table) for table, _, _ in plan.python_rows}
+        for _, table, _ in plan.rows:
+            if id(table) not in python:
                 table.applied()
+        for table, ids, grads in plan.python_rows:
+            table.apply(ids, grads)
         metrics = host.metrics
         metrics.apply_seconds.observe(time.perf_counter() - start)
         if metrics.on:
@@ -314,14 +337,68 @@ class NativePush:
             else:
                 host.reply(request, header)
             return
+        jobs, slots = plan.prefetch_jobs, plan.prefetch_slots
+        if plan.python_rows:
+            # Rows were made (or evicted) since the plan mapped these, maybe in storage that
+            # grew: jobs anew, and their ids mapped again.
+            anew = []
+            for (_, table, _), job in zip(plan.prefetch, jobs, strict=True):
+                again = table.lookup_job(*job[:5])
+                assert again is not None, "a table the plan took"
+                anew.append(again)
+            remapped = kernels.map_lookup(anew, absent_ok=True)
+            assert remapped is not None, "ids the plan checked"
+            jobs, slots = anew, remapped
+        all_jobs = jobs
+        jobs, slots, python_at = _held(all_jobs, slots)
+        fetches = []
+        for i in python_at:  # copies of the ids: the values may go where they lie
+            src, src_offset, n, dst, dst_offset = all_jobs[i][:5]
+            table = plan.prefetch[i][1]
+            ids = _tensor(src, src_offset, torch.int64, (n,)).clone()
+            fetches.append((table, ids, _tensor(dst, dst_offset, table.dtype, (n, table.dim))))
         if plan.reply_raws is None and plan.values_at:
             area = plan.prefetch_jobs[0][3].data  # the lane's request area: memcpy's
             for offset, raw in zip(plan.values_at, store.wire_set.raws, strict=True):
                 area[offset : offset + len(raw)] = raw
-        kernels.gather_mapped(plan.prefetch_jobs, plan.prefetch_slots)
+        if jobs:
+            kernels.gather_mapped(jobs, slots)
+        for table, ids, place in fetches:  # the rows of ids not held: made as a lookup makes them
+            table.lookup(ids, place)
         # Values sent by socket from their own memory: the next update waits until they left.
         live = plan.reply_raws is not None and request.header[_OP] == _PUSH_PULL
         host.reply_placed(request, header, plan.reply_metas, plan.reply_raws, live=live)
+
+
+def _held(
+    jobs: list[tuple[Any, ...]], slots: np.ndarray[Any, Any]
+) -> tuple[list[tuple[Any, ...]], np.ndarray[Any, Any], list[int]]:
+    """The jobs whose every id is held, with their rows (of ``slots``, all jobs' rows one after
+    another, -1 where a hashed table does not hold an id), and the places of the others."""
+    held, parts, others = [], [], []
+    at = 0
+    for i, job in enumerate(jobs):
+        n = job[2]
+        part = slots[at : at + n]
+        at += n
+        if n and int(part.min()) < 0:
+            others.append(i)
+        else:
+            held.append(job)
+            parts.append(part)
+    if not others:
+        return jobs, slots, []
+    return held, (np.concatenate(parts) if parts else _NO_SLOTS), others
+
+
+def _tensor(buffer: Any, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of ``dtype`` and ``shape`` over ``buffer``'s bytes at ``offset`` (a copy when
+    the buffer is read-only: the header's inline bytes, a received frame)."""
+    count = math.prod(shape)
+    array = np.frombuffer(buffer, wire.NUMPY_DTYPES[dtype], count, offset)
+    if not array.flags.writeable:
+        array = array.copy()
+    return torch.from_numpy(array).view(shape)
 
 
 def _fresh(sizes: list[int]) -> tuple[np.ndarray[Any, Any], list[int], list[Any]]:

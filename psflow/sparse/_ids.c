@@ -198,13 +198,14 @@ void psflow_idmap_find(const int64_t *keys, const int64_t *vals, long long mask,
 
 /* A request's ids to their rows in storage: copied from src into out, checked as
    psflow_check_ids checks them, then each replaced by its row: a hashed table's through its id
-   map (keys not NULL), a fixed table's by its partition. Returns 0, else why (1 out of range, 2
-   another shard's, 3 twice, 5 not held, 6 a row past `rows`: a bug) with the position in *at. */
+   map (keys not NULL), a fixed table's by its partition; with absent_ok, an id the map does not
+   hold is left at -1. Returns 0, else why (1 out of range, 2 another shard's, 3 twice, 5 not
+   held, 6 a row past `rows`: a bug) with the position in *at. */
 int psflow_map_ids(const void *src, ptrdiff_t n, long long num_embeddings, int div,
                    int num_shards, int shard, long long q, long long r, long long boundary,
                    const int64_t *keys, const int64_t *vals, long long mask, ptrdiff_t rows,
-                   ptrdiff_t slots, int64_t *set, unsigned char *used, int64_t *out,
-                   ptrdiff_t *at) {
+                   int absent_ok, ptrdiff_t slots, int64_t *set, unsigned char *used,
+                   int64_t *out, ptrdiff_t *at) {
     memcpy(out, src, (size_t)n * sizeof(int64_t));
     memset(used, 0, (size_t)slots);
     int code = psflow_check_ids(out, n, num_embeddings, div, num_shards, shard, q, r, boundary,
@@ -214,10 +215,13 @@ int psflow_map_ids(const void *src, ptrdiff_t n, long long num_embeddings, int d
         psflow_idmap_find(keys, vals, mask, out, n, out, 1);
     else if (num_shards != 1) /* else each id is its row (no memcpy onto itself) */
         psflow_local_index(out, n, div, num_shards, q, r, boundary, out);
-    ptrdiff_t bad = psflow_first_bad(out, n, rows);
-    if (bad < 0) return 0;
-    *at = bad;
-    return keys != NULL && out[bad] == -1 ? 5 : 6;
+    for (ptrdiff_t i = 0; i < n; i++) {
+        if (out[i] >= 0 && out[i] < rows) continue;
+        if (keys != NULL && out[i] == -1 && absent_ok) continue; /* left at -1 */
+        *at = i;
+        return keys != NULL && out[i] == -1 ? 5 : 6;
+    }
+    return 0;
 }
 
 /* Adds each id (unique, absent, with room for all: the caller keeps the load at most a half)

@@ -348,12 +348,12 @@ typedef struct {
     int div, num_shards, shard;
 } rule_t;
 
-static int map_job(const rule_t *u, const char *src, Py_ssize_t n, int64_t *set,
+static int map_job(const rule_t *u, const char *src, Py_ssize_t n, int absent_ok, int64_t *set,
                    unsigned char *used, int64_t *out, Py_ssize_t *at) {
     return psflow_map_ids(src, n, u->num_embeddings, u->div, u->num_shards, u->shard, u->q, u->r,
                           u->boundary, u->keys ? PTR(const int64_t, u->keys) : NULL,
-                          PTR(const int64_t, u->vals), u->mask, u->rows, hash_slots(n), set,
-                          used, out, at);
+                          PTR(const int64_t, u->vals), u->mask, u->rows, absent_ok, hash_slots(n),
+                          set, used, out, at);
 }
 
 /* The scratch of psflow_map_ids for jobs of at most `most` ids; 0, or -1 with MemoryError. */
@@ -372,13 +372,15 @@ static int map_scratch(Py_ssize_t most, int64_t **set, unsigned char **used) {
  * their rows in storage written to `local`, a buffer of every job's count of int64, one job after
  * another); 2 gathers or applies the rows `local` names (the first's: in the same call, or a
  * caller's that mapped them earlier); 4, with 2, only the rows' marks (the caller applies the
- * updates, in stripes). Nothing is written to a table or a reply unless every job's ids are good.
+ * updates, in stripes); 8, with 1, leaves an id a hashed table does not hold at -1 instead of
+ * refusing it (the caller serves that job in Python, and no other phase is given that job). Nothing is written to a table or a reply unless every job's ids are good.
  * Each returns (-1, 0, -1) when done, else (job, why, position): why 1 out of range, 2 another
  * shard's, 3 twice, 4 the job does not fit its buffers, 5 an id a hashed table does not hold
  * (the Python path makes its row), 6 a row past the storage (a bug, named as one). */
 #define MAP 1
 #define RUN 2
 #define MARKS_ONLY 4
+#define ABSENT_OK 8
 
 /* lookup_rows(jobs, local, phases): each job is (src, src_off, n, dst, dst_off, values, rows,
  * row_bytes, num_embeddings, div, num_shards, shard, q, r, boundary, keys, vals, mask): n int64
@@ -441,7 +443,8 @@ static PyObject *py_lookup_rows(PyObject *self, PyObject *args) {
     int64_t *local = (int64_t *)local_buf.buf;
     for (Py_ssize_t i = 0; i < count && failed < 0 && (phases & MAP); i++) {
         job_t *j = &job[i];
-        why = map_job(&j->u, (const char *)j->src.buf + j->src_off, j->n, set, used, local, &at);
+        why = map_job(&j->u, (const char *)j->src.buf + j->src_off, j->n, phases & ABSENT_OK, set,
+                      used, local, &at);
         if (why != 0) failed = i;
         local += j->n;
     }
@@ -570,7 +573,8 @@ static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
     int64_t *local = (int64_t *)local_buf.buf;
     for (Py_ssize_t i = 0; i < count && failed < 0 && (phases & MAP); i++) {
         job_t *j = &job[i];
-        why = map_job(&j->u, (const char *)j->ids.buf + j->ids_off, j->n, set, used, local, &at);
+        why = map_job(&j->u, (const char *)j->ids.buf + j->ids_off, j->n, phases & ABSENT_OK, set,
+                      used, local, &at);
         if (why != 0) failed = i;
         local += j->n;
     }

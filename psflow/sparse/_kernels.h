@@ -107,13 +107,14 @@ long long psflow_idmap_put(int64_t *keys, int64_t *vals, long long mask, const i
 
 /* A request's ids copied from src into out, checked (psflow_check_ids) and mapped to their rows
  * in storage: through a hashed table's id map (keys not NULL) or a fixed table's partition.
- * set, used: scratch of `slots` cells (a power of two of at least 2n). Returns 0, else 1 out of
- * range | 2 another shard's | 3 twice | 5 not held | 6 a row past `rows`, the position in *at. */
+ * With absent_ok, an id the map does not hold is left at -1. set, used: scratch of `slots` cells
+ * (a power of two of at least 2n). Returns 0, else 1 out of range | 2 another shard's | 3 twice
+ * | 5 not held | 6 a row past `rows`, the position in *at. */
 int psflow_map_ids(const void *src, ptrdiff_t n, long long num_embeddings, int div,
                    int num_shards, int shard, long long q, long long r, long long boundary,
                    const int64_t *keys, const int64_t *vals, long long mask, ptrdiff_t rows,
-                   ptrdiff_t slots, int64_t *set, unsigned char *used, int64_t *out,
-                   ptrdiff_t *at);
+                   int absent_ok, ptrdiff_t slots, int64_t *set, unsigned char *used,
+                   int64_t *out, ptrdiff_t *at);
 
 /* -- _init.c ------------------------------------------------------------------------------ */
 

@@ -147,9 +147,10 @@ def gather_at(out: int, src: int, index: int, n: int, row_bytes: int, rows: int)
     return stripes.run(n, work, writes=False)
 
 
-_MAP, _RUN, _STAMPS_ONLY = 1, 2, 4
+_MAP, _RUN, _STAMPS_ONLY, _ABSENT_OK = 1, 2, 4, 8
 """The phases of the kernels' ``lookup_rows`` and ``apply_rows``: check and map the ids; gather
-or apply; with the second, only the stamps (the updates go in stripes, from Python)."""
+or apply; with the second, only the stamps (the updates go in stripes, from Python); with the
+first, an id a hashed table does not hold left at -1 (its job is Python's)."""
 
 
 def _call(
@@ -181,12 +182,15 @@ def _whole(
     return True
 
 
-def map_lookup(jobs: list[tuple[Any, ...]]) -> np.ndarray[Any, Any] | None:
+def map_lookup(
+    jobs: list[tuple[Any, ...]], *, absent_ok: bool = False
+) -> np.ndarray[Any, Any] | None:
     """A lookup's first phase (the jobs of :meth:`~psflow.sparse.Rows.lookup_job`, one a
     table): every job's ids copied out and checked (range, shard, repeats), and mapped to their
     rows in storage, returned for :func:`gather_mapped`. ``None`` when the kernel refused one
-    (a bad id, or one a hashed table does not hold): the caller's Python path says why."""
-    return _call("lookup_rows", jobs, _MAP)
+    (a bad id, or, without ``absent_ok``, one a hashed table does not hold: with it, that id's
+    row is -1, and its job is for the caller to serve): the caller's Python path says why."""
+    return _call("lookup_rows", jobs, _MAP | (_ABSENT_OK if absent_ok else 0))
 
 
 def gather_mapped(jobs: list[tuple[Any, ...]], local: np.ndarray[Any, Any]) -> None:
@@ -210,11 +214,14 @@ def lookup_rows(jobs: list[tuple[Any, ...]]) -> bool:
     return _whole("lookup_rows", jobs, gather_mapped)
 
 
-def map_rows(jobs: list[tuple[Any, ...]]) -> np.ndarray[Any, Any] | None:
+def map_rows(
+    jobs: list[tuple[Any, ...]], *, absent_ok: bool = False
+) -> np.ndarray[Any, Any] | None:
     """A push's first phase (the jobs of :meth:`~psflow.sparse.Rows.apply_job`, one a table):
     every job's ids checked and mapped to their rows, returned for :func:`apply_mapped`;
-    ``None`` when the kernel refused one (nothing changed)."""
-    return _call("apply_rows", jobs, _MAP)
+    ``None`` when the kernel refused one (nothing changed). ``absent_ok`` as for
+    :func:`map_lookup`."""
+    return _call("apply_rows", jobs, _MAP | (_ABSENT_OK if absent_ok else 0))
 
 
 def apply_mapped(jobs: list[tuple[Any, ...]], local: np.ndarray[Any, Any]) -> None:

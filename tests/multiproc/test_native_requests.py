@@ -359,7 +359,9 @@ def test_hashed_tables_are_native_once_their_ids_are_held(path: str) -> None:
             served = (native_push_of(server).served, native_of(server).served)
             outcomes.append((replies, hashed_state(server), served))
     (native_replies, native_rows, served), (python_replies, python_rows, none) = outcomes
-    assert served == (2, 2) and none == (0, 0)  # pushes 2 and 6, lookups 3 and 7
+    # Every push (the new ids' rows made by the Python path's apply within it); lookups 3 and
+    # 7 (5 asks for an id no one pushed: the Python path's).
+    assert served == (4, 2) and none == (0, 0)
     for a, b in zip(native_replies, python_replies, strict=True):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
     assert native_rows.keys() == python_rows.keys()
@@ -386,30 +388,35 @@ class Mixed(torch.nn.Module):
     """A fixed table (Adagrad), a hashed one (FTRL) and a dense head (Adam on the ps): each
     push carries dense gradients, both tables' rows and the next batch's ids."""
 
-    def __init__(self) -> None:
+    def __init__(self, **users: Any) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.items = pnn.Embedding(VOCAB, DIM, seed=1, optimizer="Adagrad")
         ftrl = RowOptimizerSpec.of("Ftrl", lr=0.05, l1=0.001)
-        self.users = pnn.Embedding(None, DIM, seed=2, optimizer=ftrl)
+        config = pnn.TableConfig(
+            num_embeddings=None, embedding_dim=DIM, seed=2, optimizer=ftrl, **users
+        )
+        self.users = pnn.Embedding(config=config)
         self.head = torch.nn.Linear(2 * DIM, 1)
 
     def forward(self, items: torch.Tensor, users: torch.Tensor) -> torch.Tensor:
         return self.head(torch.cat([self.items(items), self.users(users)], 1)).squeeze(1)
 
 
-def train_mixed(path: str, native: bool, steps: int = 8) -> dict[str, Any]:
-    """Steps of :class:`Mixed` with the next batch's rows prefetched, against 2 in-process
-    shards whose native paths are on or off: the losses, what the shards hold, and how many
-    pushes the native path served."""
+def train_mixed(
+    path: str, native: bool, steps: int = 8, users: int = 6, **table: Any
+) -> dict[str, Any]:
+    """Steps of :class:`Mixed` with the next batch's rows prefetched (its users' ids from
+    ``[-users, users)``, its hashed table's settings ``table``), against 2 in-process shards
+    whose native paths are on or off: the losses, what the shards hold, and how many pushes the
+    native path served."""
     g = torch.Generator().manual_seed(3)
-    # Few distinct ids: the hashed table holds them all after the first steps (then native).
     batches = [
-        (torch.randint(0, 64, (32,), generator=g), torch.randint(-6, 6, (32,), generator=g))
+        (torch.randint(0, 64, (32,), generator=g), torch.randint(-users, users, (32,), generator=g))
         for _ in range(steps + 1)
     ]
     ys = [torch.randn(32, generator=g) for _ in range(steps)]
-    model = Mixed()
+    model = Mixed(**table)
     with started(path, model=model, dense="Adam", lr=0.01) as (opt, servers):
         for s in servers:
             native_of(s).on = native_push_of(s).on = native
@@ -427,10 +434,15 @@ def train_mixed(path: str, native: bool, steps: int = 8) -> dict[str, Any]:
         for i, s in enumerate(servers):
             for name, t in s.store.variables.items():
                 held[f"{i}/{name}"] = t.clone()
-            for name, table in s.store.tables.items():
-                n = table.num_rows
-                for key, t in {"values": table.values, **table.state}.items():
+            for name, rows in s.store.tables.items():
+                n = rows.num_rows
+                kept = {"values": rows.values, **rows.state}
+                for part in ("slot_ids", "last_update"):  # a hashed table's
+                    if hasattr(rows, part):
+                        kept[part] = getattr(rows, part)
+                for key, t in kept.items():
                     held[f"{i}/{name}/{key}"] = t[:n].clone()
+                held[f"{i}/{name}/stats"] = torch.tensor(list(rows.stats.values()))
         served = sum(native_push_of(s).served for s in servers)
         return {"losses": losses, "held": held, "served": served}
 
@@ -478,3 +490,19 @@ def test_native_pushes_mark_the_rows_an_export_tracks(vocab: int | None) -> None
     for key in deltas[0]:
         assert torch.equal(deltas[0][key], deltas[1][key]), key
     assert torch.equal(deltas[0]["ids"], first[:700].sort().values)
+
+
+@pytest.mark.parametrize("path", ["shm", "socket"])
+def test_new_ids_admission_and_eviction_stay_the_python_paths(path: str) -> None:
+    """New ids every step, admitted at their second push, the table capped at 60 rows (the
+    least recently updated evicted): the tables with new ids are served by the Python path's
+    apply and lookup inside a native push, the rest by the kernels, and the shards end with
+    the Python path's bits, slot by slot, and its counts."""
+    table = {"min_count": 2, "max_rows": 60}
+    native = train_mixed(path, True, steps=10, users=200, **table)
+    python = train_mixed(path, False, steps=10, users=200, **table)
+    assert python["served"] == 0 and native["served"] == 20
+    assert native["losses"] == python["losses"]
+    assert native["held"].keys() == python["held"].keys()
+    for key, t in native["held"].items():
+        assert torch.equal(t, python["held"][key]), key
