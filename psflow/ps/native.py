@@ -12,10 +12,12 @@ optimizer, as in the Python path. Python decodes the header and encodes the repl
 dispatch around the calls.
 
 What it does not serve as it came is left to the handler's Python path, which serves or refuses
-it: an id a hashed table does not hold (its row is made there), rows asked in another dtype, a
-tensor in several frames, a reply too large for the lane, a bad id (the kernel writes nothing
-then). So a refusal's words are that path's, and its tests hold for both.
-``PSFLOW_NATIVE_REQUESTS=0`` serves everything in Python.
+it: rows asked in another dtype, a tensor in several frames, a reply too large for the lane, a
+bad id (the kernel writes nothing then). So a refusal's words are that path's, and its tests
+hold for both. Within a native push, a hashed table with ids it does not hold yet is updated,
+and its prefetch read, by that table's own Python (``Rows.apply``, ``Rows.lookup``: admission,
+eviction, new rows), the other tables by the kernels; a lookup of such ids goes to the Python
+path whole. ``PSFLOW_NATIVE_REQUESTS=0`` serves everything in Python.
 """
 
 from __future__ import annotations
@@ -173,11 +175,11 @@ class NativePush:
     and applied with each table's row-wise optimizer by one call of
     :func:`psflow.sparse.kernels.apply_rows`; the prefetched rows gathered after it where the
     reply goes by one call of :func:`psflow.sparse.kernels.lookup_rows`. Dense gradients are
-    applied by the shard's optimizer, as in the Python path. What it does not serve (a
-    learning-rate schedule, rows in another dtype, an input position, an id a hashed table does
-    not hold, a hashed table's time to live, a ``padding_idx``, rows a snapshot or an export is
-    keeping, bad ids, a reply too large for its lane) is left to the Python path, nothing
-    changed."""
+    applied by the shard's optimizer, and a table with ids it does not hold yet by its own
+    ``apply`` and ``lookup``, as in the Python path. What it does not serve (a learning-rate
+    schedule, rows in another dtype, an input position, a hashed table's time to live, a
+    ``padding_idx``, rows a snapshot is keeping, bad ids, a reply too large for its lane) is
+    left to the Python path, nothing changed."""
 
     def __init__(self, host: ServiceHost) -> None:
         self.host = host
