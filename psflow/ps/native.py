@@ -148,6 +148,8 @@ class PushPlan:
     """Each table the push updates, with its count of ids."""
     row_jobs: list[tuple[Any, ...]]
     """The kernels' jobs: the tables whose every id is held."""
+    row_tables: list[Rows]
+    """Those tables, one a job."""
     row_slots: np.ndarray[Any, Any]
     python_rows: list[tuple[Rows, torch.Tensor, torch.Tensor]]
     """The tables with ids they do not hold yet, their ids and gradients: the Python path's
@@ -197,7 +199,7 @@ class NativePush:
         """
         header = request.header
         store = self.host.store
-        if not self.on or store.schedule is not None or not _PLAIN_PUSH.issuperset(header):
+        if not self.on or not _PLAIN_PUSH.issuperset(header):
             return None
         names, prefetch_names = _tables(header.get(_ROWS)), _tables(header.get(_PREFETCH))
         if names is None or prefetch_names is None or not (names or prefetch_names):
@@ -269,6 +271,7 @@ class NativePush:
                 (table, _tensor(ids, ids_offset, torch.int64, (n,)),
                  _tensor(grads, grads_offset, table.dtype, (n, table.dim)))
             )  # fmt: skip
+        row_tables = [t for i, (_, t, _) in enumerate(rows) if i not in python_at]
         row_jobs = held
         dense_names = {m.name for m in metas} - taken
         dense = (
@@ -277,7 +280,7 @@ class NativePush:
             else []
         )
         return PushPlan(
-            dense, rows, row_jobs, row_slots, python_rows, prefetch, prefetch_jobs,
+            dense, rows, row_jobs, row_tables, row_slots, python_rows, prefetch, prefetch_jobs,
             prefetch_slots, reply_metas, reply_raws, values_at,
         )  # fmt: skip
 
@@ -314,10 +317,22 @@ class NativePush:
         store = host.store
         host.flush()  # as the Python path: values still leaving must not change under them
         start = time.perf_counter()
-        # Dense first: its checks refuse a bad push before any row changes.
-        step = store.apply(plan.dense) if plan.dense else store.advance()
-        if plan.row_jobs:
-            kernels.apply_mapped(plan.row_jobs, plan.row_slots)
+        # Dense first: its checks refuse a bad push before any row changes. With a schedule,
+        # as in the Python path: shard 0 keeps the global step, the others learn it from pushes.
+        schedule = store.schedule
+        if schedule is None and not plan.dense:
+            step = store.advance()
+        elif schedule is None or host.shard == 0:
+            step = store.apply(plan.dense)
+        else:
+            step = store.apply(plan.dense, global_step=request.header.get(_STEP))
+        jobs = plan.row_jobs
+        if schedule is not None:
+            jobs = _scheduled(
+                jobs, plan.row_tables, [t for t, _, _ in plan.python_rows], schedule.lr
+            )
+        if jobs:
+            kernels.apply_mapped(jobs, plan.row_slots)
         python = {id(table) for table, _, _ in plan.python_rows}
         for _, table, _ in plan.rows:
             if id(table) not in python:
@@ -370,6 +385,28 @@ class NativePush:
         # Values sent by socket from their own memory: the next update waits until they left.
         live = plan.reply_raws is not None and request.header[_OP] == _PUSH_PULL
         host.reply_placed(request, header, plan.reply_metas, plan.reply_raws, live=live)
+
+
+def _scheduled(
+    jobs: list[tuple[Any, ...]], tables: list[Rows], others: list[Rows], lr: float
+) -> list[tuple[Any, ...]]:
+    """The jobs with the schedule's rate now (moved by the dense update) for the tables that
+    follow it (``spec.scheduled``), as ``ShardStore.apply`` sets it; the ``others`` (updated by
+    their own ``apply``) take it too."""
+    out = []
+    for job, table in zip(jobs, tables, strict=True):
+        if table.spec.scheduled:
+            table.optimizer.lr = lr
+            job = (*job[:_LR_FIELD], lr, *job[_LR_FIELD + 1 :])
+        out.append(job)
+    for table in others:
+        if table.spec.scheduled:
+            table.optimizer.lr = lr
+    return out
+
+
+_LR_FIELD = 20
+"""Where a job of :meth:`Rows.apply_job` holds its optimizer's rate (its first setting)."""
 
 
 def _held(

@@ -42,6 +42,7 @@ def started(
     model: torch.nn.Module | None = None,
     dense: str = "SGD",
     lr: float = 0.1,
+    **settings: Any,
 ) -> Iterator[tuple[DistributedOptimizer, list[Any]]]:
     """Two in-process ps shards and a worker's optimizer attached to them, through lanes or
     the socket alone: for ``model`` (with ``dense`` for its dense layers), or one table
@@ -61,7 +62,7 @@ def started(
             else pnn.Embedding(vocab, DIM, seed=3, optimizer=optimizer)
         )
     opt = DistributedOptimizer(
-        model, worker_ctx(cluster), optimizer=dense, lr=lr, transport=transport
+        model, worker_ctx(cluster), optimizer=dense, lr=lr, transport=transport, **settings
     )
     try:
         yield opt, servers
@@ -506,3 +507,49 @@ def test_new_ids_admission_and_eviction_stay_the_python_paths(path: str) -> None
     assert native["held"].keys() == python["held"].keys()
     for key, t in native["held"].items():
         assert torch.equal(t, python["held"][key]), key
+
+
+@pytest.mark.parametrize("path", ["shm", "socket"])
+def test_tables_on_the_jobs_scheduled_optimizer_give_the_python_paths_bits(path: str) -> None:
+    """Tables that take the job's optimizer follow its schedule on both shards (shard 1 learns
+    the global step from the pushes): the Python path's bits, the pushes native."""
+    outcomes = []
+    for native in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict(
+            {
+                "fixed": pnn.Embedding(VOCAB, DIM, seed=1),
+                "hashed": pnn.Embedding(None, DIM, seed=2),
+                "head": torch.nn.Linear(2 * DIM, 1),
+            }
+        )
+        schedule = ("StepLR", {"step_size": 2, "gamma": 0.5})
+        with started(path, model=model, dense="Adagrad", lr=0.3, lr_schedule=schedule) as (
+            opt,
+            servers,
+        ):
+            for s in servers:
+                native_push_of(s).on = native
+            g = torch.Generator().manual_seed(4)
+            losses = []
+            for _ in range(7):
+                items = torch.randint(0, 64, (16,), generator=g)
+                users = torch.randint(-5, 5, (16,), generator=g)
+                opt.zero_grad()
+                x = torch.cat([model["fixed"](items), model["hashed"](users)], 1)
+                loss = model["head"](x).square().mean()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            held = {
+                f"{i}/{name}": t.values[: t.num_rows].clone()
+                for i, s in enumerate(servers)
+                for name, t in s.store.tables.items()
+            }
+            served = sum(native_push_of(s).served for s in servers)
+            outcomes.append((losses, held, served))
+    (losses, held, served), (python_losses, python_held, none) = outcomes
+    assert served == 14 and none == 0
+    assert losses == python_losses
+    for key, t in held.items():
+        assert torch.equal(t, python_held[key]), key
