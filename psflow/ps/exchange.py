@@ -15,16 +15,15 @@ counterpart of :class:`~psflow.worker.exchange.ParameterExchange`.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Mapping
 
 import torch
 
 from psflow.protocol import Key, Op
-from psflow.protocol.messages import input_name, prefetch_tensor_names
+from psflow.protocol.messages import prefetch_tensor_names
 from psflow.ps.native import NativePush
-from psflow.ps.positions import input_mark
+from psflow.ps.positions import pushed_input
 from psflow.ps.service import Handler, Service, ServiceHost
 from psflow.ps.tables import (
     check_lookup,
@@ -40,9 +39,6 @@ from psflow.transport import Request, wire
 # Bound once: reading an enum member off its class costs more than the dict lookup it serves,
 # and push/push_pull run thousands of times a second.
 _STEP, _ROWS, _PREFETCH, _ROW_DTYPES = Key.STEP, Key.ROWS, Key.PREFETCH, Key.ROW_DTYPES
-_INPUT_SEQ = Key.INPUT_SEQ
-
-log = logging.getLogger(__name__)
 
 
 class ExchangeService(Service):
@@ -129,19 +125,10 @@ class ExchangeService(Service):
         if _ROWS in header:
             grads, rows = split_rows(header, grads)
         self.flush()
-        given = input_mark(header) if _INPUT_SEQ in header else None
-        mark = None
-        if given is not None:
-            mark, epoch = given
-            sender = self.host.sender(request)
-            if self.store.inputs.applied(sender, mark[0], epoch):
-                # A restarted worker's replay of an input this shard holds: what the shard
-                # applied then stays, and the reply is as for any push.
-                log.info(
-                    "shard %d: %s's input %s is applied already: push dropped",
-                    self.shard, sender, input_name(mark[0]),
-                )  # fmt: skip
-                return self.store.step, prefetch, dtypes
+        sender = self.host.sender(request)
+        mark, replay = pushed_input(self.store.inputs, header, sender, self.shard)
+        if replay:
+            return self.store.step, prefetch, dtypes
         start = time.perf_counter()
         if self.store.schedule is None or self.shard == 0:
             step = self.store.apply(grads, rows=rows)  # validates first: a bad push changes nothing

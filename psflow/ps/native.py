@@ -34,6 +34,7 @@ import psflow.sparse.kernels as kernels
 from psflow import env as envvars
 from psflow.protocol import Key, Op
 from psflow.protocol.messages import prefetch_tensor_names, row_tensor_names
+from psflow.ps.positions import pushed_input
 from psflow.ps.service import ServiceHost
 from psflow.sparse import Rows
 from psflow.transport import Request, wire
@@ -60,11 +61,11 @@ _PLAIN_PUSH = frozenset(
     k.value
     for k in (
         Key.VERSION, Key.OP, Key.ID, Key.TASK, Key.TENSORS, Key.INLINE, Key.CHUNK, Key.IN_LANE,
-        Key.ROWS, Key.STEP, Key.PREFETCH,
+        Key.ROWS, Key.STEP, Key.PREFETCH, Key.INPUT_SEQ, Key.INPUT_POSITION, Key.INPUT_EPOCH,
     )
 )  # fmt: skip
-"""The header keys of a push the native path serves: an input position or rows in another
-dtype leave it to Python."""
+"""The header keys of a push the native path serves: rows in another dtype, or a key no
+client sends, leave it to Python."""
 
 
 def enabled() -> bool:
@@ -312,13 +313,37 @@ class NativePush:
 
     def run(self, request: Request, plan: PushPlan) -> None:
         """Applies ``plan`` and answers ``request``: the dense gradients by the shard's
-        optimizer, the rows by the kernels, the prefetched rows gathered after them."""
+        optimizer, the rows by the kernels, the prefetched rows gathered after them; a replay
+        of an input the shard holds is answered without an update, as in the Python path."""
         host = self.host
         store = host.store
         host.flush()  # as the Python path: values still leaving must not change under them
+        sender = host.sender(request)
+        mark, replay = pushed_input(store.inputs, request.header, sender, host.shard)
+        self.served += 1
+        if replay:
+            self._answer(request, plan, store.step, made_rows=False)
+            return
         start = time.perf_counter()
-        # Dense first: its checks refuse a bad push before any row changes. With a schedule,
-        # as in the Python path: shard 0 keeps the global step, the others learn it from pushes.
+        step = self._update(request, plan)
+        if mark is not None:  # in this request, with the update: one moment for a snapshot
+            store.inputs.record(sender, mark)
+        metrics = host.metrics
+        metrics.apply_seconds.observe(time.perf_counter() - start)
+        if metrics.on:
+            for name, _, n in plan.rows:
+                metrics.rows_pushed(name).inc(n)
+            for name, _, n in plan.prefetch:
+                metrics.rows_pulled(name).inc(n)
+        self._answer(request, plan, step, made_rows=bool(plan.python_rows))
+
+    def _update(self, request: Request, plan: PushPlan) -> int:
+        """The push's update: dense first (its checks refuse a bad push before any row
+        changes), then the tables; the shard's new step."""
+        host = self.host
+        store = host.store
+        # With a schedule, as in the Python path: shard 0 keeps the global step, the others
+        # learn it from pushes.
         schedule = store.schedule
         if schedule is None and not plan.dense:
             step = store.advance()
@@ -328,25 +353,21 @@ class NativePush:
             step = store.apply(plan.dense, global_step=request.header.get(_STEP))
         jobs = plan.row_jobs
         if schedule is not None:
-            jobs = _scheduled(
-                jobs, plan.row_tables, [t for t, _, _ in plan.python_rows], schedule.lr
-            )
+            others = [t for t, _, _ in plan.python_rows]
+            jobs = _scheduled(jobs, plan.row_tables, others, schedule.lr)
         if jobs:
             kernels.apply_mapped(jobs, plan.row_slots)
-        python = {id(table) for table, _, _ in plan.python_rows}
-        for _, table, _ in plan.rows:
-            if id(table) not in python:
-                table.applied()
+        for table in plan.row_tables:
+            table.applied()
         for table, ids, grads in plan.python_rows:
             table.apply(ids, grads)
-        metrics = host.metrics
-        metrics.apply_seconds.observe(time.perf_counter() - start)
-        if metrics.on:
-            for name, _, n in plan.rows:
-                metrics.rows_pushed(name).inc(n)
-            for name, _, n in plan.prefetch:
-                metrics.rows_pulled(name).inc(n)
-        self.served += 1
+        return step
+
+    def _answer(self, request: Request, plan: PushPlan, step: int, *, made_rows: bool) -> None:
+        """The reply: the step, the values of a ``push_pull``, the prefetched rows (mapped
+        again where ``made_rows``: rows were made or evicted since the plan mapped them)."""
+        host = self.host
+        store = host.store
         header: dict[str, Any] = {_STEP: step}
         if not plan.prefetch:
             if request.header[_OP] == _PUSH_PULL:
@@ -355,9 +376,8 @@ class NativePush:
                 host.reply(request, header)
             return
         jobs, slots = plan.prefetch_jobs, plan.prefetch_slots
-        if plan.python_rows:
-            # Rows were made (or evicted) since the plan mapped these, maybe in storage that
-            # grew: jobs anew, and their ids mapped again.
+        if made_rows:
+            # Maybe in storage that grew: jobs anew, and their ids mapped again.
             anew = []
             for (_, table, _), job in zip(plan.prefetch, jobs, strict=True):
                 again = table.lookup_job(*job[:5])

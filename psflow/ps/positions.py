@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from psflow.protocol import Key
-from psflow.protocol.messages import MAX_INPUT_DEPTH, InputMark, input_key
+from psflow.protocol.messages import MAX_INPUT_DEPTH, InputMark, input_key, input_name
 from psflow.ps import safefile
 from psflow.ps.errors import InputOvertakenError
 
@@ -55,6 +55,31 @@ def input_mark(header: Mapping[str, Any]) -> tuple[InputMark, int] | None:
     position = checked_position(header.get(Key.INPUT_POSITION), f"'{Key.INPUT_POSITION}'")
     seq = checked_seq(header.get(Key.INPUT_SEQ), f"'{Key.INPUT_SEQ}'")
     return (seq, position), _number(header, Key.INPUT_EPOCH)
+
+
+def pushed_input(
+    inputs: InputPositions, header: Mapping[str, Any], sender: str, shard: int
+) -> tuple[InputMark | None, bool]:
+    """A push's input number and position (``None`` when it carries no
+    :attr:`Key.INPUT_SEQ`), and whether the shard holds that input already: a restarted
+    worker's replay, dropped (what the shard applied then stays, and the reply is as for any
+    push). The caller records the mark (:meth:`InputPositions.record`) with the update.
+
+    Raises:
+        ValueError: for a malformed position (:func:`input_mark`).
+        InputOvertakenError: as :meth:`InputPositions.applied`.
+    """
+    given = input_mark(header) if Key.INPUT_SEQ in header else None
+    if given is None:
+        return None, False
+    mark, epoch = given
+    if inputs.applied(sender, mark[0], epoch):
+        log.info(
+            "shard %d: %s's input %s is applied already: push dropped",
+            shard, sender, input_name(mark[0]),
+        )  # fmt: skip
+        return mark, True
+    return mark, False
 
 
 def _number(header: Mapping[str, Any], key: Key) -> int:

@@ -553,3 +553,38 @@ def test_tables_on_the_jobs_scheduled_optimizer_give_the_python_paths_bits(path:
     assert losses == python_losses
     for key, t in held.items():
         assert torch.equal(t, python_held[key]), key
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_replayed_input_is_dropped_and_a_bad_position_refused_as_in_python(
+    native: bool,
+) -> None:
+    """Pushes with input positions (exactly-once input): the first applied and recorded, its
+    replay answered without an update, a malformed position refused before anything changes;
+    native or not, the same."""
+    with started("shm") as (opt, servers):
+        client = client_of(opt)
+        server = servers[0]
+        native_push_of(server).on = native
+        name = next(iter(server.store.tables))
+        ids_name, grads_name = row_tensor_names(name)
+        tensors = {0: [(ids_name, torch.tensor([2, 4])), (grads_name, torch.ones(2, DIM))]}
+
+        def push(seq: Any, position: Any = None) -> Any:
+            header = {
+                Key.OP: Op.PUSH, Key.ROWS: [name], Key.INPUT_SEQ: seq,
+                Key.INPUT_POSITION: position or {"offset": 7}, Key.INPUT_EPOCH:
+                server.store.inputs.epoch,
+            }  # fmt: skip
+            return client.call({0: header}, tensors)[0][0][Key.STEP]
+
+        step = server.store.step
+        assert push([3]) == step + 1
+        after = held_rows(server, torch.tensor([2, 4]))
+        assert push([3]) == step + 1  # a replay: dropped
+        assert torch.equal(held_rows(server, torch.tensor([2, 4])), after)
+        assert server.store.inputs.of("worker:0") == [[3], {"offset": 7}]
+        with pytest.raises(PeerError, match="input_position"):
+            push([4], position=[1, 2])
+        assert server.store.step == step + 1
+        assert native_push_of(server).served == (2 if native else 0)  # the refused one: none
