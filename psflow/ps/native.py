@@ -178,11 +178,12 @@ class NativePush:
     and applied with each table's row-wise optimizer by one call of
     :func:`psflow.sparse.kernels.apply_rows`; the prefetched rows gathered after it where the
     reply goes by one call of :func:`psflow.sparse.kernels.lookup_rows`. Dense gradients are
-    applied by the shard's optimizer, and a table with ids it does not hold yet by its own
-    ``apply`` and ``lookup``, as in the Python path. What it does not serve (a learning-rate
-    schedule, rows in another dtype, an input position, a hashed table's time to live, a
-    ``padding_idx``, rows a snapshot is keeping, bad ids, a reply too large for its lane) is
-    left to the Python path, nothing changed."""
+    applied by the shard's optimizer (its schedule moved as in the Python path, and the tables
+    that follow it given its rate), a table with ids it does not hold yet by its own ``apply``
+    and ``lookup``, and an input position is checked and recorded, as in the Python path. What
+    it does not serve (rows in another dtype, a hashed table's time to live, a ``padding_idx``,
+    rows a snapshot is keeping, bad ids, a reply too large for its lane) is left to the Python
+    path, nothing changed."""
 
     def __init__(self, host: ServiceHost) -> None:
         self.host = host
