@@ -5,9 +5,10 @@
 # worker). AGAINST gives scaling.py's --against (example arguments for an A/B run of each job,
 # alternating: AGAINST=--no-fused); AGAINST_TREE gives another checkout (a worktree of the code
 # before a change, carried with the tree: AGAINST_TREE=.ab/start) for that second run, its C
-# kernels built here too; PROFILE= skips the profile; ROW_THREADS=2,4 first measures a
-# shard's rows on that many threads (benchmarks/row_threads.py, then the sparse workload with
-# PSFLOW_PS_THREADS 1 and N, both paths each).
+# kernels built here too; NATIVE_AB=1 first measures a CTR shard's serving CPU with the native
+# request path on and off (embedding.py --native_requests 1,0); PROFILE= skips the profile;
+# ROW_THREADS=2,4 first measures a shard's rows on that many threads (benchmarks/row_threads.py,
+# then the sparse workload with PSFLOW_PS_THREADS 1 and N, both paths each).
 #
 # It needs pyzmq, google-crc32c and py-spy as wheels in .whl (see scripts/gpu-check.sh for the
 # download; add py-spy==0.4.3 with --platform manylinux1_x86_64), carried: command
@@ -43,6 +44,14 @@ if [ -n "${ROW_THREADS:-}" ]; then  # e.g. ROW_THREADS=2,4: a shard's rows on N 
         "$py" benchmarks/embedding.py --workload sparse --paths shm,socket \
             --ps_threads "1,$n" 2>&1 | tee "$out/sparse-t$n.log" | grep -v Warning
     done
+fi
+
+if [ -n "${NATIVE_AB:-}" ]; then  # NATIVE_AB=1: a CTR shard's serving, native against Python
+    echo "== ctr shard: PSFLOW_NATIVE_REQUESTS 1 against 0 =="
+    # Each run's line says a shard's serving CPU a step and the share of pushes served natively.
+    "$py" benchmarks/embedding.py --workload ctr --preset example --data /tmp/ctr \
+        --paths shm,socket --native_requests 1,0 2>&1 | tee "$out/ctr-native.log" |
+        grep -v Warning
 fi
 
 echo "== scaling: $jobs =="
