@@ -6,7 +6,7 @@ their rows in the shard's storage (a fixed table's by its partition, a hashed ta
 its id map) and gathered where the reply goes (the lane's request area, or one fresh buffer sent
 from its own memory) by one call of :func:`psflow.sparse.kernels.lookup_rows`, which releases
 the GIL. :class:`NativePush` serves the tables' part of a ``push`` or ``push_pull`` the same
-way: every table's row gradients applied by :func:`psflow.sparse.kernels.apply_rows`, the
+way: every table's row gradients applied by :func:`psflow.sparse.kernels.apply_mapped`, the
 next batch's rows (a prefetch) gathered after them; its dense gradients go to the shard's
 optimizer, as in the Python path. Python decodes the header and encodes the reply's: the
 dispatch around the calls.
@@ -22,6 +22,7 @@ path whole. ``PSFLOW_NATIVE_REQUESTS=0`` serves everything in Python.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -176,8 +177,8 @@ class NativePush:
     """The native path of one shard's ``push`` and ``push_pull`` with row gradients or a
     prefetch: the tables' ids and gradients read where they came, checked, mapped to their rows
     and applied with each table's row-wise optimizer by one call of
-    :func:`psflow.sparse.kernels.apply_rows`; the prefetched rows gathered after it where the
-    reply goes by one call of :func:`psflow.sparse.kernels.lookup_rows`. Dense gradients are
+    :func:`psflow.sparse.kernels.apply_mapped`; the prefetched rows gathered after it where the
+    reply goes by one call of :func:`psflow.sparse.kernels.gather_mapped`. Dense gradients are
     applied by the shard's optimizer (its schedule moved as in the Python path, and the tables
     that follow it given its rate), a table with ids it does not hold yet by its own ``apply``
     and ``lookup``, and an input position is checked and recorded, as in the Python path. What
@@ -393,10 +394,10 @@ class NativePush:
         for i in python_at:  # copies of the ids: the values may go where they lie
             src, src_offset, n, dst, dst_offset = all_jobs[i][:5]
             table = plan.prefetch[i][1]
-            ids = _tensor(src, src_offset, torch.int64, (n,)).clone()
+            ids = _tensor(src, src_offset, torch.int64, (n,), copy=True)
             fetches.append((table, ids, _tensor(dst, dst_offset, table.dtype, (n, table.dim))))
-        if plan.reply_raws is None and plan.values_at:
-            area = plan.prefetch_jobs[0][3].data  # the lane's request area: memcpy's
+        if plan.values_at:  # into the lane's request area (by socket they are raws)
+            area = plan.prefetch_jobs[0][3].data  # memcpy's
             for offset, raw in zip(plan.values_at, store.wire_set.raws, strict=True):
                 area[offset : offset + len(raw)] = raw
         if jobs:
@@ -451,12 +452,14 @@ def _held(
     return held, (np.concatenate(parts) if parts else _NO_SLOTS), others
 
 
-def _tensor(buffer: Any, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A tensor of ``dtype`` and ``shape`` over ``buffer``'s bytes at ``offset`` (a copy when
-    the buffer is read-only: the header's inline bytes, a received frame)."""
+def _tensor(
+    buffer: Any, offset: int, dtype: torch.dtype, shape: tuple[int, ...], *, copy: bool = False
+) -> torch.Tensor:
+    """A tensor of ``dtype`` and ``shape`` over ``buffer``'s bytes at ``offset`` (a copy with
+    ``copy``, or when the buffer is read-only: the header's inline bytes, a received frame)."""
     count = math.prod(shape)
     array = np.frombuffer(buffer, wire.NUMPY_DTYPES[dtype], count, offset)
-    if not array.flags.writeable:
+    if copy or not array.flags.writeable:
         array = array.copy()
     return torch.from_numpy(array).view(shape)
 
@@ -465,7 +468,7 @@ def _fresh(sizes: list[int]) -> tuple[np.ndarray[Any, Any], list[int], list[Any]
     """One fresh buffer for a reply's tensors of these byte sizes, sent by socket: the buffer,
     each one's offset, and each one's bytes there."""
     dst = np.empty(sum(sizes), np.uint8)
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    offsets = list(itertools.accumulate(sizes[:-1], initial=0)) if sizes else []
     return dst, offsets, [dst[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
 
 

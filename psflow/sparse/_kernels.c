@@ -356,8 +356,41 @@ static int map_job(const rule_t *u, const char *src, Py_ssize_t n, int absent_ok
                           set, used, out, at);
 }
 
-/* The scratch of psflow_map_ids for jobs of at most `most` ids; 0, or -1 with MemoryError. */
-static int map_scratch(Py_ssize_t most, int64_t **set, unsigned char **used) {
+/* The phases of lookup_rows and apply_rows: 1 maps the ids (copied out of the request, checked,
+ * their rows in storage written to `local`, a buffer of every job's count of int64, one job after
+ * another); 2 gathers or applies the rows `local` names (the first's: in the same call, or a
+ * caller's that mapped them earlier); 4, with 2, only the rows' marks (the caller applies the
+ * updates, in stripes); 8, with 1, leaves an id a hashed table does not hold at -1 instead of
+ * refusing it (the caller serves that job in Python, and no other phase is given that job).
+ * Nothing is written to a table or a reply unless every job's ids are good, and the second
+ * phase first checks every row it is given against the storage (why 6, nothing written).
+ * Each returns (-1, 0, -1) when done, else (job, why, position): why 1 out of range, 2 another
+ * shard's, 3 twice, 4 the job does not fit its buffers, 5 an id a hashed table does not hold
+ * (the Python path makes its row), 6 a row past the storage (a bug, named as one). */
+#define MAP 1
+#define RUN 2
+#define MARKS_ONLY 4
+#define ABSENT_OK 8
+
+/* What every job of lookup_rows and apply_rows begins with (the first member of its job_t):
+ * its ids, where they lie in the request, their count, and how to find their rows. */
+typedef struct {
+    const char *ids;
+    Py_ssize_t n;
+    rule_t u;
+} head_t;
+
+#define HEAD(jobs, stride, i) ((const head_t *)((const char *)(jobs) + (size_t)(i) * (stride)))
+
+/* Before a binding releases the GIL: `local` holds `total` ids, and the scratch of
+ * psflow_map_ids for jobs of at most `most` ids (freed by the caller). 0, or -1 with the error
+ * set. */
+static int prepare(const char *name, const Py_buffer *local, Py_ssize_t total, Py_ssize_t most,
+                   int64_t **set, unsigned char **used) {
+    if (local->len / 8 < total) {
+        PyErr_Format(PyExc_ValueError, "%s: `local` is smaller than the ids", name);
+        return -1;
+    }
     Py_ssize_t slots = hash_slots(most);
     *set = malloc((size_t)slots * sizeof(int64_t));
     *used = malloc((size_t)slots);
@@ -368,19 +401,31 @@ static int map_scratch(Py_ssize_t most, int64_t **set, unsigned char **used) {
     return 0;
 }
 
-/* The phases of lookup_rows and apply_rows: 1 maps the ids (copied out of the request, checked,
- * their rows in storage written to `local`, a buffer of every job's count of int64, one job after
- * another); 2 gathers or applies the rows `local` names (the first's: in the same call, or a
- * caller's that mapped them earlier); 4, with 2, only the rows' marks (the caller applies the
- * updates, in stripes); 8, with 1, leaves an id a hashed table does not hold at -1 instead of
- * refusing it (the caller serves that job in Python, and no other phase is given that job). Nothing is written to a table or a reply unless every job's ids are good.
- * Each returns (-1, 0, -1) when done, else (job, why, position): why 1 out of range, 2 another
- * shard's, 3 twice, 4 the job does not fit its buffers, 5 an id a hashed table does not hold
- * (the Python path makes its row), 6 a row past the storage (a bug, named as one). */
-#define MAP 1
-#define RUN 2
-#define MARKS_ONLY 4
-#define ABSENT_OK 8
+/* The first phase over every job (with MAP), and the second's check of every row it is given
+ * (with RUN), before anything is written: the first failing job, with *why and *at, or -1. */
+static Py_ssize_t map_and_check(const void *jobs, size_t stride, Py_ssize_t count, int phases,
+                                int64_t *set, unsigned char *used, int64_t *local, int *why,
+                                Py_ssize_t *at) {
+    int64_t *mine = local;
+    for (Py_ssize_t i = 0; i < count && (phases & MAP); i++) {
+        const head_t *h = HEAD(jobs, stride, i);
+        *why = map_job(&h->u, h->ids, h->n, phases & ABSENT_OK, set, used, mine, at);
+        if (*why != 0) return i;
+        mine += h->n;
+    }
+    mine = local;
+    for (Py_ssize_t i = 0; i < count && (phases & RUN); i++) {
+        const head_t *h = HEAD(jobs, stride, i);
+        *at = psflow_first_bad(mine, h->n, h->u.rows);
+        if (*at >= 0) {
+            *why = 6;
+            return i;
+        }
+        mine += h->n;
+    }
+    return -1;
+}
+
 
 /* lookup_rows(jobs, local, phases): each job is (src, src_off, n, dst, dst_off, values, rows,
  * row_bytes, num_embeddings, div, num_shards, shard, q, r, boundary, keys, vals, mask): n int64
@@ -396,9 +441,9 @@ static PyObject *py_lookup_rows(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O!w*i", &PyList_Type, &jobs, &local_buf, &phases)) return NULL;
     Py_ssize_t count = PyList_GET_SIZE(jobs);
     typedef struct {
+        head_t h;
         Py_buffer src, dst;
-        Py_ssize_t src_off, n, dst_off, values, row_bytes;
-        rule_t u;
+        Py_ssize_t src_off, dst_off, values, row_bytes;
     } job_t;
     job_t *job = calloc((size_t)(count ? count : 1), sizeof(job_t));
     if (job == NULL) {
@@ -417,43 +462,35 @@ static PyObject *py_lookup_rows(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_TypeError, "lookup_rows: each job is a tuple of 18");
             goto done;
         }
-        if (!PyArg_ParseTuple(t, "y*nnw*nnnnLpiiLLLnnL", &j->src, &j->src_off, &j->n, &j->dst,
-                              &j->dst_off, &j->values, &j->u.rows, &j->row_bytes,
-                              &j->u.num_embeddings, &j->u.div, &j->u.num_shards, &j->u.shard,
-                              &j->u.q, &j->u.r, &j->u.boundary, &j->u.keys, &j->u.vals,
-                              &j->u.mask))
+        rule_t *u = &j->h.u;
+        if (!PyArg_ParseTuple(t, "y*nnw*nnnnLpiiLLLnnL", &j->src, &j->src_off, &j->h.n, &j->dst,
+                              &j->dst_off, &j->values, &u->rows, &j->row_bytes,
+                              &u->num_embeddings, &u->div, &u->num_shards, &u->shard, &u->q,
+                              &u->r, &u->boundary, &u->keys, &u->vals, &u->mask))
             goto done;
-        int fits = j->n >= 0 && j->row_bytes > 0 && j->src_off >= 0 && j->dst_off >= 0 &&
+        Py_ssize_t n = j->h.n;
+        j->h.ids = (const char *)j->src.buf + j->src_off;
+        int fits = n >= 0 && j->row_bytes > 0 && j->src_off >= 0 && j->dst_off >= 0 &&
                    j->src_off <= j->src.len && j->dst_off <= j->dst.len &&
-                   j->n <= (j->src.len - j->src_off) / 8 &&
-                   j->n <= (j->dst.len - j->dst_off) / j->row_bytes;
+                   n <= (j->src.len - j->src_off) / 8 &&
+                   n <= (j->dst.len - j->dst_off) / j->row_bytes;
         if (!fits && failed < 0) {
             failed = held;
             why = 4;
         }
-        total += j->n;
-        if (j->n > most) most = j->n;
+        total += n;
+        if (n > most) most = n;
     }
-    if (failed < 0 && local_buf.len / 8 < total) {
-        PyErr_SetString(PyExc_ValueError, "lookup_rows: `local` is smaller than the ids");
-        goto done;
-    }
-    if (failed < 0 && map_scratch(most, &set, &used) < 0) goto done;
+    if (failed < 0 && prepare("lookup_rows", &local_buf, total, most, &set, &used) < 0) goto done;
     Py_BEGIN_ALLOW_THREADS
     int64_t *local = (int64_t *)local_buf.buf;
-    for (Py_ssize_t i = 0; i < count && failed < 0 && (phases & MAP); i++) {
-        job_t *j = &job[i];
-        why = map_job(&j->u, (const char *)j->src.buf + j->src_off, j->n, phases & ABSENT_OK, set,
-                      used, local, &at);
-        if (why != 0) failed = i;
-        local += j->n;
-    }
-    local = (int64_t *)local_buf.buf;
+    if (failed < 0)
+        failed = map_and_check(job, sizeof(job_t), count, phases, set, used, local, &why, &at);
     for (Py_ssize_t i = 0; i < count && failed < 0 && (phases & RUN); i++) {
         job_t *j = &job[i];
         psflow_gather_rows((char *)j->dst.buf + j->dst_off, PTR(const char, j->values), local,
-                           j->n, j->row_bytes);
-        local += j->n;
+                           j->h.n, j->row_bytes);
+        local += j->h.n;
     }
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("nin", failed, why, failed < 0 ? (Py_ssize_t)-1 : at);
@@ -521,12 +558,12 @@ static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O!w*i", &PyList_Type, &jobs, &local_buf, &phases)) return NULL;
     Py_ssize_t count = PyList_GET_SIZE(jobs);
     typedef struct {
+        head_t h;
         Py_buffer ids, grads;
-        Py_ssize_t ids_off, n, grads_off, w, s1, s2, s3, dim, stamps, changed;
+        Py_ssize_t ids_off, grads_off, w, s1, s2, s3, dim, stamps, changed;
         long long stamp;
         int kind, f64_;
         double h1, h2, h3, h4;
-        rule_t u;
     } job_t;
     job_t *job = calloc((size_t)(count ? count : 1), sizeof(job_t));
     if (job == NULL) {
@@ -545,44 +582,36 @@ static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_TypeError, "apply_rows: each job is a tuple of 30");
             goto done;
         }
-        if (!PyArg_ParseTuple(t, "y*nny*nipnnnnnnLpiiLLLddddnnLnLn", &j->ids, &j->ids_off, &j->n,
+        rule_t *u = &j->h.u;
+        if (!PyArg_ParseTuple(t, "y*nny*nipnnnnnnLpiiLLLddddnnLnLn", &j->ids, &j->ids_off, &j->h.n,
                               &j->grads, &j->grads_off, &j->kind, &j->f64_, &j->w, &j->s1,
-                              &j->s2, &j->s3, &j->u.rows, &j->dim, &j->u.num_embeddings,
-                              &j->u.div, &j->u.num_shards, &j->u.shard, &j->u.q, &j->u.r,
-                              &j->u.boundary, &j->h1, &j->h2, &j->h3, &j->h4, &j->u.keys,
-                              &j->u.vals, &j->u.mask, &j->stamps, &j->stamp, &j->changed))
+                              &j->s2, &j->s3, &u->rows, &j->dim, &u->num_embeddings, &u->div,
+                              &u->num_shards, &u->shard, &u->q, &u->r, &u->boundary, &j->h1,
+                              &j->h2, &j->h3, &j->h4, &u->keys, &u->vals, &u->mask, &j->stamps,
+                              &j->stamp, &j->changed))
             goto done;
-        Py_ssize_t item = j->f64_ ? 8 : 4;
-        int fits = j->n >= 0 && j->dim > 0 && j->kind >= 0 && j->kind <= 3 && j->ids_off >= 0 &&
+        Py_ssize_t n = j->h.n, item = j->f64_ ? 8 : 4;
+        j->h.ids = (const char *)j->ids.buf + j->ids_off;
+        int fits = n >= 0 && j->dim > 0 && j->kind >= 0 && j->kind <= 3 && j->ids_off >= 0 &&
                    j->grads_off >= 0 && j->ids_off <= j->ids.len &&
-                   j->grads_off <= j->grads.len && j->n <= (j->ids.len - j->ids_off) / 8 &&
-                   j->n <= (j->grads.len - j->grads_off) / (j->dim * item);
+                   j->grads_off <= j->grads.len && n <= (j->ids.len - j->ids_off) / 8 &&
+                   n <= (j->grads.len - j->grads_off) / (j->dim * item);
         if (!fits && failed < 0) {
             failed = held;
             why = 4;
         }
-        total += j->n;
-        if (j->n > most) most = j->n;
+        total += n;
+        if (n > most) most = n;
     }
-    if (failed < 0 && local_buf.len / 8 < total) {
-        PyErr_SetString(PyExc_ValueError, "apply_rows: `local` is smaller than the ids");
-        goto done;
-    }
-    if (failed < 0 && map_scratch(most, &set, &used) < 0) goto done;
+    if (failed < 0 && prepare("apply_rows", &local_buf, total, most, &set, &used) < 0) goto done;
     Py_BEGIN_ALLOW_THREADS
     int64_t *local = (int64_t *)local_buf.buf;
-    for (Py_ssize_t i = 0; i < count && failed < 0 && (phases & MAP); i++) {
-        job_t *j = &job[i];
-        why = map_job(&j->u, (const char *)j->ids.buf + j->ids_off, j->n, phases & ABSENT_OK, set,
-                      used, local, &at);
-        if (why != 0) failed = i;
-        local += j->n;
-    }
-    local = (int64_t *)local_buf.buf;
+    if (failed < 0)
+        failed = map_and_check(job, sizeof(job_t), count, phases, set, used, local, &why, &at);
     for (Py_ssize_t i = 0; i < count && failed < 0 && (phases & RUN); i++) {
         job_t *j = &job[i];
         const char *g = (const char *)j->grads.buf + j->grads_off;
-        ptrdiff_t n = j->n, dim = j->dim;
+        ptrdiff_t n = j->h.n, dim = j->dim;
         if (!(phases & MARKS_ONLY))
             update_rows(j->kind, j->f64_, j->w, j->s1, j->s2, j->s3, local, g, n, dim, j->h1,
                         j->h2, j->h3, j->h4);

@@ -28,7 +28,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -166,22 +166,6 @@ def _call(
     return local if failed < 0 else None
 
 
-def _whole(
-    kernel: str,
-    jobs: list[tuple[Any, ...]],
-    second: Callable[[list[tuple[Any, ...]], np.ndarray[Any, Any]], None],
-) -> bool:
-    """Both phases of ``kernel``: one call on one thread, else the first and then ``second``
-    (in stripes). ``False`` when refused, nothing written."""
-    if stripes.threads() == 1:
-        return _call(kernel, jobs, _MAP | _RUN) is not None
-    mapped = _call(kernel, jobs, _MAP)
-    if mapped is None:
-        return False
-    second(jobs, mapped)
-    return True
-
-
 def map_lookup(
     jobs: list[tuple[Any, ...]], *, absent_ok: bool = False
 ) -> np.ndarray[Any, Any] | None:
@@ -211,7 +195,13 @@ def gather_mapped(jobs: list[tuple[Any, ...]], local: np.ndarray[Any, Any]) -> N
 def lookup_rows(jobs: list[tuple[Any, ...]]) -> bool:
     """A lookup served from buffer to buffer: :func:`map_lookup` then :func:`gather_mapped`
     (one call on one thread). ``False`` when refused, no row written."""
-    return _whole("lookup_rows", jobs, gather_mapped)
+    if stripes.threads() == 1:
+        return _call("lookup_rows", jobs, _MAP | _RUN) is not None
+    mapped = map_lookup(jobs)
+    if mapped is None:
+        return False
+    gather_mapped(jobs, mapped)
+    return True
 
 
 def map_rows(
@@ -239,12 +229,6 @@ def apply_mapped(jobs: list[tuple[Any, ...]], local: np.ndarray[Any, Any]) -> No
             at += 8 * job[2]
 
 
-def apply_rows(jobs: list[tuple[Any, ...]]) -> bool:
-    """A push's row gradients applied from its buffers: :func:`map_rows` then
-    :func:`apply_mapped` (one call on one thread). ``False`` when refused, nothing changed."""
-    return _whole("apply_rows", jobs, apply_mapped)
-
-
 def _apply_striped(k: ModuleType, job: tuple[Any, ...], index: int) -> None:
     """One job of :func:`apply_mapped` applied in stripes, its rows in storage at ``index``."""
     _, _, n, grads, grads_offset, kind, double, w, s1, s2, s3, rows, dim = job[:13]
@@ -262,7 +246,7 @@ def _apply_striped(k: ModuleType, job: tuple[Any, ...], index: int) -> None:
 
 
 ROW_KINDS = ("SGD", "Adagrad", "Adam", "Ftrl")
-"""The row-wise optimizers :func:`apply_rows` applies, by the number a job gives."""
+"""The row-wise optimizers the kernel ``apply_rows`` applies, by the number a job gives."""
 _KINDS = ("sgd", "adagrad", "adam", "ftrl")
 """Their kernels."""
 _STATE_COUNT = (0, 1, 3, 2)

@@ -130,18 +130,22 @@ class RowOptimizer:
         self._apply(values, state, index, grad)
 
     def settings(self) -> tuple[int, tuple[str, ...], tuple[float, float, float, float]]:
-        """What :func:`kernels.apply_rows` takes of this optimizer: its kind (the place of its
-        name in :data:`kernels.ROW_KINDS`), its state's keys in the kernel's order, and its
-        settings (four, unused ones zero), read now (a schedule may have moved ``lr``)."""
+        """What :func:`kernels.map_rows` and :func:`kernels.apply_mapped` take of this
+        optimizer: its kind (the place of its name in :data:`kernels.ROW_KINDS`), its state's
+        keys in the kernel's order, and its settings (four, unused ones zero), read now (a
+        schedule may have moved ``lr``)."""
         name = self.spec.name
+        keys: tuple[str, ...]
         if name == "SGD":
-            return 0, (), (self.lr, 0.0, 0.0, 0.0)
-        if name == "Adagrad":
-            return 1, ("sum",), (self.lr, self.eps, 0.0, 0.0)
-        if name == "Adam":
+            keys, settings = (), (self.lr, 0.0, 0.0, 0.0)
+        elif name == "Adagrad":
+            keys, settings = ("sum",), (self.lr, self.eps, 0.0, 0.0)
+        elif name == "Adam":
             keys = ("exp_avg", "exp_avg_sq", "step")
-            return 2, keys, (self.lr, float(self.beta1), float(self.beta2), self.eps)
-        return 3, ("accum", "linear"), (self.lr, self.l1, self.l2, self.lr_power)
+            settings = (self.lr, float(self.beta1), float(self.beta2), self.eps)
+        else:
+            keys, settings = ("accum", "linear"), (self.lr, self.l1, self.l2, self.lr_power)
+        return kernels.ROW_KINDS.index(name), keys, settings
 
     def _fused(
         self,

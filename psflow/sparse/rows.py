@@ -197,7 +197,7 @@ class Rows(ABC):
     def apply_job(
         self, ids: Any, ids_offset: int, n: int, grads: Any, grads_offset: int
     ) -> tuple[Any, ...] | None:
-        """What :func:`kernels.apply_rows` takes to apply the gradients of ``n`` ids that lie
+        """What :func:`kernels.map_rows` and :func:`kernels.apply_mapped` take to apply the gradients of ``n`` ids that lie
         at byte ``ids_offset`` of buffer ``ids`` (int64, unchecked), their gradients (``[n,
         dim]`` of the table's dtype) at byte ``grads_offset`` of buffer ``grads``; ``None``
         where only :meth:`apply` can: the kernels cannot (as :meth:`lookup_job`), a
@@ -232,7 +232,7 @@ class Rows(ABC):
         return 0, 0
 
     def applied(self) -> None:
-        """Counts an update :func:`kernels.apply_rows` made with :meth:`apply_job`'s job."""
+        """Counts an update the kernels made with :meth:`apply_job`'s job."""
         self.updates += 1
 
     # -- checks ------------------------------------------------------------------------------
