@@ -1,9 +1,10 @@
 """psflow's compiled modules, one a concern, each optional: without a C compiler the install goes
 on without them, and psflow does the same work in Python (each wrapper says which path it takes).
 
-- ``psflow.sparse._kernels`` (``psflow/sparse/_kernels.c`` binding ``_rows.c``, ``_ids.c`` and
-  ``_init.c``): row kernels, the ps's fused row-wise updates, row gathers, the partition of ids
-  to shards, a hashed table's id map, the hashes of new rows' initial values; without it,
+- ``psflow.sparse._kernels`` (``psflow/sparse/_kernels.c`` binding ``_rows.c``, ``_ids.c``,
+  ``_init.c`` and ``_sketch.c``): row kernels, the ps's fused row-wise updates, row gathers, the
+  partition of ids to shards, a hashed table's id map and admission counts, the hashes of new
+  rows' initial values; without it,
   torch's operations (``psflow/sparse/kernels.py``, ``psflow/sparse/init.py``).
 - ``psflow.data._native`` (``psflow/data/_native.c`` binding ``_farmhash.c`` and ``_example.c``):
   TensorFlow's string hash and the Example parser's fast path; without it, numpy and Python
@@ -23,6 +24,7 @@ setup(
                 "psflow/sparse/_rows.c",
                 "psflow/sparse/_ids.c",
                 "psflow/sparse/_init.c",
+                "psflow/sparse/_sketch.c",
             ],
             depends=["psflow/sparse/_kernels.h"],
             # No contraction into fused multiply-adds and no fast-math: the same roundings as

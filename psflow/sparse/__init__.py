@@ -8,9 +8,12 @@ Pure torch, no sockets: the ps holds a :class:`Rows` per table it serves, and a 
   :func:`coalesce`, row gradients summed per id.
 - ``optim.py``: :class:`RowOptimizer`, the row-wise SGD, Adagrad, lazy Adam and FTRL updates.
 - ``idmap.py``: :class:`IdMap`, a hashed table's id -> slot map in tensors (open addressing).
-- ``kernels.py`` (+ ``_kernels.c`` binding ``_rows.c`` and ``_ids.c``, optional): the row
-  kernels in C, fused row-wise updates, row gathers and their gradient, ids grouped and indexed
-  by shard, the id map's probes; torch's index operations where they were not built or
+- ``admission.py``: :class:`~psflow.sparse.admission.Admission`, a hashed table's count of the
+  pushes of ids it does not hold yet (a count-min sketch).
+- ``kernels.py`` (+ ``_kernels.c`` binding ``_rows.c``, ``_ids.c``, ``_init.c`` and
+  ``_sketch.c``, optional): the row kernels in C, fused row-wise updates, row gathers and their
+  gradient, ids grouped and indexed by shard, the id map's probes, initial rows' hashes, the
+  admission counts; torch's index operations where they were not built or
   ``PSFLOW_KERNELS=0``.
 - ``rows.py``: :class:`Rows`, one shard's part of one table (the interface, shared checks).
 - ``fixed.py``: :class:`FixedRows` (dense, a range of ids).

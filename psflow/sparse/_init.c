@@ -12,29 +12,19 @@
 
 #include "_kernels.h"
 
-#define GOLDEN 0x9E3779B97F4A7C15ULL
-#define MUL1 0xBF58476D1CE4E5B9ULL
-#define MUL2 0x94D049BB133111EBULL
 #define PAIR_STEP 0xD1B54A32D192ED03ULL
 
-static inline uint64_t splitmix64(uint64_t x) {
-    uint64_t z = x + GOLDEN;
-    z = (z ^ (z >> 30)) * MUL1;
-    z = (z ^ (z >> 27)) * MUL2;
-    return z ^ (z >> 31);
-}
-
 void psflow_splitmix64(const int64_t *in, ptrdiff_t n, int64_t *out) {
-    for (ptrdiff_t i = 0; i < n; i++) out[i] = (int64_t)splitmix64((uint64_t)in[i]);
+    for (ptrdiff_t i = 0; i < n; i++) out[i] = (int64_t)psflow_mix64((uint64_t)in[i]);
 }
 
 void psflow_initial_uniforms(const int64_t *ids, ptrdiff_t n, int64_t seed_key, ptrdiff_t pairs,
                              f64 angle, f64 *u1, f64 *u2) {
     for (ptrdiff_t i = 0; i < n; i++) {
-        uint64_t key = splitmix64((uint64_t)ids[i] ^ (uint64_t)seed_key);
+        uint64_t key = psflow_mix64((uint64_t)ids[i] ^ (uint64_t)seed_key);
         f64 *a = u1 + i * pairs, *b = u2 + i * pairs;
         for (ptrdiff_t p = 0; p < pairs; p++) {
-            uint64_t h = splitmix64(key + (uint64_t)(p + 1) * PAIR_STEP);
+            uint64_t h = psflow_mix64(key + (uint64_t)(p + 1) * PAIR_STEP);
             a[p] = (f64)((h >> 32) + 1) * 0x1p-32; /* in (0, 1]: the logarithm never sees 0 */
             b[p] = (f64)(h & 0xFFFFFFFFULL) * angle;
         }

@@ -340,6 +340,26 @@ static PyObject *py_interleave(PyObject *self, PyObject *args) {
     return Py_BuildValue("");
 }
 
+/* sketch_count(ids, n, sketch, width, salts, depth, min_count, count): one push of each id
+ * counted in a hashed table's admission sketch; each one's estimate into count (int32). */
+static PyObject *py_sketch_count(PyObject *self, PyObject *args) {
+    Py_ssize_t ids, n, sketch, salts, depth, count;
+    long long width;
+    int min_count;
+    if (!PyArg_ParseTuple(args, "nnnLnnin", &ids, &n, &sketch, &width, &salts, &depth,
+                          &min_count, &count))
+        return NULL;
+    if (width < 1 || (width & (width - 1)) != 0) {
+        PyErr_SetString(PyExc_ValueError, "sketch_count: the width must be a power of two");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    psflow_sketch_count(PTR(int64_t, ids), n, PTR(int32_t, sketch), width, PTR(int64_t, salts),
+                        depth, min_count, PTR(int32_t, count));
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("");
+}
+
 /* How a request's job finds its ids' rows (psflow_map_ids): the table's partition, or its id
  * map, and the rows it holds. */
 typedef struct {
@@ -658,6 +678,7 @@ static PyMethodDef methods[] = {
     {"splitmix64", py_splitmix64, METH_VARARGS, "splitmix64's finaliser of each int64."},
     {"initial_uniforms", py_initial_uniforms, METH_VARARGS, "The uniforms of initial rows."},
     {"interleave", py_interleave, METH_VARARGS, "Normals placed, cast, into initial rows."},
+    {"sketch_count", py_sketch_count, METH_VARARGS, "One push of each id counted in a sketch."},
     {NULL, NULL, 0, NULL},
 };
 

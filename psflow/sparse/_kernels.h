@@ -1,7 +1,8 @@
 /* The plain-C functions of psflow.sparse._kernels, one concern a file, bound to Python in
  * _kernels.c: _rows.c (row gathers, their gradient, the row-wise optimizer updates), _ids.c
  * (ids partitioned to shards, a request's ids checked, a batch's grouped, a hashed table's id
- * map). No Python here: the binding parses the arguments, checks the indices
+ * map), _init.c (initial rows' uniforms), _sketch.c (a hashed table's admission counts). No
+ * Python here: the binding parses the arguments, checks the indices
  * (psflow_first_bad), allocates any scratch and releases the GIL around each call. Sizes and
  * counts are ptrdiff_t (Py_ssize_t's type).
  */
@@ -118,6 +119,15 @@ int psflow_map_ids(const void *src, ptrdiff_t n, long long num_embeddings, int d
 
 /* -- _init.c ------------------------------------------------------------------------------ */
 
+/* splitmix64's finaliser of x + golden: psflow/sparse/init.py's splitmix64 on one value, the
+ * hash of initial rows and of the admission sketch. */
+static inline uint64_t psflow_mix64(uint64_t x) {
+    uint64_t z = x + 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
 /* out[i] = splitmix64's finaliser of in[i] + golden (bits as uint64). */
 void psflow_splitmix64(const int64_t *in, ptrdiff_t n, int64_t *out);
 
@@ -130,5 +140,13 @@ void psflow_interleave_f32(f32 *out, const f64 *c, const f64 *s, ptrdiff_t n, pt
                            ptrdiff_t dim);
 void psflow_interleave_f64(f64 *out, const f64 *c, const f64 *s, ptrdiff_t n, ptrdiff_t pairs,
                            ptrdiff_t dim);
+
+/* -- _sketch.c ---------------------------------------------------------------------------- */
+
+/* One push of each of n unique ids counted in a count-min sketch of `depth` rows of `width`
+ * int32 cells (a power of two): count[i] is id i's estimate after it, at most min_count. */
+void psflow_sketch_count(const int64_t *ids, ptrdiff_t n, int32_t *sketch, int64_t width,
+                         const int64_t *salts, ptrdiff_t depth, int32_t min_count,
+                         int32_t *count);
 
 #endif

@@ -16,8 +16,9 @@ import torch
 import psflow.sparse.kernels as kernels
 from psflow import allocator
 from psflow.protocol import RowOptimizerSpec, TableSpec
+from psflow.sparse.admission import Admission
 from psflow.sparse.idmap import IdMap
-from psflow.sparse.init import initial_rows, splitmix64
+from psflow.sparse.init import initial_rows
 from psflow.sparse.rows import Rows
 from psflow.sparse.snapshot import STATE_PREFIX, RowSnapshot
 
@@ -29,20 +30,14 @@ EXPIRY_SCANS_PER_TTL = 16
 time to live (and before every snapshot): an expired row lingers at most ``ttl / 16`` for
 lookups, never into a checkpoint or export."""
 
-_SKETCH_DEPTH = 4
-_SKETCH_SALT = 0x632BE59BD9B4E019
-
 
 class HashedRows(Rows):
     """The rows of a hashed table that one shard holds: any int64 id, rows made on demand.
 
     A row is created the first time its id is updated (a lookup of an unknown id returns its
-    initial row without storing it). With ``min_count > 1`` an id's pushes are counted in a
-    count-min sketch (fixed memory, conservative update, counts never under-estimated) and its
-    gradients dropped until it has been pushed ``min_count`` times; the counts halve each time
-    the sketch's width in pushes of unknown ids has gone by (TinyLFU's aging), so that an id
-    has to come back while about ``16 * max_rows`` newcomers stream past, and the sketch never
-    fills up (which would admit everything). With ``max_rows`` the shard keeps at most that
+    initial row without storing it). With ``min_count > 1`` an id's pushes are counted
+    (:class:`~psflow.sparse.admission.Admission`, a count-min sketch) and its gradients dropped
+    until it has been pushed ``min_count`` times. With ``max_rows`` the shard keeps at most that
     many rows, evicting the least recently updated (never one the same push updates): a hard
     cap, which loads (restores) keep too. With ``ttl_seconds`` a row not updated for that
     long is evicted (``expired``): the rows are scanned, in tensor operations, when the
@@ -101,17 +96,7 @@ class HashedRows(Rows):
             "expired": 0,
             "dropped_full": 0,
         }
-        self._sketch: torch.Tensor | None = None
-        if spec.min_count > 1:
-            target = 16 * (self.max_rows or 1 << 16)
-            width = 1 << max(12, min(20, (target - 1).bit_length()))
-            self._sketch = torch.zeros(_SKETCH_DEPTH * width, dtype=torch.int32)
-            self._sketch_width = width
-            self._sketch_pushes = 0
-            self._sketch_salts = torch.arange(1, _SKETCH_DEPTH + 1, dtype=torch.int64) * (
-                _SKETCH_SALT
-            )
-            self._sketch_rows = torch.arange(_SKETCH_DEPTH, dtype=torch.int64) * width
+        self._admission = Admission(spec.min_count, self.max_rows) if spec.min_count > 1 else None
 
     # -- storage -----------------------------------------------------------------------------
 
@@ -191,23 +176,6 @@ class HashedRows(Rows):
         self.optimizer.reset_rows(self.state, slots)
         kernels.put_rows(self.slot_ids, slots, ids)
         self._index.put(ids, slots)
-
-    def _admit(self, ids: torch.Tensor) -> torch.Tensor:
-        """Counts one push of each of ``ids`` (unique); which have now been pushed
-        ``min_count`` times (count-min estimate)."""
-        sketch = self._sketch
-        assert sketch is not None
-        h = splitmix64(ids[None, :] + self._sketch_salts[:, None])
-        cells = (h & (self._sketch_width - 1)).add_(self._sketch_rows[:, None])
-        # Conservative update: each cell rises to the id's new estimate, no further; counts
-        # saturate at min_count, all that admission needs.
-        count = sketch[cells].amin(0).add_(1).clamp_(max=self.spec.min_count)
-        sketch.scatter_reduce_(0, cells.view(-1), count.repeat(_SKETCH_DEPTH), reduce="amax")
-        self._sketch_pushes += ids.numel()
-        if self._sketch_pushes >= self._sketch_width:
-            sketch.bitwise_right_shift_(1)
-            self._sketch_pushes = 0
-        return count >= self.spec.min_count
 
     # -- time to live -------------------------------------------------------------------------
 
@@ -342,8 +310,8 @@ class HashedRows(Rows):
                 # Marked now, so that making room for the new rows never evicts these.
                 kernels.fill_rows(self.last_update, known, self._tick)
             new_pos = unknown.nonzero().squeeze(1)
-            if self._sketch is not None:
-                admitted = self._admit(ids[new_pos])
+            if self._admission is not None:
+                admitted = self._admission.admit(ids[new_pos])
                 self.counts["not_admitted"] += int(admitted.numel() - admitted.sum())
                 new_pos = new_pos[admitted]
             if self.max_rows is not None:
@@ -379,9 +347,8 @@ class HashedRows(Rows):
     def nbytes(self) -> int:
         tensors = [self.values, self.slot_ids, self.last_update, *self.state.values()]
         tensors += [t for t in (self.updated_at, self._changed) if t is not None]
-        if self._sketch is not None:
-            tensors.append(self._sketch)
-        return sum(t.nbytes for t in tensors) + self._index.nbytes
+        sketch = 0 if self._admission is None else self._admission.nbytes
+        return sum(t.nbytes for t in tensors) + sketch + self._index.nbytes
 
     @property
     def stats(self) -> dict[str, int]:

@@ -11,6 +11,7 @@ import torch
 from psflow.protocol import RowOptimizerSpec, TableSpec
 from psflow.sparse import FixedRows, HashedRows, Partition, Rows, initial_rows, kernels, make_rows
 from psflow.sparse import init as init_module
+from psflow.sparse.admission import Admission
 
 pytestmark = pytest.mark.unit
 
@@ -394,6 +395,28 @@ def test_min_count_admits_an_id_on_its_nth_push() -> None:
     assert rows.num_rows == 1 and rows.stats["admitted"] == 1 and rows.stats["not_admitted"] == 3
     # Only the admitting push's gradient is applied: the earlier ones were dropped.
     assert torch.equal(rows.lookup(torch.tensor([7])), start - 1.0)
+
+
+def test_admission_counts_the_same_in_c_and_in_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.kernels import need_kernels
+
+    need_kernels()
+    gen = torch.Generator().manual_seed(3)
+    native, fallback = Admission(3, max_rows=10), Admission(3, max_rows=10)
+    assert native.width == 4096  # small: 20,000 ids share cells, and the counts age
+    pushes = 0
+    for _ in range(40):
+        ids = torch.randint(-(2**62), 2**62, (300,), generator=gen)
+        ids = torch.cat([ids, torch.randint(0, 200, (300,), generator=gen)]).unique()
+        got = native.admit(ids)
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "KERNELS", None)
+            want = fallback.admit(ids)
+        assert torch.equal(got, want)
+        assert torch.equal(native.sketch, fallback.sketch)
+        pushes += ids.numel()
+    assert pushes > native.width  # the counts halved on the way
+    assert int(native.sketch.max()) == 3 and 0 < int(got.sum()) < got.numel()
 
 
 def test_max_rows_evicts_the_least_recently_updated() -> None:
