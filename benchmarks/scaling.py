@@ -134,6 +134,8 @@ def ceiling_task(p: dict[str, Any], data: str, threads: int, rows: int) -> None:
     from psflow.data.ctr import ctr_batches
 
     torch.set_num_threads(threads)
+    # As a ps task does (PSFLOW_FLUSH_DENORMALS): the ceiling is what plain torch can do.
+    torch.set_flush_denormal(True)
     sys.path.insert(0, str(ROOT / "examples"))
     import psflow.nn as pnn
 

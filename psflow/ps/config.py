@@ -45,6 +45,16 @@ class ServerConfig:
     ``psflow launch`` and the rendered manifests give a task, else 1). Requests are still
     served one at a time: a checkpoint's snapshot between two of them is consistent."""
 
+    flush_denormals: bool = field(
+        default_factory=lambda: envvars.flag(envvars.PSFLOW_FLUSH_DENORMALS, True)
+    )
+    """Whether the serving thread (and the row threads it starts) take subnormal floats as
+    zero, as TensorFlow's runtime does (``PSFLOW_FLUSH_DENORMALS``, else on). A value below
+    about 1.2e-38 (float32) then counts as 0: an update that would make one makes 0 instead.
+    Off, every update keeps IEEE subnormals, at their cost: arithmetic on them takes the CPU's
+    slow path, and in a dense Adam the moments of units whose gradients stay 0 decay into that
+    range and stay there for hundreds of steps."""
+
     def __post_init__(self) -> None:
         if self.checkpoint_dir is not None and not isinstance(self.checkpoint_dir, str):
             raise TypeError(f"checkpoint_dir must be a path or URL, got {self.checkpoint_dir!r}")
@@ -54,5 +64,7 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise ValueError(f"threads must be an integer >= 1, got {self.threads!r}")
+        if not isinstance(self.flush_denormals, bool):
+            raise TypeError(f"flush_denormals must be a bool, got {self.flush_denormals!r}")
         if not isinstance(self.transport, TransportConfig):
             raise TypeError(f"transport must be a TransportConfig, got {self.transport!r}")

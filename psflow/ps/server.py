@@ -122,7 +122,7 @@ class ParameterServer(TransportHost):
         allocator.tune()
         if self.config.threads != torch.get_num_threads():
             torch.set_num_threads(self.config.threads)  # the dense optimizer's
-        stripes.set_threads(self.config.threads)  # the rows'
+        stripes.set_threads(self.config.threads, flush_denormals=self.config.flush_denormals)
         self.store = ShardStore()
         self.trainers = {str(t) for t in ctx.cluster.trainers}
         self.finished: set[str] = set()
@@ -288,6 +288,9 @@ class ParameterServer(TransportHost):
     def _serve(self) -> None:
         server = self._server
         assert server is not None
+        # The mode is the thread's own, and the threads it starts inherit it (the row stripes'
+        # pool): the process that holds this server keeps its own.
+        torch.set_flush_denormal(self.config.flush_denormals)
         last_seen = time.monotonic()
         liveness = self.liveness
         # Often enough that a death is noticed within a tenth of the timeout of its bound.

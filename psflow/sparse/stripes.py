@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import torch
+
 MIN_STRIPE = 512
 """The fewest rows a stripe gets: below it, handing rows to another thread costs more than
 updating them (a 64-float row takes tens of nanoseconds; waking a thread, microseconds)."""
@@ -33,8 +35,10 @@ class StripeError(RuntimeError):
     checkpoint."""
 
 
-def set_threads(n: int) -> None:
-    """The threads one request's rows use from now on (this one and ``n - 1`` helpers)."""
+def set_threads(n: int, *, flush_denormals: bool = False) -> None:
+    """The threads one request's rows use from now on (this one and ``n - 1`` helpers); the
+    helpers take subnormal floats as zero with ``flush_denormals`` (the caller's thread sets
+    its own mode: ``torch.set_flush_denormal``)."""
     global _threads, _pool
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"row threads must be an integer >= 1, got {n!r}")
@@ -42,7 +46,12 @@ def set_threads(n: int) -> None:
         old, _pool = _pool, None
         _threads = n
         if n > 1:
-            _pool = ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="psflow-rows")
+            _pool = ThreadPoolExecutor(
+                max_workers=n - 1,
+                thread_name_prefix="psflow-rows",
+                initializer=torch.set_flush_denormal,
+                initargs=(flush_denormals,),
+            )
     if old is not None:
         old.shutdown(wait=True)
 
