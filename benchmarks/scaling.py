@@ -17,7 +17,9 @@ The model is ``examples/ctr.py``'s DLRM in DeepRec's shape (embedding dim 16, bo
   ``--against ARGS``, each job also runs with those example arguments, alternating, for an A/B
   on one machine (``--against=--no-fused``: torch's Adam loop against the fused form); with
   ``--against_tree DIR``, that run is another checkout's psflow and example (a worktree of
-  main: the code before a change against the code after it, alternating in one run). A job
+  main: the code before a change against the code after it, alternating in one run); with
+  ``--against_env K=V,...``, that run's tasks get those environment variables
+  (``--against_env PSFLOW_FLUSH_DENORMALS=0``: a setting against its default). A job
   ``PxWtN`` gives its ps tasks N threads (``psflow launch --ps-threads``), ``PxWb`` binds every
   task to its cores (``--bind-cores``).
 
@@ -38,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -234,12 +236,13 @@ def run_psflow(
     shm: bool,
     extra: Sequence[str] = (),
     root: Path = ROOT,
+    env_extra: Mapping[str, str] | None = None,
 ) -> float:
     """The job's samples/s: each worker's own line (``examples/ctr.py``), summed; the psflow
-    of the checkout at ``root``."""
+    of the checkout at ``root``, its tasks given ``env_extra`` besides."""
     steps = p["steps_per_worker"] * job.workers
     cmd = job_command(p, data, job, steps, extra, root)
-    env = dict(os.environ, PSFLOW_SHM="1" if shm else "0")
+    env = dict(os.environ, **(env_extra or {}), PSFLOW_SHM="1" if shm else "0")
     if root != ROOT:  # its package first: the launcher and every task import that one
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     proc = subprocess.run(
@@ -250,6 +253,17 @@ def run_psflow(
         tail = (proc.stdout + proc.stderr)[-3000:]
         raise SystemExit(f"psflow job {job.name} failed ({proc.returncode}):\n{tail}")
     return sum(rates.values())
+
+
+def parse_env(parser: argparse.ArgumentParser, text: str | None) -> dict[str, str]:
+    """``K=V,...`` as a mapping (``--against_env``); an empty one for ``None``."""
+    env: dict[str, str] = {}
+    for item in filter(None, (text or "").split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            parser.error(f"--against_env: K=V pairs, comma-separated, got {item!r}")
+        env[key.strip()] = value
+    return env
 
 
 def synthesize(out: str, p: dict[str, Any]) -> None:
@@ -275,6 +289,11 @@ def main() -> None:
         type=Path,
         help="another psflow checkout for the second run of each job (with --against's "
         "arguments, if any): the code before a change, alternating with this one",
+    )
+    parser.add_argument(
+        "--against_env",
+        help="K=V,... environment of the second run of each job (with --against's arguments "
+        "and tree, if any), e.g. PSFLOW_FLUSH_DENORMALS=0",
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--role", choices=["ceiling"], help=argparse.SUPPRESS)
@@ -304,11 +323,12 @@ def main() -> None:
             flush=True,
         )
         rows = []
-        variants: list[tuple[str, list[str], Path]] = [("", [], ROOT)]
-        against = bool(args.against or args.against_tree)
+        variants: list[tuple[str, list[str], Path, dict[str, str]]] = [("", [], ROOT, {})]
+        against = bool(args.against or args.against_tree or args.against_env)
         if against:
             tree = (args.against_tree or ROOT).resolve()
-            variants.append(("against_", shlex.split(args.against or ""), tree))
+            env = parse_env(parser, args.against_env)
+            variants.append(("against_", shlex.split(args.against or ""), tree, env))
         for job in jobs:
             used = min(job.ps * (job.ps_threads or 1) + job.workers, cores)
             entry: dict[str, Any] = {"job": job.name, "ps": job.ps, "workers": job.workers}
@@ -321,12 +341,12 @@ def main() -> None:
                 for path, shm in (("shm", True), ("socket", False)):
                     if path not in p.get("paths", ("shm", "socket")):
                         continue
-                    for label, extra, root in variants:
-                        rate = run_psflow(args, p, data, job, shm, extra, root)
+                    for label, extra, root, env in variants:
+                        rate = run_psflow(args, p, data, job, shm, extra, root, env)
                         print(f"run {job.name} {label}{path}: {rate:,.0f} samples/s", flush=True)
                         entry.setdefault(f"{label}{path}_runs", []).append(round(rate))
             for path in p.get("paths", ("shm", "socket")):
-                for label, _, _ in variants:
+                for label, *_ in variants:
                     runs = sorted(entry[f"{label}{path}_runs"])
                     rate = runs[len(runs) // 2]
                     entry[f"{label}{path}_samples_per_s"] = rate
@@ -342,6 +362,7 @@ def main() -> None:
         "preset": args.preset,
         "against": args.against,
         "against_tree": None if args.against_tree is None else str(args.against_tree),
+        "against_env": args.against_env,
         "cores": cores,
         "model": {k: p[k] for k in ("dim", "bottom", "top", "batch")},
         "ceiling_one_process": None if one is None else round(one),
