@@ -5,8 +5,9 @@
 # worker). AGAINST gives scaling.py's --against (example arguments for an A/B run of each job,
 # alternating: AGAINST=--no-fused); AGAINST_TREE gives another checkout (a worktree of the code
 # before a change, carried with the tree: AGAINST_TREE=.ab/start) for that second run, its C
-# kernels built here too; NATIVE_AB=1 first measures a CTR shard's serving CPU with the native
-# request path on and off (embedding.py --native_requests 1,0); PROFILE= skips the profile;
+# kernels built here too; AGAINST_ENV gives that run's environment (K=V,...: AGAINST_ENV=
+# PSFLOW_FLUSH_DENORMALS=0); NATIVE_AB=1 first measures a CTR shard's serving CPU with the
+# native request path on and off (embedding.py --native_requests 1,0); PROFILE= skips the profile;
 # ROW_THREADS=2,4 first measures a shard's rows on that many threads (benchmarks/row_threads.py,
 # then the sparse workload with PSFLOW_PS_THREADS 1 and N, both paths each).
 #
@@ -57,6 +58,7 @@ fi
 echo "== scaling: $jobs =="
 against=()
 [ -n "${AGAINST:-}" ] && against=("--against=$AGAINST")
+[ -n "${AGAINST_ENV:-}" ] && against+=("--against_env=$AGAINST_ENV")
 if [ -n "${AGAINST_TREE:-}" ]; then
     (cd "$AGAINST_TREE" && "$py" setup.py -q build_ext --inplace >"$out/build-against.log" 2>&1) ||
         echo "C kernels of $AGAINST_TREE not built"
