@@ -37,7 +37,7 @@ from psflow.protocol import Key, Op
 from psflow.protocol.messages import prefetch_tensor_names, row_tensor_names
 from psflow.ps.positions import pushed_input
 from psflow.ps.service import ServiceHost
-from psflow.sparse import Rows
+from psflow.sparse import HashedRows, Rows
 from psflow.transport import Request, wire
 
 _ABSENT_ZEROS = Key.ABSENT_ZEROS.value
@@ -153,9 +153,8 @@ class PushPlan:
     row_tables: list[Rows]
     """Those tables, one a job."""
     row_slots: np.ndarray[Any, Any]
-    python_rows: list[tuple[Rows, torch.Tensor, torch.Tensor]]
-    """The tables with ids they do not hold yet, their ids and gradients: the Python path's
-    ``apply`` makes their rows (admission, eviction) and updates them."""
+    python_rows: list[NewRows]
+    """The tables with ids they do not hold yet: their rows made before the update."""
     prefetch: list[tuple[str, Rows, int]]
     """Each table whose rows the reply brings (read after the update), with its count of ids."""
     prefetch_jobs: list[tuple[Any, ...]]
@@ -171,6 +170,36 @@ class PushPlan:
 
 
 _NO_SLOTS = np.empty(0, np.int64)
+
+
+@dataclass(eq=False, slots=True)
+class NewRows:
+    """A table of a push with ids it does not hold yet: its ids, their gradients (views of
+    the request) and their rows as the kernels mapped them (-1: not held)."""
+
+    table: Rows
+    ids: torch.Tensor
+    grads: torch.Tensor
+    slots: np.ndarray[Any, Any]
+
+    def made(self) -> tuple[tuple[Any, ...] | None, np.ndarray[Any, Any]]:
+        """The rows made (a hashed table's admission, eviction and new rows, as its ``apply``
+        makes them), then the kernels' job for the ids that have a row now and their rows;
+        ``(None, rows)`` where only the table's ``apply`` can (``rows`` unused then)."""
+        table = self.table
+        if not isinstance(table, HashedRows):
+            return None, self.slots
+        table.make_rows(self.ids, torch.from_numpy(self.slots))
+        keep = self.slots >= 0
+        if bool(keep.all()):
+            ids, grads, slots = self.ids, self.grads, self.slots
+        else:  # the gradients of ids not admitted (or with no room) are dropped
+            kept = torch.from_numpy(keep)
+            ids, grads, slots = self.ids[kept], self.grads[kept], self.slots[keep]
+        # Anew: making rows may have moved the table's storage and its id map.
+        job = table.apply_job(ids.numpy(), 0, ids.numel(), grads.numpy(), 0)
+        assert job is not None, "a table the plan took"
+        return job, slots
 
 
 class NativePush:
@@ -267,14 +296,15 @@ class NativePush:
             return None
         python_rows = []
         held, row_slots, python_at = _held(row_jobs, row_slots)
-        for i in python_at:
+        for i, part in python_at:
             ids, ids_offset, n, grads, grads_offset = row_jobs[i][:5]
             table = rows[i][1]
             python_rows.append(
-                (table, _tensor(ids, ids_offset, torch.int64, (n,)),
-                 _tensor(grads, grads_offset, table.dtype, (n, table.dim)))
+                NewRows(table, _tensor(ids, ids_offset, torch.int64, (n,)),
+                        _tensor(grads, grads_offset, table.dtype, (n, table.dim)), part)
             )  # fmt: skip
-        row_tables = [t for i, (_, t, _) in enumerate(rows) if i not in python_at]
+        taken_at = {i for i, _ in python_at}
+        row_tables = [t for i, (_, t, _) in enumerate(rows) if i not in taken_at]
         row_jobs = held
         dense_names = {m.name for m in metas} - taken
         dense = (
@@ -353,16 +383,23 @@ class NativePush:
             step = store.apply(plan.dense)
         else:
             step = store.apply(plan.dense, global_step=request.header.get(_STEP))
-        jobs = plan.row_jobs
+        jobs, slots, tables = plan.row_jobs, plan.row_slots, plan.row_tables
+        others = []  # the tables only their own apply serves
+        made = [(new, *new.made()) for new in plan.python_rows]
+        for new, job, rows in made:
+            if job is None:
+                others.append(new)
+            else:
+                jobs, tables = [*jobs, job], [*tables, new.table]
+                slots = np.concatenate([slots, rows])
         if schedule is not None:
-            others = [t for t, _, _ in plan.python_rows]
-            jobs = _scheduled(jobs, plan.row_tables, others, schedule.lr)
+            jobs = _scheduled(jobs, tables, [new.table for new in others], schedule.lr)
         if jobs:
-            kernels.apply_mapped(jobs, plan.row_slots)
-        for table in plan.row_tables:
+            kernels.apply_mapped(jobs, slots)
+        for table in tables:
             table.applied()
-        for table, ids, grads in plan.python_rows:
-            table.apply(ids, grads)
+        for new in others:
+            new.table.apply(new.ids, new.grads)
         return step
 
     def _answer(self, request: Request, plan: PushPlan, step: int, *, made_rows: bool) -> None:
@@ -391,19 +428,23 @@ class NativePush:
         all_jobs = jobs
         jobs, slots, python_at = _held(all_jobs, slots)
         fetches = []
-        for i in python_at:  # copies of the ids: the values may go where they lie
+        for i, part in python_at:  # copies of the ids: the values may go where they lie
             src, src_offset, n, dst, dst_offset = all_jobs[i][:5]
             table = plan.prefetch[i][1]
             ids = _tensor(src, src_offset, torch.int64, (n,), copy=True)
-            fetches.append((table, ids, _tensor(dst, dst_offset, table.dtype, (n, table.dim))))
+            place = _tensor(dst, dst_offset, table.dtype, (n, table.dim))
+            fetches.append((table, ids, torch.from_numpy(part), place))
         if plan.values_at:  # into the lane's request area (by socket they are raws)
             area = plan.prefetch_jobs[0][3].data  # memcpy's
             for offset, raw in zip(plan.values_at, store.wire_set.raws, strict=True):
                 area[offset : offset + len(raw)] = raw
         if jobs:
             kernels.gather_mapped(jobs, slots)
-        for table, ids, place in fetches:  # the rows of ids not held: made as a lookup makes them
-            table.lookup(ids, place)
+        for table, ids, rows, place in fetches:  # ids not held: initial rows, as a lookup's
+            if isinstance(table, HashedRows):
+                table.lookup_mapped(ids, rows, place)
+            else:
+                table.lookup(ids, place)
         # Values sent by socket from their own memory: the next update waits until they left.
         live = plan.reply_raws is not None and request.header[_OP] == _PUSH_PULL
         host.reply_placed(request, header, plan.reply_metas, plan.reply_raws, live=live)
@@ -433,9 +474,10 @@ _LR_FIELD = 20
 
 def _held(
     jobs: list[tuple[Any, ...]], slots: np.ndarray[Any, Any]
-) -> tuple[list[tuple[Any, ...]], np.ndarray[Any, Any], list[int]]:
+) -> tuple[list[tuple[Any, ...]], np.ndarray[Any, Any], list[tuple[int, np.ndarray[Any, Any]]]]:
     """The jobs whose every id is held, with their rows (of ``slots``, all jobs' rows one after
-    another, -1 where a hashed table does not hold an id), and the places of the others."""
+    another, -1 where a hashed table does not hold an id), and the others' places with their
+    rows (views of ``slots``)."""
     held, parts, others = [], [], []
     at = 0
     for i, job in enumerate(jobs):
@@ -443,7 +485,7 @@ def _held(
         part = slots[at : at + n]
         at += n
         if n and int(part.min()) < 0:
-            others.append(i)
+            others.append((i, part))
         else:
             held.append(job)
             parts.append(part)

@@ -266,8 +266,7 @@ class HashedRows(Rows):
         if self.ttl is not None:
             self._expire_due()
         slots = self._slots(ids)
-        known = slots >= 0
-        if bool(known.all()):
+        if bool((slots >= 0).all()):
             return kernels.gather(self.values, slots, out)
         shape = (ids.numel(), self.dim)
         if out is not None and (out.shape != shape or out.dtype != self.dtype):
@@ -275,26 +274,36 @@ class HashedRows(Rows):
                 f"lookup into {out.dtype} {list(out.shape)}: expected {self.dtype} {list(shape)}"
             )
         rows = torch.empty(shape, dtype=self.dtype) if out is None else out
+        self.lookup_mapped(ids, slots, rows, absent_zeros=absent_zeros)
+        return rows
+
+    def lookup_mapped(
+        self,
+        ids: torch.Tensor,
+        slots: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        absent_zeros: bool = False,
+    ) -> None:
+        """:meth:`lookup` into ``out`` of ``ids`` whose rows are known (``slots``, -1 for an id
+        not held: the kernels' map, :mod:`psflow.ps.native`): the rows held, and the initial
+        rows of the others (zeros with ``absent_zeros``)."""
+        known = slots >= 0
         where = known.nonzero().squeeze(1)
         if where.numel():
-            kernels.put_rows(rows, where, kernels.gather(self.values, slots[where]))
+            kernels.put_rows(out, where, kernels.gather(self.values, slots[where]))
         # Only the ids not held get initial rows (a row depends on its id alone): in a stream
         # of clicks most of a batch's ids are held, and the rest cost 0.3-0.5 us a row.
         absent = (~known).nonzero().squeeze(1)
         if absent_zeros:
-            kernels.fill_rows(rows, absent, 0)
-        else:
-            spec = self.spec
-            fresh = initial_rows(
-                spec.seed,
-                ids[absent],
-                self.dim,
-                std=spec.init_std,
-                dtype=self.dtype,
-                padding_idx=spec.padding_idx,
-            )
-            kernels.put_rows(rows, absent, fresh)
-        return rows
+            kernels.fill_rows(out, absent, 0)
+            return
+        spec = self.spec
+        fresh = initial_rows(
+            spec.seed, ids[absent], self.dim, std=spec.init_std, dtype=self.dtype,
+            padding_idx=spec.padding_idx,
+        )  # fmt: skip
+        kernels.put_rows(out, absent, fresh)
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         self._check_grads(ids, grads)
@@ -303,27 +312,7 @@ class HashedRows(Rows):
         self._tick += 1
         self.updates += 1
         slots = self._slots(ids)
-        unknown = slots < 0
-        if bool(unknown.any()):
-            known = slots[~unknown]
-            if self.max_rows is not None:
-                # Marked now, so that making room for the new rows never evicts these.
-                kernels.fill_rows(self.last_update, known, self._tick)
-            new_pos = unknown.nonzero().squeeze(1)
-            if self._admission is not None:
-                admitted = self._admission.admit(ids[new_pos])
-                self.counts["not_admitted"] += int(admitted.numel() - admitted.sum())
-                new_pos = new_pos[admitted]
-            if self.max_rows is not None:
-                room = self.max_rows - known.numel()
-                if new_pos.numel() > room:
-                    self.counts["dropped_full"] += new_pos.numel() - room
-                    new_pos = new_pos[:room]
-            if new_pos.numel():
-                new_slots = self._take_slots(new_pos.numel())
-                self._store(ids[new_pos], new_slots)
-                slots[new_pos] = new_slots
-                self.counts["admitted"] += new_pos.numel()
+        if self._place_new(ids, slots, self._tick):
             keep = slots >= 0
             if not bool(keep.all()):
                 slots, grads = slots[keep], grads[keep]
@@ -332,6 +321,42 @@ class HashedRows(Rows):
         kernels.fill_rows(self.last_update, slots, self._tick)
         if self.updated_at is not None:
             kernels.fill_rows(self.updated_at, slots, now)
+
+    def make_rows(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """The new rows of a native push (:mod:`psflow.ps.native`), before its update:
+        ``ids`` the push's (unique, checked), ``slots`` each one's row as the kernels mapped it
+        (-1: not held), completed in place as :meth:`apply` does: a row made for each id not
+        held that is admitted and fits, -1 left for the others (their gradients are dropped).
+        The rows held are marked with the update's tick (:meth:`applied` moves to it)."""
+        self._place_new(ids, slots, self._tick + 1)
+
+    def _place_new(self, ids: torch.Tensor, slots: torch.Tensor, tick: int) -> bool:
+        """Rows for the ids not held (``slots`` -1), those admitted and as room allows, their
+        slots written into ``slots``; the held ones marked with ``tick`` first, so that making
+        room never evicts a row this update changes. ``False`` when every id was held."""
+        unknown = slots < 0
+        if not bool(unknown.any()):
+            return False
+        known = slots[~unknown]
+        if self.max_rows is not None:
+            # Marked now, so that making room for the new rows never evicts these.
+            kernels.fill_rows(self.last_update, known, tick)
+        new_pos = unknown.nonzero().squeeze(1)
+        if self._admission is not None:
+            admitted = self._admission.admit(ids[new_pos])
+            self.counts["not_admitted"] += int(admitted.numel() - admitted.sum())
+            new_pos = new_pos[admitted]
+        if self.max_rows is not None:
+            room = self.max_rows - known.numel()
+            if new_pos.numel() > room:
+                self.counts["dropped_full"] += new_pos.numel() - room
+                new_pos = new_pos[:room]
+        if new_pos.numel():
+            new_slots = self._take_slots(new_pos.numel())
+            self._store(ids[new_pos], new_slots)
+            slots[new_pos] = new_slots
+            self.counts["admitted"] += new_pos.numel()
+        return True
 
     @property
     def num_rows(self) -> int:

@@ -19,7 +19,7 @@ from psflow.protocol import Key, Op, RowOptimizerSpec
 from psflow.protocol.messages import row_tensor_names
 from psflow.ps.exchange import ExchangeService
 from psflow.ps.tables import TableService
-from psflow.sparse import stripes
+from psflow.sparse import HashedRows, stripes
 from psflow.transport import PeerError, TransportConfig, wire
 from psflow.worker import DistributedOptimizer
 from psflow.worker.engine import ExchangeEngine
@@ -370,6 +370,43 @@ def test_hashed_tables_are_native_once_their_ids_are_held(path: str) -> None:
         assert torch.equal(native_rows[key], python_rows[key]), key
 
 
+@pytest.mark.parametrize("path", ["shm", "socket"])
+def test_a_full_hashed_table_evicts_what_the_python_path_evicts(path: str) -> None:
+    """Room for 4 rows: a push that updates held rows and brings new ones evicts the least
+    recently updated of the others, never a row it updates, and drops the new ids that do not
+    fit (their gradients with them), as the Python path, push by push."""
+    config = pnn.TableConfig(
+        num_embeddings=None, embedding_dim=DIM, optimizer="Adagrad", max_rows=4
+    )
+    # The third push updates 6 and brings three new ids: 2 and 4 go, then 8 (last updated
+    # with 6, by the second push), never 6.
+    pushes = [[2, 4], [8, 6], [6, 10, 12, 14], [4, 2, 18], [10, 20], [30, 32, 34, 36, 38]]
+    g = torch.Generator().manual_seed(6)
+    grads = [torch.randn(len(ids), DIM, generator=g) for ids in pushes]
+    outcomes = []
+    for native in (True, False):
+        with started(path, config=config) as (opt, servers):
+            client = client_of(opt)
+            server = servers[0]
+            native_push_of(server).on = native
+            name = next(iter(server.store.tables))
+            (table,) = server.store.tables.values()
+            states = []
+            for ids, grad in zip(pushes, grads, strict=True):
+                push_rows(client, name, torch.tensor(ids), grad)
+                stats = torch.tensor(list(table.stats.values()))
+                states.append({**hashed_state(server), "stats": stats})
+            outcomes.append((states, native_push_of(server).served))
+    (native_states, served), (python_states, none) = outcomes
+    assert served == len(pushes) and none == 0
+    evicted, _, dropped = native_states[-1]["stats"].tolist()[-3:]
+    assert evicted > 0 and dropped == 1
+    for native_rows, python_rows in zip(native_states, python_states, strict=True):
+        assert native_rows.keys() == python_rows.keys()
+        for key in native_rows:
+            assert torch.equal(native_rows[key], python_rows[key]), key
+
+
 def test_a_hashed_table_with_a_time_to_live_is_served_in_python() -> None:
     config = pnn.TableConfig(
         num_embeddings=None, embedding_dim=DIM, optimizer="Adagrad", ttl_seconds=3600.0
@@ -494,14 +531,22 @@ def test_native_pushes_mark_the_rows_an_export_tracks(vocab: int | None) -> None
 
 
 @pytest.mark.parametrize("path", ["shm", "socket"])
-def test_new_ids_admission_and_eviction_stay_the_python_paths(path: str) -> None:
+def test_new_ids_admission_and_eviction_stay_the_python_paths(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """New ids every step, admitted at their second push, the table capped at 60 rows (the
-    least recently updated evicted): the tables with new ids are served by the Python path's
-    apply and lookup inside a native push, the rest by the kernels, and the shards end with
+    least recently updated evicted): inside a native push a table with new ids makes their
+    rows as the Python path's apply does (``HashedRows.make_rows``), the kernels update them,
+    and the next ids not held get their initial rows (``lookup_mapped``); the shards end with
     the Python path's bits, slot by slot, and its counts."""
+    applies = []
+    apply = HashedRows.apply
+    monkeypatch.setattr(HashedRows, "apply", lambda *a: applies.append(1) or apply(*a))
     table = {"min_count": 2, "max_rows": 60}
     native = train_mixed(path, True, steps=10, users=200, **table)
+    assert not applies  # every row update was the kernels'
     python = train_mixed(path, False, steps=10, users=200, **table)
+    assert applies
     assert python["served"] == 0 and native["served"] == 20
     assert native["losses"] == python["losses"]
     assert native["held"].keys() == python["held"].keys()
