@@ -14,10 +14,12 @@ dispatch around the calls.
 What it does not serve as it came is left to the handler's Python path, which serves or refuses
 it: rows asked in another dtype, a tensor in several frames, a reply too large for the lane, a
 bad id (the kernel writes nothing then). So a refusal's words are that path's, and its tests
-hold for both. Within a native push, a hashed table with ids it does not hold yet is updated,
-and its prefetch read, by that table's own Python (``Rows.apply``, ``Rows.lookup``: admission,
-eviction, new rows), the other tables by the kernels; a lookup of such ids goes to the Python
-path whole. ``PSFLOW_NATIVE_REQUESTS=0`` serves everything in Python.
+hold for both. Ids a hashed table does not hold yet are left by the kernels' map for that
+table's Python, within the native request: a push makes their rows first
+(``HashedRows.make_rows``: admission, eviction, new rows, as its ``apply`` makes them) and the
+kernels then update them with the rest; a lookup or a prefetch gives them their initial rows
+(``HashedRows.lookup_mapped``) beside the held ones the kernels gathered.
+``PSFLOW_NATIVE_REQUESTS=0`` serves everything in Python.
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ class NativeLookup:
             if job is None:
                 return False
             jobs.append(job)
-        if not kernels.lookup_rows(jobs):
+        if not self._gather(jobs, chosen, header.get(_ABSENT_ZEROS, False)):
             return False  # a bad id: the Python path names it
         out = [
             [m.name, wire.dtype_name(t.dtype), [m.shape[0], t.dim]]
@@ -136,6 +138,31 @@ class NativeLookup:
                 metrics.rows_pulled(m.name).inc(m.shape[0])
         self.served += 1
         self.host.reply_placed(request, {}, out, raws)
+        return True
+
+    @staticmethod
+    def _gather(jobs: list[tuple[Any, ...]], tables: list[Rows], absent_zeros: bool) -> bool:
+        """The rows of ``jobs`` (one a table of ``tables``) where the reply goes; an id a
+        hashed table does not hold gets its initial row (zeros with ``absent_zeros``), as the
+        Python path's lookup gives it. ``False`` for a bad id, nothing written."""
+        if not any(isinstance(t, HashedRows) for t in tables):
+            return kernels.lookup_rows(jobs)  # map and gather in one call
+        slots = kernels.map_lookup(jobs, absent_ok=True)
+        if slots is None:
+            return False
+        held, held_slots, others = _held(jobs, slots)
+        fetches = []
+        for i, part in others:  # the ids copied out first: the rows may go where they lie
+            src, src_offset, n, dst, dst_offset = jobs[i][:5]
+            table = tables[i]
+            assert isinstance(table, HashedRows), "only a hashed table leaves an id at -1"
+            ids = _tensor(src, src_offset, torch.int64, (n,), copy=True)
+            place = _tensor(dst, dst_offset, table.dtype, (n, table.dim))
+            fetches.append((table, ids, torch.from_numpy(part), place))
+        if held:
+            kernels.gather_mapped(held, held_slots)
+        for table, ids, rows, place in fetches:
+            table.lookup_mapped(ids, rows, place, absent_zeros=absent_zeros)
         return True
 
 
@@ -209,11 +236,11 @@ class NativePush:
     :func:`psflow.sparse.kernels.apply_mapped`; the prefetched rows gathered after it where the
     reply goes by one call of :func:`psflow.sparse.kernels.gather_mapped`. Dense gradients are
     applied by the shard's optimizer (its schedule moved as in the Python path, and the tables
-    that follow it given its rate), a table with ids it does not hold yet by its own ``apply``
-    and ``lookup``, and an input position is checked and recorded, as in the Python path. What
-    it does not serve (rows in another dtype, a hashed table's time to live, a ``padding_idx``,
-    rows a snapshot is keeping, bad ids, a reply too large for its lane) is left to the Python
-    path, nothing changed."""
+    that follow it given its rate), the new rows of a table with ids it does not hold yet made
+    by the table (:class:`NewRows`), and an input position is checked and recorded, as in the
+    Python path. What it does not serve (rows in another dtype, a hashed table's time to live,
+    a ``padding_idx``, rows a snapshot is keeping, bad ids, a reply too large for its lane) is
+    left to the Python path, nothing changed."""
 
     def __init__(self, host: ServiceHost) -> None:
         self.host = host

@@ -333,15 +333,15 @@ def hashed_state(server: psflow.ParameterServer) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("path", ["shm", "socket"])
 def test_hashed_tables_are_native_once_their_ids_are_held(path: str) -> None:
     """The same requests against two hashed shards, one native and one not: the same replies
-    and the same rows, slot by slot. Ids the table does not hold yet go to the Python path
-    (it makes their rows); once held, their lookups and pushes are native."""
+    and the same rows, slot by slot, every request native (ids the table does not hold yet
+    get their rows made in a push, their initial rows in a lookup)."""
     g = torch.Generator().manual_seed(5)
     first = torch.randperm(5000, generator=g)[:3000] * 2
     more = torch.cat([first[:1000], torch.arange(20_000, 22_000, 2)])  # 1,000 of them new
     requests = [
         ("push", first), ("push", first), ("lookup", first), ("push", more),
         ("lookup", torch.cat([first[:10], torch.tensor([90_000])])), ("push", first.flip(0)),
-        ("lookup", more),
+        ("lookup", more), ("zeros", torch.cat([torch.tensor([90_002]), first[:10]])),
     ]  # fmt: skip
     grads = {i: torch.randn(len(ids), DIM, generator=g) for i, (_, ids) in enumerate(requests)}
     outcomes = []
@@ -355,14 +355,16 @@ def test_hashed_tables_are_native_once_their_ids_are_held(path: str) -> None:
             for i, (op, ids) in enumerate(requests):
                 if op == "push":
                     replies.append(push_rows(client, name, ids, grads[i])[0][0][Key.STEP])
-                else:
-                    replies.append(client.lookup({0: [(name, ids)]})[0][1][0][1].clone())
+                else:  # "zeros": an evaluation's lookup, zeros where no row is held
+                    reply = client.lookup({0: [(name, ids)]}, absent_zeros=op == "zeros")
+                    replies.append(reply[0][1][0][1].clone())
             served = (native_push_of(server).served, native_of(server).served)
             outcomes.append((replies, hashed_state(server), served))
     (native_replies, native_rows, served), (python_replies, python_rows, none) = outcomes
-    # Every push (the new ids' rows made by the Python path's apply within it); lookups 3 and
-    # 7 (5 asks for an id no one pushed: the Python path's).
-    assert served == (4, 2) and none == (0, 0)
+    # Every push (the new ids' rows made by the table within it) and every lookup (5 and 8
+    # ask for an id no one pushed: its initial row, or zeros, beside the held ones).
+    assert served == (4, 4) and none == (0, 0)
+    assert not native_replies[-1][0].any() and native_replies[-1][1:].all()
     for a, b in zip(native_replies, python_replies, strict=True):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
     assert native_rows.keys() == python_rows.keys()
