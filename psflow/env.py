@@ -179,10 +179,11 @@ request's bytes to the reply's (:mod:`psflow.ps.native`); ``0`` serves every req
 the reference path (the kernels, :data:`PSFLOW_KERNELS`, are used in both)."""
 
 PSFLOW_FLUSH_DENORMALS = "PSFLOW_FLUSH_DENORMALS"
-"""``1`` (default): a ps task's serving thread and its row threads take subnormal floats as zero
-(``torch.set_flush_denormal``, the CPU's flush-to-zero and denormals-are-zero modes), as
-TensorFlow's runtime does on its threads; ``0`` keeps IEEE subnormals. A CTR shard's dense Adam
-ran 6-7x slower once the moments of idle units had decayed into the subnormal range
+"""``1`` (default): a ps task's serving thread and its row threads, and a worker's training
+thread while its optimizer is open, take subnormal floats as zero (``torch.set_flush_denormal``,
+the CPU's flush-to-zero and denormals-are-zero modes), as TensorFlow's runtime does on its
+threads; ``0`` keeps IEEE subnormals (a worker's thread is then left as it is). A CTR shard's
+dense Adam ran 6-7x slower once the moments of idle units had decayed into the subnormal range
 (``benchmarks/results/profile.md``)."""
 
 PSFLOW_METRICS_PORT = "PSFLOW_METRICS_PORT"

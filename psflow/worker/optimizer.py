@@ -10,6 +10,7 @@ import gc
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from psflow import allocator, metrics
@@ -98,6 +99,11 @@ class DistributedOptimizer:
             )
         self.engine = engine(given) if engine is not None else _engine(model, ctx, config, given)
         self.metrics = metrics.for_task(str(ctx.task), ctx.host).worker(ctx.cluster.num_tasks("ps"))
+        self._float_mode: bool | None = None
+        """The thread's subnormal mode before this optimizer set it (``None``: not set)."""
+        if config.flush_denormals:
+            self._float_mode = flushing()
+            torch.set_flush_denormal(True)
         self._closed = False
         self._frozen = allocator.freeze_gc()  # what is alive now lives as long as the training
 
@@ -175,6 +181,8 @@ class DistributedOptimizer:
         if self._closed:
             return
         self._closed = True
+        if self._float_mode is not None:
+            torch.set_flush_denormal(self._float_mode)
         if self._frozen:
             gc.unfreeze()  # training is over: what it kept may be collected again
             self._frozen = False
@@ -186,6 +194,11 @@ class DistributedOptimizer:
     def __exit__(self, exc_type: object, *exc: object) -> None:
         # A failure is not the end of this worker's training: no ``done`` (see close).
         self.close(finished=exc_type is None)
+
+
+def flushing() -> bool:
+    """Whether this thread takes subnormal floats as zero now (a float32 subnormal times 1)."""
+    return bool(torch.tensor([1e-39], dtype=torch.float32).mul(1.0).item() == 0.0)
 
 
 def _engine(

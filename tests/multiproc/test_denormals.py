@@ -1,6 +1,7 @@
 """A ps task takes subnormal floats as zero (``ServerConfig.flush_denormals``, on by default, as
 TensorFlow's runtime): its serving thread for the dense update, and its row threads for the
-rows; off, the IEEE subnormal the same update makes is kept."""
+rows; off, the IEEE subnormal the same update makes is kept. A worker's training thread does
+too while its optimizer is open (``OptimizerConfig.flush_denormals``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from psflow.cluster.ports import local_cluster
 from psflow.cluster.spec import TaskContext, TaskSpec
 from psflow.protocol import RowOptimizerSpec
 from psflow.sparse import stripes
+from psflow.worker.optimizer import flushing
 
 from .support import quiet_session
 
@@ -61,3 +63,21 @@ def test_updates_that_end_subnormal_are_zero_unless_told(tmp_path: Path, flush: 
     else:
         for t in (weight, values):
             assert bool((t != 0).all()) and bool((t.abs() < torch.finfo(torch.float32).tiny).all())
+
+
+@pytest.mark.parametrize("flush", [True, False])
+def test_a_workers_thread_flushes_while_its_optimizer_is_open(tmp_path: Path, flush: bool) -> None:
+    """A cluster of one: the training thread takes subnormals as zero from the optimizer's
+    start to its close, which gives back the mode it found; off, the mode is left alone."""
+    assert not flushing()
+    model = torch.nn.Linear(2, 1)
+    sess = psflow.TrainingSession(model, TaskContext.alone(), checkpoint_dir=str(tmp_path),
+                                  log_step_count_steps=None, save_summaries_steps=None,
+                                  flush_denormals=flush)  # fmt: skip
+    try:
+        assert flushing() is flush
+        tiny = torch.full((4,), TINY)
+        assert bool((tiny * 1e-3 == 0).all()) is flush
+    finally:
+        sess.close()
+    assert not flushing()
