@@ -151,14 +151,7 @@ class NativeLookup:
         if slots is None:
             return False
         held, held_slots, others = _held(jobs, slots)
-        fetches = []
-        for i, part in others:  # the ids copied out first: the rows may go where they lie
-            src, src_offset, n, dst, dst_offset = jobs[i][:5]
-            table = tables[i]
-            assert isinstance(table, HashedRows), "only a hashed table leaves an id at -1"
-            ids = _tensor(src, src_offset, torch.int64, (n,), copy=True)
-            place = _tensor(dst, dst_offset, table.dtype, (n, table.dim))
-            fetches.append((table, ids, torch.from_numpy(part), place))
+        fetches = _not_held(jobs, tables, others)
         if held:
             kernels.gather_mapped(held, held_slots)
         for table, ids, rows, place in fetches:
@@ -180,7 +173,7 @@ class PushPlan:
     row_tables: list[Rows]
     """Those tables, one a job."""
     row_slots: np.ndarray[Any, Any]
-    python_rows: list[NewRows]
+    new_rows: list[NewRows]
     """The tables with ids they do not hold yet: their rows made before the update."""
     prefetch: list[tuple[str, Rows, int]]
     """Each table whose rows the reply brings (read after the update), with its count of ids."""
@@ -204,18 +197,16 @@ class NewRows:
     """A table of a push with ids it does not hold yet: its ids, their gradients (views of
     the request) and their rows as the kernels mapped them (-1: not held)."""
 
-    table: Rows
+    table: HashedRows
+    """Only a hashed table's map leaves an id at -1."""
     ids: torch.Tensor
     grads: torch.Tensor
     slots: np.ndarray[Any, Any]
 
-    def made(self) -> tuple[tuple[Any, ...] | None, np.ndarray[Any, Any]]:
-        """The rows made (a hashed table's admission, eviction and new rows, as its ``apply``
-        makes them), then the kernels' job for the ids that have a row now and their rows;
-        ``(None, rows)`` where only the table's ``apply`` can (``rows`` unused then)."""
+    def made(self) -> tuple[tuple[Any, ...], np.ndarray[Any, Any]]:
+        """The rows made (the table's admission, eviction and new rows, as its ``apply`` makes
+        them), then the kernels' job for the ids that have a row now, and their rows."""
         table = self.table
-        if not isinstance(table, HashedRows):
-            return None, self.slots
         table.make_rows(self.ids, torch.from_numpy(self.slots))
         keep = self.slots >= 0
         if bool(keep.all()):
@@ -321,16 +312,17 @@ class NativePush:
         )
         if prefetch_slots is None:
             return None
-        python_rows = []
-        held, row_slots, python_at = _held(row_jobs, row_slots)
-        for i, part in python_at:
+        new_rows = []
+        held, row_slots, not_held = _held(row_jobs, row_slots)
+        for i, part in not_held:
             ids, ids_offset, n, grads, grads_offset = row_jobs[i][:5]
             table = rows[i][1]
-            python_rows.append(
+            assert isinstance(table, HashedRows), "only a hashed table leaves an id at -1"
+            new_rows.append(
                 NewRows(table, _tensor(ids, ids_offset, torch.int64, (n,)),
                         _tensor(grads, grads_offset, table.dtype, (n, table.dim)), part)
             )  # fmt: skip
-        taken_at = {i for i, _ in python_at}
+        taken_at = {i for i, _ in not_held}
         row_tables = [t for i, (_, t, _) in enumerate(rows) if i not in taken_at]
         row_jobs = held
         dense_names = {m.name for m in metas} - taken
@@ -340,7 +332,7 @@ class NativePush:
             else []
         )
         return PushPlan(
-            dense, rows, row_jobs, row_tables, row_slots, python_rows, prefetch, prefetch_jobs,
+            dense, rows, row_jobs, row_tables, row_slots, new_rows, prefetch, prefetch_jobs,
             prefetch_slots, reply_metas, reply_raws, values_at,
         )  # fmt: skip
 
@@ -394,7 +386,7 @@ class NativePush:
                 metrics.rows_pushed(name).inc(n)
             for name, _, n in plan.prefetch:
                 metrics.rows_pulled(name).inc(n)
-        self._answer(request, plan, step, made_rows=bool(plan.python_rows))
+        self._answer(request, plan, step, made_rows=bool(plan.new_rows))
 
     def _update(self, request: Request, plan: PushPlan) -> int:
         """The push's update: dense first (its checks refuse a bad push before any row
@@ -411,22 +403,17 @@ class NativePush:
         else:
             step = store.apply(plan.dense, global_step=request.header.get(_STEP))
         jobs, slots, tables = plan.row_jobs, plan.row_slots, plan.row_tables
-        others = []  # the tables only their own apply serves
-        made = [(new, *new.made()) for new in plan.python_rows]
-        for new, job, rows in made:
-            if job is None:
-                others.append(new)
-            else:
-                jobs, tables = [*jobs, job], [*tables, new.table]
-                slots = np.concatenate([slots, rows])
+        if plan.new_rows:
+            made = [new.made() for new in plan.new_rows]
+            jobs = [*jobs, *(job for job, _ in made)]
+            tables = [*tables, *(new.table for new in plan.new_rows)]
+            slots = np.concatenate([slots, *(rows for _, rows in made)])
         if schedule is not None:
-            jobs = _scheduled(jobs, tables, [new.table for new in others], schedule.lr)
+            jobs = _scheduled(jobs, tables, schedule.lr)
         if jobs:
             kernels.apply_mapped(jobs, slots)
         for table in tables:
             table.applied()
-        for new in others:
-            new.table.apply(new.ids, new.grads)
         return step
 
     def _answer(self, request: Request, plan: PushPlan, step: int, *, made_rows: bool) -> None:
@@ -453,14 +440,8 @@ class NativePush:
             assert remapped is not None, "ids the plan checked"
             jobs, slots = anew, remapped
         all_jobs = jobs
-        jobs, slots, python_at = _held(all_jobs, slots)
-        fetches = []
-        for i, part in python_at:  # copies of the ids: the values may go where they lie
-            src, src_offset, n, dst, dst_offset = all_jobs[i][:5]
-            table = plan.prefetch[i][1]
-            ids = _tensor(src, src_offset, torch.int64, (n,), copy=True)
-            place = _tensor(dst, dst_offset, table.dtype, (n, table.dim))
-            fetches.append((table, ids, torch.from_numpy(part), place))
+        jobs, slots, others = _held(all_jobs, slots)
+        fetches = _not_held(all_jobs, [t for _, t, _ in plan.prefetch], others)
         if plan.values_at:  # into the lane's request area (by socket they are raws)
             area = plan.prefetch_jobs[0][3].data  # memcpy's
             for offset, raw in zip(plan.values_at, store.wire_set.raws, strict=True):
@@ -468,30 +449,21 @@ class NativePush:
         if jobs:
             kernels.gather_mapped(jobs, slots)
         for table, ids, rows, place in fetches:  # ids not held: initial rows, as a lookup's
-            if isinstance(table, HashedRows):
-                table.lookup_mapped(ids, rows, place)
-            else:
-                table.lookup(ids, place)
+            table.lookup_mapped(ids, rows, place)
         # Values sent by socket from their own memory: the next update waits until they left.
         live = plan.reply_raws is not None and request.header[_OP] == _PUSH_PULL
         host.reply_placed(request, header, plan.reply_metas, plan.reply_raws, live=live)
 
 
-def _scheduled(
-    jobs: list[tuple[Any, ...]], tables: list[Rows], others: list[Rows], lr: float
-) -> list[tuple[Any, ...]]:
+def _scheduled(jobs: list[tuple[Any, ...]], tables: list[Rows], lr: float) -> list[tuple[Any, ...]]:
     """The jobs with the schedule's rate now (moved by the dense update) for the tables that
-    follow it (``spec.scheduled``), as ``ShardStore.apply`` sets it; the ``others`` (updated by
-    their own ``apply``) take it too."""
+    follow it (``spec.scheduled``), as ``ShardStore.apply`` sets it."""
     out = []
     for job, table in zip(jobs, tables, strict=True):
         if table.spec.scheduled:
             table.optimizer.lr = lr
             job = (*job[:_LR_FIELD], lr, *job[_LR_FIELD + 1 :])
         out.append(job)
-    for table in others:
-        if table.spec.scheduled:
-            table.optimizer.lr = lr
     return out
 
 
@@ -519,6 +491,23 @@ def _held(
     if not others:
         return jobs, slots, []
     return held, (np.concatenate(parts) if parts else _NO_SLOTS), others
+
+
+def _not_held(
+    jobs: list[tuple[Any, ...]], tables: list[Rows], others: list[tuple[int, np.ndarray[Any, Any]]]
+) -> list[tuple[HashedRows, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """For each lookup job with ids its table does not hold (``others``, of :func:`_held`):
+    the table, a copy of the ids (the rows may go where they lie), their rows (-1: not held)
+    and where the rows go, for ``HashedRows.lookup_mapped``."""
+    out = []
+    for i, part in others:
+        src, src_offset, n, dst, dst_offset = jobs[i][:5]
+        table = tables[i]
+        assert isinstance(table, HashedRows), "only a hashed table leaves an id at -1"
+        ids = _tensor(src, src_offset, torch.int64, (n,), copy=True)
+        place = _tensor(dst, dst_offset, table.dtype, (n, table.dim))
+        out.append((table, ids, torch.from_numpy(part), place))
+    return out
 
 
 def _tensor(
