@@ -303,7 +303,7 @@ class NativePush:
                 return None
             prefetch_jobs.append(job)
         # Every id checked before anything changes; ids a hashed table does not hold yet are
-        # left at -1 (their tables are served by the Python path's apply and lookup).
+        # left at -1 (the table makes their rows in the update: NewRows).
         row_slots = kernels.map_rows(row_jobs, absent_ok=True) if row_jobs else _NO_SLOTS
         if row_slots is None:
             return None  # a bad id: the Python path names it

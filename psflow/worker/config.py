@@ -57,8 +57,8 @@ class OptimizerConfig:
     """Whether the thread that makes the optimizer (the one that trains) takes subnormal floats
     as zero while it is open, as TensorFlow's runtime does on its threads
     (``PSFLOW_FLUSH_DENORMALS``, else on; the ps tasks' own setting has the same default). A
-    value below about 1.2e-38 (float32) then counts as 0. A CTR worker's forward and backward
-    met them (a confident prediction's gradient) and ran 1.05-1.11x faster with them flushed.
+    value below about 1.2e-38 (float32) then counts as 0. A CTR worker (DeepRec's DLRM shape)
+    ran 1.05-1.11x faster with them flushed; where in its step it met them was not measured.
     ``close()`` gives the thread back the mode it found; off, the mode is left alone."""
 
     def __post_init__(self) -> None:
