@@ -18,7 +18,7 @@ hold for both. Ids a hashed table does not hold yet are left by the kernels' map
 table's Python, within the native request: a push makes their rows first
 (``HashedRows.make_rows``: admission, eviction, new rows, as its ``apply`` makes them) and the
 kernels then update them with the rest; a lookup or a prefetch gives them their initial rows
-(``HashedRows.lookup_mapped``) beside the held ones the kernels gathered.
+(``HashedRows.initial_at``) where the kernels' gather of the held ones left their places.
 ``PSFLOW_NATIVE_REQUESTS=0`` serves everything in Python.
 """
 
@@ -150,12 +150,10 @@ class NativeLookup:
         slots = kernels.map_lookup(jobs, absent_ok=True)
         if slots is None:
             return False
-        held, held_slots, others = _held(jobs, slots)
-        fetches = _not_held(jobs, tables, others)
-        if held:
-            kernels.gather_mapped(held, held_slots)
-        for table, ids, rows, place in fetches:
-            table.lookup_mapped(ids, rows, place, absent_zeros=absent_zeros)
+        absent = _absent(jobs, tables, slots)  # their ids read before the rows overlay them
+        kernels.gather_mapped(jobs, slots, held=True)
+        for table, ids, at, place in absent:
+            table.initial_at(ids, at, place, zeros=absent_zeros)
         return True
 
 
@@ -439,17 +437,15 @@ class NativePush:
             remapped = kernels.map_lookup(anew, absent_ok=True)
             assert remapped is not None, "ids the plan checked"
             jobs, slots = anew, remapped
-        all_jobs = jobs
-        jobs, slots, others = _held(all_jobs, slots)
-        fetches = _not_held(all_jobs, [t for _, t, _ in plan.prefetch], others)
+        # Their ids read before the values and the rows overlay them.
+        absent = _absent(jobs, [t for _, t, _ in plan.prefetch], slots)
         if plan.values_at:  # into the lane's request area (by socket they are raws)
             area = plan.prefetch_jobs[0][3].data  # memcpy's
             for offset, raw in zip(plan.values_at, store.wire_set.raws, strict=True):
                 area[offset : offset + len(raw)] = raw
-        if jobs:
-            kernels.gather_mapped(jobs, slots)
-        for table, ids, rows, place in fetches:  # ids not held: initial rows, as a lookup's
-            table.lookup_mapped(ids, rows, place)
+        kernels.gather_mapped(jobs, slots, held=True)
+        for table, ids, at, place in absent:  # ids not held: initial rows, as a lookup's
+            table.initial_at(ids, at, place)
         # Values sent by socket from their own memory: the next update waits until they left.
         live = plan.reply_raws is not None and request.header[_OP] == _PUSH_PULL
         host.reply_placed(request, header, plan.reply_metas, plan.reply_raws, live=live)
@@ -493,20 +489,26 @@ def _held(
     return held, (np.concatenate(parts) if parts else _NO_SLOTS), others
 
 
-def _not_held(
-    jobs: list[tuple[Any, ...]], tables: list[Rows], others: list[tuple[int, np.ndarray[Any, Any]]]
+def _absent(
+    jobs: list[tuple[Any, ...]], tables: list[Rows], slots: np.ndarray[Any, Any]
 ) -> list[tuple[HashedRows, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """For each lookup job with ids its table does not hold (``others``, of :func:`_held`):
-    the table, a copy of the ids (the rows may go where they lie), their rows (-1: not held)
-    and where the rows go, for ``HashedRows.lookup_mapped``."""
+    """For each lookup job with ids its table does not hold (-1 in ``slots``, every job's rows
+    one after another, of ``map_lookup(absent_ok=True)``): the table, a copy of those ids (the
+    rows may go where they lie), their places among the job's rows, and the job's rows where
+    the reply goes, for ``HashedRows.initial_at``."""
     out = []
-    for i, part in others:
-        src, src_offset, n, dst, dst_offset = jobs[i][:5]
-        table = tables[i]
+    at = 0
+    for job, table in zip(jobs, tables, strict=True):
+        src, src_offset, n, dst, dst_offset = job[:5]
+        part = slots[at : at + n]
+        at += n
+        if not n or int(part.min()) >= 0:
+            continue
         assert isinstance(table, HashedRows), "only a hashed table leaves an id at -1"
-        ids = _tensor(src, src_offset, torch.int64, (n,), copy=True)
+        where = np.flatnonzero(part < 0)
+        ids = np.frombuffer(src, np.int64, n, src_offset)[where]  # a copy
         place = _tensor(dst, dst_offset, table.dtype, (n, table.dim))
-        out.append((table, ids, torch.from_numpy(part), place))
+        out.append((table, torch.from_numpy(ids), torch.from_numpy(where), place))
     return out
 
 

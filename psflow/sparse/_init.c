@@ -2,10 +2,10 @@
  * of row `id` is a counter-based hash (splitmix64) of (seed, id, column pair), made two uniform
  * numbers for Box-Muller. torch computes the logarithm, square root, sine and cosine of those
  * uniforms (the vectorised maths of its own build, so that a row is the same bits on either
- * path), and psflow_interleave_* places the normals, cast, into the rows. Every step here is
- * exact (integer arithmetic, an integer below 2**33 made a double, a multiplication by a power
- * of two or by the one constant the Python side passes), so it equals torch's int64 and
- * float64 ops to the bit. Plain C, no Python: psflow/sparse/_kernels.c is the binding.
+ * path), and psflow_normals_* makes the normals of them and places them, cast, into the rows.
+ * Every step here is exact or one correctly rounded IEEE operation (integer arithmetic, an
+ * integer below 2**33 made a double, a multiplication), so it equals torch's int64 and float64
+ * ops to the bit. Plain C, no Python: psflow/sparse/_kernels.c is the binding.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -31,20 +31,25 @@ void psflow_initial_uniforms(const int64_t *ids, ptrdiff_t n, int64_t seed_key, 
     }
 }
 
-/* The normals of a row's pairs, cast to the rows' type: out[i, 2p] = c[i, p], out[i, 2p + 1] =
- * s[i, p] while below dim (an odd dim drops the last sine). */
-#define INTERLEAVE(T)                                                                        \
-    void psflow_interleave_##T(T *out, const f64 *c, const f64 *s, ptrdiff_t n,             \
-                               ptrdiff_t pairs, ptrdiff_t dim) {                            \
+/* The normals of a row's pairs, cast to the rows' type, from torch's sqrt(log(u1) * -2) and
+ * cos(u2) and sin(u2): r = root * std, out[i, 2p] = cos[i, p] * r and out[i, 2p + 1] = sin[i, p]
+ * * r while below dim (an odd dim drops the last sine). torch's own are its build's vectorised
+ * maths (its sqrt is MKL's, not always the correctly rounded one); the products here are IEEE
+ * multiplications in torch's order (mul_(std), mul_(r)), with no contraction into fused
+ * multiply-adds (-ffp-contract=off): torch's bits, three tensor operations less. */
+#define NORMALS(T)                                                                           \
+    void psflow_normals_##T(T *out, const f64 *root, const f64 *c, const f64 *s, ptrdiff_t n, \
+                            ptrdiff_t pairs, ptrdiff_t dim, f64 std) {                       \
         for (ptrdiff_t i = 0; i < n; i++) {                                                  \
             T *row = out + i * dim;                                                          \
-            const f64 *ci = c + i * pairs, *si = s + i * pairs;                              \
+            const f64 *ri = root + i * pairs, *ci = c + i * pairs, *si = s + i * pairs;      \
             for (ptrdiff_t p = 0; p < pairs; p++) {                                          \
-                row[2 * p] = (T)ci[p];                                                       \
-                if (2 * p + 1 < dim) row[2 * p + 1] = (T)si[p];                              \
+                f64 r = ri[p] * std;                                                         \
+                row[2 * p] = (T)(ci[p] * r);                                                 \
+                if (2 * p + 1 < dim) row[2 * p + 1] = (T)(si[p] * r);                        \
             }                                                                                \
         }                                                                                    \
     }
 
-INTERLEAVE(f32)
-INTERLEAVE(f64)
+NORMALS(f32)
+NORMALS(f64)

@@ -29,13 +29,30 @@ static Py_ssize_t hash_slots(Py_ssize_t n) {
     return slots;
 }
 
+/* -1 when every index is in [-1, rows), else the position of the first that is not: the check
+ * of a gather that leaves a row at -1 as it is (psflow_gather_held). */
+static Py_ssize_t first_bad_held(const int64_t *index, Py_ssize_t n, Py_ssize_t rows) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (index[i] < -1 || index[i] >= rows) return i;
+    }
+    return -1;
+}
+
+/* gather(out, src, index, n, bytes, rows, held=False): out[i] = src[index[i]]; with held, a row
+ * at -1 is left as it is (psflow_gather_held); -1 or the first bad index (nothing written). */
 static PyObject *py_gather(PyObject *self, PyObject *args) {
     Py_ssize_t out, src, index, n, bytes, rows;
-    if (!PyArg_ParseTuple(args, "nnnnnn", &out, &src, &index, &n, &bytes, &rows)) return NULL;
-    Py_ssize_t bad = psflow_first_bad(PTR(int64_t, index), n, rows);
+    int held = 0;
+    if (!PyArg_ParseTuple(args, "nnnnnn|p", &out, &src, &index, &n, &bytes, &rows, &held))
+        return NULL;
+    Py_ssize_t bad = held ? first_bad_held(PTR(int64_t, index), n, rows)
+                          : psflow_first_bad(PTR(int64_t, index), n, rows);
     if (bad >= 0) return PyLong_FromSsize_t(bad);
     Py_BEGIN_ALLOW_THREADS
-    psflow_gather_rows(PTR(char, out), PTR(const char, src), PTR(int64_t, index), n, bytes);
+    if (held)
+        psflow_gather_held(PTR(char, out), PTR(const char, src), PTR(int64_t, index), n, bytes);
+    else
+        psflow_gather_rows(PTR(char, out), PTR(const char, src), PTR(int64_t, index), n, bytes);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(-1);
 }
@@ -326,16 +343,21 @@ static PyObject *py_initial_uniforms(PyObject *self, PyObject *args) {
     return Py_BuildValue("");
 }
 
-/* interleave(double, out, c, s, n, pairs, dim): the normals placed, cast, into the rows. */
-static PyObject *py_interleave(PyObject *self, PyObject *args) {
+/* normals(double, out, root, c, s, n, pairs, dim, std): the normals made of torch's
+ * sqrt(log(u1) * -2), cos(u2) and sin(u2), placed, cast, into the rows. */
+static PyObject *py_normals(PyObject *self, PyObject *args) {
     int f64_;
-    Py_ssize_t out, c, s, n, pairs, dim;
-    if (!PyArg_ParseTuple(args, "pnnnnnn", &f64_, &out, &c, &s, &n, &pairs, &dim)) return NULL;
+    Py_ssize_t out, root, c, s, n, pairs, dim;
+    double std;
+    if (!PyArg_ParseTuple(args, "pnnnnnnnd", &f64_, &out, &root, &c, &s, &n, &pairs, &dim, &std))
+        return NULL;
     Py_BEGIN_ALLOW_THREADS
     if (f64_)
-        psflow_interleave_f64(PTR(f64, out), PTR(f64, c), PTR(f64, s), n, pairs, dim);
+        psflow_normals_f64(PTR(f64, out), PTR(f64, root), PTR(f64, c), PTR(f64, s), n, pairs, dim,
+                           std);
     else
-        psflow_interleave_f32(PTR(f32, out), PTR(f64, c), PTR(f64, s), n, pairs, dim);
+        psflow_normals_f32(PTR(f32, out), PTR(f64, root), PTR(f64, c), PTR(f64, s), n, pairs, dim,
+                           std);
     Py_END_ALLOW_THREADS
     return Py_BuildValue("");
 }
@@ -381,7 +403,8 @@ static int map_job(const rule_t *u, const char *src, Py_ssize_t n, int absent_ok
  * another); 2 gathers or applies the rows `local` names (the first's: in the same call, or a
  * caller's that mapped them earlier); 4, with 2, only the rows' marks (the caller applies the
  * updates, in stripes); 8, with 1, leaves an id a hashed table does not hold at -1 instead of
- * refusing it (the caller serves that job in Python, and no other phase is given that job).
+ * refusing it, and with 2 in lookup_rows, leaves the row of a -1 as it is (the caller fills it:
+ * an initial row); apply_rows is never given a -1 to apply (the caller makes those rows first).
  * Nothing is written to a table or a reply unless every job's ids are good, and the second
  * phase first checks every row it is given against the storage (why 6, nothing written).
  * Each returns (-1, 0, -1) when done, else (job, why, position): why 1 out of range, 2 another
@@ -422,10 +445,11 @@ static int prepare(const char *name, const Py_buffer *local, Py_ssize_t total, P
 }
 
 /* The first phase over every job (with MAP), and the second's check of every row it is given
- * (with RUN), before anything is written: the first failing job, with *why and *at, or -1. */
+ * (with RUN; -1 too with held_ok: a lookup's row left for the caller), before anything is
+ * written: the first failing job, with *why and *at, or -1. */
 static Py_ssize_t map_and_check(const void *jobs, size_t stride, Py_ssize_t count, int phases,
-                                int64_t *set, unsigned char *used, int64_t *local, int *why,
-                                Py_ssize_t *at) {
+                                int held_ok, int64_t *set, unsigned char *used, int64_t *local,
+                                int *why, Py_ssize_t *at) {
     int64_t *mine = local;
     for (Py_ssize_t i = 0; i < count && (phases & MAP); i++) {
         const head_t *h = HEAD(jobs, stride, i);
@@ -436,7 +460,8 @@ static Py_ssize_t map_and_check(const void *jobs, size_t stride, Py_ssize_t coun
     mine = local;
     for (Py_ssize_t i = 0; i < count && (phases & RUN); i++) {
         const head_t *h = HEAD(jobs, stride, i);
-        *at = psflow_first_bad(mine, h->n, h->u.rows);
+        *at = held_ok ? first_bad_held(mine, h->n, h->u.rows)
+                      : psflow_first_bad(mine, h->n, h->u.rows);
         if (*at >= 0) {
             *why = 6;
             return i;
@@ -505,11 +530,16 @@ static PyObject *py_lookup_rows(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     int64_t *local = (int64_t *)local_buf.buf;
     if (failed < 0)
-        failed = map_and_check(job, sizeof(job_t), count, phases, set, used, local, &why, &at);
+        failed = map_and_check(job, sizeof(job_t), count, phases, phases & ABSENT_OK, set,
+                               used, local, &why, &at);
     for (Py_ssize_t i = 0; i < count && failed < 0 && (phases & RUN); i++) {
         job_t *j = &job[i];
-        psflow_gather_rows((char *)j->dst.buf + j->dst_off, PTR(const char, j->values), local,
-                           j->h.n, j->row_bytes);
+        if (phases & ABSENT_OK)
+            psflow_gather_held((char *)j->dst.buf + j->dst_off, PTR(const char, j->values),
+                               local, j->h.n, j->row_bytes);
+        else
+            psflow_gather_rows((char *)j->dst.buf + j->dst_off, PTR(const char, j->values),
+                               local, j->h.n, j->row_bytes);
         local += j->h.n;
     }
     Py_END_ALLOW_THREADS
@@ -627,7 +657,8 @@ static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     int64_t *local = (int64_t *)local_buf.buf;
     if (failed < 0)
-        failed = map_and_check(job, sizeof(job_t), count, phases, set, used, local, &why, &at);
+        failed = map_and_check(job, sizeof(job_t), count, phases, 0, set, used, local,
+                               &why, &at);
     for (Py_ssize_t i = 0; i < count && failed < 0 && (phases & RUN); i++) {
         job_t *j = &job[i];
         const char *g = (const char *)j->grads.buf + j->grads_off;
@@ -677,7 +708,7 @@ static PyMethodDef methods[] = {
     {"idmap_put", py_idmap_put, METH_VARARGS, "Adds ids to an id map; removed cells reused."},
     {"splitmix64", py_splitmix64, METH_VARARGS, "splitmix64's finaliser of each int64."},
     {"initial_uniforms", py_initial_uniforms, METH_VARARGS, "The uniforms of initial rows."},
-    {"interleave", py_interleave, METH_VARARGS, "Normals placed, cast, into initial rows."},
+    {"normals", py_normals, METH_VARARGS, "Initial rows' normals made and placed, cast."},
     {"sketch_count", py_sketch_count, METH_VARARGS, "One push of each id counted in a sketch."},
     {NULL, NULL, 0, NULL},
 };

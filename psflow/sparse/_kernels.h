@@ -26,8 +26,12 @@ static inline ptrdiff_t psflow_first_bad(const int64_t *index, ptrdiff_t n, ptrd
 
 /* -- _rows.c ------------------------------------------------------------------------------ */
 
-/* out[i] = src[index[i]] for rows of `bytes` bytes (any dtype): a lookup's rows. */
+/* out[i] = src[index[i]] for rows of `bytes` bytes (any dtype): a lookup's rows. With
+ * psflow_gather_held, a row whose index is -1 (an id a hashed table does not hold) is left as it
+ * is, for the caller to fill. */
 void psflow_gather_rows(char *out, const char *src, const int64_t *index, ptrdiff_t n,
+                        ptrdiff_t bytes);
+void psflow_gather_held(char *out, const char *src, const int64_t *index, ptrdiff_t n,
                         ptrdiff_t bytes);
 
 /* dst[index[i]] = src[i] (index_copy_), and dst[index[i]] = row (index_fill_), for rows of
@@ -135,11 +139,13 @@ void psflow_splitmix64(const int64_t *in, ptrdiff_t n, int64_t *out);
 void psflow_initial_uniforms(const int64_t *ids, ptrdiff_t n, int64_t seed_key, ptrdiff_t pairs,
                              f64 angle, f64 *u1, f64 *u2);
 
-/* out[i, 2p] = c[i, p], out[i, 2p + 1] = s[i, p] (while below dim), cast to out's type. */
-void psflow_interleave_f32(f32 *out, const f64 *c, const f64 *s, ptrdiff_t n, ptrdiff_t pairs,
-                           ptrdiff_t dim);
-void psflow_interleave_f64(f64 *out, const f64 *c, const f64 *s, ptrdiff_t n, ptrdiff_t pairs,
-                           ptrdiff_t dim);
+/* The normals of initial rows from torch's sqrt(log(u1) * -2), cos(u2) and sin(u2) ([n, pairs]
+ * each): out[i, 2p] = cos * r, out[i, 2p + 1] = sin * r (while below dim), r = root * std, cast
+ * to out's type. */
+void psflow_normals_f32(f32 *out, const f64 *root, const f64 *c, const f64 *s, ptrdiff_t n,
+                        ptrdiff_t pairs, ptrdiff_t dim, f64 std);
+void psflow_normals_f64(f64 *out, const f64 *root, const f64 *c, const f64 *s, ptrdiff_t n,
+                        ptrdiff_t pairs, ptrdiff_t dim, f64 std);
 
 /* -- _sketch.c ---------------------------------------------------------------------------- */
 

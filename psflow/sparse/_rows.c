@@ -149,6 +149,15 @@ void psflow_gather_rows(char *out, const char *src, const int64_t *index, ptrdif
     }
 }
 
+void psflow_gather_held(char *out, const char *src, const int64_t *index, ptrdiff_t n,
+                        ptrdiff_t bytes) {
+    for (ptrdiff_t i = 0; i < n; i++) {
+        if (i + AHEAD < n && index[i + AHEAD] >= 0)
+            prefetch_row(src + index[i + AHEAD] * bytes, bytes);
+        if (index[i] >= 0) memcpy(out + i * bytes, src + index[i] * bytes, (size_t)bytes);
+    }
+}
+
 void psflow_put_rows(char *dst, const char *src, const int64_t *index, ptrdiff_t n,
                      ptrdiff_t bytes) {
     for (ptrdiff_t i = 0; i < n; i++) memcpy(dst + index[i] * bytes, src + i * bytes, (size_t)bytes);

@@ -138,9 +138,10 @@ class HashedRows(Rows):
         """Each id's slot, -1 for ids not held."""
         return self._index.get(ids)
 
-    def _take_slots(self, count: int) -> torch.Tensor:
+    def _take_slots(self, count: int) -> tuple[torch.Tensor, int | None]:
         """``count`` slots for new rows: free ones, by growing, or by evicting the least
-        recently updated rows (the caller has marked the rows it is updating as recent)."""
+        recently updated rows (the caller has marked the rows it is updating as recent); and
+        the first when they are all free, one block in order (:meth:`_store` writes them so)."""
         n = self._n
         evict = 0 if self.max_rows is None else max(0, n + count - self.max_rows)
         assert evict <= n
@@ -162,19 +163,32 @@ class HashedRows(Rows):
             self._alloc(capacity)
         parts.append(torch.arange(n, n + fresh, dtype=torch.int64))
         self._n = n + fresh
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        if len(parts) > 1:
+            return torch.cat(parts), None
+        return parts[0], n
 
-    def _store(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        """Makes ``slots`` hold the initial rows of ``ids`` and fresh state."""
+    def _store(self, ids: torch.Tensor, slots: torch.Tensor, first: int | None) -> None:
+        """Makes ``slots`` hold the initial rows of ``ids`` and fresh state (``first``: the
+        slots are the block from there, of :meth:`_take_slots`)."""
         self._preserve(slots)
         spec = self.spec
-        fresh = initial_rows(
-            spec.seed, ids, self.dim, std=spec.init_std, dtype=self.dtype,
-            padding_idx=spec.padding_idx,
-        )  # fmt: skip
-        kernels.put_rows(self.values, slots, fresh)
-        self.optimizer.reset_rows(self.state, slots)
-        kernels.put_rows(self.slot_ids, slots, ids)
+        if first is not None:
+            # None evicted: the rows made in place, the state set by slices.
+            block = slice(first, first + slots.numel())
+            initial_rows(
+                spec.seed, ids, self.dim, std=spec.init_std, dtype=self.dtype,
+                padding_idx=spec.padding_idx, out=self.values[block],
+            )  # fmt: skip
+            self.optimizer.reset_block(self.state, block)
+            self.slot_ids[block] = ids
+        else:
+            fresh = initial_rows(
+                spec.seed, ids, self.dim, std=spec.init_std, dtype=self.dtype,
+                padding_idx=spec.padding_idx,
+            )  # fmt: skip
+            kernels.put_rows(self.values, slots, fresh)
+            self.optimizer.reset_rows(self.state, slots)
+            kernels.put_rows(self.slot_ids, slots, ids)
         self._index.put(ids, slots)
 
     # -- time to live -------------------------------------------------------------------------
@@ -292,18 +306,25 @@ class HashedRows(Rows):
         where = known.nonzero().squeeze(1)
         if where.numel():
             kernels.put_rows(out, where, kernels.gather(self.values, slots[where]))
-        # Only the ids not held get initial rows (a row depends on its id alone): in a stream
-        # of clicks most of a batch's ids are held, and the rest cost 0.3-0.5 us a row.
         absent = (~known).nonzero().squeeze(1)
-        if absent_zeros:
-            kernels.fill_rows(out, absent, 0)
+        self.initial_at(ids[absent], absent, out, zeros=absent_zeros)
+
+    def initial_at(
+        self, ids: torch.Tensor, at: torch.Tensor, out: torch.Tensor, *, zeros: bool = False
+    ) -> None:
+        """The rows a lookup gives ``ids``, none of them held, written to ``out``'s rows
+        ``at``: their initial rows, or zeros with ``zeros`` (an evaluation's lookup). Only the
+        ids not held get initial rows (a row depends on its id alone): in a stream of clicks
+        most of a batch's ids are held."""
+        if zeros:
+            kernels.fill_rows(out, at, 0)
             return
         spec = self.spec
         fresh = initial_rows(
-            spec.seed, ids[absent], self.dim, std=spec.init_std, dtype=self.dtype,
+            spec.seed, ids, self.dim, std=spec.init_std, dtype=self.dtype,
             padding_idx=spec.padding_idx,
         )  # fmt: skip
-        kernels.put_rows(out, absent, fresh)
+        kernels.put_rows(out, at, fresh)
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         self._check_grads(ids, grads)
@@ -334,26 +355,25 @@ class HashedRows(Rows):
         """Rows for the ids not held (``slots`` -1), those admitted and as room allows, their
         slots written into ``slots``; the held ones marked with ``tick`` first, so that making
         room never evicts a row this update changes. ``False`` when every id was held."""
-        unknown = slots < 0
-        if not bool(unknown.any()):
+        new_pos = (slots < 0).nonzero().squeeze(1)
+        if not new_pos.numel():
             return False
-        known = slots[~unknown]
         if self.max_rows is not None:
             # Marked now, so that making room for the new rows never evicts these.
-            kernels.fill_rows(self.last_update, known, tick)
-        new_pos = unknown.nonzero().squeeze(1)
+            kernels.fill_rows(self.last_update, slots[slots >= 0], tick)
+        held = slots.numel() - new_pos.numel()
         if self._admission is not None:
             admitted = self._admission.admit(ids[new_pos])
             self.counts["not_admitted"] += int(admitted.numel() - admitted.sum())
             new_pos = new_pos[admitted]
         if self.max_rows is not None:
-            room = self.max_rows - known.numel()
+            room = self.max_rows - held
             if new_pos.numel() > room:
                 self.counts["dropped_full"] += new_pos.numel() - room
                 new_pos = new_pos[:room]
         if new_pos.numel():
-            new_slots = self._take_slots(new_pos.numel())
-            self._store(ids[new_pos], new_slots)
+            new_slots, first = self._take_slots(new_pos.numel())
+            self._store(ids[new_pos], new_slots, first)
             slots[new_pos] = new_slots
             self.counts["admitted"] += new_pos.numel()
         return True
@@ -426,7 +446,7 @@ class HashedRows(Rows):
                 if new_pos.numel() > room:
                     self.counts["dropped_full"] += new_pos.numel() - room
                     new_pos = new_pos[:room]
-            new_slots = self._take_slots(new_pos.numel())
+            new_slots, _ = self._take_slots(new_pos.numel())
             new_ids = ids[new_pos]
             self._preserve(new_slots)
             self.slot_ids.index_copy_(0, new_slots, new_ids)

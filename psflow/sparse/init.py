@@ -6,8 +6,10 @@ counter-based hash (splitmix64) of ``(seed, id, column)``, made a normal by Box-
 depends on which ids are asked together or in what order.
 
 Where the row kernels are built (:mod:`psflow.sparse.kernels`), the hashes, the uniforms made of
-them and the placing of the normals into the rows run in C (``_init.c``), every step exact; the
-logarithm, square root, sine and cosine stay torch's, so a row is the same bits on either path.
+them, and the normals' products and their placing into the rows run in C (``_init.c``), each
+step exact or one correctly rounded IEEE operation; the logarithm, square root (MKL's in torch's
+build, not always correctly rounded), sine and cosine stay torch's, so a row is the same bits on
+either path.
 A ps of a hashed table makes the rows of every id it first sees: a CTR shard's lookups spent
 half their time here, mostly in torch's int64 operations (8,000 rows of 16 on one core: 2.9 ms
 that way, 1.1 ms with the C half).
@@ -15,6 +17,7 @@ that way, 1.1 ms with the C half).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -65,6 +68,16 @@ def splitmix64(x: torch.Tensor) -> torch.Tensor:
         if mul is not None:
             z *= _signed(mul)
     return z
+
+
+@functools.lru_cache(maxsize=256)
+def _seed_key(seed: int) -> int:
+    """The seed through the mixer first, so that distinct seeds give unrelated streams: the
+    splitmix64 of ``seed`` in Python's integers (its int64 bits), as the tensor function's."""
+    z = (seed + _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * _MUL1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MUL2) & _MASK64
+    return _signed(z ^ (z >> 31))
 
 
 _NATIVE = (torch.float32, torch.float64)
@@ -131,8 +144,7 @@ def initial_rows(
     if n == 0:
         return out
     pairs = (dim + 1) // 2
-    # Distinct seeds give unrelated streams: the seed goes through the mixer first.
-    seed_key = int(splitmix64(torch.tensor([_signed(seed)], dtype=torch.int64)).item())
+    seed_key = _seed_key(seed)
     k = kernels.KERNELS
     native = k is not None and ids.device.type == out.device.type == "cpu" and dtype in _NATIVE
     native = native and out.is_contiguous()
@@ -148,15 +160,18 @@ def initial_rows(
             k.initial_uniforms(chunk.data_ptr(), m, seed_key, *args)
         else:
             u1, u2 = _uniforms(chunk, seed_key, pairs)
-        r = u1.log_().mul_(-2.0).sqrt_().mul_(std)
         block = out[start : start + m]
-        cos = u2.cos().mul_(r)
-        sin = u2.sin_().mul_(r)
         if native:
             assert k is not None
-            k.interleave(dtype == torch.float64, block.data_ptr(), cos.data_ptr(),
-                         sin.data_ptr(), m, pairs, dim)  # fmt: skip
+            # torch's logarithm, square root (MKL's), cosine and sine; the kernel's products
+            # and casts.
+            root, cos, sin = u1.log_().mul_(-2.0).sqrt_(), u2.cos(), u2.sin_()
+            k.normals(dtype == torch.float64, block.data_ptr(), root.data_ptr(), cos.data_ptr(),
+                      sin.data_ptr(), m, pairs, dim, std)  # fmt: skip
         else:
+            r = u1.log_().mul_(-2.0).sqrt_().mul_(std)
+            cos = u2.cos().mul_(r)
+            sin = u2.sin_().mul_(r)
             normals = torch.stack((cos, sin), dim=2)
             block.copy_(normals.view(m, -1)[:, :dim])
     if padding_idx is not None:

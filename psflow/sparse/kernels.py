@@ -133,15 +133,19 @@ def gather(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = No
     return out
 
 
-def gather_at(out: int, src: int, index: int, n: int, row_bytes: int, rows: int) -> int:
+def gather_at(
+    out: int, src: int, index: int, n: int, row_bytes: int, rows: int, *, held: bool = False
+) -> int:
     """:func:`gather` by address: ``n`` rows of ``row_bytes`` from ``src`` (``rows`` of them)
     at the int64 ``index`` to ``out``, in stripes (:mod:`psflow.sparse.stripes`); -1, or the
-    position of the first index outside ``[0, rows)``."""
+    position of the first index outside ``[0, rows)``. With ``held``, a row at -1 (an id a
+    hashed table does not hold) is left as it is."""
     k = KERNELS
     assert k is not None
 
     def work(b: int, e: int) -> int:  # rows [b, e) of the index and of out
-        bad: int = k.gather(out + row_bytes * b, src, index + 8 * b, e - b, row_bytes, rows)
+        o, i = out + row_bytes * b, index + 8 * b
+        bad: int = k.gather(o, src, i, e - b, row_bytes, rows, held)
         return bad
 
     return stripes.run(n, work, writes=False)
@@ -150,7 +154,8 @@ def gather_at(out: int, src: int, index: int, n: int, row_bytes: int, rows: int)
 _MAP, _RUN, _STAMPS_ONLY, _ABSENT_OK = 1, 2, 4, 8
 """The phases of the kernels' ``lookup_rows`` and ``apply_rows``: check and map the ids; gather
 or apply; with the second, only the stamps (the updates go in stripes, from Python); with the
-first, an id a hashed table does not hold left at -1 (its job is Python's)."""
+first, an id a hashed table does not hold left at -1 (its row is Python's to make or give), and
+with a lookup's gather, a row at -1 left as it is."""
 
 
 def _call(
@@ -177,17 +182,21 @@ def map_lookup(
     return _call("lookup_rows", jobs, _MAP | (_ABSENT_OK if absent_ok else 0))
 
 
-def gather_mapped(jobs: list[tuple[Any, ...]], local: np.ndarray[Any, Any]) -> None:
+def gather_mapped(
+    jobs: list[tuple[Any, ...]], local: np.ndarray[Any, Any], *, held: bool = False
+) -> None:
     """A lookup's second phase: the rows :func:`map_lookup` found gathered where each job's
-    reply goes (in one call, or in stripes on several threads)."""
+    reply goes (in one call, or in stripes on several threads). With ``held``, the rows of ids
+    a hashed table does not hold (-1, of ``map_lookup(absent_ok=True)``) are left as they are,
+    for the caller to fill."""
     if stripes.threads() == 1:
-        done = _call("lookup_rows", jobs, _RUN, local)
+        done = _call("lookup_rows", jobs, _RUN | (_ABSENT_OK if held else 0), local)
         assert done is not None, "jobs map_lookup mapped"
         return
     at = local.ctypes.data
     for _, _, n, dst, dst_offset, values, rows, row_bytes, *_ in jobs:
         out = np.frombuffer(dst, np.uint8).ctypes.data + dst_offset
-        bad = gather_at(out, values, at, n, row_bytes, rows)
+        bad = gather_at(out, values, at, n, row_bytes, rows, held=held)
         assert bad < 0, "an index map_lookup checked"
         at += 8 * n
 

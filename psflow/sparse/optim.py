@@ -96,9 +96,19 @@ class RowOptimizer:
 
     def reset_rows(self, state: dict[str, torch.Tensor], index: torch.Tensor) -> None:
         """Sets the state of the rows at ``index`` to that of a fresh row."""
-        fill = {"sum": self.initial_accumulator_value, "accum": self.initial_accumulator_value}
         for key, tensor in state.items():
-            kernels.fill_rows(tensor, index, fill.get(key, 0))
+            kernels.fill_rows(tensor, index, self._fresh(key))
+
+    def reset_block(self, state: dict[str, torch.Tensor], rows: slice) -> None:
+        """:meth:`reset_rows` of a block of rows."""
+        for key, tensor in state.items():
+            tensor[rows] = self._fresh(key)
+
+    def _fresh(self, key: str) -> float:
+        """A fresh row's value of state ``key``."""
+        if key in ("sum", "accum"):
+            return self.initial_accumulator_value
+        return 0
 
     def apply(
         self,

@@ -87,6 +87,29 @@ def test_striped_gathers_are_index_select() -> None:
         kernels.gather(src, index)
 
 
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_gather_of_held_rows_leaves_the_rows_at_minus_one(threads: int) -> None:
+    """A lookup's gather with ids a hashed table does not hold (-1: their initial rows are
+    written after it): the held rows gathered, those at -1 left as they were, on one thread
+    or in stripes; any other negative row refused before anything is written."""
+    src = torch.randn(ROWS, DIM)
+    index = torch.randint(0, ROWS, (N,))
+    index[::7] = -1
+    out = torch.full((N, DIM), 5.0)
+    stripes.set_threads(threads)
+    args = (src.data_ptr(), index.data_ptr(), N, DIM * 4, ROWS)
+    assert kernels.gather_at(out.data_ptr(), *args, held=True) == -1
+    held = index >= 0
+    assert torch.equal(out[held], src[index[held]])
+    assert bool((out[~held] == 5.0).all())
+    index[N - 1] = -2
+    before = out.clone()
+    assert kernels.gather_at(out.data_ptr(), *args, held=True) == N - 1
+    if threads == 1:  # in stripes, the others may have run: a gather's refusal writes no table
+        assert torch.equal(out, before)
+    assert kernels.gather_at(out.data_ptr(), *args) == 0  # without held, -1 is a bad row
+
+
 def test_a_stripe_that_fails_is_raised_once_every_stripe_has_ended() -> None:
     stripes.set_threads(3)
     last = stripes.bounds(N)[-1][0]
