@@ -22,6 +22,8 @@
   request's bytes in one C call (the Python path serves and refuses the rest).
 - ``tables.py``: the embedding tables on a shard (:func:`~psflow.ps.tables.build_tables`, row
   gradients, restore), :class:`TableService` (``lookup``, ``table_status``).
+- ``row_wire.py``: rows and row gradients on the wire narrower than their table
+  (:func:`~psflow.ps.row_wire.row_dtypes`, :func:`~psflow.ps.row_wire.narrowed`), for both paths.
 - ``store.py``: :class:`ShardStore` (variables, optimizer, step).
 - ``sync.py``: :class:`SyncAggregator` (synchronous steps, backup workers, decisions shared by
   the shards), :class:`SyncService` (its ops, and bounded staleness's), :class:`StepOvertakenError`.

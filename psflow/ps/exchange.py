@@ -24,12 +24,12 @@ from psflow.protocol import Key, Op
 from psflow.protocol.messages import prefetch_tensor_names
 from psflow.ps.native import NativePush
 from psflow.ps.positions import pushed_input
+from psflow.ps.row_wire import row_dtypes
 from psflow.ps.service import Handler, Service, ServiceHost
 from psflow.ps.tables import (
     check_lookup,
     count_rows,
     lookup_rows,
-    row_dtypes,
     row_specs,
     split_prefetch,
     split_rows,

@@ -11,9 +11,11 @@ next batch's rows (a prefetch) gathered after them; its dense gradients go to th
 optimizer, as in the Python path. Python decodes the header and encodes the reply's: the
 dispatch around the calls.
 
-What it does not serve as it came is left to the handler's Python path, which serves or refuses
-it: rows asked in another dtype, a tensor in several frames, a reply too large for the lane, a
-bad id (the kernel writes nothing then). So a refusal's words are that path's, and its tests
+Rows asked narrower than their table (``row_dtypes``, :mod:`psflow.ps.row_wire`) are gathered
+at the table's width and cast where the reply goes, and narrower row gradients cast up before
+the update, as the Python path casts them. What it does not serve as it came is left to the
+handler's Python path, which serves or refuses it: a tensor in several frames, a reply too
+large for the lane, a bad id (the kernel writes nothing then). So a refusal's words are that path's, and its tests
 hold for both. Ids a hashed table does not hold yet are left by the kernels' map for that
 table's Python, within the native request: a push makes their rows first
 (``HashedRows.make_rows``: admission, eviction, new rows, as its ``apply`` makes them) and the
@@ -37,12 +39,15 @@ import psflow.sparse.kernels as kernels
 from psflow import env as envvars
 from psflow.protocol import Key, Op
 from psflow.protocol.messages import prefetch_tensor_names, row_tensor_names
+from psflow.protocol.tables import WIRE_DTYPES
 from psflow.ps.positions import pushed_input
+from psflow.ps.row_wire import narrowed, row_dtypes
 from psflow.ps.service import ServiceHost
 from psflow.sparse import HashedRows, Rows
 from psflow.transport import Request, wire
 
 _ABSENT_ZEROS = Key.ABSENT_ZEROS.value
+_ROW_DTYPES = Key.ROW_DTYPES.value
 _ROWS = Key.ROWS.value
 _PREFETCH = Key.PREFETCH.value
 _STEP = Key.STEP.value
@@ -53,11 +58,11 @@ _PLAIN_LOOKUP = frozenset(
     k.value
     for k in (
         Key.VERSION, Key.OP, Key.ID, Key.TASK, Key.TENSORS, Key.INLINE, Key.CHUNK, Key.IN_LANE,
-        Key.ABSENT_ZEROS,
+        Key.ABSENT_ZEROS, Key.ROW_DTYPES,
     )
 )  # fmt: skip
-"""The header keys of a lookup the native path serves: any other (``row_dtypes``, or a key
-no client sends) leaves it to Python."""
+"""The header keys of a lookup the native path serves: any other (a key no client sends)
+leaves it to Python."""
 
 
 _PLAIN_PUSH = frozenset(
@@ -65,10 +70,11 @@ _PLAIN_PUSH = frozenset(
     for k in (
         Key.VERSION, Key.OP, Key.ID, Key.TASK, Key.TENSORS, Key.INLINE, Key.CHUNK, Key.IN_LANE,
         Key.ROWS, Key.STEP, Key.PREFETCH, Key.INPUT_SEQ, Key.INPUT_POSITION, Key.INPUT_EPOCH,
+        Key.ROW_DTYPES,
     )
 )  # fmt: skip
-"""The header keys of a push the native path serves: rows in another dtype, or a key no
-client sends, leave it to Python."""
+"""The header keys of a push the native path serves: any other (a key no client sends)
+leaves it to Python."""
 
 
 def enabled() -> bool:
@@ -92,6 +98,8 @@ class NativeLookup:
 
         Raises:
             wire.WireError: for a header whose tensor list is malformed (as the Python path).
+            ValueError: for rows asked narrower than a value of theirs fits (as the Python
+                path, in its words).
         """
         header = request.header
         if not self.on or not _PLAIN_LOOKUP.issuperset(header):
@@ -109,7 +117,13 @@ class NativeLookup:
             if table is None or m.dtype is not torch.int64 or len(m.shape) != 1:
                 return False
             chosen.append(table)
-        sizes = [m.shape[0] * t.dim * t.dtype.itemsize for m, t in zip(metas, chosen, strict=True)]
+        try:
+            dtypes = row_dtypes(header, tables, (m.name for m in metas))
+        except ValueError:
+            return False  # the Python path refuses it in its words
+        wires = [dtypes.get(m.name, t.dtype) for m, t in zip(metas, chosen, strict=True)]
+        counts = [m.shape[0] for m in metas]
+        sizes = [n * t.dim * w.itemsize for n, t, w in zip(counts, chosen, wires, strict=True)]
         raws: list[Any] | None = None
         place = self.host.reply_area(request, sizes)
         if place is not None:
@@ -118,19 +132,27 @@ class NativeLookup:
             return False  # too large for its lane: the Python path answers by socket
         else:
             dst, offsets, raws = _fresh(sizes)
-        jobs = []
-        for m, table, (src, src_offset), offset in zip(
-            metas, chosen, sources, offsets, strict=True
+        jobs, narrow = [], []
+        for m, table, wire_dtype, (src, src_offset), offset in zip(
+            metas, chosen, wires, sources, offsets, strict=True
         ):
-            job = table.lookup_job(src, src_offset, m.shape[0], dst, offset)
+            rows_at: tuple[Any, int] = (dst, offset)
+            if wire_dtype != table.dtype:  # gathered at the table's width, then cast
+                rows_at = (np.empty(m.shape[0] * table.dim * table.dtype.itemsize, np.uint8), 0)
+                narrow.append(
+                    _Narrow(m.name, table, m.shape[0], rows_at[0], wire_dtype, dst, offset)
+                )
+            job = table.lookup_job(src, src_offset, m.shape[0], *rows_at)
             if job is None:
                 return False
             jobs.append(job)
         if not self._gather(jobs, chosen, header.get(_ABSENT_ZEROS, False)):
             return False  # a bad id: the Python path names it
+        for cast in narrow:
+            cast.done()
         out = [
-            [m.name, wire.dtype_name(t.dtype), [m.shape[0], t.dim]]
-            for m, t in zip(metas, chosen, strict=True)
+            [m.name, wire.dtype_name(w), [m.shape[0], t.dim]]
+            for m, t, w in zip(metas, chosen, wires, strict=True)
         ]
         metrics = self.host.metrics
         if metrics.on:
@@ -158,6 +180,28 @@ class NativeLookup:
 
 
 @dataclass(eq=False, slots=True)
+class _Narrow:
+    """Rows asked narrower than their table (:attr:`Key.ROW_DTYPES`): gathered at the table's
+    width into ``rows``, then cast where the reply goes (``dst`` at ``offset``), as the Python
+    path casts them (:func:`~psflow.ps.row_wire.narrowed`, which refuses a row beyond the
+    narrow dtype's range)."""
+
+    name: str
+    table: Rows
+    n: int
+    rows: np.ndarray[Any, Any]
+    wire: torch.dtype
+    dst: Any
+    offset: int
+
+    def done(self) -> None:
+        table = self.table
+        shape = (self.n, table.dim)
+        rows = _tensor(self.rows, 0, table.dtype, shape)
+        narrowed(self.name, rows, self.wire, _tensor(self.dst, self.offset, self.wire, shape))
+
+
+@dataclass(eq=False, slots=True)
 class PushPlan:
     """A push the native path takes: its row gradients and prefetch ids checked and mapped to
     their rows by the kernels, its dense gradients decoded; nothing changed yet."""
@@ -177,6 +221,8 @@ class PushPlan:
     """Each table whose rows the reply brings (read after the update), with its count of ids."""
     prefetch_jobs: list[tuple[Any, ...]]
     prefetch_slots: np.ndarray[Any, Any]
+    narrow: list[_Narrow]
+    """The prefetched rows asked narrower than their table: cast once gathered."""
     reply_metas: list[list[Any]]
     """The reply's tensors when it prefetches: the shard's values (a ``push_pull``), then the
     rows."""
@@ -185,6 +231,9 @@ class PushPlan:
     copied to ``values_at``."""
     values_at: list[int]
     """Where each value goes in the lane's request area."""
+    reply_area: Any
+    """The buffer the reply's tensors go to (the lane's request area, or a fresh one); rows
+    asked narrower are gathered elsewhere first (``narrow``)."""
 
 
 _NO_SLOTS = np.empty(0, np.int64)
@@ -227,9 +276,9 @@ class NativePush:
     applied by the shard's optimizer (its schedule moved as in the Python path, and the tables
     that follow it given its rate), the new rows of a table with ids it does not hold yet made
     by the table (:class:`NewRows`), and an input position is checked and recorded, as in the
-    Python path. What it does not serve (rows in another dtype, a hashed table's time to live,
-    a ``padding_idx``, rows a snapshot is keeping, bad ids, a reply too large for its lane) is
-    left to the Python path, nothing changed."""
+    Python path. What it does not serve (a hashed table's time to live, a ``padding_idx``,
+    rows a snapshot is keeping, bad ids, a reply too large for its lane) is left to the Python
+    path, nothing changed."""
 
     def __init__(self, host: ServiceHost) -> None:
         self.host = host
@@ -252,6 +301,13 @@ class NativePush:
         names, prefetch_names = _tables(header.get(_ROWS)), _tables(header.get(_PREFETCH))
         if names is None or prefetch_names is None or not (names or prefetch_names):
             return None
+        if _ROW_DTYPES in header and not prefetch_names:
+            return None  # no rows to send: the Python path refuses it
+        tables = store.tables
+        try:
+            dtypes = row_dtypes(header, tables, prefetch_names)
+        except ValueError:
+            return None  # the Python path refuses it in its words
         metas = wire.tensor_metas(header)
         sources = self.host.tensor_buffers(request)
         if sources is None:
@@ -259,7 +315,6 @@ class NativePush:
         where = {m.name: (m, src) for m, src in zip(metas, sources, strict=True)}
         if len(where) != len(metas):
             return None
-        tables = store.tables
         taken: set[str] = set()
         rows, row_jobs = [], []
         for name in names:
@@ -270,8 +325,13 @@ class NativePush:
                 return None
             (ids_meta, (ids_src, ids_offset)), (g_meta, (g_src, g_offset)) = ids, grads
             n = _count(ids_meta)
-            if n < 0 or g_meta.dtype is not table.dtype or g_meta.shape != (n, table.dim):
+            if n < 0 or g_meta.shape != (n, table.dim):
                 return None
+            if g_meta.dtype is not table.dtype:  # narrower on the wire: cast up first
+                wide = _widened(table, g_meta.dtype, g_src, g_offset, n)
+                if wide is None:
+                    return None
+                g_src, g_offset = wide, 0
             job = table.apply_job(ids_src, ids_offset, n, g_src, g_offset)
             if job is None:
                 return None
@@ -288,15 +348,20 @@ class NativePush:
             prefetch.append((name, table, _count(ids[0])))
             fetch_from.append(ids[1])
             taken.add(ids_name)
-        reply = self._reply(request, pull, prefetch)
+        wires = [dtypes.get(name, table.dtype) for name, table, _ in prefetch]
+        reply = self._reply(request, pull, prefetch, wires)
         if reply is None:
             return None
         reply_metas, reply_raws, dst, offsets, values_at = reply
-        prefetch_jobs = []
-        for (_, table, n), (src, src_offset), offset in zip(
-            prefetch, fetch_from, offsets, strict=True
+        prefetch_jobs, narrow = [], []
+        for (name, table, n), wire_dtype, (src, src_offset), offset in zip(
+            prefetch, wires, fetch_from, offsets, strict=True
         ):
-            job = table.lookup_job(src, src_offset, n, dst, offset)
+            rows_at: tuple[Any, int] = (dst, offset)
+            if wire_dtype != table.dtype:  # gathered at the table's width, then cast
+                rows_at = (np.empty(n * table.dim * table.dtype.itemsize, np.uint8), 0)
+                narrow.append(_Narrow(name, table, n, rows_at[0], wire_dtype, dst, offset))
+            job = table.lookup_job(src, src_offset, n, *rows_at)
             if job is None:
                 return None
             prefetch_jobs.append(job)
@@ -331,24 +396,29 @@ class NativePush:
         )
         return PushPlan(
             dense, rows, row_jobs, row_tables, row_slots, new_rows, prefetch, prefetch_jobs,
-            prefetch_slots, reply_metas, reply_raws, values_at,
+            prefetch_slots, narrow, reply_metas, reply_raws, values_at, dst,
         )  # fmt: skip
 
     def _reply(
-        self, request: Request, pull: bool, prefetch: list[tuple[str, Rows, int]]
+        self,
+        request: Request,
+        pull: bool,
+        prefetch: list[tuple[str, Rows, int]],
+        wires: list[torch.dtype],
     ) -> tuple[list[list[Any]], list[Any] | None, Any, list[int], list[int]] | None:
-        """Where a prefetching reply's tensors go: their descriptions, their bytes (by
-        socket; ``None``: the lane), the buffer the rows are gathered into and each one's
-        offset there, and where the values go in the lane; ``None`` when it is too large for
-        the request's lane (the Python path answers by socket)."""
+        """Where a prefetching reply's tensors go (the rows in ``wires``' dtypes): their
+        descriptions, their bytes (by socket; ``None``: the lane), the buffer the rows are
+        gathered into and each one's offset there, and where the values go in the lane;
+        ``None`` when it is too large for the request's lane (the Python path answers by
+        socket)."""
         if not prefetch:
             return [], None, None, [], []
         values = self.host.store.wire_set if pull else None
         row_metas = [
-            [prefetch_tensor_names(name)[1], wire.dtype_name(t.dtype), [n, t.dim]]
-            for name, t, n in prefetch
+            [prefetch_tensor_names(name)[1], wire.dtype_name(w), [n, t.dim]]
+            for (name, t, n), w in zip(prefetch, wires, strict=True)
         ]
-        sizes = [n * t.dim * t.dtype.itemsize for _, t, n in prefetch]
+        sizes = [n * t.dim * w.itemsize for (_, t, n), w in zip(prefetch, wires, strict=True)]
         value_sizes = [len(r) for r in values.raws] if values is not None else []
         metas = (values.layout.metas if values is not None else []) + row_metas
         place = self.host.reply_area(request, value_sizes + sizes)
@@ -440,12 +510,14 @@ class NativePush:
         # Their ids read before the values and the rows overlay them.
         absent = _absent(jobs, [t for _, t, _ in plan.prefetch], slots)
         if plan.values_at:  # into the lane's request area (by socket they are raws)
-            area = plan.prefetch_jobs[0][3].data  # memcpy's
+            area = memoryview(plan.reply_area)  # memcpy's
             for offset, raw in zip(plan.values_at, store.wire_set.raws, strict=True):
                 area[offset : offset + len(raw)] = raw
         kernels.gather_mapped(jobs, slots, held=True)
         for table, ids, at, place in absent:  # ids not held: initial rows, as a lookup's
             table.initial_at(ids, at, place)
+        for cast in plan.narrow:  # after the update, as the Python path: it refuses here too
+            cast.done()
         # Values sent by socket from their own memory: the next update waits until they left.
         live = plan.reply_raws is not None and request.header[_OP] == _PUSH_PULL
         host.reply_placed(request, header, plan.reply_metas, plan.reply_raws, live=live)
@@ -518,10 +590,27 @@ def _tensor(
     """A tensor of ``dtype`` and ``shape`` over ``buffer``'s bytes at ``offset`` (a copy with
     ``copy``, or when the buffer is read-only: the header's inline bytes, a received frame)."""
     count = math.prod(shape)
-    array = np.frombuffer(buffer, wire.NUMPY_DTYPES[dtype], count, offset)
+    raw = np.dtype(np.int16) if dtype is torch.bfloat16 else wire.NUMPY_DTYPES[dtype]
+    array = np.frombuffer(buffer, raw, count, offset)  # numpy has no bfloat16: its bits
     if copy or not array.flags.writeable:
         array = array.copy()
-    return torch.from_numpy(array).view(shape)
+    return torch.from_numpy(array).view(dtype).view(shape)
+
+
+def _widened(
+    table: Rows, dtype: torch.dtype, src: Any, offset: int, n: int
+) -> np.ndarray[Any, Any] | None:
+    """Row gradients that came narrower than their table (``dtype``, one of
+    :data:`~psflow.protocol.tables.WIRE_DTYPES`) at byte ``offset`` of ``src``, cast up to the
+    table's dtype as the Python path casts them; ``None`` for another dtype or a gradient that
+    is not finite (the Python path refuses both)."""
+    if wire.dtype_name(dtype) not in WIRE_DTYPES:
+        return None
+    grads = _tensor(src, offset, dtype, (n, table.dim))
+    if not kernels.all_finite(grads):
+        return None
+    wide: np.ndarray[Any, Any] = grads.to(table.dtype).numpy()
+    return wide
 
 
 def _fresh(sizes: list[int]) -> tuple[np.ndarray[Any, Any], list[int], list[Any]]:

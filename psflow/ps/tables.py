@@ -22,7 +22,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-import psflow.sparse.kernels as kernels
 from psflow.metrics import PsMetrics
 from psflow.protocol import Key, Op, TableSpec
 from psflow.protocol.messages import (
@@ -34,15 +33,14 @@ from psflow.protocol.messages import (
     prefetch_tensor_names,
     row_tensor_names,
 )
-from psflow.protocol.tables import check_wire_dtype
 from psflow.ps import safefile
 from psflow.ps.native import NativeLookup
+from psflow.ps.row_wire import narrowed, row_dtypes
 from psflow.ps.service import Handler, Service, ServiceHost
 from psflow.ps.store import RowGrads
 from psflow.sparse import FixedRows, HashedRows, Rows, coalesce, make_rows
 from psflow.sparse.snapshot import RowSnapshot
 from psflow.transport import Request
-from psflow.transport.wire import DTYPE_NAMES, DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -300,33 +298,6 @@ def check_lookup(tables: Mapping[str, Rows], ids: Mapping[str, torch.Tensor]) ->
         table.check_ids(table_ids)
 
 
-def row_dtypes(
-    header: Mapping[str, Any], tables: Mapping[str, Rows], asked: Iterable[str]
-) -> dict[str, torch.dtype]:
-    """The dtypes a request asks the rows of some of the ``asked`` tables in
-    (:attr:`Key.ROW_DTYPES`; none when absent), checked: each one of
-    :data:`~psflow.protocol.tables.WIRE_DTYPES`.
-
-    Raises:
-        ValueError: naming the table and the dtype, for one not asked for or not allowed.
-    """
-    raw = header.get(Key.ROW_DTYPES)
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise ValueError(f"'{Key.ROW_DTYPES}' must be a map of table names to dtypes")
-    names = set(asked)
-    out = {}
-    for name, wire in raw.items():
-        if name not in names:
-            raise ValueError(
-                f"'{Key.ROW_DTYPES}' names table {name!r:.60}, whose rows the request does not "
-                "ask for"
-            )
-        out[name] = DTYPES[check_wire_dtype(name, wire)]
-    return out
-
-
 def lookup_rows(
     tables: Mapping[str, Rows],
     ids: Mapping[str, torch.Tensor],
@@ -354,15 +325,7 @@ def lookup_rows(
             got.append((name, table.lookup(table_ids, place, absent_zeros=absent_zeros)))
             continue
         rows = table.lookup(table_ids, absent_zeros=absent_zeros)
-        narrow = rows.to(wire) if place is None else place.copy_(rows)
-        if not kernels.all_finite(narrow):
-            worst = float(rows.abs().max())
-            raise ValueError(
-                f"table {name!r}: a row does not fit {DTYPE_NAMES[wire]} (largest magnitude "
-                f"{worst:.4g}): it would reach the worker as inf or nan; carry the table's "
-                "rows as bfloat16 or float32"
-            )
-        got.append((name, narrow))
+        got.append((name, narrowed(name, rows, wire, place)))
     return got
 
 

@@ -190,18 +190,44 @@ def test_bad_lookups_get_the_python_paths_refusal(
     assert torch.equal(ok, before[:2])
 
 
-def test_rows_in_another_dtype_go_to_the_python_path(
-    job: tuple[DistributedOptimizer, list[Any]],
+@pytest.mark.parametrize("wire", ["bfloat16", "float16"])
+def test_rows_in_another_dtype_are_native_and_the_python_paths(
+    job: tuple[DistributedOptimizer, list[Any]], wire: str
 ) -> None:
+    """Rows asked narrower than the table (``row_dtypes``): gathered by the kernels, cast as
+    the Python path casts them, the same bits; a row beyond float16's range refused in the
+    Python path's words, natively too."""
     opt, servers = job
     client = client_of(opt)
-    name = next(iter(servers[0].store.tables))
-    served = native_of(servers[0]).served
+    server = servers[0]
+    name = next(iter(server.store.tables))
     ids = torch.tensor([0, 2, 4])
-    rows = client.lookup({0: [(name, ids)]}, row_dtypes={name: "bfloat16"})[0][1][0][1]
-    assert native_of(servers[0]).served == served
-    assert rows.dtype == torch.bfloat16
-    assert torch.equal(rows, held_rows(servers[0], ids).to(torch.bfloat16))
+    got = []
+    for native in (True, False):
+        native_of(server).on = native
+        served = native_of(server).served
+        rows = client.lookup({0: [(name, ids)]}, row_dtypes={name: wire})[0][1][0][1]
+        assert native_of(server).served == served + native
+        got.append(rows.clone())
+    assert got[0].dtype == getattr(torch, wire)
+    assert torch.equal(got[0].view(torch.int16), got[1].view(torch.int16))
+    assert torch.equal(got[0], held_rows(server, ids).to(getattr(torch, wire)))
+    (table,) = server.store.tables.values()
+    table.values[1, 3] = 1e6  # id 2's row: beyond float16's 65,504
+    refusals = []
+    for native in (True, False):
+        native_of(server).on = native
+        try:
+            client.lookup({0: [(name, ids)]}, row_dtypes={name: wire})
+            refusals.append(None)
+        except PeerError as e:
+            refusals.append(str(e))
+    native_of(server).on = True
+    assert refusals[0] == refusals[1]
+    if wire == "float16":
+        assert refusals[0] is not None and "a row does not fit float16" in refusals[0]
+    else:
+        assert refusals[0] is None
 
 
 def test_a_malformed_lookup_is_refused_as_malformed(
@@ -428,10 +454,10 @@ class Mixed(torch.nn.Module):
     """A fixed table (Adagrad), a hashed one (FTRL) and a dense head (Adam on the ps): each
     push carries dense gradients, both tables' rows and the next batch's ids."""
 
-    def __init__(self, **users: Any) -> None:
+    def __init__(self, items_wire: torch.dtype | None = None, **users: Any) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.items = pnn.Embedding(VOCAB, DIM, seed=1, optimizer="Adagrad")
+        self.items = pnn.Embedding(VOCAB, DIM, seed=1, optimizer="Adagrad", wire_dtype=items_wire)
         ftrl = RowOptimizerSpec.of("Ftrl", lr=0.05, l1=0.001)
         config = pnn.TableConfig(
             num_embeddings=None, embedding_dim=DIM, seed=2, optimizer=ftrl, **users
@@ -444,19 +470,24 @@ class Mixed(torch.nn.Module):
 
 
 def train_mixed(
-    path: str, native: bool, steps: int = 8, users: int = 6, **table: Any
+    path: str,
+    native: bool,
+    steps: int = 8,
+    users: int = 6,
+    items_wire: torch.dtype | None = None,
+    **table: Any,
 ) -> dict[str, Any]:
     """Steps of :class:`Mixed` with the next batch's rows prefetched (its users' ids from
-    ``[-users, users)``, its hashed table's settings ``table``), against 2 in-process shards
-    whose native paths are on or off: the losses, what the shards hold, and how many pushes the
-    native path served."""
+    ``[-users, users)``, its hashed table's settings ``table``, its fixed table's rows on the
+    wire in ``items_wire``), against 2 in-process shards whose native paths are on or off: the
+    losses, what the shards hold, and how many pushes the native path served."""
     g = torch.Generator().manual_seed(3)
     batches = [
         (torch.randint(0, 64, (32,), generator=g), torch.randint(-users, users, (32,), generator=g))
         for _ in range(steps + 1)
     ]
     ys = [torch.randn(32, generator=g) for _ in range(steps)]
-    model = Mixed(**table)
+    model = Mixed(items_wire, **table)
     with started(path, model=model, dense="Adam", lr=0.01) as (opt, servers):
         for s in servers:
             native_of(s).on = native_push_of(s).on = native
@@ -495,6 +526,23 @@ def test_pushes_with_dense_gradients_and_a_prefetch_give_the_python_paths_bits(
     assert python["served"] == 0 and native["served"] >= 12  # of 16 pushes (2 shards): 14
     assert native["losses"] == python["losses"]
     assert native["held"].keys() == python["held"].keys()
+    for key, t in native["held"].items():
+        assert torch.equal(t, python["held"][key]), key
+
+
+@pytest.mark.parametrize(
+    "items, users", [(None, torch.bfloat16), (torch.float16, torch.float16)], ids=["bf16", "fp16"]
+)
+def test_rows_and_gradients_at_half_width_give_the_python_paths_bits(
+    items: torch.dtype | None, users: torch.dtype
+) -> None:
+    """Rows and row gradients on the wire at half width (``wire_dtype``: the hashed table's,
+    then both tables'): the gradients cast up and the prefetched rows cast down by the native
+    path as by the Python path, the dense values beside them; the same losses and rows."""
+    native = train_mixed("shm", True, items_wire=items, wire_dtype=users)
+    python = train_mixed("shm", False, items_wire=items, wire_dtype=users)
+    assert python["served"] == 0 and native["served"] >= 12
+    assert native["losses"] == python["losses"]
     for key, t in native["held"].items():
         assert torch.equal(t, python["held"][key]), key
 
