@@ -117,6 +117,8 @@ class NativeLookup:
             if table is None or m.dtype is not torch.int64 or len(m.shape) != 1:
                 return False
             chosen.append(table)
+        for table in chosen:
+            table.expire_due()
         try:
             dtypes = row_dtypes(header, tables, (m.name for m in metas))
         except ValueError:
@@ -276,9 +278,10 @@ class NativePush:
     applied by the shard's optimizer (its schedule moved as in the Python path, and the tables
     that follow it given its rate), the new rows of a table with ids it does not hold yet made
     by the table (:class:`NewRows`), and an input position is checked and recorded, as in the
-    Python path. What it does not serve (a hashed table's time to live, a ``padding_idx``,
-    rows a snapshot is keeping, bad ids, a reply too large for its lane) is left to the Python
-    path, nothing changed."""
+    Python path; so is a hashed table's time to live (its expiry when due, before the ids are
+    mapped, and the time its updated rows are stamped with). What it does not serve (a
+    ``padding_idx``, rows a snapshot is keeping, bad ids, a reply too large for its lane) is
+    left to the Python path, nothing changed."""
 
     def __init__(self, host: ServiceHost) -> None:
         self.host = host
@@ -315,6 +318,10 @@ class NativePush:
         where = {m.name: (m, src) for m, src in zip(metas, sources, strict=True)}
         if len(where) != len(metas):
             return None
+        for name in {*names, *prefetch_names}:
+            table = tables.get(name)
+            if table is not None:
+                table.expire_due()  # once a request, before its ids are mapped
         taken: set[str] = set()
         rows, row_jobs = [], []
         for name in names:

@@ -594,13 +594,14 @@ static void update_rows(int kind, int f64_, Py_ssize_t w, Py_ssize_t s1, Py_ssiz
 
 /* apply_rows(jobs, local, phases): each job is (ids, ids_off, n, grads, grads_off, kind, f64, w,
  * s1, s2, s3, rows, dim, num_embeddings, div, num_shards, shard, q, r, boundary, h1, h2, h3, h4,
- * keys, vals, mask, stamps, stamp, changed): n int64 ids at byte ids_off of buffer ids, their
- * gradients (n x dim, f64 or f32) at byte grads_off of buffer grads, applied to a table's shard
- * (w: its rows; s1..s3: its optimizer state, as the kernels above take them; the id map as in
- * lookup_rows) by row-wise `kind` (0 SGD, 1 Adagrad, 2 Adam, 3 FTRL; h1..h4 its settings, in the
- * order of py_sgd .. py_ftrl). Each updated row's int64 at `stamps` is set to `stamp`, and its
- * byte at `changed` (the rows an export tracks) to 1, where those are not 0. */
-#define APPLY_FIELDS 30
+ * keys, vals, mask, stamps, stamp, changed, times, time): n int64 ids at byte ids_off of buffer
+ * ids, their gradients (n x dim, f64 or f32) at byte grads_off of buffer grads, applied to a
+ * table's shard (w: its rows; s1..s3: its optimizer state, as the kernels above take them; the id
+ * map as in lookup_rows) by row-wise `kind` (0 SGD, 1 Adagrad, 2 Adam, 3 FTRL; h1..h4 its
+ * settings, in the order of py_sgd .. py_ftrl). Each updated row's int64 at `stamps` is set to `stamp`, its
+ * byte at `changed` (the rows an export tracks) to 1, and its double at `times` (a hashed table's
+ * time to live: when it was last updated) to `time`, where those are not 0. */
+#define APPLY_FIELDS 32
 static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
     PyObject *jobs;
     Py_buffer local_buf;
@@ -610,10 +611,10 @@ static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
     typedef struct {
         head_t h;
         Py_buffer ids, grads;
-        Py_ssize_t ids_off, grads_off, w, s1, s2, s3, dim, stamps, changed;
+        Py_ssize_t ids_off, grads_off, w, s1, s2, s3, dim, stamps, changed, times;
         long long stamp;
         int kind, f64_;
-        double h1, h2, h3, h4;
+        double h1, h2, h3, h4, time;
     } job_t;
     job_t *job = calloc((size_t)(count ? count : 1), sizeof(job_t));
     if (job == NULL) {
@@ -629,16 +630,16 @@ static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
         job_t *j = &job[held];
         PyObject *t = PyList_GET_ITEM(jobs, held);
         if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != APPLY_FIELDS) {
-            PyErr_SetString(PyExc_TypeError, "apply_rows: each job is a tuple of 30");
+            PyErr_SetString(PyExc_TypeError, "apply_rows: each job is a tuple of 32");
             goto done;
         }
         rule_t *u = &j->h.u;
-        if (!PyArg_ParseTuple(t, "y*nny*nipnnnnnnLpiiLLLddddnnLnLn", &j->ids, &j->ids_off, &j->h.n,
-                              &j->grads, &j->grads_off, &j->kind, &j->f64_, &j->w, &j->s1,
-                              &j->s2, &j->s3, &u->rows, &j->dim, &u->num_embeddings, &u->div,
-                              &u->num_shards, &u->shard, &u->q, &u->r, &u->boundary, &j->h1,
-                              &j->h2, &j->h3, &j->h4, &u->keys, &u->vals, &u->mask, &j->stamps,
-                              &j->stamp, &j->changed))
+        if (!PyArg_ParseTuple(t, "y*nny*nipnnnnnnLpiiLLLddddnnLnLnnd", &j->ids, &j->ids_off,
+                              &j->h.n, &j->grads, &j->grads_off, &j->kind, &j->f64_, &j->w,
+                              &j->s1, &j->s2, &j->s3, &u->rows, &j->dim, &u->num_embeddings,
+                              &u->div, &u->num_shards, &u->shard, &u->q, &u->r, &u->boundary,
+                              &j->h1, &j->h2, &j->h3, &j->h4, &u->keys, &u->vals, &u->mask,
+                              &j->stamps, &j->stamp, &j->changed, &j->times, &j->time))
             goto done;
         Py_ssize_t n = j->h.n, item = j->f64_ ? 8 : 4;
         j->h.ids = (const char *)j->ids.buf + j->ids_off;
@@ -670,6 +671,8 @@ static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
             for (ptrdiff_t k = 0; k < n; k++) PTR(int64_t, j->stamps)[local[k]] = j->stamp;
         if (j->changed)
             for (ptrdiff_t k = 0; k < n; k++) PTR(unsigned char, j->changed)[local[k]] = 1;
+        if (j->times)
+            for (ptrdiff_t k = 0; k < n; k++) PTR(double, j->times)[local[k]] = j->time;
         local += n;
     }
     Py_END_ALLOW_THREADS

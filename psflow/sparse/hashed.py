@@ -87,6 +87,8 @@ class HashedRows(Rows):
         self.ttl = spec.ttl_seconds
         self._clock = clock
         self._next_expiry = -math.inf
+        self._native_now: float | None = None
+        """With a time to live, the time of the native request being served (expire_due)."""
         self.updated_at = None
         self._alloc(capacity)
         self.counts = {
@@ -258,15 +260,26 @@ class HashedRows(Rows):
     # -- the native request path (Rows.lookup_job, Rows.apply_job) ----------------------------
 
     def _native_map(self) -> tuple[int, int, int, int, int] | None:
-        if self.ttl is not None:
-            return None  # expiry scans are Python's
+        if self.ttl is not None and self._native_now is None:
+            return None  # a request's expiry first (expire_due), before its ids are mapped
         keys, vals, mask = self._index.native()
         return self._n, -1, keys, vals, mask
 
-    def _native_stamp(self) -> tuple[int, int]:
+    def _native_stamps(self) -> tuple[int, int, int, float]:
         # The tick this update will have (applied() moves to it): the least recently updated
-        # rows go first when room is needed.
-        return self.last_update.data_ptr(), self._tick + 1
+        # rows go first when room is needed. With a time to live, the request's time.
+        at, now = self.updated_at, self._native_now
+        times = (0, 0.0) if at is None or now is None else (at.data_ptr(), now)
+        return self.last_update.data_ptr(), self._tick + 1, *times
+
+    def expire_due(self) -> None:
+        """A native request's start (:mod:`psflow.ps.native`), before its ids are mapped: with
+        a time to live, the rows expired by now evicted when a scan is due, as :meth:`apply`
+        and :meth:`lookup` begin, and the time its updated rows are stamped with; nothing
+        without one. Its jobs (:meth:`lookup_job`, :meth:`apply_job`) take that time until
+        the next request's."""
+        if self.ttl is not None:
+            self._native_now = self._expire_due()
 
     def applied(self) -> None:
         self._tick += 1

@@ -175,6 +175,12 @@ class Rows(ABC):
         table's rows are found by the partition). ``None`` where they cannot serve it."""
         return None
 
+    def expire_due(self) -> None:
+        """A native request's start, before its jobs are made and its ids mapped: what
+        :meth:`apply` and :meth:`lookup` do first (a hashed table's time to live:
+        :class:`~psflow.sparse.HashedRows`); nothing here."""
+        return None
+
     def lookup_job(
         self, src: Any, src_offset: int, n: int, dst: Any, dst_offset: int
     ) -> tuple[Any, ...] | None:
@@ -221,15 +227,18 @@ class Rows(ABC):
         kind, names, settings = self.optimizer.settings()
         state = [self.state[k].data_ptr() for k in names] + [0] * (3 - len(names))
         div, shards, q, r, boundary = self.partition.rule()
+        stamps, stamp, times, time = self._native_stamps()
         return (
             ids, ids_offset, n, grads, grads_offset, kind, kernels.is_double(v), v.data_ptr(),
             *state, rows, self.dim, n_emb, div, shards, self.shard, q, r, boundary, *settings,
-            keys, vals, mask, *self._native_stamp(), 0 if changed is None else changed.data_ptr(),
+            keys, vals, mask, stamps, stamp, 0 if changed is None else changed.data_ptr(),
+            times, time,
         )  # fmt: skip
 
-    def _native_stamp(self) -> tuple[int, int]:
-        """Where the kernel marks each updated row, and with what (an address, 0: nowhere)."""
-        return 0, 0
+    def _native_stamps(self) -> tuple[int, int, int, float]:
+        """Where the kernel marks each updated row and with what (an int64 a row), and where it
+        notes when (a float64 a row, a time to live's); addresses 0: nowhere."""
+        return 0, 0, 0, 0.0
 
     def applied(self) -> None:
         """Counts an update the kernels made with :meth:`apply_job`'s job."""

@@ -16,7 +16,7 @@ import psflow.nn as pnn
 from psflow.cluster.ports import local_cluster
 from psflow.cluster.spec import TaskContext, TaskSpec
 from psflow.protocol import Key, Op, RowOptimizerSpec
-from psflow.protocol.messages import row_tensor_names
+from psflow.protocol.messages import prefetch_tensor_names, row_tensor_names
 from psflow.ps.exchange import ExchangeService
 from psflow.ps.tables import TableService
 from psflow.sparse import HashedRows, stripes
@@ -435,19 +435,69 @@ def test_a_full_hashed_table_evicts_what_the_python_path_evicts(path: str) -> No
             assert torch.equal(native_rows[key], python_rows[key]), key
 
 
-def test_a_hashed_table_with_a_time_to_live_is_served_in_python() -> None:
+class Clock:
+    """A table's clock, moved by the test: no test waits for an expiry."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("path", ["shm", "socket"])
+def test_a_time_to_live_is_native_and_expires_as_the_python_path(path: str) -> None:
+    """A hashed table with a time to live, its clock moved by hand between requests: rows
+    expire as a push, a lookup or a push's prefetch begins (the scan when due), natively as in
+    the Python path: the same replies and the same rows, times and counts, slot by slot."""
     config = pnn.TableConfig(
-        num_embeddings=None, embedding_dim=DIM, optimizer="Adagrad", ttl_seconds=3600.0
+        num_embeddings=None, embedding_dim=DIM, optimizer="Adagrad", ttl_seconds=10.0
     )
-    with started("shm", config=config) as (opt, servers):
-        client = client_of(opt)
-        server = servers[0]
-        name = next(iter(server.store.tables))
-        ids = torch.arange(0, 200, 2)
-        for _ in range(2):
-            push_rows(client, name, ids, torch.ones(len(ids), DIM))
-        client.lookup({0: [(name, ids)]})
-        assert native_push_of(server).served == native_of(server).served == 0
+    g = torch.Generator().manual_seed(9)
+    a = torch.randperm(3000, generator=g)[:1000] * 2
+    b, c = a[:300], torch.arange(8000, 8400, 2)
+    requests = [  # (seconds on, op, ids): a's rows not in b expire at 111 (updated at 100)
+        (0, "push", a), (6, "push", b), (0, "lookup", a), (5, "lookup", a), (0, "push", c),
+        (3, "prefetch", torch.cat([b, c])), (8, "push", b), (3, "lookup", torch.cat([a[:500], c])),
+    ]  # fmt: skip
+    grads = [torch.randn(len(ids), DIM, generator=g) for _, _, ids in requests]
+    outcomes = []
+    for native in (True, False):
+        with started(path, config=config) as (opt, servers):
+            client = client_of(opt)
+            server = servers[0]
+            (table,) = server.store.tables.values()
+            clock = Clock()
+            table._clock = clock
+            native_of(server).on = native_push_of(server).on = native
+            name = next(iter(server.store.tables))
+            replies: list[Any] = []
+            for (seconds, op, ids), grad in zip(requests, grads, strict=True):
+                clock.now += seconds
+                if op == "push":
+                    replies.append(push_rows(client, name, ids, grad)[0][0][Key.STEP])
+                elif op == "lookup":
+                    replies.append(client.lookup({0: [(name, ids)]})[0][1][0][1].clone())
+                else:  # a push that brings the rows of the same ids, read after its update
+                    ids_name, grads_name = row_tensor_names(name)
+                    header = {Key.OP: Op.PUSH, Key.ROWS: [name], Key.PREFETCH: [name]}
+                    tensors = [(ids_name, ids), (grads_name, grad)]
+                    tensors.append((prefetch_tensor_names(name)[0], ids))
+                    reply = client.call({0: header}, {0: tensors})[0]
+                    replies.append(dict(reply[1])[prefetch_tensor_names(name)[1]].clone())
+            state = hashed_state(server)
+            assert table.updated_at is not None
+            state["updated_at"] = table.updated_at[: table.num_rows].clone()
+            served = (native_push_of(server).served, native_of(server).served)
+            outcomes.append((replies, state, table.stats, served))
+    (native_replies, native_rows, native_stats, served), python = outcomes
+    assert served == (5, 3) and python[3] == (0, 0)
+    assert native_stats == python[2] and native_stats["expired"] == 700 + 200
+    for x, y in zip(native_replies, python[0], strict=True):
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+    assert native_rows.keys() == python[1].keys()
+    for key in native_rows:
+        assert torch.equal(native_rows[key], python[1][key]), key
 
 
 class Mixed(torch.nn.Module):
