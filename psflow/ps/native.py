@@ -278,10 +278,11 @@ class NativePush:
     applied by the shard's optimizer (its schedule moved as in the Python path, and the tables
     that follow it given its rate), the new rows of a table with ids it does not hold yet made
     by the table (:class:`NewRows`), and an input position is checked and recorded, as in the
-    Python path; so is a hashed table's time to live (its expiry when due, before the ids are
-    mapped, and the time its updated rows are stamped with). What it does not serve (a
-    ``padding_idx``, rows a snapshot is keeping, bad ids, a reply too large for its lane) is
-    left to the Python path, nothing changed."""
+    Python path; so are a hashed table's time to live (its expiry when due, before the ids
+    are mapped, and the time its updated rows are stamped with) and a ``padding_idx`` (its
+    gradient dropped once the ids are checked). What it does not serve (rows a snapshot is
+    keeping, bad ids, a reply too large for its lane) is left to the Python path, nothing
+    changed."""
 
     def __init__(self, host: ServiceHost) -> None:
         self.host = host
@@ -377,6 +378,7 @@ class NativePush:
         row_slots = kernels.map_rows(row_jobs, absent_ok=True) if row_jobs else _NO_SLOTS
         if row_slots is None:
             return None  # a bad id: the Python path names it
+        row_jobs, row_slots = _without_padding(rows, row_jobs, row_slots)
         prefetch_slots = (
             kernels.map_lookup(prefetch_jobs, absent_ok=True) if prefetch_jobs else _NO_SLOTS
         )
@@ -566,6 +568,33 @@ def _held(
     if not others:
         return jobs, slots, []
     return held, (np.concatenate(parts) if parts else _NO_SLOTS), others
+
+
+def _without_padding(
+    rows: list[tuple[str, Rows, int]], jobs: list[tuple[Any, ...]], slots: np.ndarray[Any, Any]
+) -> tuple[list[tuple[Any, ...]], np.ndarray[Any, Any]]:
+    """The push's jobs and their rows (``slots``, every job's one after another) without a
+    table's ``padding_idx`` where it came, once the kernels have checked every id: that row
+    never changes, as the Python path drops its gradient (``Rows.apply``)."""
+    out, parts = [], []
+    at, dropped = 0, False
+    for (_, table, n), job in zip(rows, jobs, strict=True):
+        part = slots[at : at + n]
+        at += n
+        pad = table.spec.padding_idx
+        if pad is not None and n:
+            ids_src, ids_offset, _, grads_src, grads_offset = job[:5]
+            keep = np.frombuffer(ids_src, np.int64, n, ids_offset) != pad
+            if not keep.all():
+                kept = torch.from_numpy(keep)
+                ids = _tensor(ids_src, ids_offset, torch.int64, (n,))[kept]
+                grads = _tensor(grads_src, grads_offset, table.dtype, (n, table.dim))[kept]
+                kept_job = table.apply_job(ids.numpy(), 0, ids.numel(), grads.numpy(), 0)
+                assert kept_job is not None, "a table the plan took"
+                job, part, dropped = kept_job, part[keep], True
+        out.append(job)
+        parts.append(part)
+    return out, (np.concatenate(parts) if dropped else slots)
 
 
 def _absent(

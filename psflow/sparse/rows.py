@@ -206,16 +206,16 @@ class Rows(ABC):
         """What :func:`kernels.map_rows` and :func:`kernels.apply_mapped` take to apply the gradients of ``n`` ids that lie
         at byte ``ids_offset`` of buffer ``ids`` (int64, unchecked), their gradients (``[n,
         dim]`` of the table's dtype) at byte ``grads_offset`` of buffer ``grads``; ``None``
-        where only :meth:`apply` can: the kernels cannot (as :meth:`lookup_job`), a
-        ``padding_idx`` (its row never changes), or rows a snapshot is keeping (it copies them
-        before they change). The kernel marks the rows it changes for the next export.
+        where only :meth:`apply` can: the kernels cannot (as :meth:`lookup_job`), or rows a
+        snapshot is keeping (it copies them before they change). With a ``padding_idx``, the
+        caller drops that id's gradient once the ids are checked (its row never changes, as in
+        :meth:`apply`). The kernel marks the rows it changes for the next export.
         :meth:`applied` counts the update it made."""
         v = self.values
         found = self._native_map()
         changed = self._changed
         if (
             found is None
-            or self.spec.padding_idx is not None
             or self._snapshots
             or (
                 changed is not None and (changed.dtype != torch.bool or not changed.is_contiguous())

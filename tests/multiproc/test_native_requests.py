@@ -435,6 +435,41 @@ def test_a_full_hashed_table_evicts_what_the_python_path_evicts(path: str) -> No
             assert torch.equal(native_rows[key], python_rows[key]), key
 
 
+@pytest.mark.parametrize("vocab", [VOCAB, None], ids=["fixed", "hashed"])
+def test_a_padding_idx_is_native_and_its_row_never_changes(vocab: int | None) -> None:
+    """Pushes with a table's padding id among their ids: natively, its gradient dropped once
+    the ids are checked and the rest applied as the Python path applies them, the same rows;
+    the padding row stays zeros; the padding id twice is refused in the Python path's words."""
+    pad = 6
+    config = pnn.TableConfig(
+        num_embeddings=vocab, embedding_dim=DIM, optimizer="Adagrad", padding_idx=pad
+    )
+    g = torch.Generator().manual_seed(4)
+    pushes = [torch.tensor([pad, 2, 4]), torch.tensor([8, 2, pad, 10]), torch.tensor([pad])]
+    grads = [torch.randn(len(ids), DIM, generator=g) for ids in pushes]
+    outcomes = []
+    for native in (True, False):
+        with started("shm", config=config) as (opt, servers):
+            client = client_of(opt)
+            server = servers[0]
+            native_of(server).on = native_push_of(server).on = native
+            name = next(iter(server.store.tables))
+            for ids, grad in zip(pushes, grads, strict=True):
+                push_rows(client, name, ids, grad)
+            with pytest.raises(PeerError) as twice:
+                push_rows(client, name, torch.tensor([pad, 2, pad]), torch.ones(3, DIM))
+            rows = client.lookup({0: [(name, torch.tensor([pad, 2, 4, 8, 10]))]})[0][1][0][1]
+            state = table_state(server) if vocab else hashed_state(server)
+            outcomes.append((rows.clone(), state, str(twice.value), native_push_of(server).served))
+    (rows, state, refusal, served), python = outcomes
+    assert served == 3 and python[3] == 0
+    assert not rows[0].any() and rows[1:].all()
+    assert refusal == python[2] and "id 6 appears more than once" in refusal
+    assert torch.equal(rows, python[0])
+    for key in state:
+        assert torch.equal(state[key], python[1][key]), key
+
+
 class Clock:
     """A table's clock, moved by the test: no test waits for an expiry."""
 
