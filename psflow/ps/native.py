@@ -279,10 +279,10 @@ class NativePush:
     that follow it given its rate), the new rows of a table with ids it does not hold yet made
     by the table (:class:`NewRows`), and an input position is checked and recorded, as in the
     Python path; so are a hashed table's time to live (its expiry when due, before the ids
-    are mapped, and the time its updated rows are stamped with) and a ``padding_idx`` (its
-    gradient dropped once the ids are checked). What it does not serve (rows a snapshot is
-    keeping, bad ids, a reply too large for its lane) is left to the Python path, nothing
-    changed."""
+    are mapped, and the time its updated rows are stamped with), a ``padding_idx`` (its
+    gradient dropped once the ids are checked) and a snapshot or an export being taken (the
+    rows kept before they change). What it does not serve (bad ids, a reply too large for its
+    lane) is left to the Python path, nothing changed."""
 
     def __init__(self, host: ServiceHost) -> None:
         self.host = host
@@ -487,6 +487,8 @@ class NativePush:
             slots = np.concatenate([slots, *(rows for _, rows in made)])
         if schedule is not None:
             jobs = _scheduled(jobs, tables, schedule.lr)
+        if any(table.keeping for table in tables):
+            _keep(jobs, tables, slots)
         if jobs:
             kernels.apply_mapped(jobs, slots)
         for table in tables:
@@ -546,6 +548,17 @@ def _scheduled(jobs: list[tuple[Any, ...]], tables: list[Rows], lr: float) -> li
 
 _LR_FIELD = 20
 """Where a job of :meth:`Rows.apply_job` holds its optimizer's rate (its first setting)."""
+
+
+def _keep(jobs: list[tuple[Any, ...]], tables: list[Rows], slots: np.ndarray[Any, Any]) -> None:
+    """Before the kernels update the rows of ``jobs`` (at ``slots``, every job's one after
+    another): the snapshots and exports being taken of their tables keep them."""
+    at = 0
+    for job, table in zip(jobs, tables, strict=True):
+        n = job[2]
+        if table.keeping:
+            table.before_update(torch.from_numpy(slots[at : at + n]))
+        at += n
 
 
 def _held(

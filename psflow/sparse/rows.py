@@ -157,6 +157,16 @@ class Rows(ABC):
         """A copy: ``ids`` (the global ids held), ``values``, and ``opt/<state>``."""
         return self.begin_snapshot().result()
 
+    @property
+    def keeping(self) -> bool:
+        """Whether a snapshot or an export is being taken: rows copied before they change."""
+        return bool(self._snapshots)
+
+    def before_update(self, slots: torch.Tensor) -> None:
+        """Before the kernels update the rows at ``slots`` (an :meth:`apply_job`'s): snapshots
+        and exports being taken keep them as they are, as :meth:`apply` has them kept."""
+        self._preserve(slots)
+
     def _preserve(self, slots: torch.Tensor) -> None:
         """Before rows at ``slots`` of the storage change: snapshots in progress keep them, and
         the next export counts them as changed."""
@@ -206,17 +216,16 @@ class Rows(ABC):
         """What :func:`kernels.map_rows` and :func:`kernels.apply_mapped` take to apply the gradients of ``n`` ids that lie
         at byte ``ids_offset`` of buffer ``ids`` (int64, unchecked), their gradients (``[n,
         dim]`` of the table's dtype) at byte ``grads_offset`` of buffer ``grads``; ``None``
-        where only :meth:`apply` can: the kernels cannot (as :meth:`lookup_job`), or rows a
-        snapshot is keeping (it copies them before they change). With a ``padding_idx``, the
-        caller drops that id's gradient once the ids are checked (its row never changes, as in
-        :meth:`apply`). The kernel marks the rows it changes for the next export.
-        :meth:`applied` counts the update it made."""
+        where only :meth:`apply` can: the kernels cannot (as :meth:`lookup_job`). With a
+        ``padding_idx``, the caller drops that id's gradient once the ids are checked (its row
+        never changes, as in :meth:`apply`); while a snapshot or an export is being taken, the
+        caller has it keep the rows first (:meth:`before_update`). The kernel marks the rows it
+        changes for the next export. :meth:`applied` counts the update it made."""
         v = self.values
         found = self._native_map()
         changed = self._changed
         if (
             found is None
-            or self._snapshots
             or (
                 changed is not None and (changed.dtype != torch.bool or not changed.is_contiguous())
             )

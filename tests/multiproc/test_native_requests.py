@@ -470,6 +470,45 @@ def test_a_padding_idx_is_native_and_its_row_never_changes(vocab: int | None) ->
         assert torch.equal(state[key], python[1][key]), key
 
 
+@pytest.mark.parametrize("vocab", [VOCAB, None], ids=["fixed", "hashed"])
+def test_pushes_while_a_snapshot_is_taken_are_native_and_keep_its_moment(
+    vocab: int | None,
+) -> None:
+    """A snapshot begun (as a checkpoint begins it), then pushes (ids new to a hashed table
+    among them): natively, the rows they change are kept first, so the snapshot holds the
+    rows of its moment, bit for bit the Python path's, and the rows after them are its too."""
+    g = torch.Generator().manual_seed(6)
+    a = torch.randperm(2000, generator=g)[:800] * 2
+    pushes = [a, a[:300], torch.cat([a[200:500], torch.arange(9000, 9200, 2)])]
+    grads = [torch.randn(len(ids), DIM, generator=g) for ids in pushes]
+    outcomes = []
+    for native in (True, False):
+        with started("shm", vocab=vocab) as (opt, servers):
+            client = client_of(opt)
+            server = servers[0]
+            native_push_of(server).on = native
+            name = next(iter(server.store.tables))
+            (table,) = server.store.tables.values()
+            push_rows(client, name, pushes[0], grads[0])
+            moment = table.values[: table.num_rows].clone()
+            snapshot = table.begin_snapshot()
+            for ids, grad in zip(pushes[1:], grads[1:], strict=True):
+                push_rows(client, name, ids, grad)
+            kept = snapshot.result()
+            state = table_state(server) if vocab else hashed_state(server)
+            outcomes.append((moment, kept, state, native_push_of(server).served))
+    (moment, kept, state, served), python = outcomes
+    assert served == 3 and python[3] == 0
+    assert torch.equal(kept["values"], moment) and not torch.equal(
+        state["values"][: len(moment)], moment
+    )
+    assert kept.keys() == python[1].keys()
+    for key in kept:
+        assert torch.equal(kept[key], python[1][key]), key
+    for key in state:
+        assert torch.equal(state[key], python[2][key]), key
+
+
 class Clock:
     """A table's clock, moved by the test: no test waits for an expiry."""
 
@@ -653,9 +692,7 @@ def test_native_pushes_mark_the_rows_an_export_tracks(vocab: int | None) -> None
             served = native_push_of(server).served
             for ids, g_ in zip(pushes[1:], grads[1:], strict=True):
                 push_rows(client, name, ids, g_)
-            # The first push after the export prunes its finished snapshot (Python's); the
-            # next is native.
-            assert native_push_of(server).served == served + (1 if native else 0)
+            assert native_push_of(server).served == served + (2 if native else 0)
             delta = table.begin_export(base=False).rows.result()
             order = delta["ids"].argsort()
             deltas.append({k: t[order] for k, t in delta.items()})
