@@ -29,7 +29,10 @@
   samples/s summed over the workers, against the same model in TensorFlow 1.x style
   (``benchmarks/tf_embedding.py``: 26 partitioned tables, ``embedding_lookup``, sparse
   Adagrad on the ps) reading the same files, in the same run, through shared memory and the
-  socket, with and without the tasks bound to cores, and with prefetching.
+  socket, with and without the tasks bound to cores, and with prefetching. Each run reports
+  the samples a shard's core serves a second (``<path>_samples_per_shard_cpu_s``, as the
+  sparse workload's rows); ``--against_tree DIR`` runs that checkout too, alternating, as
+  ``against_<path>``, with ``<path>_vs_against`` and ``<path>_per_core_vs_against``.
 - ``memory``: the same job with tables of increasing size (up to 20M x 64 float32, 5 GB, in
   the full preset): the worker's peak resident memory (flat: no worker holds a table), the
   time the ps take to create the table, and how long a checkpoint's snapshot pauses a ps. Its
@@ -296,10 +299,17 @@ def run_ctr(args: argparse.Namespace, p: dict[str, Any], base: list[str]) -> dic
     chosen = _variants(p)
     if args.paths:
         chosen = [v for v in chosen if v[0] in args.paths.split(",")]
+    trees: list[tuple[str, str | None]] = [("", None)]
+    if args.against_tree:
+        tree = os.path.abspath(args.against_tree)
+        if not os.path.isfile(os.path.join(tree, "benchmarks", "embedding.py")):
+            raise SystemExit(f"--against_tree: no benchmarks/embedding.py under {tree}")
+        trees.append(("against_", tree))
     variants = [
-        ("python_" + path if native == "0" else path, shm, extra, bind, native)
+        (label + ("python_" + path if native == "0" else path), shm, extra, bind, native, tree)
         for path, shm, extra, bind in chosen
         for native in settings
+        for label, tree in trees
     ]
     runs: dict[str, list[float]] = {path: [] for path, *_ in variants}
     runs["tf"] = []
@@ -309,11 +319,18 @@ def run_ctr(args: argparse.Namespace, p: dict[str, Any], base: list[str]) -> dic
         if args.data is None:
             _synthesize(tmp, p)
         for _ in range(p["repeat"]):
-            for path, shm, extra, bind, native in variants:
-                cmd = [*base, "--data", data, *extra]
+            for path, shm, extra, bind, native, tree in variants:
+                script = (
+                    base[0] if tree is None else os.path.join(tree, "benchmarks", "embedding.py")
+                )
+                cmd = [script, *base[1:], "--data", os.path.abspath(data), *extra]
                 env = {"PSFLOW_SHM": shm}
                 if native is not None:
                     env["PSFLOW_NATIVE_REQUESTS"] = native
+                if tree is not None:  # that checkout's psflow, not this one's
+                    env["PYTHONPATH"] = os.pathsep.join(
+                        filter(None, [tree, os.environ.get("PYTHONPATH")])
+                    )
                 shards: dict[str, dict[str, Any]] = {}
                 r = run_job(
                     new_cluster(PS, 2),
@@ -321,7 +338,8 @@ def run_ctr(args: argparse.Namespace, p: dict[str, Any], base: list[str]) -> dic
                     env=env,
                     bind_cores=bind,
                     ps_results=shards,
-                    preload=smoke_preload(args.preset),
+                    # Another checkout's tasks import its own psflow: never this one's server.
+                    preload=smoke_preload(args.preset) if tree is None else (),
                 )
                 runs[path].append(sum(x["samples"] / x["seconds"] for x in r.values()))
                 out["psflow_last_loss"] = round(max(x["last_loss"] for x in r.values()), 4)
@@ -350,12 +368,16 @@ def run_ctr(args: argparse.Namespace, p: dict[str, Any], base: list[str]) -> dic
     for path, values in per_core.items():
         if values:
             out[f"{path}_samples_per_shard_cpu_s"] = round(median(values))
-            python = per_core.get("python_" + path)
-            if python:
-                out[f"{path}_per_core_vs_python"] = round(median(values) / median(python), 3)
-                out[f"{path}_vs_python"] = round(
-                    median(runs[path]) / median(runs["python_" + path]), 3
-                )
+            for other in ("python_", "against_"):
+                them = per_core.get(other + path)
+                if them and not path.startswith(other):
+                    key = other.rstrip("_")
+                    out[f"{path}_per_core_vs_{key}"] = round(median(values) / median(them), 3)
+                    out[f"{path}_vs_{key}"] = round(
+                        median(runs[path]) / median(runs[other + path]), 3
+                    )
+    if args.against_tree:
+        out["against_tree"] = trees[1][1]
     return out
 
 
@@ -432,7 +454,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--against_tree",
-        help="sparse: another psflow checkout (a worktree of main, kernels built) whose "
+        help="sparse, ctr: another psflow checkout (a worktree of main, kernels built) whose "
         "benchmark and psflow run each path too, alternating, reported as against_<path> with "
         "<path>_vs_against",
     )
