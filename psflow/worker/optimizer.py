@@ -7,6 +7,7 @@ validated once, and the :class:`~psflow.worker.modes.Engine` of the mode, which 
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -99,11 +100,10 @@ class DistributedOptimizer:
             )
         self.engine = engine(given) if engine is not None else _engine(model, ctx, config, given)
         self.metrics = metrics.for_task(str(ctx.task), ctx.host).worker(ctx.cluster.num_tasks("ps"))
-        self._float_mode: bool | None = None
-        """The thread's subnormal mode before this optimizer set it (``None``: not set)."""
+        self._flusher: int | None = None
+        """The thread this optimizer has taking subnormals as zero (``None``: it left it)."""
         if config.flush_denormals:
-            self._float_mode = flushing()
-            torch.set_flush_denormal(True)
+            self._flusher = _hold_flush()
         self._closed = False
         self._frozen = allocator.freeze_gc()  # what is alive now lives as long as the training
 
@@ -181,8 +181,8 @@ class DistributedOptimizer:
         if self._closed:
             return
         self._closed = True
-        if self._float_mode is not None:
-            torch.set_flush_denormal(self._float_mode)
+        if self._flusher is not None:
+            _release_flush(self._flusher)
         if self._frozen:
             gc.unfreeze()  # training is over: what it kept may be collected again
             self._frozen = False
@@ -199,6 +199,41 @@ class DistributedOptimizer:
 def flushing() -> bool:
     """Whether this thread takes subnormal floats as zero now (a float32 subnormal times 1)."""
     return bool(torch.tensor([1e-39], dtype=torch.float32).mul(1.0).item() == 0.0)
+
+
+_flush_lock = threading.Lock()
+_flush_holds: dict[int, list[Any]] = {}
+"""Per thread (its ident): how many open optimizers have it take subnormals as zero, and its
+mode before the first: several optimizers on one thread (two workers' in one process) closed
+in any order give the thread back its own mode when the last closes."""
+
+
+def _hold_flush() -> int:
+    """This thread takes subnormals as zero while an optimizer holds it; the thread's ident."""
+    me = threading.get_ident()
+    with _flush_lock:
+        held = _flush_holds.get(me)
+        if held is None:
+            _flush_holds[me] = [1, flushing()]
+        else:
+            held[0] += 1
+    torch.set_flush_denormal(True)
+    return me
+
+
+def _release_flush(thread: int) -> None:
+    """An optimizer's hold on ``thread`` let go: the last gives it back the mode it had, when
+    it closes on that thread (another thread cannot set it: ``thread`` keeps flushing)."""
+    with _flush_lock:
+        held = _flush_holds.get(thread)
+        if held is None:
+            return
+        held[0] -= 1
+        if held[0] > 0:
+            return
+        del _flush_holds[thread]
+    if thread == threading.get_ident():
+        torch.set_flush_denormal(held[1])
 
 
 def _engine(

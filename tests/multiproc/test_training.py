@@ -14,6 +14,7 @@ import psflow
 from psflow.transport import TransportConfig
 from psflow.transport.shm import SHM_DIR
 from psflow.worker.client import ShardedClient
+from psflow.worker.optimizer import flushing
 
 from .support import ROOT, in_area, lanes, launch_cmd, local_cluster, start_ps, stop, worker_ctx
 
@@ -105,7 +106,9 @@ def test_async_workers_share_one_global_step() -> None:
         assert steps == list(range(1, 21))
         o0.close()
         assert ps.poll() is None  # worker 1 still running: the ps keeps serving
+        assert flushing()  # o1 still holds this thread's subnormal mode
         o1.close()
+        assert not flushing()  # the last to close gives the thread its mode back
         code, err = stop(ps)
         assert code == 0, err
     finally:
