@@ -11,6 +11,7 @@ import torch
 import psflow.sparse.kernels as kernels
 from psflow.protocol import OptimizerSpec, ScheduleSpec, StepSchedule
 from psflow.protocol.tables import WIRE_DTYPES
+from psflow.ps.fused_adam import FusedAdam
 from psflow.ps.positions import InputPositions
 from psflow.sparse import Rows
 from psflow.transport.wire import TensorSet, dtype_name
@@ -93,6 +94,8 @@ class ShardStore:
         self.grad_buffers = GradBuffers(self.variables)
         self._wire: TensorSet | None = None
         self._step: Callable[[], Any] = lambda: None
+        self._fused: FusedAdam | None = None
+        self._names: list[str] = []
 
     @property
     def initialized(self) -> bool:
@@ -108,6 +111,8 @@ class ShardStore:
         self.grad_buffers = GradBuffers(self.variables)
         self._wire = None
         self._step = lambda: None
+        self._fused = None
+        self._names = []
         self.step = 0
         self.inputs = InputPositions()
 
@@ -151,6 +156,8 @@ class ShardStore:
         raw_step = getattr(type(self.optimizer).step, "__wrapped__", None)
         opt = self.optimizer
         self._step = (lambda: raw_step(opt)) if raw_step is not None else opt.step
+        self._fused = FusedAdam.of(opt) if self.variables else None
+        self._names = list(self.variables)
         self.optimizer_spec = spec
         self.tables = dict(tables or {})
         self.step = step
@@ -278,6 +285,12 @@ class ShardStore:
         schedule = self.schedule
         if schedule is not None:
             schedule.advance(self._schedule_step(schedule, global_step))
+        fused = self._fused
+        if fused is not None and grads and not sparse:
+            # The same kernels as Adam.step, without its Python (psflow/ps/fused_adam.py).
+            ordered = self._in_order(grads)
+            if ordered is not None and fused.step(ordered):
+                return
         lr = self._plain_sgd_lr()
         if lr is not None:
             # What torch.optim.SGD does for these settings (p -= lr * g, the same kernel),
@@ -303,6 +316,18 @@ class ShardStore:
             for name in names:
                 # Drop the reference: the gradient may be a view of a network buffer.
                 self.variables[name].grad = None
+
+    def _in_order(self, grads: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor] | None:
+        """A gradient for every variable, in the optimizer's order; ``None`` when some have
+        none (the push names each once: :meth:`check`)."""
+        if len(grads) != len(self._names):
+            return None
+        if all(n == want for (n, _), want in zip(grads, self._names, strict=True)):
+            return [g for _, g in grads]
+        given = dict(grads)
+        if any(n not in given for n in self._names):
+            return None
+        return [given[n] for n in self._names]
 
     def _schedule_step(self, schedule: StepSchedule, global_step: Any) -> int:
         if global_step is None:
