@@ -35,31 +35,46 @@ class AreaViews:
     """Tensors laid out in one lane area (a uint8 array), cheaply.
 
     A view of the area as each dtype is made once: a tensor at an offset is then one call
-    (``as_strided``) instead of four (slice, ``from_numpy``, two ``view``), and a message's
-    tensors are made anew every time their shapes change (a lookup's ids, each step). The
-    views of the last few descriptions are kept too (:attr:`recent`, see
-    :func:`decode_tensors`).
+    (``as_strided``) instead of four (slice, ``from_numpy``, two ``view``), and one made at a
+    dtype, shape and offset is kept and handed out again (a push's dense gradients, whose
+    message's description changes every step with its ids' count). The views of the last few
+    descriptions are kept too (:attr:`recent`, see :func:`decode_tensors`).
     """
 
-    __slots__ = ("_typed", "address", "area", "recent")
+    __slots__ = ("_made", "_typed", "address", "area", "recent")
 
     def __init__(self, area: np.ndarray[Any, Any]) -> None:
         self.area = area
         self.address: int = area.ctypes.data
         """Where the area starts in memory (numpy's ``ctypes`` costs a microsecond a call)."""
         self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._made: dict[tuple[torch.dtype, tuple[int, ...], int], torch.Tensor] = {}
+        """Tensors made, by dtype, shape and offset: a push's dense gradients lie at the same
+        places step after step while its ids' shapes change (a new description each step)."""
         self.recent: dict[int, tuple[list[TensorMeta], list[tuple[str, torch.Tensor]]]] = {}
         """Views by the ``id`` of the :func:`tensor_metas` list they were made for."""
 
     def tensor(self, dtype: torch.dtype, shape: Sequence[int], offset: int) -> torch.Tensor:
         """A contiguous tensor of ``dtype`` and ``shape`` at byte ``offset`` of the area (a
         multiple of :data:`LANE_ALIGN`; the caller has checked that it fits)."""
+        key = (dtype, shape if type(shape) is tuple else tuple(shape), offset)
+        made = self._made.get(key)
+        if made is not None:
+            return made
         typed = self._typed.get(dtype)
         if typed is None:
             area = self.area
             whole = len(area) - len(area) % dtype.itemsize
             typed = self._typed[dtype] = torch.from_numpy(area[:whole]).view(dtype)
-        return typed.as_strided(shape, _contiguous_strides(shape), offset // dtype.itemsize)
+        made = typed.as_strided(shape, _contiguous_strides(shape), offset // dtype.itemsize)
+        if len(self._made) >= _MADE:
+            self._made.clear()
+        self._made[key] = made
+        return made
+
+
+_MADE = 256
+"""Tensors an area keeps made (:meth:`AreaViews.tensor`); all dropped when it is full."""
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
