@@ -231,3 +231,10 @@ def test_area_views_lay_tensors_out_where_the_bytes_are(
     assert got.data_ptr() == area.ctypes.data + 128  # a view: no copy
     area[128 : 128 + len(raw)] = 0
     assert not got.any() or not value.any()  # it sees the area change
+    # Kept: the same tensor again at that dtype, shape and offset (a native push's dense
+    # gradients); not kept (what may become an autograd leaf), a new one every time.
+    kept = views.tensor(dtype, shape, 128, kept=True)
+    assert views.tensor(dtype, list(shape), 128, kept=True) is kept
+    assert views.tensor(dtype, shape, 192, kept=True) is not kept
+    assert views.tensor(dtype, shape, 128) is not views.tensor(dtype, shape, 128)
+    assert views.tensor(dtype, shape, 128) is not kept

@@ -346,7 +346,8 @@ def _decode_lane(
         if m.nbytes == 0:
             t = torch.empty(m.shape, dtype=m.dtype)
         else:
-            t = area.tensor(m.dtype, m.shape, off)
+            # A native push's dense gradients (``only``): read by the shard's optimizer alone.
+            t = area.tensor(m.dtype, m.shape, off, kept=view and only is not None)
             if not view:
                 dst = into.get(m.name) if into is not None else None
                 t = dst.copy_(t) if dst is not None and _fits(dst, m) else t.clone()

@@ -36,9 +36,9 @@ class AreaViews:
 
     A view of the area as each dtype is made once: a tensor at an offset is then one call
     (``as_strided``) instead of four (slice, ``from_numpy``, two ``view``), and one made at a
-    dtype, shape and offset is kept and handed out again (a push's dense gradients, whose
-    message's description changes every step with its ids' count). The views of the last few
-    descriptions are kept too (:attr:`recent`, see :func:`decode_tensors`).
+    dtype, shape and offset may be kept and handed out again (a native push's dense
+    gradients, whose message's description changes every step with its ids' count). The views
+    of the last few descriptions are kept too (:attr:`recent`, see :func:`decode_tensors`).
     """
 
     __slots__ = ("_made", "_typed", "address", "area", "recent")
@@ -54,11 +54,16 @@ class AreaViews:
         self.recent: dict[int, tuple[list[TensorMeta], list[tuple[str, torch.Tensor]]]] = {}
         """Views by the ``id`` of the :func:`tensor_metas` list they were made for."""
 
-    def tensor(self, dtype: torch.dtype, shape: Sequence[int], offset: int) -> torch.Tensor:
+    def tensor(
+        self, dtype: torch.dtype, shape: Sequence[int], offset: int, *, kept: bool = False
+    ) -> torch.Tensor:
         """A contiguous tensor of ``dtype`` and ``shape`` at byte ``offset`` of the area (a
-        multiple of :data:`LANE_ALIGN`; the caller has checked that it fits)."""
+        multiple of :data:`LANE_ALIGN`; the caller has checked that it fits). With ``kept``,
+        the one made before at that dtype, shape and offset, if any (for a caller that only
+        reads it or writes its values: never one that becomes an autograd leaf, whose
+        ``.grad`` would stay on it)."""
         key = (dtype, shape if type(shape) is tuple else tuple(shape), offset)
-        made = self._made.get(key)
+        made = self._made.get(key) if kept else None
         if made is not None:
             return made
         typed = self._typed.get(dtype)
@@ -67,9 +72,10 @@ class AreaViews:
             whole = len(area) - len(area) % dtype.itemsize
             typed = self._typed[dtype] = torch.from_numpy(area[:whole]).view(dtype)
         made = typed.as_strided(shape, _contiguous_strides(shape), offset // dtype.itemsize)
-        if len(self._made) >= _MADE:
-            self._made.clear()
-        self._made[key] = made
+        if kept:
+            if len(self._made) >= _MADE:
+                self._made.clear()
+            self._made[key] = made
         return made
 
 
