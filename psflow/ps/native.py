@@ -15,9 +15,9 @@ Rows asked narrower than their table (``row_dtypes``, :mod:`psflow.ps.row_wire`)
 at the table's width and cast where the reply goes, and narrower row gradients cast up before
 the update, as the Python path casts them. What it does not serve as it came is left to the
 handler's Python path, which serves or refuses it: a tensor in several frames, a reply too
-large for the lane, a bad id (the kernel writes nothing then). So a refusal's words are that path's, and its tests
-hold for both. Ids a hashed table does not hold yet are left by the kernels' map for that
-table's Python, within the native request: a push makes their rows first
+large for the lane, a bad id (the kernel writes nothing then). So a refusal's words are that
+path's, and its tests hold for both. Ids a hashed table does not hold yet are left by the
+kernels' map for that table's Python, within the native request: a push makes their rows first
 (``HashedRows.make_rows``: admission, eviction, new rows, as its ``apply`` makes them) and the
 kernels then update them with the rest; a lookup or a prefetch gives them their initial rows
 (``HashedRows.initial_at``) where the kernels' gather of the held ones left their places.
