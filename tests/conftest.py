@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from psflow.env import OMP_NUM_THREADS, TASK_DEFAULTS, threads_per_task
 
@@ -99,3 +101,16 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     else:
         need_kernels()
     return str(request.param)
+
+
+@pytest.fixture(autouse=True)
+def subnormal_mode_given_back() -> Iterator[None]:
+    """An optimizer left open (a test that simulates a kill) leaves its thread taking subnormals
+    as zero, as psflow's workers do while one is open: the next test on this process's main
+    thread starts with torch's default mode and no optimizer holding it, whatever ran before
+    (``psflow.worker.optimizer``'s holds are per thread)."""
+    yield
+    from psflow.worker import optimizer
+
+    optimizer._flush_holds.pop(threading.get_ident(), None)
+    torch.set_flush_denormal(False)

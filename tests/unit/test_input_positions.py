@@ -346,7 +346,10 @@ def test_a_cluster_of_one_keeps_its_readers_position_in_its_checkpoints(tmp_path
             trained += got["id"].tolist()
             if stop_after is not None and sess.global_step == stop_after:
                 sess.checkpointer.wait()  # type: ignore[union-attr]
-                return trained  # "killed": after the checkpoint of step 2, before its own save
+                # "Killed": after the checkpoint of step 2, before its own save (a session
+                # ended by an error saves nothing more, and lets go of its thread).
+                sess.close(error=RuntimeError("killed"))
+                return trained
         sess.close()  # a final checkpoint
         parts = load_checkpoint(str(tmp_path / "ckpt")).tables["rows"]  # type: ignore[union-attr]
         rows = torch.zeros(48)
