@@ -42,7 +42,9 @@ class FusedAdam:
 
     def __init__(self, optimizer: torch.optim.Adam) -> None:
         self.optimizer = optimizer
-        self._made_from: tuple[Any, Any] | None = None
+        self._made_from: tuple[Any, Any, bool] | None = None
+        """What the lists were made from: the optimizer's state and group, held (a restore
+        replaces both; held, neither's identity can pass to a new one), and ``amsgrad``."""
         self._lists: tuple[list[torch.Tensor], ...] = ()
 
     @classmethod
@@ -62,13 +64,12 @@ class FusedAdam:
         with nothing changed, where only ``optimizer.step()`` can make it."""
         opt = self.optimizer
         group = opt.param_groups[0]
+        amsgrad = group["amsgrad"]  # the lists hold the maxima only with it
         made = self._made_from
-        stale = made is None or made[0] is not opt.state or made[1] is not group
-        if stale and not self._make(group):
-            return False
-        params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = self._lists
-        amsgrad = group["amsgrad"]
-        if len(max_exp_avg_sqs) != (len(params) if amsgrad else 0) and not self._make(group):
+        fresh = (
+            made is not None and made[0] is opt.state and made[1] is group and made[2] == amsgrad
+        )
+        if not fresh and not self._make(group):
             return False
         params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = self._lists
         if not _settings_fit(group) or len(grads) != len(params):
@@ -104,7 +105,7 @@ class FusedAdam:
                 out.append(t)
         exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = lists
         self._lists = (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
-        self._made_from = (opt.state, group)
+        self._made_from = (opt.state, group, group["amsgrad"])
         return True
 
 

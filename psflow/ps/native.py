@@ -134,17 +134,13 @@ class NativeLookup:
             return False  # too large for its lane: the Python path answers by socket
         else:
             dst, offsets, raws = _fresh(sizes)
-        jobs, narrow = [], []
+        jobs: list[tuple[Any, ...]] = []
+        narrow: list[_Narrow] = []
         for m, table, wire_dtype, (src, src_offset), offset in zip(
             metas, chosen, wires, sources, offsets, strict=True
         ):
-            rows_at: tuple[Any, int] = (dst, offset)
-            if wire_dtype != table.dtype:  # gathered at the table's width, then cast
-                rows_at = (np.empty(m.shape[0] * table.dim * table.dtype.itemsize, np.uint8), 0)
-                narrow.append(
-                    _Narrow(m.name, table, m.shape[0], rows_at[0], wire_dtype, dst, offset)
-                )
-            job = table.lookup_job(src, src_offset, m.shape[0], *rows_at)
+            job = _lookup_job(m.name, table, wire_dtype, src, src_offset, m.shape[0], dst, offset,
+                              narrow)  # fmt: skip
             if job is None:
                 return False
             jobs.append(job)
@@ -201,6 +197,27 @@ class _Narrow:
         shape = (self.n, table.dim)
         rows = _tensor(self.rows, 0, table.dtype, shape)
         narrowed(self.name, rows, self.wire, _tensor(self.dst, self.offset, self.wire, shape))
+
+
+def _lookup_job(
+    name: str,
+    table: Rows,
+    wire_dtype: torch.dtype,
+    src: Any,
+    src_offset: int,
+    n: int,
+    dst: Any,
+    offset: int,
+    narrow: list[_Narrow],
+) -> tuple[Any, ...] | None:
+    """``table``'s lookup job for ``n`` ids at ``src``, its rows to go to ``dst`` at
+    ``offset`` in ``wire_dtype``: there directly at the table's own width, else into a scratch
+    buffer whose cast is added to ``narrow``; ``None`` where the kernels cannot serve it."""
+    if wire_dtype == table.dtype:
+        return table.lookup_job(src, src_offset, n, dst, offset)
+    rows = np.empty(n * table.dim * table.dtype.itemsize, np.uint8)
+    narrow.append(_Narrow(name, table, n, rows, wire_dtype, dst, offset))
+    return table.lookup_job(src, src_offset, n, rows, 0)
 
 
 @dataclass(eq=False, slots=True)
@@ -264,9 +281,7 @@ class NewRows:
             kept = torch.from_numpy(keep)
             ids, grads, slots = self.ids[kept], self.grads[kept], self.slots[keep]
         # Anew: making rows may have moved the table's storage and its id map.
-        job = table.apply_job(ids.numpy(), 0, ids.numel(), grads.numpy(), 0)
-        assert job is not None, "a table the plan took"
-        return job, slots
+        return _apply_job(table, ids, grads), slots
 
 
 class NativePush:
@@ -361,15 +376,12 @@ class NativePush:
         if reply is None:
             return None
         reply_metas, reply_raws, dst, offsets, values_at = reply
-        prefetch_jobs, narrow = [], []
+        prefetch_jobs: list[tuple[Any, ...]] = []
+        narrow: list[_Narrow] = []
         for (name, table, n), wire_dtype, (src, src_offset), offset in zip(
             prefetch, wires, fetch_from, offsets, strict=True
         ):
-            rows_at: tuple[Any, int] = (dst, offset)
-            if wire_dtype != table.dtype:  # gathered at the table's width, then cast
-                rows_at = (np.empty(n * table.dim * table.dtype.itemsize, np.uint8), 0)
-                narrow.append(_Narrow(name, table, n, rows_at[0], wire_dtype, dst, offset))
-            job = table.lookup_job(src, src_offset, n, *rows_at)
+            job = _lookup_job(name, table, wire_dtype, src, src_offset, n, dst, offset, narrow)
             if job is None:
                 return None
             prefetch_jobs.append(job)
@@ -583,6 +595,14 @@ def _held(
     return held, (np.concatenate(parts) if parts else _NO_SLOTS), others
 
 
+def _apply_job(table: Rows, ids: torch.Tensor, grads: torch.Tensor) -> tuple[Any, ...]:
+    """``table``'s update job for ``ids`` and ``grads`` (tensors of their own, some of a
+    request's), for a table the plan already took."""
+    job = table.apply_job(ids.numpy(), 0, ids.numel(), grads.numpy(), 0)
+    assert job is not None, "a table the plan took"
+    return job
+
+
 def _without_padding(
     rows: list[tuple[str, Rows, int]], jobs: list[tuple[Any, ...]], slots: np.ndarray[Any, Any]
 ) -> tuple[list[tuple[Any, ...]], np.ndarray[Any, Any]]:
@@ -602,9 +622,7 @@ def _without_padding(
                 kept = torch.from_numpy(keep)
                 ids = _tensor(ids_src, ids_offset, torch.int64, (n,))[kept]
                 grads = _tensor(grads_src, grads_offset, table.dtype, (n, table.dim))[kept]
-                kept_job = table.apply_job(ids.numpy(), 0, ids.numel(), grads.numpy(), 0)
-                assert kept_job is not None, "a table the plan took"
-                job, part, dropped = kept_job, part[keep], True
+                job, part, dropped = _apply_job(table, ids, grads), part[keep], True
         out.append(job)
         parts.append(part)
     return out, (np.concatenate(parts) if dropped else slots)

@@ -59,7 +59,8 @@ class OptimizerConfig:
     (``PSFLOW_FLUSH_DENORMALS``, else on; the ps tasks' own setting has the same default). A
     value below about 1.2e-38 (float32) then counts as 0. A CTR worker (DeepRec's DLRM shape)
     ran 1.05-1.11x faster with them flushed; where in its step it met them was not measured.
-    ``close()`` gives the thread back the mode it found; off, the mode is left alone."""
+    The last of a thread's open optimizers to ``close()`` gives it back the mode it had before
+    the first; off, the mode is left alone."""
 
     def __post_init__(self) -> None:
         kinds: Mapping[str, type | tuple[type, ...]] = {
