@@ -144,7 +144,8 @@ class NativeLookup:
             if job is None:
                 return False
             jobs.append(job)
-        if not self._gather(jobs, chosen, header.get(_ABSENT_ZEROS, False)):
+        task = self.host.sender(request)
+        if not self._gather(jobs, chosen, header.get(_ABSENT_ZEROS, False), task):
             return False  # a bad id: the Python path names it
         for cast in narrow:
             cast.done()
@@ -161,19 +162,29 @@ class NativeLookup:
         return True
 
     @staticmethod
-    def _gather(jobs: list[tuple[Any, ...]], tables: list[Rows], absent_zeros: bool) -> bool:
+    def _gather(
+        jobs: list[tuple[Any, ...]], tables: list[Rows], absent_zeros: bool, task: str
+    ) -> bool:
         """The rows of ``jobs`` (one a table of ``tables``) where the reply goes; an id a
         hashed table does not hold gets its initial row (zeros with ``absent_zeros``), as the
-        Python path's lookup gives it. ``False`` for a bad id, nothing written."""
+        Python path's lookup gives it. ``False`` for a bad id, nothing written. The rows found
+        are kept for ``task``'s push of the same ids (:class:`~psflow.sparse.mapped.MappedIds`)."""
+        ids = _ids_of(jobs)  # before the rows overlay them
         if not any(isinstance(t, HashedRows) for t in tables):
-            return kernels.lookup_rows(jobs)  # map and gather in one call
+            slots = kernels.lookup_rows(jobs)  # map and gather in one call
+            if slots is None:
+                return False
+            _remember(task, tables, ids, slots, [t.map_version for t in tables])
+            return True
         slots = kernels.map_lookup(jobs, absent_ok=True)
         if slots is None:
             return False
+        versions = [t.map_version for t in tables]
         absent = _absent(jobs, tables, slots)  # their ids read before the rows overlay them
         kernels.gather_mapped(jobs, slots, held=True)
-        for table, ids, at, place in absent:
-            table.initial_at(ids, at, place, zeros=absent_zeros)
+        for table, absent_ids, at, place in absent:
+            table.initial_at(absent_ids, at, place, zeros=absent_zeros)
+        _remember(task, tables, ids, slots, versions)
         return True
 
 
@@ -240,6 +251,9 @@ class PushPlan:
     """Each table whose rows the reply brings (read after the update), with its count of ids."""
     prefetch_jobs: list[tuple[Any, ...]]
     prefetch_slots: np.ndarray[Any, Any]
+    prefetch_versions: list[int]
+    """Each prefetched table's :attr:`~psflow.sparse.Rows.map_version` when its ids were
+    mapped."""
     narrow: list[_Narrow]
     """The prefetched rows asked narrower than their table: cast once gathered."""
     reply_metas: list[list[Any]]
@@ -253,6 +267,8 @@ class PushPlan:
     reply_area: Any
     """The buffer the reply's tensors go to (the lane's request area, or a fresh one); rows
     asked narrower are gathered elsewhere first (``narrow``)."""
+    task: str
+    """The task that sent it, as it says (whose prefetched rows are kept for its next push)."""
 
 
 _NO_SLOTS = np.empty(0, np.int64)
@@ -387,7 +403,10 @@ class NativePush:
             prefetch_jobs.append(job)
         # Every id checked before anything changes; ids a hashed table does not hold yet are
         # left at -1 (the table makes their rows in the update: NewRows).
-        row_slots = kernels.map_rows(row_jobs, absent_ok=True) if row_jobs else _NO_SLOTS
+        task = self.host.sender(request)
+        row_slots = _recalled(task, rows, row_jobs)
+        if row_slots is None:
+            row_slots = kernels.map_rows(row_jobs, absent_ok=True)
         if row_slots is None:
             return None  # a bad id: the Python path names it
         row_jobs, row_slots = _without_padding(rows, row_jobs, row_slots)
@@ -396,6 +415,7 @@ class NativePush:
         )
         if prefetch_slots is None:
             return None
+        prefetch_versions = [t.map_version for _, t, _ in prefetch]
         new_rows = []
         held, row_slots, not_held = _held(row_jobs, row_slots)
         for i, part in not_held:
@@ -417,7 +437,8 @@ class NativePush:
         )
         return PushPlan(
             dense, rows, row_jobs, row_tables, row_slots, new_rows, prefetch, prefetch_jobs,
-            prefetch_slots, narrow, reply_metas, reply_raws, values_at, dst,
+            prefetch_slots, prefetch_versions, narrow, reply_metas, reply_raws, values_at, dst,
+            task,
         )  # fmt: skip
 
     def _reply(
@@ -519,7 +540,8 @@ class NativePush:
             else:
                 host.reply(request, header)
             return
-        jobs, slots = plan.prefetch_jobs, plan.prefetch_slots
+        jobs, slots, versions = plan.prefetch_jobs, plan.prefetch_slots, plan.prefetch_versions
+        tables = [t for _, t, _ in plan.prefetch]
         if made_rows:
             # Maybe in storage that grew: jobs anew, and their ids mapped again.
             anew = []
@@ -529,18 +551,20 @@ class NativePush:
                 anew.append(again)
             remapped = kernels.map_lookup(anew, absent_ok=True)
             assert remapped is not None, "ids the plan checked"
-            jobs, slots = anew, remapped
+            jobs, slots, versions = anew, remapped, [t.map_version for t in tables]
         # Their ids read before the values and the rows overlay them.
-        absent = _absent(jobs, [t for _, t, _ in plan.prefetch], slots)
+        absent = _absent(jobs, tables, slots)
+        ids = _ids_of(jobs)
         if plan.values_at:  # into the lane's request area (by socket they are raws)
             area = memoryview(plan.reply_area)  # memcpy's
             for offset, raw in zip(plan.values_at, store.wire_set.raws, strict=True):
                 area[offset : offset + len(raw)] = raw
         kernels.gather_mapped(jobs, slots, held=True)
-        for table, ids, at, place in absent:  # ids not held: initial rows, as a lookup's
-            table.initial_at(ids, at, place)
+        for table, absent_ids, at, place in absent:  # not held: initial rows, as a lookup's
+            table.initial_at(absent_ids, at, place)
         for cast in plan.narrow:  # after the update, as the Python path: it refuses here too
             cast.done()
+        _remember(plan.task, tables, ids, slots, versions)
         # Values sent by socket from their own memory: the next update waits until they left.
         live = plan.reply_raws is not None and request.header[_OP] == _PUSH_PULL
         host.reply_placed(request, header, plan.reply_metas, plan.reply_raws, live=live)
@@ -593,6 +617,48 @@ def _held(
     if not others:
         return jobs, slots, []
     return held, (np.concatenate(parts) if parts else _NO_SLOTS), others
+
+
+def _ids_of(jobs: list[tuple[Any, ...]]) -> list[np.ndarray[Any, Any]]:
+    """A copy of each lookup job's ids (its rows may go where they lie)."""
+    return [np.frombuffer(src, np.int64, n, offset).copy() for src, offset, n, *_ in jobs]
+
+
+def _remember(
+    task: str,
+    tables: list[Rows],
+    ids: list[np.ndarray[Any, Any]],
+    slots: np.ndarray[Any, Any],
+    versions: list[int],
+) -> None:
+    """Each table's ``ids`` looked up by ``task`` kept with their rows (``slots``, every
+    table's one after another) as mapped at ``versions``, for its push of the same ids."""
+    at = 0
+    for table, known, version in zip(tables, ids, versions, strict=True):
+        n = len(known)
+        table.mapped.remember(task, known, slots[at : at + n], version)
+        at += n
+
+
+def _recalled(
+    task: str, rows: list[tuple[str, Rows, int]], jobs: list[tuple[Any, ...]]
+) -> np.ndarray[Any, Any] | None:
+    """The rows of a push's ids (every job's one after another) as ``task``'s last lookup of
+    the same ids in each table found them, while its ids have the same rows; ``None`` for the
+    kernels to map them (a job of none, a table whose ids are others or mapped otherwise)."""
+    if not jobs:
+        return _NO_SLOTS
+    parts = []
+    for (_, table, n), job in zip(rows, jobs, strict=True):
+        try:
+            ids = np.frombuffer(job[0], np.int64, n, job[1])
+        except ValueError:  # not in its buffer: the kernels refuse it
+            return None
+        part = table.mapped.recall(task, ids, table.map_version)
+        if part is None:
+            return None
+        parts.append(part)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def _apply_job(table: Rows, ids: torch.Tensor, grads: torch.Tensor) -> tuple[Any, ...]:

@@ -8,6 +8,8 @@ Pure torch, no sockets: the ps holds a :class:`Rows` per table it serves, and a 
   :func:`coalesce`, row gradients summed per id.
 - ``optim.py``: :class:`RowOptimizer`, the row-wise SGD, Adagrad, lazy Adam and FTRL updates.
 - ``idmap.py``: :class:`IdMap`, a hashed table's id -> slot map in tensors (open addressing).
+- ``mapped.py``: :class:`~psflow.sparse.mapped.MappedIds`, a table's ids as each task last
+  looked them up, with their rows, for its push of the same ids.
 - ``admission.py``: :class:`~psflow.sparse.admission.Admission`, a hashed table's count of the
   pushes of ids it does not hold yet (a count-min sketch).
 - ``kernels.py`` (+ ``_kernels.c`` binding ``_rows.c``, ``_ids.c``, ``_init.c`` and

@@ -265,6 +265,10 @@ class HashedRows(Rows):
         keys, vals, mask = self._index.native()
         return self._n, -1, keys, vals, mask
 
+    @property
+    def map_version(self) -> int:
+        return self._index.changes
+
     def _native_stamps(self) -> tuple[int, int, int, float]:
         # The tick this update will have (applied() moves to it): the least recently updated
         # rows go first when room is needed. With a time to live, the request's time.

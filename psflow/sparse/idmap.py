@@ -10,6 +10,7 @@ the same layout and hash, so either path reads what the other wrote.
 
 from __future__ import annotations
 
+import itertools
 from types import ModuleType
 
 import torch
@@ -29,6 +30,8 @@ _EMPTY = -1
 _GONE = -2
 """A removed entry (a tombstone): lookups probe past it, inserts may reuse it."""
 MIN_CELLS = 1024
+_CHANGES = itertools.count(1)
+"""One count for every map of the process: no two states of any two maps share a number."""
 
 
 class IdMap:
@@ -54,6 +57,9 @@ class IdMap:
         self._claim = allocator.table_empty((cells,), torch.int64)
         self._gone = 0
         self._mask = cells - 1
+        self.changes = next(_CHANGES)
+        """A number of this map's entries as they are, new at every change (``put``,
+        ``remove``), unique in the process: while it stays, every id has the slot it had."""
 
     def __len__(self) -> int:
         return self._live
@@ -127,6 +133,7 @@ class IdMap:
     def put(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Adds ``ids`` (unique, none in the map yet) with their ``slots``."""
         n = ids.numel()
+        self.changes = next(_CHANGES)
         if 2 * (self._live + self._gone + n) > self._mask + 1:
             self._rebuild(self._live + n)
         kernels = _kernels()
@@ -168,6 +175,7 @@ class IdMap:
 
     def remove(self, ids: torch.Tensor) -> None:
         """Removes ``ids`` (each in the map)."""
+        self.changes = next(_CHANGES)
         cells = self._find(ids)
         assert bool((cells >= 0).all()), "removing ids that are not in the map"
         self.vals.index_fill_(0, cells, _GONE)

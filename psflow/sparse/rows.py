@@ -21,6 +21,7 @@ import torch
 
 import psflow.sparse.kernels as kernels
 from psflow.protocol import RowOptimizerSpec, TableSpec
+from psflow.sparse.mapped import MappedIds
 from psflow.sparse.optim import RowOptimizer
 from psflow.sparse.partition import Partition
 
@@ -92,6 +93,8 @@ class Rows(ABC):
         pays nothing for it."""
         self._evicted: list[torch.Tensor] = []
         """Ids evicted since the last export (while :attr:`_changed` tracks)."""
+        self.mapped = MappedIds()
+        """Each task's last native lookup, its ids' rows kept for its push (``psflow.ps.native``)."""
 
     def begin_snapshot(self) -> RowSnapshot:
         """The rows as they are now, copied as they change and completed by
@@ -184,6 +187,12 @@ class Rows(ABC):
         a hashed table's id map (its keys' and values' addresses and mask; zeros: a fixed
         table's rows are found by the partition). ``None`` where they cannot serve it."""
         return None
+
+    @property
+    def map_version(self) -> int:
+        """A number that changes whenever an id's row may (:class:`~psflow.sparse.mapped.MappedIds`
+        keeps mapped ids while it stays): a fixed table's ids always have the same rows."""
+        return 0
 
     def expire_due(self) -> None:
         """A native request's start, before its jobs are made and its ids mapped: what

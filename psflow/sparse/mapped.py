@@ -1,0 +1,77 @@
+"""A table's ids as each task last looked them up, with the rows they were found at.
+
+A training step looks a batch's rows up (or has them prefetched by the step before) and then
+pushes their gradients: the same ids, in the same order, from the same task. Mapping them to
+their rows again (checked, then found in a hashed table's id map: 40-50 ns an id in a job,
+where the map's cells are no longer cached) is a fifth of a shard's work on a CTR push
+(``benchmarks/results/profile.md``). :class:`MappedIds` keeps what the kernels found for each
+task's last lookup, and gives it back once to a push of the same ids (byte for byte) while the
+table's ids still have the rows they had (:attr:`Rows.map_version
+<psflow.sparse.rows.Rows.map_version>` unchanged): exactly what mapping them again would give,
+their checks included (a lookup's are a push's). Anything else maps again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+MAX_TASKS = 1024
+"""The most tasks whose lookups a table keeps (the oldest go first)."""
+MAX_IDS = 1 << 20
+"""The most ids a table keeps in all (16 bytes each with their rows: 16 MB)."""
+
+
+class MappedIds:
+    """The ids each task last looked up in one table, their rows, and the table's
+    :attr:`~psflow.sparse.rows.Rows.map_version` then.
+
+    Example:
+        >>> m = MappedIds()
+        >>> ids, rows = np.array([7, 3]), np.array([0, 5])
+        >>> m.remember("worker:0", ids, rows, version=4)
+        >>> m.recall("worker:0", np.array([7, 3]), version=4).tolist()
+        [0, 5]
+        >>> m.recall("worker:0", np.array([7, 3]), version=4) is None  # given back once
+        True
+    """
+
+    def __init__(self) -> None:
+        self._by: dict[str, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], int]] = {}
+        self._ids = 0
+
+    def __len__(self) -> int:
+        return len(self._by)
+
+    def remember(
+        self, task: str, ids: np.ndarray[Any, Any], rows: np.ndarray[Any, Any], version: int
+    ) -> None:
+        """Keeps ``ids`` (a copy the caller gives up) and the ``rows`` the kernels mapped them
+        to at ``version``, in place of what ``task`` looked up before."""
+        self._forget(task)
+        if len(ids) > MAX_IDS:
+            return
+        self._by[task] = (ids, rows, version)
+        self._ids += len(ids)
+        while len(self._by) > MAX_TASKS or self._ids > MAX_IDS:
+            self._forget(next(iter(self._by)))
+
+    def recall(
+        self, task: str, ids: np.ndarray[Any, Any], version: int
+    ) -> np.ndarray[Any, Any] | None:
+        """The rows of ``ids`` when ``task`` last looked up exactly these at ``version``,
+        else ``None``; either way what it looked up is given up (a push uses it once)."""
+        entry = self._forget(task)
+        if entry is None:
+            return None
+        known, rows, at = entry
+        if at != version or len(known) != len(ids) or not np.array_equal(known, ids):
+            return None
+        return rows
+
+    def _forget(self, task: str) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], int] | None:
+        entry = self._by.pop(task, None)
+        if entry is not None:
+            self._ids -= len(entry[0])
+        return entry
