@@ -169,13 +169,9 @@ class NativeLookup:
         hashed table does not hold gets its initial row (zeros with ``absent_zeros``), as the
         Python path's lookup gives it. ``False`` for a bad id, nothing written. The rows found
         are kept for ``task``'s push of the same ids (:class:`~psflow.sparse.mapped.MappedIds`)."""
-        ids = _ids_of(jobs)  # before the rows overlay them
         if not any(isinstance(t, HashedRows) for t in tables):
-            slots = kernels.lookup_rows(jobs)  # map and gather in one call
-            if slots is None:
-                return False
-            _remember(task, tables, ids, slots, [t.map_version for t in tables])
-            return True
+            return kernels.lookup_rows(jobs)  # map and gather in one call
+        ids = _ids_of(jobs)  # before the rows overlay them
         slots = kernels.map_lookup(jobs, absent_ok=True)
         if slots is None:
             return False
@@ -632,11 +628,13 @@ def _remember(
     versions: list[int],
 ) -> None:
     """Each table's ``ids`` looked up by ``task`` kept with their rows (``slots``, every
-    table's one after another) as mapped at ``versions``, for its push of the same ids."""
+    table's one after another) as mapped at ``versions``, for its push of the same ids (a
+    table that keeps them: a hashed one)."""
     at = 0
     for table, known, version in zip(tables, ids, versions, strict=True):
         n = len(known)
-        table.mapped.remember(task, known, slots[at : at + n], version)
+        if table.mapped is not None:
+            table.mapped.remember(task, known, slots[at : at + n], version)
         at += n
 
 
@@ -645,7 +643,8 @@ def _recalled(
 ) -> np.ndarray[Any, Any] | None:
     """The rows of a push's ids (every job's one after another) as ``task``'s last lookup of
     the same ids in each table found them, while its ids have the same rows; ``None`` for the
-    kernels to map them (a job of none, a table whose ids are others or mapped otherwise)."""
+    kernels to map them (a table that keeps none: a fixed one, whose map costs less; ids
+    that are others, or mapped otherwise)."""
     if not jobs:
         return _NO_SLOTS
     parts = []
@@ -654,7 +653,7 @@ def _recalled(
             ids = np.frombuffer(job[0], np.int64, n, job[1])
         except ValueError:  # not in its buffer: the kernels refuse it
             return None
-        part = table.mapped.recall(task, ids, table.map_version)
+        part = None if table.mapped is None else table.mapped.recall(task, ids, table.map_version)
         if part is None:
             return None
         parts.append(part)

@@ -19,6 +19,7 @@ from psflow.protocol import RowOptimizerSpec, TableSpec
 from psflow.sparse.admission import Admission
 from psflow.sparse.idmap import IdMap
 from psflow.sparse.init import initial_rows
+from psflow.sparse.mapped import MappedIds
 from psflow.sparse.rows import Rows
 from psflow.sparse.snapshot import STATE_PREFIX, RowSnapshot
 
@@ -83,6 +84,7 @@ class HashedRows(Rows):
         )
         self._n = 0
         self._index = IdMap()
+        self.mapped = MappedIds()
         self._tick = 0
         self.ttl = spec.ttl_seconds
         self._clock = clock

@@ -201,16 +201,16 @@ def gather_mapped(
         at += 8 * n
 
 
-def lookup_rows(jobs: list[tuple[Any, ...]]) -> np.ndarray[Any, Any] | None:
+def lookup_rows(jobs: list[tuple[Any, ...]]) -> bool:
     """A lookup served from buffer to buffer: :func:`map_lookup` then :func:`gather_mapped`
-    (one call on one thread); the rows the ids mapped to, or ``None`` when refused, no row
-    written."""
+    (one call on one thread). ``False`` when refused, no row written."""
     if stripes.threads() == 1:
-        return _call("lookup_rows", jobs, _MAP | _RUN)
+        return _call("lookup_rows", jobs, _MAP | _RUN) is not None
     mapped = map_lookup(jobs)
-    if mapped is not None:
-        gather_mapped(jobs, mapped)
-    return mapped
+    if mapped is None:
+        return False
+    gather_mapped(jobs, mapped)
+    return True
 
 
 def map_rows(

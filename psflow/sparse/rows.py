@@ -93,8 +93,9 @@ class Rows(ABC):
         pays nothing for it."""
         self._evicted: list[torch.Tensor] = []
         """Ids evicted since the last export (while :attr:`_changed` tracks)."""
-        self.mapped = MappedIds()
-        """Each task's last native lookup, its ids' rows kept for its push (``psflow.ps.native``)."""
+        self.mapped: MappedIds | None = None
+        """Each task's last native lookup, its ids' rows kept for its push of the same ids
+        (``psflow.ps.native``): a hashed table's, whose id map costs more than keeping them."""
 
     def begin_snapshot(self) -> RowSnapshot:
         """The rows as they are now, copied as they change and completed by
