@@ -538,19 +538,27 @@ class NativePush:
             return
         jobs, slots, versions = plan.prefetch_jobs, plan.prefetch_slots, plan.prefetch_versions
         tables = [t for _, t, _ in plan.prefetch]
+        ids = _ids_of(jobs)  # read before the values and the rows overlay them
         if made_rows:
-            # Maybe in storage that grew: jobs anew, and their ids mapped again.
+            # Maybe in storage that grew: jobs anew. Their ids mapped again, or, where no
+            # row held when they were mapped has gone since, those not held found again.
             anew = []
             for (_, table, _), job in zip(plan.prefetch, jobs, strict=True):
                 again = table.lookup_job(*job[:5])
                 assert again is not None, "a table the plan took"
                 anew.append(again)
-            remapped = kernels.map_lookup(anew, absent_ok=True)
-            assert remapped is not None, "ids the plan checked"
-            jobs, slots, versions = anew, remapped, [t.map_version for t in tables]
-        # Their ids read before the values and the rows overlay them.
+            now = [t.map_version for t in tables]
+            if now == versions:
+                start = 0
+                for table, known in zip(tables, ids, strict=True):
+                    _find_absent(table, known, slots[start : start + len(known)])
+                    start += len(known)
+            else:
+                remapped = kernels.map_lookup(anew, absent_ok=True)
+                assert remapped is not None, "ids the plan checked"
+                slots, versions = remapped, now
+            jobs = anew
         absent = _absent(jobs, tables, slots)
-        ids = _ids_of(jobs)
         if plan.values_at:  # into the lane's request area (by socket they are raws)
             area = memoryview(plan.reply_area)  # memcpy's
             for offset, raw in zip(plan.values_at, store.wire_set.raws, strict=True):
@@ -656,8 +664,20 @@ def _recalled(
         part = None if table.mapped is None else table.mapped.recall(task, ids, table.map_version)
         if part is None:
             return None
+        _find_absent(table, ids, part)
         parts.append(part)
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _find_absent(table: Rows, ids: np.ndarray[Any, Any], slots: np.ndarray[Any, Any]) -> None:
+    """The rows of ``ids`` not held when ``slots`` were mapped (-1), found again in place:
+    rows may have been made for them since (no held id has lost its row: the caller checked
+    the table's :attr:`~psflow.sparse.Rows.map_version`)."""
+    if not len(slots) or int(slots.min()) >= 0:
+        return
+    assert isinstance(table, HashedRows), "only a hashed table leaves an id at -1"
+    where = np.flatnonzero(slots < 0)
+    slots[where] = table.held_at(ids[where])
 
 
 def _apply_job(table: Rows, ids: torch.Tensor, grads: torch.Tensor) -> tuple[Any, ...]:

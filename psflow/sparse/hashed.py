@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import torch
 
 import psflow.sparse.kernels as kernels
@@ -269,7 +271,12 @@ class HashedRows(Rows):
 
     @property
     def map_version(self) -> int:
-        return self._index.changes
+        return self._index.moves
+
+    def held_at(self, ids: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """Each of ``ids``' slot (int64, unique, checked), -1 for ids not held."""
+        slots: np.ndarray[Any, Any] = self._slots(torch.from_numpy(ids)).numpy()
+        return slots
 
     def _native_stamps(self) -> tuple[int, int, int, float]:
         # The tick this update will have (applied() moves to it): the least recently updated

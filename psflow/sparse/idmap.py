@@ -30,8 +30,8 @@ _EMPTY = -1
 _GONE = -2
 """A removed entry (a tombstone): lookups probe past it, inserts may reuse it."""
 MIN_CELLS = 1024
-_CHANGES = itertools.count(1)
-"""One count for every map of the process: no two states of any two maps share a number."""
+_MOVES = itertools.count(1)
+"""One count for every map of the process: no two maps ever share a number of :attr:`IdMap.moves`."""
 
 
 class IdMap:
@@ -49,6 +49,10 @@ class IdMap:
     def __init__(self, cells: int = MIN_CELLS) -> None:
         self._alloc(max(MIN_CELLS, 1 << (cells - 1).bit_length()))
         self._live = 0
+        self.moves = next(_MOVES)
+        """A number new whenever an id leaves the map (:meth:`remove`), unique in the process:
+        while it stays, every id held at one time keeps its slot. Adding ids (:meth:`put`, which
+        may rebuild the cells, never the slots) keeps it: an id not held then may be now."""
 
     def _alloc(self, cells: int) -> None:
         # Probed at random, as a table's rows are read: in huge pages when large.
@@ -57,9 +61,6 @@ class IdMap:
         self._claim = allocator.table_empty((cells,), torch.int64)
         self._gone = 0
         self._mask = cells - 1
-        self.changes = next(_CHANGES)
-        """A number of this map's entries as they are, new at every change (``put``,
-        ``remove``), unique in the process: while it stays, every id has the slot it had."""
 
     def __len__(self) -> int:
         return self._live
@@ -133,7 +134,6 @@ class IdMap:
     def put(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Adds ``ids`` (unique, none in the map yet) with their ``slots``."""
         n = ids.numel()
-        self.changes = next(_CHANGES)
         if 2 * (self._live + self._gone + n) > self._mask + 1:
             self._rebuild(self._live + n)
         kernels = _kernels()
@@ -175,7 +175,7 @@ class IdMap:
 
     def remove(self, ids: torch.Tensor) -> None:
         """Removes ``ids`` (each in the map)."""
-        self.changes = next(_CHANGES)
+        self.moves = next(_MOVES)
         cells = self._find(ids)
         assert bool((cells >= 0).all()), "removing ids that are not in the map"
         self.vals.index_fill_(0, cells, _GONE)

@@ -5,10 +5,12 @@ pushes their gradients: the same ids, in the same order, from the same task. Map
 their rows again (checked, then found in a hashed table's id map: 40-50 ns an id in a job,
 where the map's cells are no longer cached) is a fifth of a shard's work on a CTR push
 (``benchmarks/results/profile.md``). :class:`MappedIds` keeps what the kernels found for each
-task's last lookup, and gives it back once to a push of the same ids (byte for byte) while the
-table's ids still have the rows they had (:attr:`Rows.map_version
-<psflow.sparse.rows.Rows.map_version>` unchanged): exactly what mapping them again would give,
-their checks included (a lookup's are a push's). Anything else maps again.
+task's last lookup, and gives it back once to a push of the same ids (byte for byte) while no
+id the table held then has lost its row (:attr:`Rows.map_version
+<psflow.sparse.rows.Rows.map_version>` unchanged): the rows of the ids held then are theirs
+still, their checks passed (a lookup's are a push's); an id not held then (-1) may have been
+given a row since (by another task's push), so the caller finds those few again. Anything else
+maps again.
 """
 
 from __future__ import annotations
@@ -60,8 +62,9 @@ class MappedIds:
     def recall(
         self, task: str, ids: np.ndarray[Any, Any], version: int
     ) -> np.ndarray[Any, Any] | None:
-        """The rows of ``ids`` when ``task`` last looked up exactly these at ``version``,
-        else ``None``; either way what it looked up is given up (a push uses it once)."""
+        """The rows of ``ids`` when ``task`` last looked up exactly these at ``version`` (-1
+        where not held then: the caller's to find again), else ``None``; either way what it
+        looked up is given up (a push uses it once, and may complete the rows in place)."""
         entry = self._forget(task)
         if entry is None:
             return None

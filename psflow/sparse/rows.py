@@ -191,8 +191,10 @@ class Rows(ABC):
 
     @property
     def map_version(self) -> int:
-        """A number that changes whenever an id's row may (:class:`~psflow.sparse.mapped.MappedIds`
-        keeps mapped ids while it stays): a fixed table's ids always have the same rows."""
+        """A number new whenever a held id's row may change or go (a hashed table's eviction,
+        expiry, or its rows moved): while it stays, every id held at one time keeps its row,
+        and an id not held then may be held now (:class:`~psflow.sparse.mapped.MappedIds`). A
+        fixed table's ids always have the same rows."""
         return 0
 
     def expire_due(self) -> None:

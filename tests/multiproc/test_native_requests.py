@@ -813,23 +813,26 @@ def test_a_push_takes_its_lookups_rows_while_the_table_keeps_them(
     path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A push of the ids its task just looked up takes the rows that lookup found instead of
-    mapping them again (``MappedIds``), only while the table's ids keep their rows: after rows
-    were made and evicted in between (a full hashed table moves its last rows into the holes;
-    here by a push the Python path serves, which leaves the lookup kept), and for ids in
-    another order, they are mapped again. Every state is the Python path's, slot by slot."""
+    mapping them again (``MappedIds``) while no row held then has gone, the ids not held then
+    found again (another task's push may have made their rows); after rows were evicted in
+    between (a full hashed table moves its last rows into the holes), and for ids in another
+    order, they are mapped again. The other task's pushes here are the Python path's (which
+    leave the lookup kept). Every state is the Python path's, slot by slot."""
     mapped = []
     map_rows = kernels.map_rows
     monkeypatch.setattr(kernels, "map_rows", lambda *a, **k: mapped.append(1) or map_rows(*a, **k))
     config = pnn.TableConfig(
-        num_embeddings=None, embedding_dim=DIM, optimizer="Adagrad", max_rows=6
+        num_embeddings=None, embedding_dim=DIM, optimizer="Adagrad", max_rows=8
     )
     steps = [
         ("push", [2, 4, 6, 8, 10, 12]),
         ("lookup", [12, 8, 6]), ("push", [12, 8, 6]),  # taken: nothing changed
+        ("lookup", [10, 12, 20]), ("python", [20, 22]),  # rows made, none gone
+        ("push", [10, 12, 20]),  # taken, 20's row found: held now
         ("lookup", [10, 12]), ("python", [14, 16, 18]),  # full: three go, rows move
         ("push", [10, 12]),  # the lookup's rows may be others' now: mapped again
         ("lookup", [16, 18]), ("push", [18, 16]),  # another order: mapped again
-        ("lookup", [16, 18, 20]), ("push", [16, 18, 20]),  # 20 not held: taken as -1, made
+        ("lookup", [16, 18, 30]), ("push", [16, 18, 30]),  # 30 not held: taken as -1, made
     ]  # fmt: skip
     g = torch.Generator().manual_seed(8)
     grads = [torch.randn(len(ids), DIM, generator=g) for _, ids in steps]
@@ -851,14 +854,13 @@ def test_a_push_takes_its_lookups_rows_while_the_table_keeps_them(
                     push_rows(client, name, torch.tensor(ids), grad)
                     states.append({**hashed_state(server), "mapped": torch.tensor(len(mapped))})
                 kept.append(len(table.mapped))
-            outcomes.append((states, kept, native_push_of(server).served))
-    (native_states, kept, served), (python_states, _, none) = outcomes
-    assert served == 5 and none == 0
-    # The kernels mapped the first push's ids and those after a change or in another order.
-    assert [int(s.pop("mapped")) for s in native_states] == [1, 1, 1, 2, 3, 3]
-    assert kept == [0, 1, 0, 1, 1, 0, 1, 0, 1, 0]  # a lookup kept until its task's next push
-    evicted = table.stats["evicted"]
-    assert evicted >= 3
+            outcomes.append((states, kept, native_push_of(server).served, table.stats))
+    (native_states, kept, served, stats), (python_states, _, none, python_stats) = outcomes
+    assert served == 6 and none == 0
+    # The kernels mapped the first push's ids and those after an eviction or in another order.
+    assert [int(s.pop("mapped")) for s in native_states] == [1, 1, 1, 1, 1, 2, 3, 3]
+    assert kept == [0, 1, 0, 1, 1, 0, 1, 1, 0, 1, 0, 1, 0]  # kept until its task's next push
+    assert stats == python_stats and stats["evicted"] >= 3
     for native_rows, python_rows in zip(native_states, python_states, strict=True):
         python_rows.pop("mapped")
         assert native_rows.keys() == python_rows.keys()
