@@ -25,6 +25,7 @@ from psflow.transport import wire
 from psflow.transport.auth import configure_client
 from psflow.transport.config import TransportConfig, endpoint
 from psflow.transport.errors import PeerError, PeerTimeoutError
+from psflow.transport.looks import Looks
 from psflow.transport.monitor import Event, Link, Monitor
 from psflow.transport.receiver import Receiver, Reply, _Peer
 from psflow.transport.shm import Lane, LaneError
@@ -65,6 +66,7 @@ class Client(Receiver):
         self._peers: dict[str, _Peer] = {}
         # Each request in flight: its peer, and whether it went through the peer's lane.
         self._inflight: dict[int, tuple[_Peer, bool]] = {}
+        self._looks = Looks()
         self._next_id = 1
         self._lane_retired: list[Callable[[np.ndarray[Any, Any]], None]] = []
         self._monitor = Monitor("psflow-client-monitor", self._on_event)

@@ -21,6 +21,7 @@ from psflow.protocol.messages import IN_REQUEST_AREA, Key, Op
 from psflow.transport import wire
 from psflow.transport.config import TransportConfig
 from psflow.transport.errors import PeerError, PeerLostError, PeerTimeoutError
+from psflow.transport.looks import Looks
 from psflow.transport.monitor import Link
 from psflow.transport.shm import Lane, LaneError
 
@@ -94,6 +95,9 @@ class Receiver:
     """Each request in flight: its peer, and whether it went through the peer's lane."""
     _lane_retired: list[Callable[[np.ndarray[Any, Any]], None]]
     """Called with a lane's reply area when a late reply may still write there."""
+    _looks: Looks
+    """Whether the waits on several lanes at once have been ending within the spin time (a
+    wait on one lane keeps the lane's own)."""
 
     def _drop_lane(self, peer: _Peer) -> None:
         if peer.lane is not None:
@@ -178,11 +182,14 @@ class Receiver:
         # The doorbells (transport.shm): look at the lanes for a while, yielding the core, then
         # sleep. Not at sockets: their messages come through ZeroMQ's I/O threads, which need
         # the cores a look would take.
-        until = time.monotonic() + (min(spin, left) if not socks else 0.0)
+        begun = time.monotonic()
+        looks = spin > 0 and not socks and self._looks.worth()
+        until = begun + (min(spin, left) if looks else 0.0)
         while not arrivals and time.monotonic() < until:
             os.sched_yield()
             arrivals = self._arrived(lanes, socks)
         if arrivals:
+            self._looks.waited(time.monotonic() - begun, spin=spin)
             return arrivals
         poller = zmq.Poller()
         for fd in lanes:
@@ -206,7 +213,10 @@ class Receiver:
             for peer in lanes.values():
                 if peer.lane is not None:
                     peer.lane.sleep_for_replies(False)
-        return self._arrived(lanes, socks)
+        arrivals = self._arrived(lanes, socks)
+        if arrivals and not socks:
+            self._looks.waited(time.monotonic() - begun, spin=spin)
+        return arrivals
 
     @staticmethod
     def _arrived(

@@ -31,6 +31,7 @@ from psflow.protocol.messages import Code, Key, Op
 from psflow.transport import wire
 from psflow.transport.auth import Gatekeeper, configure_server
 from psflow.transport.config import TransportConfig, endpoint
+from psflow.transport.looks import Looks
 from psflow.transport.monitor import Event, Monitor, RateLimitedLog
 from psflow.transport.replier import Replier, Request, _error
 from psflow.transport.shm import Lane, LaneError
@@ -144,6 +145,8 @@ class Server(Replier):
         self._ready: deque[Request] = deque()
         self._last_request = 0.0
         """When the last request was handed out (the doorbells' spin counts from it)."""
+        self._looks = Looks()
+        """Whether the next request has been coming within the spin time of the last."""
 
     def _on_event(self, address: str, event: Event) -> None:
         # The monitor's thread.
@@ -237,7 +240,7 @@ class Server(Replier):
             for lane in lanes:
                 lane.sleep_for_requests(False)
         if self._ready:
-            self._last_request = time.monotonic()
+            self._came()
             return self._ready.popleft()
         return None
 
@@ -245,7 +248,7 @@ class Server(Replier):
         """Looks for requests for at most the spin time after the last one (and ``timeout``),
         yielding the core at every look; whether one came."""
         spin = self.config.spin_seconds
-        if spin <= 0:
+        if spin <= 0 or not self._looks.worth():
             return False
         now = time.monotonic()
         until = min(self._last_request + spin, now + timeout)
@@ -263,9 +266,16 @@ class Server(Replier):
         if self._socket_may_have() and self._sock.getsockopt(zmq.EVENTS) & _POLLIN:
             self._collect_socket()
         if self._ready:
-            self._last_request = time.monotonic()
+            self._came()
             return True
         return False
+
+    def _came(self) -> None:
+        """Requests have come: the time the next spin counts from, and whether this one came
+        within the spin time of the last."""
+        now = time.monotonic()
+        self._looks.waited(now - self._last_request, spin=self.config.spin_seconds)
+        self._last_request = now
 
     def _socket_may_have(self) -> bool:
         """Whether a message may wait on the socket, without asking ZeroMQ when its

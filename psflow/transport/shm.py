@@ -64,6 +64,7 @@ import numpy as np
 
 from psflow.cluster import shmfiles
 from psflow.cluster.shmfiles import SHM_DIR
+from psflow.transport.looks import Looks
 from psflow.transport.wire import AreaViews, lane_bytes
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,8 @@ class Lane:
         self._bells = memoryview(buf)[TOKEN_BYTES : TOKEN_BYTES + 32].cast("Q")
         self._requests_seen = self._bells[_REQUESTS]
         self._replies_seen = self._bells[_REPLIES]
+        self._looks = Looks()
+        """Whether the client's waits for replies have been ending within the spin time."""
         start = _START
         # Headers through memoryviews: for a small step, numpy's per-call cost would show.
         self._request_header = memoryview(buf)[start : start + HEADER_BYTES]
@@ -335,20 +338,23 @@ class Lane:
 
     def wait_reply(self, timeout: float, spin: float = 0.0) -> bool:
         """Waits up to ``timeout`` seconds for a reply: looking at the count for up to ``spin``
-        seconds (see the module docstring), then asleep on the replies FIFO.
+        seconds (see the module docstring) while the last replies came that soon
+        (:class:`~psflow.transport.looks.Looks`), then asleep on the replies FIFO.
 
         Raises:
             LaneError: when the other side has closed its end (it exited) with nothing to read.
         """
         if self.has_reply():
+            self._looks.waited(0.0, spin=spin)
             return True
-        now = time.monotonic()
-        deadline = now + timeout
-        if spin > 0:
-            until = min(deadline, now + spin)
+        begun = time.monotonic()
+        deadline = begun + timeout
+        if spin > 0 and self._looks.worth():
+            until = min(deadline, begun + spin)
             while time.monotonic() < until:
                 os.sched_yield()
                 if self.has_reply():
+                    self._looks.waited(time.monotonic() - begun, spin=spin)
                     return True
         if self._reply_poller is None:
             self._reply_poller = select.poll()
@@ -359,6 +365,7 @@ class Lane:
             while True:
                 _fence()
                 if self.has_reply():
+                    self._looks.waited(time.monotonic() - begun, spin=spin)
                     return True
                 left = deadline - time.monotonic()
                 if left <= 0:

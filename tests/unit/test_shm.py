@@ -355,3 +355,46 @@ def test_spin_is_given_in_microseconds(monkeypatch: pytest.MonkeyPatch) -> None:
     assert TransportConfig().spin_seconds == 0.0005
     monkeypatch.setenv("PSFLOW_SPIN_US", "0")  # never look: sleep at once
     assert TransportConfig().spin_seconds == 0.0
+
+
+@pytest.mark.parametrize("odds", [0.75, 0.0])
+def test_a_lane_looks_only_while_replies_have_been_coming_soon(
+    lane: Lane, odds: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A waiter looks at the count (yielding its core at each look) while its last replies came
+    within the spin time, else it sleeps at once; either way the reply is found, and the wait
+    counts in the odds."""
+    import threading
+
+    from psflow.transport.shm import _CLIENT_ASLEEP
+
+    server = Lane.attach(lane.name, lane.token, 65536, 8192)
+    looked = threading.Event()
+    yields = []
+    real_yield = os.sched_yield
+
+    def counted_yield() -> None:
+        if threading.current_thread() is waiter:
+            yields.append(1)
+            looked.set()
+        real_yield()
+
+    monkeypatch.setattr(os, "sched_yield", counted_yield)
+    lane._looks.odds = odds
+    got: list[bool] = []
+    waiter = threading.Thread(target=lambda: got.append(lane.wait_reply(60, 60.0)))
+    waiter.start()
+    if odds:
+        assert looked.wait(30)  # looking: the reply comes while it looks
+    else:
+        for _ in range(3000):  # asleep: the reply comes once it said so
+            if lane._bells[_CLIENT_ASLEEP]:
+                break
+            looked.wait(0.01)
+        assert lane._bells[_CLIENT_ASLEEP]
+    assert server.post_reply(b"late")
+    waiter.join(60)
+    assert got == [True] and lane.take_reply() == b"late"
+    assert bool(yields) == bool(odds)
+    assert lane._looks.odds > odds  # the wait counted: within the spin time, it paid
+    server.close()
