@@ -96,8 +96,8 @@ class Receiver:
     _lane_retired: list[Callable[[np.ndarray[Any, Any]], None]]
     """Called with a lane's reply area when a late reply may still write there."""
     _looks: Looks
-    """Whether the waits on several lanes at once have been ending within the spin time (a
-    wait on one lane keeps the lane's own)."""
+    """Whether the waits for several replies at once have been ending within the spin time
+    (a wait on one lane keeps the lane's own)."""
 
     def _drop_lane(self, peer: _Peer) -> None:
         if peer.lane is not None:
@@ -133,18 +133,27 @@ class Receiver:
         """
         w = _Wait(rids, into, lane_views, into_of, request_views)
         timeout = self.config.timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
+        begun = time.monotonic()
+        deadline = begun + timeout
+        several = len(w.want) > 1
+        look = self._looks.worth()
         while w.want:
             left = deadline - time.monotonic()
             if left <= 0:
                 self._timeout(w.want, timeout)
-            for peer, parts in self._arrivals(w.want, left):
+            for peer, parts in self._arrivals(w.want, left, look):
                 self._take(peer, parts, w)
+        if several:  # a wait on one lane counts in that lane's odds (Lane.wait_reply)
+            self._looks.waited(time.monotonic() - begun, spin=self.config.spin_seconds)
         return w.replies
 
-    def _arrivals(self, want: set[int], left: float) -> Sequence[tuple[_Peer, list[Any] | None]]:
+    def _arrivals(
+        self, want: set[int], left: float, look: bool = True
+    ) -> Sequence[tuple[_Peer, list[Any] | None]]:
         """Waits up to ``left`` seconds for messages that may answer ``want``: each is its
-        peer, with the message's frames when it came by socket (``None``: by lane).
+        peer, with the message's frames when it came by socket (``None``: by lane). Several
+        lanes are looked at before it sleeps with ``look`` (their whole wait's odds: the first
+        reply of a step may be the late one, the others' soon after).
 
         Raises:
             PeerLostError: when a lane a request went through has been hung up.
@@ -182,14 +191,11 @@ class Receiver:
         # The doorbells (transport.shm): look at the lanes for a while, yielding the core, then
         # sleep. Not at sockets: their messages come through ZeroMQ's I/O threads, which need
         # the cores a look would take.
-        begun = time.monotonic()
-        looks = spin > 0 and not socks and self._looks.worth()
-        until = begun + (min(spin, left) if looks else 0.0)
+        until = time.monotonic() + (min(spin, left) if look and not socks else 0.0)
         while not arrivals and time.monotonic() < until:
             os.sched_yield()
             arrivals = self._arrived(lanes, socks)
         if arrivals:
-            self._looks.waited(time.monotonic() - begun, spin=spin)
             return arrivals
         poller = zmq.Poller()
         for fd in lanes:
@@ -213,10 +219,7 @@ class Receiver:
             for peer in lanes.values():
                 if peer.lane is not None:
                     peer.lane.sleep_for_replies(False)
-        arrivals = self._arrived(lanes, socks)
-        if arrivals and not socks:
-            self._looks.waited(time.monotonic() - begun, spin=spin)
-        return arrivals
+        return self._arrived(lanes, socks)
 
     @staticmethod
     def _arrived(

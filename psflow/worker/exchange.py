@@ -239,8 +239,10 @@ class ParameterExchange:
         whole = self._whole
         for shard, (header, tensors) in replies.items():
             # Tensors in a lane or in frames of their own may be adopted; inline ones are
-            # views of one blob per message, copied.
-            adopt = Key.INLINE not in header
+            # views of one blob per message, and values that came beside prefetched rows in a
+            # lane's request area (which the next request overwrites), copied: into the
+            # model's memory, which stays where it is (no new tensors a step).
+            adopt = Key.INLINE not in header and not _in_request_area(header)
             for var, value in tensors:
                 dst = views.get(var)
                 if dst is None or shard_of[var] != shard:
@@ -317,12 +319,7 @@ class ParameterExchange:
         )
         if prefetch:
             rest = self.tables.put_prefetched({s: t for s, (_, t) in replies.items()})
-            # Values that came beside the rows, in a lane's request area, are copied out: the
-            # next request overwrites that area.
-            replies = {
-                s: (h, [(n, t.clone()) for n, t in rest[s]] if _in_request_area(h) else rest[s])
-                for s, (h, _) in replies.items()
-            }
+            replies = {s: (h, rest[s]) for s, (h, _) in replies.items()}
         before = self.global_step
         step = self.load(replies)
         # The other workers' updates applied between this worker's last pull and its push.

@@ -855,7 +855,9 @@ def test_prefetched_rows_stay_in_the_lanes_until_a_request_would_overwrite_them(
     """Prefetched rows large enough for the lanes come back in each shard's request area and
     are used there by the next forward; a request to a shard in between (another table's
     lookup, made first in the forward) first moves them out. The dense values that came with
-    them are copied out at once. Either way one worker trains exactly as without prefetch."""
+    them are copied into the model at once (the next request overwrites that area: adopted
+    there, the model's weights would become the next request's bytes). Either way one worker
+    trains exactly as without prefetch."""
     rows, dim, n = 4000, 64, 600
     g = torch.Generator().manual_seed(5)
     data = [torch.randint(0, rows, (2, n), generator=g) for _ in range(5)]
@@ -867,7 +869,8 @@ def test_prefetched_rows_stay_in_the_lanes_until_a_request_would_overwrite_them(
             {
                 "a": pnn.Embedding(rows, dim, seed=3, init_std=0.1, optimizer="Adagrad"),
                 "b": pnn.Embedding(rows, dim, seed=4, init_std=0.1, optimizer="Adagrad"),
-                "head": torch.nn.Linear(dim, 1),  # dense values come back with the rows
+                # Dense values come back with the rows, in the request area too: 128 KB.
+                "head": torch.nn.Linear(dim, 512),
             }
         )
         torch.nn.init.constant_(model["head"].weight, 0.5)
