@@ -163,7 +163,8 @@ memory (:mod:`psflow.transport.shm`); ``0`` sends everything through the socket.
 PSFLOW_SPIN_US = "PSFLOW_SPIN_US"
 """Microseconds (default 2000) that a side of a shared-memory lane looks for the next message
 after its last one, yielding its core, before it sleeps on its FIFO (:mod:`psflow.transport.shm`,
-the doorbells); ``0`` sleeps at once. Looking spares both sides a wake-up per message."""
+the doorbells), while its last waits ended that soon (:mod:`psflow.transport.looks`); ``0``
+sleeps at once. Looking spares both sides a wake-up per message."""
 
 PSFLOW_KERNELS = "PSFLOW_KERNELS"
 """``1`` (default): psflow's C extensions are used where the install built them: a ps applies

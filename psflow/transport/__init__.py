@@ -19,7 +19,8 @@ the reply's code, for the layer above to act on.
 - ``receiver.py``: how a client waits for its replies (``Receiver``, the base of
   :class:`Client`: lanes and sockets at once, a deadline naming the late peers).
 - ``shm.py``: :class:`Lane`, shared memory for large tensors between a client and a server on
-  the same host.
+  the same host; ``looks.py``: whether a side of a lane looks for its next message before it
+  sleeps.
 - ``auth.py``: CurveZMQ keys, :func:`generate_keys`, :class:`CurveKeys`; the server's ZAP
   authenticator that logs the clients it refuses.
 - ``monitor.py``: connection reports of sockets read in the background: why a peer is silent

@@ -48,8 +48,8 @@ class TransportConfig:
         default_factory=lambda: envvars.micros(envvars.PSFLOW_SPIN_US, SPIN_SECONDS)
     )
     """How long after its last message a side of a shared-memory lane looks for the next one
-    before it sleeps (``PSFLOW_SPIN_US``; 0: it sleeps at once). See the doorbells in
-    :mod:`psflow.transport.shm`."""
+    before it sleeps, while its last waits ended that soon (``PSFLOW_SPIN_US``; 0: it sleeps at
+    once). See the doorbells in :mod:`psflow.transport.shm` and :mod:`psflow.transport.looks`."""
     wait_log_seconds: float = field(
         default_factory=lambda: envvars.seconds(envvars.PSFLOW_WAIT_LOG_SECONDS, 10.0)
     )

@@ -32,7 +32,8 @@ each tensor 64-byte aligned (see ``wire.lane_bytes``).
 count that the client raises, a reply count that the server raises): a side knows a message
 has come when the count differs from the last one it took. A side that waits looks at the
 count for a short while first (``spin``: at most :data:`SPIN_SECONDS` after its last message,
-yielding its core to any other runnable task at every look), then says it sleeps (a flag in the
+yielding its core to any other runnable task at every look, and only while its last waits ended
+that soon: :mod:`psflow.transport.looks`), then says it sleeps (a flag in the
 segment) and blocks on its FIFO; the poster writes the FIFO's byte only to a sleeper. On these
 virtual machines a FIFO's wake-up costs each side tens of microseconds (a pipe round trip took
 55-76 us, a look at shared memory 1.2 us), and a step of a sparse job makes four round trips.
