@@ -360,3 +360,83 @@ def test_a_port_held_for_a_moment_is_bound_once_free_and_one_held_on_is_named(
         held.listen()
         with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}.*in use"):
             Server(f"127.0.0.1:{port}", config)
+
+
+@pytest.mark.parametrize("odds", [0.75, 0.0])
+def test_a_wait_on_several_lanes_looks_by_the_odds_of_whole_waits(
+    odds: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wait for two servers' replies, each through its lane: the client looks at the lanes
+    (yielding its core) while its last such waits ended within the spin time, else it sleeps
+    at once; either way both replies are taken, and the whole wait counts in the odds (once
+    one reply is in, the wait for the other is its lane's, by that lane's odds)."""
+    import os
+
+    from psflow.transport.shm import _CLIENT_ASLEEP
+
+    config = TransportConfig(timeout=30, shared_memory=True, spin_seconds=60.0)
+    ports = free_ports(2)
+    servers = [Server(f"127.0.0.1:{port}", config) for port in ports]
+    client = Client({f"ps:{i}": f"127.0.0.1:{port}" for i, port in enumerate(ports)}, config)
+    stop, release = threading.Event(), threading.Event()
+    threads = []
+    for server in servers:
+
+        def answer(request: Request, server: Server = server) -> None:
+            if request.lane is not None:  # the wait under test: replies once released
+                release.wait(30)
+            server.reply(request, {Key.OP: Op.OK})
+
+        threads.append(threading.Thread(target=_serve, args=(server, answer, stop)))
+        threads[-1].start()
+    waiter: threading.Thread | None = None
+    try:
+        for _ in range(2):  # the first round trip attaches each lane, the second goes by it
+            rids = [client.send(f"ps:{i}", {Key.OP: Op.PUSH}) for i in range(2)]
+            if all(client.lane(f"ps:{i}") is not None for i in range(2)):
+                break
+            release.set()
+            client.wait(rids, 30)
+            release.clear()
+        lanes = [client.lane(f"ps:{i}") for i in range(2)]
+        assert all(lane is not None for lane in lanes)
+        yields: list[int] = []
+        looked = threading.Event()
+        real_yield = os.sched_yield
+
+        def counted_yield() -> None:
+            if threading.current_thread() is waiter:
+                yields.append(1)
+                looked.set()
+            real_yield()
+
+        monkeypatch.setattr(os, "sched_yield", counted_yield)
+        client._looks.odds = odds
+        for lane in lanes:  # the last reply's wait is on its lane alone: that lane's odds
+            lane._looks.odds = odds  # type: ignore[union-attr]
+        got: list[object] = []
+        waiter = threading.Thread(target=lambda: got.append(client.wait(rids, 30)))
+        waiter.start()
+        if odds:
+            assert looked.wait(30)  # looking: the replies come while it looks
+        else:  # asleep: the replies come once it said so on both lanes
+            for _ in range(3000):
+                if all(lane._bells[_CLIENT_ASLEEP] for lane in lanes):  # type: ignore[union-attr]
+                    break
+                looked.wait(0.01)
+            assert all(lane._bells[_CLIENT_ASLEEP] for lane in lanes)  # type: ignore[union-attr]
+        release.set()
+        waiter.join(30)
+        assert len(got) == 1 and len(got[0]) == 2  # type: ignore[arg-type]
+        assert bool(yields) == bool(odds)
+        assert client._looks.odds > odds  # the whole wait counted, within the spin time
+    finally:
+        release.set()
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+        if waiter is not None:
+            waiter.join(10)
+        client.close()
+        for server in servers:
+            server.close()
