@@ -26,7 +26,10 @@ The model is ``examples/ctr.py``'s DLRM in DeepRec's shape (embedding dim 16, bo
 Printed per job and path: samples/s, samples/s per core (the cores the job's processes may
 use: ``min(P + W, cores)``), and efficiency: the job's samples/s over the ``procs`` ceiling of
 that many cores (each process's rate times the cores; measured once on all of them, so a
-machine whose clock drops with load is not flattered). The last line is one JSON object.
+machine whose clock drops with load is not flattered); and against the ``threads`` ceiling
+(``vs_threads``: issue 35's yardstick on a small host), read again after each job in the full
+preset and taken as the mean of the readings before and after it (on 2 cores one reading moved
+by a fifth within an hour). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "ceiling_steps": 300,
         "ceiling_batches": 40,
         "repeat": 1,
+        # The 2-thread yardstick moved 35k-43k samples/s between runs of one hour on 2 cores:
+        # read again after each job, each job's ratio taken against the readings around it.
+        "yardstick_each": True,
     },
     # The suite's: the plumbing of every part on a tiny model, one job of each path.
     "smoke": {
@@ -323,6 +329,7 @@ def main() -> None:
             flush=True,
         )
         rows = []
+        yardsticks = [ceiling_threads]
         variants: list[tuple[str, list[str], Path, dict[str, str]]] = [("", [], ROOT, {})]
         against = bool(args.against or args.against_tree or args.against_env)
         if against:
@@ -355,6 +362,16 @@ def main() -> None:
                 if against:
                     ratio = entry[f"{path}_samples_per_s"] / entry[f"against_{path}_samples_per_s"]
                     entry[f"{path}_vs_against"] = round(ratio, 3)
+            if p.get("yardstick_each"):
+                yardsticks.append(run_ceiling(args, p, data, 1, cores))
+                print(f"1 process of {cores} threads again: {yardsticks[-1]:,.0f}", flush=True)
+            around = yardsticks[-2:]  # the readings before and after this job
+            entry["threads_around"] = [round(y) for y in around]
+            yardstick = sum(around) / len(around)
+            for path in p.get("paths", ("shm", "socket")):
+                for label, *_ in variants:
+                    rate = entry[f"{label}{path}_samples_per_s"]
+                    entry[f"{label}{path}_vs_threads"] = round(rate / yardstick, 3)
             print(json.dumps(entry), flush=True)
             rows.append(entry)
     result = {
@@ -369,13 +386,12 @@ def main() -> None:
         "ceiling_procs": round(ceiling_procs),
         "ceiling_per_core": round(per_core),
         "ceiling_threads": round(ceiling_threads),
+        "ceiling_threads_runs": [round(y) for y in yardsticks],
         "jobs": rows,
-        # On a small host the issue's yardstick: the job against one process of all threads.
+        # On a small host the issue's yardstick: the job against one process of all threads,
+        # as read before and after that job (the full preset reads it after each).
         "vs_threads": {
-            r["job"]: {
-                path: round(r[f"{path}_samples_per_s"] / ceiling_threads, 3)
-                for path in p.get("paths", ("shm", "socket"))
-            }
+            r["job"]: {path: r[f"{path}_vs_threads"] for path in p.get("paths", ("shm", "socket"))}
             for r in rows
         },
         "machine": machine(),

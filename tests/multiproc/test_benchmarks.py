@@ -96,6 +96,12 @@ def test_scaling_benchmark() -> None:
     assert job["shm_samples_per_s"] > 0 and "socket_samples_per_s" not in job
     share = job["shm_samples_per_s"] / (result["ceiling_per_core"] * job["cores"])
     assert job["shm_efficiency"] == pytest.approx(share, abs=2e-3)
+    # Against the 2-thread process as read around the job (once before it, in this preset).
+    assert job["threads_around"] == [result["ceiling_threads"]]
+    vs = job["shm_samples_per_s"] / result["ceiling_threads"]
+    assert (
+        job["shm_vs_threads"] == result["vs_threads"]["1x1"]["shm"] == pytest.approx(vs, abs=2e-3)
+    )
 
 
 def test_dense_optimizer_benchmark() -> None:
