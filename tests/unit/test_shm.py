@@ -379,10 +379,10 @@ def test_a_lane_looks_only_while_replies_have_been_coming_soon(
             looked.set()
         real_yield()
 
-    monkeypatch.setattr(os, "sched_yield", counted_yield)
-    lane._looks.odds = odds
     got: list[bool] = []
     waiter = threading.Thread(target=lambda: got.append(lane.wait_reply(60, 60.0)))
+    monkeypatch.setattr(os, "sched_yield", counted_yield)
+    lane._looks.odds = odds
     waiter.start()
     if odds:
         assert looked.wait(30)  # looking: the reply comes while it looks
