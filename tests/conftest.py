@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from psflow.env import OMP_NUM_THREADS, TASK_DEFAULTS, threads_per_task
+from tests.yields import yields  # noqa: F401 (a fixture: a thread's looks counted)
 
 ROOT = Path(__file__).resolve().parent.parent
 

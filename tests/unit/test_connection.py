@@ -24,6 +24,7 @@ from psflow.transport import (
     TransportConfig,
     wire,
 )
+from tests.yields import Yields
 
 
 def _frame_spans(frames: list[object]) -> list[tuple[int, int]]:
@@ -364,14 +365,12 @@ def test_a_port_held_for_a_moment_is_bound_once_free_and_one_held_on_is_named(
 
 @pytest.mark.parametrize("odds", [0.75, 0.0])
 def test_a_wait_on_several_lanes_looks_by_the_odds_of_whole_waits(
-    odds: float, monkeypatch: pytest.MonkeyPatch
+    odds: float, yields: Yields
 ) -> None:
     """A wait for two servers' replies, each through its lane: the client looks at the lanes
     (yielding its core) while its last such waits ended within the spin time, else it sleeps
     at once; either way both replies are taken, and the whole wait counts in the odds (once
     one reply is in, the wait for the other is its lane's, by that lane's odds)."""
-    import os
-
     from psflow.transport.shm import _CLIENT_ASLEEP
 
     config = TransportConfig(timeout=30, shared_memory=True, spin_seconds=60.0)
@@ -400,35 +399,25 @@ def test_a_wait_on_several_lanes_looks_by_the_odds_of_whole_waits(
             release.clear()
         lanes = [client.lane(f"ps:{i}") for i in range(2)]
         assert all(lane is not None for lane in lanes)
-        yields: list[int] = []
-        looked = threading.Event()
-        real_yield = os.sched_yield
-
-        def counted_yield() -> None:
-            if threading.current_thread() is waiter:
-                yields.append(1)
-                looked.set()
-            real_yield()
-
-        monkeypatch.setattr(os, "sched_yield", counted_yield)
         client._looks.odds = odds
         for lane in lanes:  # the last reply's wait is on its lane alone: that lane's odds
             lane._looks.odds = odds  # type: ignore[union-attr]
         got: list[object] = []
         waiter = threading.Thread(target=lambda: got.append(client.wait(rids, 30)))
+        yields.thread = waiter
         waiter.start()
         if odds:
-            assert looked.wait(30)  # looking: the replies come while it looks
+            assert yields.looked.wait(30)  # looking: the replies come while it looks
         else:  # asleep: the replies come once it said so on both lanes
             for _ in range(3000):
                 if all(lane._bells[_CLIENT_ASLEEP] for lane in lanes):  # type: ignore[union-attr]
                     break
-                looked.wait(0.01)
+                yields.looked.wait(0.01)
             assert all(lane._bells[_CLIENT_ASLEEP] for lane in lanes)  # type: ignore[union-attr]
         release.set()
         waiter.join(30)
         assert len(got) == 1 and len(got[0]) == 2  # type: ignore[arg-type]
-        assert bool(yields) == bool(odds)
+        assert bool(yields.count) == bool(odds)
         assert client._looks.odds > odds  # the whole wait counted, within the spin time
     finally:
         release.set()

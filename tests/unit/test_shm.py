@@ -9,6 +9,7 @@ import torch
 
 from psflow.transport import wire
 from psflow.transport.shm import _REPLIES, HEADER_BYTES, SHM_DIR, Lane, LaneError
+from tests.yields import Yields
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
 
@@ -359,7 +360,7 @@ def test_spin_is_given_in_microseconds(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("odds", [0.75, 0.0])
 def test_a_lane_looks_only_while_replies_have_been_coming_soon(
-    lane: Lane, odds: float, monkeypatch: pytest.MonkeyPatch
+    lane: Lane, odds: float, yields: Yields
 ) -> None:
     """A waiter looks at the count (yielding its core at each look) while its last replies came
     within the spin time, else it sleeps at once; either way the reply is found, and the wait
@@ -369,32 +370,21 @@ def test_a_lane_looks_only_while_replies_have_been_coming_soon(
     from psflow.transport.shm import _CLIENT_ASLEEP
 
     server = Lane.attach(lane.name, lane.token, 65536, 8192)
-    looked = threading.Event()
-    yields = []
-    real_yield = os.sched_yield
-
-    def counted_yield() -> None:
-        if threading.current_thread() is waiter:
-            yields.append(1)
-            looked.set()
-        real_yield()
-
-    got: list[bool] = []
-    waiter = threading.Thread(target=lambda: got.append(lane.wait_reply(60, 60.0)))
-    monkeypatch.setattr(os, "sched_yield", counted_yield)
     lane._looks.odds = odds
-    waiter.start()
+    got: list[bool] = []
+    yields.thread = threading.Thread(target=lambda: got.append(lane.wait_reply(60, 60.0)))
+    yields.thread.start()
     if odds:
-        assert looked.wait(30)  # looking: the reply comes while it looks
+        assert yields.looked.wait(30)  # looking: the reply comes while it looks
     else:
         for _ in range(3000):  # asleep: the reply comes once it said so
             if lane._bells[_CLIENT_ASLEEP]:
                 break
-            looked.wait(0.01)
+            yields.looked.wait(0.01)
         assert lane._bells[_CLIENT_ASLEEP]
     assert server.post_reply(b"late")
-    waiter.join(60)
+    yields.thread.join(60)
     assert got == [True] and lane.take_reply() == b"late"
-    assert bool(yields) == bool(odds)
+    assert bool(yields.count) == bool(odds)
     assert lane._looks.odds > odds  # the wait counted: within the spin time, it paid
     server.close()
