@@ -171,7 +171,9 @@ def test_linear_regression_across_both_nodes_survives_a_killed_ps_and_worker(
     are SIGKILLed mid-run and Ray restarts them as psflow launch --max-restarts would."""
     faults = [
         *("--once", str(tmp_path / "faults")),
-        # The ps after the checkpoint at 500 (the chief restores it), then a worker (it rejoins).
+        # The ps after the checkpoint at 500 (the chief restores it), then a worker (it rejoins);
+        # once that checkpoint is complete, however fast the steps run.
+        *("--after-checkpoint", str(tmp_path / "run")),
         *("--kill-at", "ps:0@1000"),
         *("--kill-at", "worker:1@1500"),
     ]
