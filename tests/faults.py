@@ -22,9 +22,10 @@ program (a script, or ``-c CODE``) through this one, which injects the faults fi
 - ``--slow-save 1.5``: every checkpoint shard this process (a ps) writes waits 1.5 s, fully
   written under its temporary name, before its rename: a window to kill the task in.
 - ``--after-checkpoint DIR`` (before the other flags): a fault past its step waits until
-  ``DIR`` holds a complete checkpoint: a schedule that needs one to restore from holds however
-  fast the steps run (500 steps of the linear regression take a tenth of a second on a fast
-  host, less than a checkpoint's writing and recording).
+  ``DIR`` holds a complete checkpoint (``DIR@1500``: one of global step 1500 or later): a
+  schedule that needs one to restore from holds however fast the steps run (500 steps of the
+  linear regression take a tenth of a second on a fast host, less than a checkpoint's writing
+  and recording).
 """
 
 from __future__ import annotations
@@ -49,18 +50,22 @@ FAULTS = Path(__file__).resolve()
 ONCE: Path | None = None
 """``--once DIR``: where each task marks the kill it did (it is not done again)."""
 
-AFTER_CHECKPOINT: Path | None = None
-"""``--after-checkpoint DIR``: faults wait for a complete checkpoint there."""
+AFTER_CHECKPOINT: tuple[Path, int] | None = None
+"""``--after-checkpoint DIR[@STEP]``: faults wait for a complete checkpoint there, of at least
+that global step."""
 
 
 def _checkpointed() -> bool:
     """Whether a fault past its step may strike: without ``--after-checkpoint``, at once;
-    with it, once its directory holds a complete checkpoint."""
+    with it, once its directory holds a complete checkpoint of at least its step."""
     if AFTER_CHECKPOINT is None:
         return True
     from psflow.train import CheckpointDir
 
-    return CheckpointDir(str(AFTER_CHECKPOINT)).latest() is not None
+    where, least = AFTER_CHECKPOINT
+    saved = CheckpointDir(str(where))
+    latest = saved.latest()
+    return latest is not None and saved.manifest(latest).global_step >= least
 
 
 def _strike(task: str, hang: float | None, step: int) -> None:
@@ -185,7 +190,8 @@ def main(argv: list[str]) -> None:
             ONCE = Path(value)
             ONCE.mkdir(parents=True, exist_ok=True)
         elif flag == "--after-checkpoint":
-            AFTER_CHECKPOINT = Path(value)
+            where, _, least = value.rpartition("@") if "@" in value else (value, "", "0")
+            AFTER_CHECKPOINT = (Path(where), int(least))
         elif flag in ("--kill-at", "--hang-at"):
             kill_at(value, hang=flag == "--hang-at")
         else:

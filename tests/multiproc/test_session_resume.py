@@ -41,7 +41,8 @@ def _launch(logdir: Path, faults: Sequence[str] = ()) -> subprocess.CompletedPro
 
 def test_killed_job_resumes_step_and_loss_from_the_last_checkpoint(tmp_path: Path) -> None:
     logdir = tmp_path / "run"
-    first = _launch(logdir, ["--kill-at", "worker:0@1750"])
+    # Killed once the checkpoint at 1500 is complete, however fast the steps run.
+    first = _launch(logdir, ["--after-checkpoint", f"{logdir}@1500", "--kill-at", "worker:0@1750"])
     assert first.returncode == 1, first.stderr[-3000:]
     assert "task worker:0 failed with signal 9" in first.stderr
     saved = CheckpointDir(str(logdir))
