@@ -123,7 +123,10 @@ def command(s: Scenario, workdir: Path, preload: str = "") -> list[str]:
     script += ["--logdir", str(workdir / "run")]
     if s.mode == "sync":
         script += ["--replicas_to_aggregate", str(WORKERS - 1)]
-    faults = [str(FAULTS), "--once", str(workdir / "faults"), flag, spec]
+    faults = [str(FAULTS), "--once", str(workdir / "faults")]
+    if s.role == "ps" and s.fault == "kill":  # restored from a checkpoint: one there first
+        faults += ["--after-checkpoint", str(workdir / "run")]
+    faults += [flag, spec]
     return [sys.executable, "-m", "psflow.cli", *launch, *faults, *script]
 
 
