@@ -176,11 +176,11 @@ class NativeLookup:
         if slots is None:
             return False
         versions = [t.map_version for t in tables]
-        absent = _absent(jobs, tables, slots)  # their ids read before the rows overlay them
+        absent = _absent(jobs, tables, ids, slots)
         kernels.gather_mapped(jobs, slots, held=True)
         for table, absent_ids, at, place in absent:
             table.initial_at(absent_ids, at, place, zeros=absent_zeros)
-        _remember(task, tables, ids, slots, versions)
+        _remember(task, jobs, tables, ids, slots, versions)
         return True
 
 
@@ -549,16 +549,14 @@ class NativePush:
                 anew.append(again)
             now = [t.map_version for t in tables]
             if now == versions:
-                start = 0
-                for table, known in zip(tables, ids, strict=True):
-                    _find_absent(table, known, slots[start : start + len(known)])
-                    start += len(known)
+                for table, known, part in zip(tables, ids, _parts(slots, jobs), strict=True):
+                    _find_absent(table, known, part)
             else:
                 remapped = kernels.map_lookup(anew, absent_ok=True)
                 assert remapped is not None, "ids the plan checked"
                 slots, versions = remapped, now
             jobs = anew
-        absent = _absent(jobs, tables, slots)
+        absent = _absent(jobs, tables, ids, slots)
         if plan.values_at:  # into the lane's request area (by socket they are raws)
             area = memoryview(plan.reply_area)  # memcpy's
             for offset, raw in zip(plan.values_at, store.wire_set.raws, strict=True):
@@ -568,7 +566,7 @@ class NativePush:
             table.initial_at(absent_ids, at, place)
         for cast in plan.narrow:  # after the update, as the Python path: it refuses here too
             cast.done()
-        _remember(plan.task, tables, ids, slots, versions)
+        _remember(plan.task, jobs, tables, ids, slots, versions)
         # Values sent by socket from their own memory: the next update waits until they left.
         live = plan.reply_raws is not None and request.header[_OP] == _PUSH_PULL
         host.reply_placed(request, header, plan.reply_metas, plan.reply_raws, live=live)
@@ -590,15 +588,19 @@ _LR_FIELD = 20
 """Where a job of :meth:`Rows.apply_job` holds its optimizer's rate (its first setting)."""
 
 
+def _parts(slots: np.ndarray[Any, Any], jobs: list[tuple[Any, ...]]) -> list[np.ndarray[Any, Any]]:
+    """Each job's rows, views of ``slots`` (every job's one after another, a job's count of
+    ids third in it: :meth:`Rows.lookup_job`'s and :meth:`Rows.apply_job`'s)."""
+    ends = list(itertools.accumulate(job[2] for job in jobs))
+    return [slots[end - job[2] : end] for job, end in zip(jobs, ends, strict=True)]
+
+
 def _keep(jobs: list[tuple[Any, ...]], tables: list[Rows], slots: np.ndarray[Any, Any]) -> None:
     """Before the kernels update the rows of ``jobs`` (at ``slots``, every job's one after
     another): the snapshots and exports being taken of their tables keep them."""
-    at = 0
-    for job, table in zip(jobs, tables, strict=True):
-        n = job[2]
+    for table, part in zip(tables, _parts(slots, jobs), strict=True):
         if table.keeping:
-            table.before_update(torch.from_numpy(slots[at : at + n]))
-        at += n
+            table.before_update(torch.from_numpy(part))
 
 
 def _held(
@@ -608,12 +610,8 @@ def _held(
     another, -1 where a hashed table does not hold an id), and the others' places with their
     rows (views of ``slots``)."""
     held, parts, others = [], [], []
-    at = 0
-    for i, job in enumerate(jobs):
-        n = job[2]
-        part = slots[at : at + n]
-        at += n
-        if n and int(part.min()) < 0:
+    for i, (job, part) in enumerate(zip(jobs, _parts(slots, jobs), strict=True)):
+        if len(part) and int(part.min()) < 0:
             others.append((i, part))
         else:
             held.append(job)
@@ -630,20 +628,18 @@ def _ids_of(jobs: list[tuple[Any, ...]]) -> list[np.ndarray[Any, Any]]:
 
 def _remember(
     task: str,
+    jobs: list[tuple[Any, ...]],
     tables: list[Rows],
     ids: list[np.ndarray[Any, Any]],
     slots: np.ndarray[Any, Any],
     versions: list[int],
 ) -> None:
-    """Each table's ``ids`` looked up by ``task`` kept with their rows (``slots``, every
-    table's one after another) as mapped at ``versions``, for its push of the same ids (a
-    table that keeps them: a hashed one)."""
-    at = 0
-    for table, known, version in zip(tables, ids, versions, strict=True):
-        n = len(known)
+    """Each table's ``ids`` (of its lookup job) looked up by ``task`` kept with their rows
+    (``slots``, every job's one after another) as mapped at ``versions``, for its push of the
+    same ids (a table that keeps them: a hashed one)."""
+    for table, known, part, version in zip(tables, ids, _parts(slots, jobs), versions, strict=True):
         if table.mapped is not None:
-            table.mapped.remember(task, known, slots[at : at + n], version)
-        at += n
+            table.mapped.remember(task, known, part, version)
 
 
 def _recalled(
@@ -695,10 +691,8 @@ def _without_padding(
     table's ``padding_idx`` where it came, once the kernels have checked every id: that row
     never changes, as the Python path drops its gradient (``Rows.apply``)."""
     out, parts = [], []
-    at, dropped = 0, False
-    for (_, table, n), job in zip(rows, jobs, strict=True):
-        part = slots[at : at + n]
-        at += n
+    dropped = False
+    for (_, table, n), job, part in zip(rows, jobs, _parts(slots, jobs), strict=True):
         pad = table.spec.padding_idx
         if pad is not None and n:
             ids_src, ids_offset, _, grads_src, grads_offset = job[:5]
@@ -714,25 +708,24 @@ def _without_padding(
 
 
 def _absent(
-    jobs: list[tuple[Any, ...]], tables: list[Rows], slots: np.ndarray[Any, Any]
+    jobs: list[tuple[Any, ...]],
+    tables: list[Rows],
+    ids: list[np.ndarray[Any, Any]],
+    slots: np.ndarray[Any, Any],
 ) -> list[tuple[HashedRows, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """For each lookup job with ids its table does not hold (-1 in ``slots``, every job's rows
-    one after another, of ``map_lookup(absent_ok=True)``): the table, a copy of those ids (the
-    rows may go where they lie), their places among the job's rows, and the job's rows where
-    the reply goes, for ``HashedRows.initial_at``."""
+    one after another, of ``map_lookup(absent_ok=True)``; ``ids``, each job's, copied out of
+    the request by :func:`_ids_of`): the table, those ids, their places among the job's rows,
+    and the job's rows where the reply goes, for ``HashedRows.initial_at``."""
     out = []
-    at = 0
-    for job, table in zip(jobs, tables, strict=True):
-        src, src_offset, n, dst, dst_offset = job[:5]
-        part = slots[at : at + n]
-        at += n
-        if not n or int(part.min()) >= 0:
+    for job, table, known, part in zip(jobs, tables, ids, _parts(slots, jobs), strict=True):
+        if not len(part) or int(part.min()) >= 0:
             continue
         assert isinstance(table, HashedRows), "only a hashed table leaves an id at -1"
         where = np.flatnonzero(part < 0)
-        ids = np.frombuffer(src, np.int64, n, src_offset)[where]  # a copy
-        place = _tensor(dst, dst_offset, table.dtype, (n, table.dim))
-        out.append((table, torch.from_numpy(ids), torch.from_numpy(where), place))
+        dst, dst_offset = job[3:5]
+        place = _tensor(dst, dst_offset, table.dtype, (len(part), table.dim))
+        out.append((table, torch.from_numpy(known[where]), torch.from_numpy(where), place))
     return out
 
 

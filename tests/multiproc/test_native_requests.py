@@ -95,6 +95,17 @@ def native_push_of(server: psflow.ParameterServer) -> Any:
     return service.native
 
 
+def only_table(
+    opt: DistributedOptimizer, servers: list[Any], *, native: bool
+) -> tuple[Any, psflow.ParameterServer, str, Any]:
+    """The worker's table client, shard 0 with its native pushes on or off, and its one table's
+    name and rows."""
+    server = servers[0]
+    native_push_of(server).on = native
+    ((name, table),) = server.store.tables.items()
+    return client_of(opt), server, name, table
+
+
 def push_rows(
     client: Any,
     name: str,
@@ -415,11 +426,7 @@ def test_a_full_hashed_table_evicts_what_the_python_path_evicts(path: str) -> No
     outcomes = []
     for native in (True, False):
         with started(path, config=config) as (opt, servers):
-            client = client_of(opt)
-            server = servers[0]
-            native_push_of(server).on = native
-            name = next(iter(server.store.tables))
-            (table,) = server.store.tables.values()
+            client, server, name, table = only_table(opt, servers, native=native)
             states = []
             for ids, grad in zip(pushes, grads, strict=True):
                 push_rows(client, name, torch.tensor(ids), grad)
@@ -485,11 +492,7 @@ def test_pushes_while_a_snapshot_is_taken_are_native_and_keep_its_moment(
     outcomes = []
     for native in (True, False):
         with started("shm", vocab=vocab) as (opt, servers):
-            client = client_of(opt)
-            server = servers[0]
-            native_push_of(server).on = native
-            name = next(iter(server.store.tables))
-            (table,) = server.store.tables.values()
+            client, server, name, table = only_table(opt, servers, native=native)
             push_rows(client, name, pushes[0], grads[0])
             moment = table.values[: table.num_rows].clone()
             snapshot = table.begin_snapshot()
@@ -683,11 +686,7 @@ def test_native_pushes_mark_the_rows_an_export_tracks(vocab: int | None) -> None
     deltas = []
     for native in (True, False):
         with started("shm", vocab=vocab) as (opt, servers):
-            client = client_of(opt)
-            server = servers[0]
-            native_push_of(server).on = native
-            (table,) = server.store.tables.values()
-            name = next(iter(server.store.tables))
+            client, server, name, table = only_table(opt, servers, native=native)
             push_rows(client, name, pushes[0], grads[0])  # hashed: makes the rows (Python)
             table.begin_export(base=True).rows.result()  # between requests: the client waits
             served = native_push_of(server).served
@@ -842,8 +841,7 @@ def test_a_push_takes_its_lookups_rows_while_the_table_keeps_them(
             client = client_of(opt)
             server = servers[0]
             native_of(server).on = native
-            name = next(iter(server.store.tables))
-            (table,) = server.store.tables.values()
+            ((name, table),) = server.store.tables.items()
             mapped.clear()
             states, kept = [], []
             for (op, ids), grad in zip(steps, grads, strict=True):
