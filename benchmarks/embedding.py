@@ -17,7 +17,9 @@
   and row gradients travel in (``psflow.nn.TableConfig.wire_dtype``), alternately, reported
   as ``<path>_<dtype>`` with each dtype's payload bytes per step. With ``--ps_threads 1,2``,
   each path runs once per count of a ps's row threads (``PSFLOW_PS_THREADS``), alternately,
-  as ``<path>_t<N>``. Each run also reports the rows a shard's core serves a second
+  as ``<path>_t<N>``. With ``--row_optimizer Adagrad,RowWiseAdagrad``, each path runs once
+  per row optimizer of the table (``Adagrad`` by default: one accumulator an element;
+  ``RowWiseAdagrad``: one a row), alternately, as ``<path>_<optimizer>``. Each run also reports the rows a shard's core serves a second
   (``<path>_rows_per_shard_cpu_s``): a step's rows over the CPU time the ps tasks' serving
   threads spent handling its lookups and pushes (``ParameterServer.handling_cpu``: not their
   waits, not the worker's, so a 2-core machine shows what a shard does with a core of its
@@ -381,17 +383,18 @@ def run_ctr(args: argparse.Namespace, p: dict[str, Any], base: list[str]) -> dic
     return out
 
 
-def _wired(
-    variants: list[tuple[str, str, list[str], bool]], dtypes: list[str]
+def _each(
+    variants: list[tuple[str, str, list[str], bool]], flag: str, values: list[str], default: str
 ) -> list[tuple[str, str, list[str], bool]]:
-    """Each variant once per wire dtype, one after another (``<path>_<dtype>`` when there
-    are several), so that the dtypes alternate as the runtimes do."""
-    if dtypes == ["float32"]:
+    """Each variant once per value of ``flag`` (a wire dtype, a row optimizer), one after
+    another (``<path>_<value>`` when there are several), so that the values alternate as the
+    runtimes do."""
+    if values == [default]:
         return variants
     return [
-        (f"{path}_{dtype}" if len(dtypes) > 1 else path, shm, [*extra, "--wire_dtype", dtype], bind)
+        (f"{path}_{value}" if len(values) > 1 else path, shm, [*extra, flag, value], bind)
         for path, shm, extra, bind in variants
-        for dtype in dtypes
+        for value in values
     ]
 
 
@@ -450,6 +453,12 @@ def main() -> None:
         "each path run once per dtype, alternately",
     )
     parser.add_argument(
+        "--row_optimizer",
+        default="Adagrad",
+        help="sparse: the table's row optimizers, comma-separated (Adagrad,RowWiseAdagrad), each "
+        "path run once per optimizer, alternately",
+    )
+    parser.add_argument(
         "--paths", help="only these of the preset's paths, comma-separated (shm,socket)"
     )
     parser.add_argument(
@@ -473,11 +482,16 @@ def main() -> None:
     dtypes = args.wire_dtype.split(",")
     if not dtypes or any(d not in ("float32", "bfloat16", "float16") for d in dtypes):
         parser.error(f"--wire_dtype: float32, bfloat16 or float16, got {args.wire_dtype!r}")
+    from psflow.protocol import ROW_OPTIMIZERS
+
+    row_opts = args.row_optimizer.split(",")
+    if not all(o in ROW_OPTIMIZERS for o in row_opts):
+        parser.error(f"--row_optimizer: of {sorted(ROW_OPTIMIZERS)}, got {args.row_optimizer!r}")
     p = PRESETS[args.preset][args.workload]
     if args.role == "psflow":
         if args.workload == "ctr":
             return ctr_task(p, args.data, args.prefetch)
-        row_opt = "SGD" if args.workload == "memory" else "Adagrad"
+        row_opt = "SGD" if args.workload == "memory" else row_opts[0]
         return psflow_task(
             args.rows,
             p["steps"],
@@ -534,7 +548,9 @@ def main() -> None:
         if any(w not in known for w in wanted):
             parser.error(f"--paths: the preset's paths are {known}, got {args.paths!r}")
         chosen = [v for v in chosen if v[0] in wanted]
-    variants = _wired(chosen, dtypes)
+    variants = _each(
+        _each(chosen, "--wire_dtype", dtypes, "float32"), "--row_optimizer", row_opts, "Adagrad"
+    )
     threads: list[str | None] = [None]
     if args.ps_threads:
         threads = [t.strip() for t in args.ps_threads.split(",")]
@@ -618,6 +634,7 @@ def main() -> None:
             "unique_ids_per_step": UNIQUE_IDS,
             "ps": PS,
             "payload_bytes_per_step": round(bytes_per_step),
+            "row_optimizer": args.row_optimizer,
         }
     )
     if len(dtypes) > 1:

@@ -81,8 +81,8 @@ class TableConfig:
     init_std: float = 1.0
     """Rows start ``N(0, init_std²)`` (torch's ``N(0, 1)`` by default)."""
     optimizer: RowOptimizerSpec | str | None = None
-    """The rows' row-wise optimizer: a name (``"SGD"``, ``"Adagrad"``, ``"Adam"``, ``"Ftrl"``,
-    kept as its :class:`~psflow.protocol.RowOptimizerSpec`) or a spec with arguments;
+    """The rows' row-wise optimizer: a name (``"SGD"``, ``"Adagrad"``, ``"RowWiseAdagrad"``,
+    ``"Adam"``, ``"Ftrl"``, kept as its :class:`~psflow.protocol.RowOptimizerSpec`) or a spec with arguments;
     ``None``: the job's optimizer, in row-wise form. A hashed table trained on this process
     needs one."""
     min_count: int = 0

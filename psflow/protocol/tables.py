@@ -21,6 +21,8 @@ ROW_OPTIMIZERS: dict[str, dict[str, Any]] = {
     "SGD": {"lr": 0.01},
     # 0.1: TensorFlow's default initial accumulator (torch.optim.Adagrad's is 0).
     "Adagrad": {"lr": 0.01, "initial_accumulator_value": 0.1, "eps": 1e-10},
+    # TorchRec's RowWiseAdagrad (FBGEMM's exact row-wise Adagrad): one accumulator a row.
+    "RowWiseAdagrad": {"lr": 0.01, "initial_accumulator_value": 0.0, "eps": 1e-10},
     # Lazy: a row's moments move only when the row has a gradient (torch.optim.SparseAdam).
     "Adam": {"lr": 0.001, "betas": (0.9, 0.999), "eps": 1e-8},
     # tf.compat.v1.train.FtrlOptimizer (no l2_shrinkage).
@@ -31,6 +33,7 @@ ROW_OPTIMIZERS: dict[str, dict[str, Any]] = {
 _STATE_NAMES: dict[str, tuple[str, ...]] = {
     "SGD": (),
     "Adagrad": ("sum",),
+    "RowWiseAdagrad": ("sum",),
     "Adam": ("exp_avg", "exp_avg_sq", "step"),
     "Ftrl": ("accum", "linear"),
 }
@@ -78,7 +81,8 @@ class RowOptimizerSpec:
     """
 
     name: str = "Adagrad"
-    """One of :data:`ROW_OPTIMIZERS` (``SGD``, ``Adagrad``, ``Adam``, ``Ftrl``)."""
+    """One of :data:`ROW_OPTIMIZERS` (``SGD``, ``Adagrad``, ``RowWiseAdagrad``, ``Adam``,
+    ``Ftrl``)."""
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     """Arguments that differ from the defaults: only keys of that optimizer's defaults, numbers
     (``betas``: a pair of numbers)."""

@@ -156,6 +156,26 @@ static PyObject *py_adagrad(PyObject *self, PyObject *args) {
     return PyLong_FromLong(-1);
 }
 
+static PyObject *py_rowwise_adagrad(PyObject *self, PyObject *args) {
+    int f64_;
+    Py_ssize_t w, sum, index, g, n, dim, rows;
+    double lr, eps;
+    if (!PyArg_ParseTuple(args, "pnnnnnnndd", &f64_, &w, &sum, &index, &g, &n, &dim, &rows, &lr,
+                          &eps))
+        return NULL;
+    Py_ssize_t bad = psflow_first_bad(PTR(int64_t, index), n, rows);
+    if (bad >= 0) return PyLong_FromSsize_t(bad);
+    Py_BEGIN_ALLOW_THREADS
+    if (f64_)
+        psflow_rowwise_adagrad_f64(PTR(f64, w), PTR(f64, sum), PTR(int64_t, index), PTR(f64, g),
+                                   n, dim, -lr, eps);
+    else
+        psflow_rowwise_adagrad_f32(PTR(f32, w), PTR(f32, sum), PTR(int64_t, index), PTR(f32, g),
+                                   n, dim, (f32)-lr, (f32)eps);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(-1);
+}
+
 static PyObject *py_adam(PyObject *self, PyObject *args) {
     int f64_;
     Py_ssize_t w, m, v, step, index, g, n, dim, rows;
@@ -556,8 +576,9 @@ done:
     return result;
 }
 
-/* Row-wise `kind`'s update (0 SGD, 1 Adagrad, 2 Adam, 3 FTRL; h1..h4 its settings, in the order of
- * py_sgd .. py_ftrl) of the n rows at `local` with the gradients at g. */
+/* Row-wise `kind`'s update (0 SGD, 1 Adagrad, 2 Adam, 3 FTRL, 4 RowWiseAdagrad; h1..h4 its
+ * settings, in the order of py_sgd .. py_ftrl, py_rowwise_adagrad's as py_adagrad's) of the n rows
+ * at `local` with the gradients at g. */
 static void update_rows(int kind, int f64_, Py_ssize_t w, Py_ssize_t s1, Py_ssize_t s2,
                         Py_ssize_t s3, const int64_t *local, const char *g, ptrdiff_t n,
                         ptrdiff_t dim, double h1, double h2, double h3, double h4) {
@@ -566,6 +587,9 @@ static void update_rows(int kind, int f64_, Py_ssize_t w, Py_ssize_t s1, Py_ssiz
         switch (kind) {
         case 0: psflow_sgd_f64(PTR(f64, w), local, g64, n, dim, -h1); break;
         case 1: psflow_adagrad_f64(PTR(f64, w), PTR(f64, s1), local, g64, n, dim, -h1, h2); break;
+        case 4:
+            psflow_rowwise_adagrad_f64(PTR(f64, w), PTR(f64, s1), local, g64, n, dim, -h1, h2);
+            break;
         case 2:
             psflow_adam_f64(PTR(f64, w), PTR(f64, s1), PTR(f64, s2), PTR(int64_t, s3), local, g64,
                             n, dim, h1, h2, h3, h4);
@@ -582,6 +606,10 @@ static void update_rows(int kind, int f64_, Py_ssize_t w, Py_ssize_t s1, Py_ssiz
     case 1:
         psflow_adagrad_f32(PTR(f32, w), PTR(f32, s1), local, g32, n, dim, (f32)-h1, (f32)h2);
         break;
+    case 4:
+        psflow_rowwise_adagrad_f32(PTR(f32, w), PTR(f32, s1), local, g32, n, dim, (f32)-h1,
+                                   (f32)h2);
+        break;
     case 2:
         psflow_adam_f32(PTR(f32, w), PTR(f32, s1), PTR(f32, s2), PTR(int64_t, s3), local, g32, n,
                         dim, h1, h2, h3, (f32)h4);
@@ -597,10 +625,10 @@ static void update_rows(int kind, int f64_, Py_ssize_t w, Py_ssize_t s1, Py_ssiz
  * keys, vals, mask, stamps, stamp, changed, times, time): n int64 ids at byte ids_off of buffer
  * ids, their gradients (n x dim, f64 or f32) at byte grads_off of buffer grads, applied to a
  * table's shard (w: its rows; s1..s3: its optimizer state, as the kernels above take them; the id
- * map as in lookup_rows) by row-wise `kind` (0 SGD, 1 Adagrad, 2 Adam, 3 FTRL; h1..h4 its
- * settings, in the order of py_sgd .. py_ftrl). Each updated row's int64 at `stamps` is set to `stamp`, its
- * byte at `changed` (the rows an export tracks) to 1, and its double at `times` (a hashed table's
- * time to live: when it was last updated) to `time`, where those are not 0. */
+ * map as in lookup_rows) by row-wise `kind` (as update_rows takes it; h1..h4 its settings). Each
+ * updated row's int64 at `stamps` is set to `stamp`, its byte at `changed` (the rows an export
+ * tracks) to 1, and its double at `times` (a hashed table's time to live: when it was last
+ * updated) to `time`, where those are not 0. */
 #define APPLY_FIELDS 32
 static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
     PyObject *jobs;
@@ -643,7 +671,7 @@ static PyObject *py_apply_rows(PyObject *self, PyObject *args) {
             goto done;
         Py_ssize_t n = j->h.n, item = j->f64_ ? 8 : 4;
         j->h.ids = (const char *)j->ids.buf + j->ids_off;
-        int fits = n >= 0 && j->dim > 0 && j->kind >= 0 && j->kind <= 3 && j->ids_off >= 0 &&
+        int fits = n >= 0 && j->dim > 0 && j->kind >= 0 && j->kind <= 4 && j->ids_off >= 0 &&
                    j->grads_off >= 0 && j->ids_off <= j->ids.len &&
                    j->grads_off <= j->grads.len && n <= (j->ids.len - j->ids_off) / 8 &&
                    n <= (j->grads.len - j->grads_off) / (j->dim * item);
@@ -692,6 +720,8 @@ done:
 static PyMethodDef methods[] = {
     {"sgd", py_sgd, METH_VARARGS, "Row-wise SGD in place; -1 or the first bad index."},
     {"adagrad", py_adagrad, METH_VARARGS, "Row-wise Adagrad in place; -1 or the first bad index."},
+    {"rowwise_adagrad", py_rowwise_adagrad, METH_VARARGS,
+     "TorchRec's RowWiseAdagrad (one accumulator a row) in place; -1 or the first bad index."},
     {"adam", py_adam, METH_VARARGS, "Row-wise lazy Adam in place; -1 or the first bad index."},
     {"ftrl", py_ftrl, METH_VARARGS, "Row-wise FTRL-Proximal in place; -1 or the first bad index."},
     {"group_ids", py_group_ids, METH_VARARGS, "A batch's unique ids grouped by shard; how many."},

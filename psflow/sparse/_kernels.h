@@ -63,6 +63,10 @@ void psflow_adagrad_f32(f32 *w, f32 *sum, const int64_t *index, const f32 *g, pt
                         ptrdiff_t dim, f32 neg_lr, f32 eps);
 void psflow_adagrad_f64(f64 *w, f64 *sum, const int64_t *index, const f64 *g, ptrdiff_t n,
                         ptrdiff_t dim, f64 neg_lr, f64 eps);
+void psflow_rowwise_adagrad_f32(f32 *w, f32 *sum, const int64_t *index, const f32 *g,
+                                ptrdiff_t n, ptrdiff_t dim, f32 neg_lr, f32 eps);
+void psflow_rowwise_adagrad_f64(f64 *w, f64 *sum, const int64_t *index, const f64 *g,
+                                ptrdiff_t n, ptrdiff_t dim, f64 neg_lr, f64 eps);
 void psflow_adam_f32(f32 *w, f32 *m, f32 *v, int64_t *step, const int64_t *index, const f32 *g,
                      ptrdiff_t n, ptrdiff_t dim, double lr, double b1, double b2, f32 eps);
 void psflow_adam_f64(f64 *w, f64 *m, f64 *v, int64_t *step, const int64_t *index, const f64 *g,

@@ -74,6 +74,36 @@ static inline void prefetch_row(const void *row, ptrdiff_t bytes) {
         }                                                                                    \
     }
 
+/* TorchRec's RowWiseAdagrad (FBGEMM's exact row-wise Adagrad): one accumulator a row, the mean
+ * of the row's squared gradient, so a row's state is one number instead of `dim`:
+ * sum += mean(g^2); w += (g / (sqrt(sum) + eps)) * -lr. The mean's sum in an order torch's ops
+ * repeat (psflow/sparse/optim.py, _mean_square): LANES running sums, element j into sum
+ * j % LANES, a row's elements in order (a short row's missing ones 0, which adds nothing), then
+ * the LANES sums halved pairwise. */
+#define LANES 8
+#define ROWWISE_ADAGRAD(T, SQRT)                                                             \
+    CLONES                                                                                   \
+    void psflow_rowwise_adagrad_##T(T *w, T *sum, const int64_t *index, const T *g,          \
+                                    ptrdiff_t n, ptrdiff_t dim, T neg_lr, T eps) {           \
+        for (ptrdiff_t i = 0; i < n; i++) {                                                  \
+            PREFETCH(T, w, i);                                                               \
+            if (i + AHEAD < n) __builtin_prefetch(sum + index[i + AHEAD], 1, 0);             \
+            T *wr = w + index[i] * dim;                                                      \
+            const T *gr = g + i * dim;                                                       \
+            T lane[LANES] = {0};                                                             \
+            ptrdiff_t j = 0;                                                                 \
+            for (; j + LANES <= dim; j += LANES)                                             \
+                for (int k = 0; k < LANES; k++) lane[k] = lane[k] + gr[j + k] * gr[j + k];   \
+            for (int k = 0; j + k < dim; k++) lane[k] = lane[k] + gr[j + k] * gr[j + k];     \
+            for (int half = LANES / 2; half > 0; half /= 2)                                  \
+                for (int k = 0; k < half; k++) lane[k] = lane[k] + lane[k + half];           \
+            const T s = sum[index[i]] + lane[0] / (T)dim;                                    \
+            sum[index[i]] = s;                                                               \
+            const T std = SQRT(s) + eps;                                                     \
+            for (j = 0; j < dim; j++) wr[j] = wr[j] + (gr[j] / std) * neg_lr;                \
+        }                                                                                    \
+    }
+
 /* torch.optim.SparseAdam with a step count per row: m += (g - m)(1 - b1);
  * v += (g^2 - v)(1 - b2); w -= m / (sqrt(v) + eps) * (lr * sqrt(1 - b2^t) / (1 - b1^t)),
  * the step size in double as torch computes it, then rounded to T. */
@@ -135,6 +165,8 @@ SGD(f32)
 SGD(f64)
 ADAGRAD(f32, sqrtf)
 ADAGRAD(f64, sqrt)
+ROWWISE_ADAGRAD(f32, sqrtf)
+ROWWISE_ADAGRAD(f64, sqrt)
 ADAM(f32, sqrtf)
 ADAM(f64, sqrt)
 FTRL(f32, sqrtf, powf, fabsf)

@@ -75,12 +75,13 @@ def fused(values: torch.Tensor, state: dict[str, torch.Tensor], grad: torch.Tens
 
 def _state_fits(t: torch.Tensor, values: torch.Tensor) -> bool:
     """A state tensor the kernels can index as they index ``values``: one of its shape and
-    dtype (sums, moments), or one int64 count a row (Adam's steps)."""
+    dtype (sums, moments), one of its dtype a row (a row-wise Adagrad's sums), or one int64
+    count a row (Adam's steps)."""
     if not t.is_contiguous() or t.device.type != "cpu":
         return False
     if t.dtype == torch.int64:
         return t.shape == (values.shape[0],)
-    return t.shape == values.shape and t.dtype == values.dtype
+    return t.dtype == values.dtype and t.shape in (values.shape, (values.shape[0],))
 
 
 def is_double(values: torch.Tensor) -> bool:
@@ -254,14 +255,14 @@ def _apply_striped(k: ModuleType, job: tuple[Any, ...], index: int) -> None:
     assert bad < 0, "an index map_rows checked"
 
 
-ROW_KINDS = ("SGD", "Adagrad", "Adam", "Ftrl")
+ROW_KINDS = ("SGD", "Adagrad", "Adam", "Ftrl", "RowWiseAdagrad")
 """The row-wise optimizers the kernel ``apply_rows`` applies, by the number a job gives."""
-_KINDS = ("sgd", "adagrad", "adam", "ftrl")
+_KINDS = ("sgd", "adagrad", "adam", "ftrl", "rowwise_adagrad")
 """Their kernels."""
-_STATE_COUNT = (0, 1, 3, 2)
+_STATE_COUNT = (0, 1, 3, 2, 1)
 """The state tensors each one's kernel takes."""
-_SETTING_COUNT = (1, 2, 4, 4)
-"""And its settings (lr; lr, eps; lr, betas, eps; lr, l1, l2, lr_power)."""
+_SETTING_COUNT = (1, 2, 4, 4, 2)
+"""And its settings (lr; lr, eps; lr, betas, eps; lr, l1, l2, lr_power; lr, eps)."""
 
 
 def _storage_ok(dst: torch.Tensor, index: torch.Tensor) -> bool:

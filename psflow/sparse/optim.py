@@ -20,6 +20,9 @@ class RowOptimizer:
     - ``SGD``: ``w -= lr * g``.
     - ``Adagrad``: ``torch.optim.Adagrad`` (no decay): ``sum += g^2``,
       ``w -= lr * g / (sqrt(sum) + eps)``.
+    - ``RowWiseAdagrad``: TorchRec's (FBGEMM's exact row-wise Adagrad): one accumulator a row,
+      ``sum += mean(g^2)``, ``w -= lr * g / (sqrt(sum) + eps)``; a row's state is one number,
+      where ``Adagrad``'s is a row's worth.
     - ``Adam``: ``torch.optim.SparseAdam``'s maths with a step count per row (lazy Adam).
     - ``Ftrl``: TensorFlow's ``FtrlOptimizer`` (the ``ApplyFtrl`` kernel, no l2 shrinkage).
 
@@ -48,6 +51,7 @@ class RowOptimizer:
         self._apply = {
             "SGD": self._sgd,
             "Adagrad": self._adagrad,
+            "RowWiseAdagrad": self._rowwise_adagrad,
             "Adam": self._adam,
             "Ftrl": self._ftrl,
         }[spec.name]
@@ -70,10 +74,9 @@ class RowOptimizer:
         only, for rows the caller gives state (:meth:`reset_rows`) as it takes them, so that
         the pages of rows not yet taken are never touched."""
         name = self.spec.name
-        shape = (rows, dim)
         on_cpu = device is None or torch.device(device).type == "cpu"
 
-        def full(value: float) -> torch.Tensor:
+        def full(value: float, shape: tuple[int, ...] = (rows, dim)) -> torch.Tensor:
             if not on_cpu:
                 out = torch.empty(shape, dtype=dtype, device=device)
             else:
@@ -82,6 +85,8 @@ class RowOptimizer:
 
         if name == "Adagrad":
             return {"sum": full(self.initial_accumulator_value)}
+        if name == "RowWiseAdagrad":
+            return {"sum": full(self.initial_accumulator_value, (rows,))}
         if name == "Adam":
             return {
                 "exp_avg": full(0.0),
@@ -148,7 +153,7 @@ class RowOptimizer:
         keys: tuple[str, ...]
         if name == "SGD":
             keys, settings = (), (self.lr, 0.0, 0.0, 0.0)
-        elif name == "Adagrad":
+        elif name in ("Adagrad", "RowWiseAdagrad"):
             keys, settings = ("sum",), (self.lr, self.eps, 0.0, 0.0)
         elif name == "Adam":
             keys = ("exp_avg", "exp_avg_sq", "step")
@@ -185,6 +190,8 @@ class RowOptimizer:
             fn, head, tail = k.sgd, (), (self.lr,)
         elif name == "Adagrad":
             fn, head, tail = k.adagrad, (ptr["sum"],), (self.lr, self.eps)
+        elif name == "RowWiseAdagrad":
+            fn, head, tail = k.rowwise_adagrad, (ptr["sum"],), (self.lr, self.eps)
         elif name == "Adam":
             head = (ptr["exp_avg"], ptr["exp_avg_sq"], ptr["step"])
             fn, tail = k.adam, (self.lr, self.beta1, self.beta2, self.eps)
@@ -220,6 +227,19 @@ class RowOptimizer:
         state["sum"].index_add_(0, index, g * g)
         std = state["sum"].index_select(0, index).sqrt_().add_(self.eps)
         values.index_add_(0, index, g.div(std).mul_(-self.lr))
+
+    def _rowwise_adagrad(
+        self,
+        values: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        index: torch.Tensor,
+        g: torch.Tensor,
+    ) -> None:
+        # TorchRec's RowWiseAdagrad step on the rows at ``index`` (unique), the mean's sum in
+        # the kernel's order (_mean_square).
+        state["sum"].index_add_(0, index, _mean_square(g))
+        std = state["sum"].index_select(0, index).sqrt_().add_(self.eps)
+        values.index_add_(0, index, g.div(std[:, None]).mul_(-self.lr))
 
     def _adam(
         self,
@@ -272,3 +292,25 @@ class RowOptimizer:
         w = torch.where(linear.abs() > l1, x.div_(y), torch.zeros((), dtype=w.dtype))
         values.index_copy_(0, index, w)
         state["accum"].index_copy_(0, index, new_accum)
+
+
+_LANES = 8
+"""The running sums of a row's squares in :func:`_mean_square` (``LANES`` in ``_rows.c``)."""
+
+
+def _mean_square(g: torch.Tensor) -> torch.Tensor:
+    """Each row's mean square, summed in the order of the C kernel's (``_rows.c``,
+    ``ROWWISE_ADAGRAD``), so that both give the same bits: element ``j`` into running sum
+    ``j % 8``, a row's elements in order (missing ones of a short last group 0, which adds
+    nothing), then the eight sums halved pairwise. torch's own ``mean`` sums in an order of its
+    vector width."""
+    rows, dim = g.shape
+    squares = torch.nn.functional.pad(g * g, (0, -dim % _LANES)).view(rows, -1, _LANES)
+    lanes = squares[:, 0]
+    for k in range(1, squares.shape[1]):
+        lanes = lanes + squares[:, k]
+    half = _LANES // 2
+    while half:
+        lanes = lanes[:, :half] + lanes[:, half:]
+        half //= 2
+    return lanes[:, 0] / dim

@@ -258,6 +258,7 @@ def test_a_malformed_lookup_is_refused_as_malformed(
 OPTIMIZERS = {
     "SGD": RowOptimizerSpec.of("SGD", lr=0.05),
     "Adagrad": RowOptimizerSpec.of("Adagrad", lr=0.05, initial_accumulator_value=0.1),
+    "RowWiseAdagrad": RowOptimizerSpec.of("RowWiseAdagrad", lr=0.05),
     "Adam": RowOptimizerSpec.of("Adam", lr=0.01),
     "Ftrl": RowOptimizerSpec.of("Ftrl", lr=0.05, l1=0.001, l2=0.01),
 }

@@ -493,8 +493,10 @@ def gather(parts: list[Rows], ids: torch.Tensor) -> torch.Tensor:
         fixed(n=29, optimizer=RowOptimizerSpec.of("Adam")),
         fixed(n=29, partition="div", optimizer=RowOptimizerSpec.of("Ftrl", l1=0.01)),
         hashed(optimizer=RowOptimizerSpec.of("Adagrad")),
+        fixed(n=29, optimizer=RowOptimizerSpec.of("RowWiseAdagrad")),
+        hashed(optimizer=RowOptimizerSpec.of("RowWiseAdagrad")),
     ],
-    ids=["fixed-mod", "fixed-div", "hashed"],
+    ids=["fixed-mod", "fixed-div", "hashed", "fixed-rowwise", "hashed-rowwise"],
 )
 def test_snapshot_loads_into_another_shard_count(spec: TableSpec) -> None:
     old = [make_rows(spec, s, 2) for s in range(2)]
@@ -704,7 +706,7 @@ def test_an_init_with_bad_first_rows_is_refused_and_changes_nothing() -> None:
         assert torch.equal(tables["emb"].lookup(torch.tensor([0, 2, 4])), seeded)
 
 
-@pytest.mark.parametrize("optimizer", ["Adagrad", "Adam", "Ftrl"])
+@pytest.mark.parametrize("optimizer", ["Adagrad", "RowWiseAdagrad", "Adam", "Ftrl"])
 def test_rows_a_hashed_table_grows_into_start_with_fresh_state(optimizer: str) -> None:
     """A table that outgrows its storage twice over: its new storage is not filled (the pages
     of slots not yet taken stay untouched), and every row it then takes starts with the state

@@ -30,6 +30,7 @@ def one_thread_after() -> Iterator[None]:
 SPECS = [
     RowOptimizerSpec.of("SGD", lr=0.1),
     RowOptimizerSpec.of("Adagrad", lr=0.1, initial_accumulator_value=0.1),
+    RowOptimizerSpec.of("RowWiseAdagrad", lr=0.1),
     RowOptimizerSpec.of("Adam", lr=0.01),
     RowOptimizerSpec.of("Ftrl", lr=0.1, l1=0.01, l2=0.01),
 ]
