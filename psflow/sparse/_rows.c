@@ -76,10 +76,11 @@ static inline void prefetch_row(const void *row, ptrdiff_t bytes) {
 
 /* TorchRec's RowWiseAdagrad (FBGEMM's exact row-wise Adagrad): one accumulator a row, the mean
  * of the row's squared gradient, so a row's state is one number instead of `dim`:
- * sum += mean(g^2); w += (g / (sqrt(sum) + eps)) * -lr. The mean's sum in an order torch's ops
- * repeat (psflow/sparse/optim.py, _mean_square): LANES running sums, element j into sum
- * j % LANES, a row's elements in order (a short row's missing ones 0, which adds nothing), then
- * the LANES sums halved pairwise. */
+ * sum += mean(g^2); w += g * (-lr / (sqrt(sum) + eps)), the step once a row as FBGEMM's CPU
+ * kernel takes it (no division an element). The mean's sum in an order torch's ops repeat
+ * (psflow/sparse/optim.py, _mean_square): LANES running sums, element j into sum j % LANES, a
+ * row's elements in order (a short row's missing ones 0, which adds nothing), then the LANES
+ * sums halved pairwise. */
 #define LANES 8
 #define ROWWISE_ADAGRAD(T, SQRT)                                                             \
     CLONES                                                                                   \
@@ -99,8 +100,8 @@ static inline void prefetch_row(const void *row, ptrdiff_t bytes) {
                 for (int k = 0; k < half; k++) lane[k] = lane[k] + lane[k + half];           \
             const T s = sum[index[i]] + lane[0] / (T)dim;                                    \
             sum[index[i]] = s;                                                               \
-            const T std = SQRT(s) + eps;                                                     \
-            for (j = 0; j < dim; j++) wr[j] = wr[j] + (gr[j] / std) * neg_lr;                \
+            const T step = neg_lr / (SQRT(s) + eps);                                         \
+            for (j = 0; j < dim; j++) wr[j] = wr[j] + gr[j] * step;                          \
         }                                                                                    \
     }
 

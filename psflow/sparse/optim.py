@@ -21,7 +21,7 @@ class RowOptimizer:
     - ``Adagrad``: ``torch.optim.Adagrad`` (no decay): ``sum += g^2``,
       ``w -= lr * g / (sqrt(sum) + eps)``.
     - ``RowWiseAdagrad``: TorchRec's (FBGEMM's exact row-wise Adagrad): one accumulator a row,
-      ``sum += mean(g^2)``, ``w -= lr * g / (sqrt(sum) + eps)``; a row's state is one number,
+      ``sum += mean(g^2)``, ``w += g * (-lr / (sqrt(sum) + eps))``; a row's state is one number,
       where ``Adagrad``'s is a row's worth.
     - ``Adam``: ``torch.optim.SparseAdam``'s maths with a step count per row (lazy Adam).
     - ``Ftrl``: TensorFlow's ``FtrlOptimizer`` (the ``ApplyFtrl`` kernel, no l2 shrinkage).
@@ -235,11 +235,13 @@ class RowOptimizer:
         index: torch.Tensor,
         g: torch.Tensor,
     ) -> None:
-        # TorchRec's RowWiseAdagrad step on the rows at ``index`` (unique), the mean's sum in
-        # the kernel's order (_mean_square).
+        # TorchRec's RowWiseAdagrad step on the rows at ``index`` (unique) in FBGEMM's CPU
+        # kernel's order (a row's step -lr / (sqrt(sum) + eps), then w += g * step), the mean's
+        # sum in the C kernel's order (_mean_square).
         state["sum"].index_add_(0, index, _mean_square(g))
         std = state["sum"].index_select(0, index).sqrt_().add_(self.eps)
-        values.index_add_(0, index, g.div(std[:, None]).mul_(-self.lr))
+        step = torch.full_like(std, -self.lr).div_(std)
+        values.index_add_(0, index, g * step[:, None])
 
     def _adam(
         self,

@@ -128,7 +128,7 @@ def test_rowwise_adagrad_kernel_gives_the_references_bits(dtype: torch.dtype, di
         opt.apply(w, state, ids, g)
         total.index_add_(0, ids, optim._mean_square(g))
         std = torch.from_numpy(np.sqrt(total[ids].numpy())) + eps
-        ref.index_add_(0, ids, g.div(std[:, None]).mul_(-lr))
+        ref.index_add_(0, ids, g * torch.full_like(std, -lr).div_(std)[:, None])
     assert torch.equal(state["sum"], total)
     assert torch.equal(w, ref)
 
