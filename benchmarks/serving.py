@@ -19,6 +19,7 @@ import json
 import os
 import random
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -215,40 +216,43 @@ def main() -> None:
     p = PRESETS[args.preset]
     hidden = 64
     root = Path(tempfile.mkdtemp(prefix="psflow-bench-serving-"))
-    exports = Exports(root / "exports", p["rows"], p["dim"], hidden)
-    exports.write(p["rows"])
-    Head.export(root / "head.onnx", p["dim"], hidden)
-    proc, url = start_server(root / "exports", root / "head.onnx")
-    stop = threading.Event()
+    try:  # the exports, the head and the deltas: removed however the run ends
+        exports = Exports(root / "exports", p["rows"], p["dim"], hidden)
+        exports.write(p["rows"])
+        Head.export(root / "head.onnx", p["dim"], hidden)
+        proc, url = start_server(root / "exports", root / "head.onnx")
+        stop = threading.Event()
 
-    def write_deltas() -> None:
-        while not stop.wait(p["delta_every"]):
-            exports.write(p["delta_rows"])
+        def write_deltas() -> None:
+            while not stop.wait(p["delta_every"]):
+                exports.write(p["delta_rows"])
 
-    writer = threading.Thread(target=write_deltas, daemon=True)
-    result: dict[str, Any] = {"benchmark": "serving", "preset": args.preset, **p}
-    try:
-        writer.start()
-        for batch in (1, 256):
-            before = status(url)["served_total"]
-            figures = measure(url, batch, p["seconds"], p["rows"], p["bag"])
-            figures["deltas_applied"] = float(status(url)["served_total"] - before)
-            for key, value in figures.items():
-                result[f"batch_{batch}_{key}"] = value
-            print(f"batch {batch}: " + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()))
-        last = status(url)
-        if last["last_error"]:
-            raise RuntimeError(f"the server refused an export: {last['last_error']}")
-        result["exports_written"] = exports.seq + 1
-    finally:
-        stop.set()
-        writer.join(10)
-        proc.send_signal(signal.SIGTERM)
+        writer = threading.Thread(target=write_deltas, daemon=True)
+        result: dict[str, Any] = {"benchmark": "serving", "preset": args.preset, **p}
         try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+            writer.start()
+            for batch in (1, 256):
+                before = status(url)["served_total"]
+                figures = measure(url, batch, p["seconds"], p["rows"], p["bag"])
+                figures["deltas_applied"] = float(status(url)["served_total"] - before)
+                for key, value in figures.items():
+                    result[f"batch_{batch}_{key}"] = value
+                print(f"batch {batch}: " + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()))
+            last = status(url)
+            if last["last_error"]:
+                raise RuntimeError(f"the server refused an export: {last['last_error']}")
+            result["exports_written"] = exports.seq + 1
+        finally:
+            stop.set()
+            writer.join(10)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     result["machine"] = machine()
     emit(result)
 

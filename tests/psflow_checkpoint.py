@@ -7,6 +7,8 @@ steps. :func:`known_values` is what the shards held: what an export must give.
 
 from __future__ import annotations
 
+import atexit
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -107,12 +109,26 @@ def known_values(stores: list[ShardStore], pieces: Any) -> dict[str, torch.Tenso
 _CACHE: dict[str, tuple[Path, dict[str, torch.Tensor]]] = {}
 
 
+def _remove(directory: str, owner: int) -> None:
+    """Removes the written checkpoint's directory at exit, in the process that made it alone: a
+    child forked from it (``os.fork``) inherits the exit hooks, and must not take the
+    directory from under its parent."""
+    if os.getpid() == owner:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def copy(tmp: Path) -> tuple[Path, dict[str, torch.Tensor]]:
-    """A fresh copy of one checkpoint written once per process, and its known values."""
+    """A fresh copy of one checkpoint written once per process, and its known values.
+
+    The one written lives in a directory of its own (not under the first caller's ``tmp``,
+    which its test may change or pytest remove), removed when the process exits: each pytest
+    process of every suite otherwise left one in the temporary directory."""
     if "ckpt" not in _CACHE:
         import tempfile
 
-        src = Path(tempfile.mkdtemp(prefix="psflow-ckpt-fixture-")) / "run"
+        made = tempfile.mkdtemp(prefix="psflow-ckpt-fixture-")
+        atexit.register(_remove, made, os.getpid())
+        src = Path(made) / "run"
         _CACHE["ckpt"] = (src, write(src))
     src, values = _CACHE["ckpt"]
     dst = tmp / "run"

@@ -118,10 +118,12 @@ class TaskRunner:
         code = proc.wait()
         for t in relays:
             t.join(timeout=5)
+        # The keys go before the code is told: a driver that sees it may kill the actor at once
+        # (ray.kill runs nothing more here), and the keys would outlive the job on this node.
+        self.remove_keys()
         with self._cond:
             self._code = code
             self._cond.notify_all()
-        self._remove_keys()
 
     def _relay(self, stream: IO[bytes] | None, tag: int) -> None:
         assert stream is not None
@@ -168,13 +170,17 @@ class TaskRunner:
 
     def die(self) -> None:
         """Ends the actor's process so that Ray restarts it (its script has exited already)."""
-        self._remove_keys()
+        self.remove_keys()
         os._exit(1)
 
-    def _remove_keys(self) -> None:
-        if self._keys_dir is not None:
-            shutil.rmtree(self._keys_dir, ignore_errors=True)
-            self._keys_dir = None
+    def remove_keys(self) -> None:
+        """Removes this node's copy of the job's private keys. The driver calls it before it
+        kills the actor (``ray.kill`` ends the process with nothing run: no ``finally``, no
+        ``atexit``), whether or not the script has exited: killed with the actor, it needs
+        them no more."""
+        d, self._keys_dir = self._keys_dir, None
+        if d is not None:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def node_address() -> tuple[str, int]:

@@ -422,6 +422,12 @@ class RayLauncher:
             while refs and not self._kill_now.is_set() and time.monotonic() < deadline:
                 with contextlib.suppress(Exception):
                     _, refs = ray.wait(refs, num_returns=len(refs), timeout=0.2)
+        # Each actor removes its copy of the job's keys first: ray.kill ends its process with
+        # nothing run there, and a second Ctrl-C (or a stop past its time) kills it mid-stop.
+        # An actor already gone answers at once (with an error).
+        refs = [t.actor.remove_keys.remote() for t in self.tasks.values()]
+        with contextlib.suppress(Exception):
+            ray.wait(refs, num_returns=len(refs), timeout=10)
         # Killing an actor's process kills its script too (the parent-death signal).
         for t in self.tasks.values():
             with contextlib.suppress(Exception):

@@ -232,12 +232,14 @@ def test_the_ctr_examples_smoke_run_across_both_nodes(
 def test_python_call_stop_and_exit_status(ray_cluster: RayCluster, tmp_path: Path) -> None:
     """The same launcher called from Python: SIGTERM stops every task, a second one kills them
     at once without waiting out the grace period (exit 143, as psflow launch gives), and a task
-    failing with no restart left fails the job, named."""
+    failing with no restart left fails the job, named. Neither leaves the job's keys behind on a
+    node (each actor's copy, in a private directory of its own: the driver once killed the
+    actors before they removed them)."""
     script = tmp_path / "serve.py"
     script.write_text(
         "import os, signal, sys, time\n"
         "signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL ends it\n"
-        "print('started', os.getpid(), flush=True)\n"
+        "print('started', os.getpid(), os.environ['PSFLOW_KEYS_DIR'], flush=True)\n"
         "if len(sys.argv) > 1: sys.exit(int(sys.argv[1]))\n"
         "time.sleep(600)\n"
     )
@@ -254,12 +256,15 @@ def test_python_call_stop_and_exit_status(ray_cluster: RayCluster, tmp_path: Pat
     )
     assert proc.stdout is not None
     started: dict[str, int] = {}
+    keys: list[str] = []
     while len(started) < 2:
         line = proc.stdout.readline()
         assert line, proc.stderr.read() if proc.stderr else ""
-        m = re.fullmatch(r"\[(\S+)\] started (\d+)\n", line)
+        m = re.fullmatch(r"\[(\S+)\] started (\d+) (\S+)\n", line)
         if m:
             started[m.group(1)] = int(m.group(2))
+            keys.append(m.group(3))
+    assert all(os.path.isdir(d) for d in keys), keys
     assert set(started) == {"ps:0", "worker:0"}
     proc.send_signal(signal.SIGTERM)
     assert proc.stderr is not None
@@ -278,12 +283,15 @@ def test_python_call_stop_and_exit_status(ray_cluster: RayCluster, tmp_path: Pat
     while any(_alive(pid) for pid in started.values()):  # the scripts themselves go too
         assert time.monotonic() < deadline, started
         time.sleep(0.05)
+    assert not [d for d in keys if os.path.exists(d)], "the job's keys outlived it"
 
     failed = subprocess.run([*cmd, "3"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert failed.returncode == 1, failed.stderr[-3000:]
     assert re.search(
         r"task (ps:0|worker:0) failed with exit code 3; stopping the other tasks", failed.stderr
     )
+    keys = re.findall(r"^\[\S+\] started \d+ (\S+)$", failed.stdout, re.M)
+    assert keys and not [d for d in keys if os.path.exists(d)], (keys, failed.stdout[-3000:])
 
 
 def test_an_address_that_does_not_answer_fails_within_the_ready_timeout() -> None:
