@@ -413,7 +413,11 @@ class NativePush:
             return None
         prefetch_versions = [t.map_version for _, t, _ in prefetch]
         new_rows = []
-        held, row_slots, not_held = _held(row_jobs, row_slots)
+        held, row_slots, not_held = (
+            _held(row_jobs, row_slots)
+            if any(isinstance(t, HashedRows) for _, t, _ in rows)
+            else (row_jobs, row_slots, [])  # a fixed table holds every id it takes
+        )
         for i, part in not_held:
             ids, ids_offset, n, grads, grads_offset = row_jobs[i][:5]
             table = rows[i][1]
@@ -609,6 +613,8 @@ def _held(
     """The jobs whose every id is held, with their rows (of ``slots``, all jobs' rows one after
     another, -1 where a hashed table does not hold an id), and the others' places with their
     rows (views of ``slots``)."""
+    if not len(slots) or int(slots.min()) >= 0:  # every id held: one pass, not one a job
+        return jobs, slots, []
     held, parts, others = [], [], []
     for i, (job, part) in enumerate(zip(jobs, _parts(slots, jobs), strict=True)):
         if len(part) and int(part.min()) < 0:
@@ -690,6 +696,8 @@ def _without_padding(
     """The push's jobs and their rows (``slots``, every job's one after another) without a
     table's ``padding_idx`` where it came, once the kernels have checked every id: that row
     never changes, as the Python path drops its gradient (``Rows.apply``)."""
+    if all(table.spec.padding_idx is None for _, table, _ in rows):
+        return jobs, slots
     out, parts = [], []
     dropped = False
     for (_, table, n), job, part in zip(rows, jobs, _parts(slots, jobs), strict=True):
