@@ -63,7 +63,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     # over the parameters and their state where the default loop makes six, for the last bits
     # (it rounds differently). Issue 35's 16-core profile: 48% of a shard's time was that loop.
     add("--fused", action=argparse.BooleanOptionalAction, default=True, help="... fused form")
-    add("--table_lr", type=float, default=0.05, help="the table's row-wise Adagrad's")
+    # RowWiseAdagrad (TorchRec's DLRM default): one accumulator a row where Adagrad keeps one an
+    # element, the table's optimizer state a 16th of Adagrad's at --dim 16.
+    add("--table_optimizer", choices=["Adagrad", "RowWiseAdagrad"], default="Adagrad")
+    add("--table_lr", type=float, default=0.05, help="the table's row-wise optimizer's")
     add("--table_initial_accumulator", type=float, default=0.1, help="... and its accumulator")
     add("--min_count", type=int, default=5, help="admit an id at its n-th use")
     add("--wide", action=argparse.BooleanOptionalAction, default=True, help="first-order term")
@@ -99,7 +102,9 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     table = pnn.RowOptimizerSpec.of(
-        "Adagrad", lr=args.table_lr, initial_accumulator_value=args.table_initial_accumulator
+        args.table_optimizer,
+        lr=args.table_lr,
+        initial_accumulator_value=args.table_initial_accumulator,
     )
     ftrl = {"lr": args.wide_lr, "l1": args.wide_l1, "l2": args.wide_l2}
     ftrl["initial_accumulator_value"] = args.wide_initial_accumulator
