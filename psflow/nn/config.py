@@ -82,9 +82,9 @@ class TableConfig:
     """Rows start ``N(0, init_std²)`` (torch's ``N(0, 1)`` by default)."""
     optimizer: RowOptimizerSpec | str | None = None
     """The rows' row-wise optimizer: a name (``"SGD"``, ``"Adagrad"``, ``"RowWiseAdagrad"``,
-    ``"Adam"``, ``"Ftrl"``, kept as its :class:`~psflow.protocol.RowOptimizerSpec`) or a spec with arguments;
-    ``None``: the job's optimizer, in row-wise form. A hashed table trained on this process
-    needs one."""
+    ``"Adam"``, ``"Ftrl"``, kept as its :class:`~psflow.protocol.RowOptimizerSpec`) or a spec
+    with arguments; ``None``: the job's optimizer, in row-wise form. A hashed table trained on
+    this process needs one."""
     min_count: int = 0
     """Hashed tables: an id is given a row at its ``min_count``-th update (0 and 1: at once);
     the gradients of an id seen fewer times are dropped."""

@@ -133,8 +133,8 @@ class TableState(nn.Module):
         """The row-wise optimizer's state for every row, kept with the weight for a job to
         start the table from (see :meth:`psflow.nn.Embedding.from_pretrained`): the keys and
         shapes of the table's ``optimizer`` (``"Adagrad"``: ``sum``; ``"RowWiseAdagrad"``:
-        ``sum``, one number a row; ``"Ftrl"``: ``accum`` and
-        ``linear``; ``"Adam"``: ``exp_avg``, ``exp_avg_sq`` and ``step``, one count a row).
+        ``sum``, one number a row; ``"Ftrl"``: ``accum`` and ``linear``; ``"Adam"``:
+        ``exp_avg``, ``exp_avg_sq`` and ``step``, one count a row).
 
         Raises:
             ValueError: without a weight or a named optimizer, or for state that is not the

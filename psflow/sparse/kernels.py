@@ -28,7 +28,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -60,9 +60,16 @@ KERNELS: ModuleType | None = _load()
 _FLOATS = {torch.float32: False, torch.float64: True}
 
 
-def fused(values: torch.Tensor, state: dict[str, torch.Tensor], grad: torch.Tensor) -> bool:
+def fused(
+    values: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    grad: torch.Tensor,
+    one_a_row: Collection[str] = (),
+) -> bool:
     """Whether the kernels can update ``values`` and ``state`` with ``grad`` (the index is
-    int64 and contiguous wherever the rows come from; see the module docstring)."""
+    int64 and contiguous wherever the rows come from; see the module docstring): ``state``'s
+    tensors named in ``one_a_row`` hold one value a row (a row-wise Adagrad's sums), the
+    others a row's worth, as the kernels read them."""
     if KERNELS is None or values.dtype not in _FLOATS or values.device.type != "cpu":
         return False
     if grad.dtype != values.dtype or grad.device.type != "cpu" or not grad.is_contiguous():
@@ -70,18 +77,18 @@ def fused(values: torch.Tensor, state: dict[str, torch.Tensor], grad: torch.Tens
     if not values.is_contiguous() or values.dim() != 2:
         return False
     # The kernels index every state tensor with the values' rows: each must have them all.
-    return all(_state_fits(t, values) for t in state.values())
+    return all(_state_fits(t, values, key in one_a_row) for key, t in state.items())
 
 
-def _state_fits(t: torch.Tensor, values: torch.Tensor) -> bool:
+def _state_fits(t: torch.Tensor, values: torch.Tensor, one_a_row: bool) -> bool:
     """A state tensor the kernels can index as they index ``values``: one of its shape and
-    dtype (sums, moments), one of its dtype a row (a row-wise Adagrad's sums), or one int64
-    count a row (Adam's steps)."""
+    dtype (sums, moments), one of its dtype a row where ``one_a_row`` (a row-wise Adagrad's
+    sums), or one int64 count a row (Adam's steps)."""
     if not t.is_contiguous() or t.device.type != "cpu":
         return False
     if t.dtype == torch.int64:
         return t.shape == (values.shape[0],)
-    return t.dtype == values.dtype and t.shape in (values.shape, (values.shape[0],))
+    return t.dtype == values.dtype and t.shape == (values.shape[:1] if one_a_row else values.shape)
 
 
 def is_double(values: torch.Tensor) -> bool:

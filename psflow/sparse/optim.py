@@ -60,6 +60,12 @@ class RowOptimizer:
     def state_names(self) -> tuple[str, ...]:
         return self.spec.state_names
 
+    @property
+    def one_a_row(self) -> tuple[str, ...]:
+        """The state whose tensors hold one float a row, not a row's worth (for
+        :func:`kernels.fused`)."""
+        return ("sum",) if self.spec.name == "RowWiseAdagrad" else ()
+
     def new_state(
         self,
         rows: int,
@@ -135,7 +141,7 @@ class RowOptimizer:
         """
         if not index.numel():
             return
-        if index.dtype == torch.int64 and kernels.fused(values, state, grad):
+        if index.dtype == torch.int64 and kernels.fused(values, state, grad, self.one_a_row):
             self._fused(values, state, index.contiguous(), grad)
             return
         rows = values.shape[0]

@@ -241,7 +241,7 @@ class Rows(ABC):
             or (
                 changed is not None and (changed.dtype != torch.bool or not changed.is_contiguous())
             )
-            or not kernels.fused(v, self.state, v)
+            or not kernels.fused(v, self.state, v, self.optimizer.one_a_row)
         ):
             return None
         rows, n_emb, keys, vals, mask = found

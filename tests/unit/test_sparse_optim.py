@@ -133,6 +133,19 @@ def test_rowwise_adagrad_kernel_gives_the_references_bits(dtype: torch.dtype, di
     assert torch.equal(w, ref)
 
 
+def test_the_kernels_take_state_only_in_the_shape_they_read() -> None:
+    """The last check before C touches a table's memory: Adagrad's sums a row's worth each,
+    RowWiseAdagrad's one a row; either in the other's shape goes to torch's path."""
+    need_kernels()
+    w = torch.zeros(4, 3)
+    assert kernels.fused(w, {"sum": torch.zeros(4, 3)}, w)
+    assert not kernels.fused(w, {"sum": torch.zeros(4)}, w)
+    assert kernels.fused(w, {"sum": torch.zeros(4)}, w, ("sum",))
+    assert not kernels.fused(w, {"sum": torch.zeros(4, 3)}, w, ("sum",))
+    assert RowOptimizer(RowOptimizerSpec.of("RowWiseAdagrad")).one_a_row == ("sum",)
+    assert RowOptimizer(RowOptimizerSpec.of("Adagrad")).one_a_row == ()
+
+
 @pytest.mark.usefixtures("path")
 def test_adam_matches_sparse_adam_when_every_row_is_touched(w0: torch.Tensor) -> None:
     steps = gradient_sequence(4, every_row=True)
