@@ -136,7 +136,13 @@ static PyObject *py_sgd(PyObject *self, PyObject *args) {
     return PyLong_FromLong(-1);
 }
 
-static PyObject *py_adagrad(PyObject *self, PyObject *args) {
+/* Adagrad and RowWiseAdagrad take the same arguments (their state: a sum an element, or a row). */
+typedef void adagrad_f32_fn(f32 *, f32 *, const int64_t *, const f32 *, ptrdiff_t, ptrdiff_t,
+                            f32, f32);
+typedef void adagrad_f64_fn(f64 *, f64 *, const int64_t *, const f64 *, ptrdiff_t, ptrdiff_t,
+                            f64, f64);
+
+static PyObject *adagrad_of(PyObject *args, adagrad_f32_fn *f32_fn, adagrad_f64_fn *f64_fn) {
     int f64_;
     Py_ssize_t w, sum, index, g, n, dim, rows;
     double lr, eps;
@@ -147,33 +153,20 @@ static PyObject *py_adagrad(PyObject *self, PyObject *args) {
     if (bad >= 0) return PyLong_FromSsize_t(bad);
     Py_BEGIN_ALLOW_THREADS
     if (f64_)
-        psflow_adagrad_f64(PTR(f64, w), PTR(f64, sum), PTR(int64_t, index), PTR(f64, g), n, dim,
-                           -lr, eps);
+        f64_fn(PTR(f64, w), PTR(f64, sum), PTR(int64_t, index), PTR(f64, g), n, dim, -lr, eps);
     else
-        psflow_adagrad_f32(PTR(f32, w), PTR(f32, sum), PTR(int64_t, index), PTR(f32, g), n, dim,
-                           (f32)-lr, (f32)eps);
+        f32_fn(PTR(f32, w), PTR(f32, sum), PTR(int64_t, index), PTR(f32, g), n, dim, (f32)-lr,
+               (f32)eps);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(-1);
 }
 
+static PyObject *py_adagrad(PyObject *self, PyObject *args) {
+    return adagrad_of(args, psflow_adagrad_f32, psflow_adagrad_f64);
+}
+
 static PyObject *py_rowwise_adagrad(PyObject *self, PyObject *args) {
-    int f64_;
-    Py_ssize_t w, sum, index, g, n, dim, rows;
-    double lr, eps;
-    if (!PyArg_ParseTuple(args, "pnnnnnnndd", &f64_, &w, &sum, &index, &g, &n, &dim, &rows, &lr,
-                          &eps))
-        return NULL;
-    Py_ssize_t bad = psflow_first_bad(PTR(int64_t, index), n, rows);
-    if (bad >= 0) return PyLong_FromSsize_t(bad);
-    Py_BEGIN_ALLOW_THREADS
-    if (f64_)
-        psflow_rowwise_adagrad_f64(PTR(f64, w), PTR(f64, sum), PTR(int64_t, index), PTR(f64, g),
-                                   n, dim, -lr, eps);
-    else
-        psflow_rowwise_adagrad_f32(PTR(f32, w), PTR(f32, sum), PTR(int64_t, index), PTR(f32, g),
-                                   n, dim, (f32)-lr, (f32)eps);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromLong(-1);
+    return adagrad_of(args, psflow_rowwise_adagrad_f32, psflow_rowwise_adagrad_f64);
 }
 
 static PyObject *py_adam(PyObject *self, PyObject *args) {
