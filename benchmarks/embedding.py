@@ -19,7 +19,8 @@
   each path runs once per count of a ps's row threads (``PSFLOW_PS_THREADS``), alternately,
   as ``<path>_t<N>``. With ``--row_optimizer Adagrad,RowWiseAdagrad``, each path runs once
   per row optimizer of the table (``Adagrad`` by default: one accumulator an element;
-  ``RowWiseAdagrad``: one a row), alternately, as ``<path>_<optimizer>``. Each run also reports the rows a shard's core serves a second
+  ``RowWiseAdagrad``: one a row), alternately, as ``<path>_<optimizer>``. Each run also
+  reports the rows a shard's core serves a second
   (``<path>_rows_per_shard_cpu_s``): a step's rows over the CPU time the ps tasks' serving
   threads spent handling its lookups and pushes (``ParameterServer.handling_cpu``: not their
   waits, not the worker's, so a 2-core machine shows what a shard does with a core of its
