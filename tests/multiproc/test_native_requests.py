@@ -411,13 +411,15 @@ def test_hashed_tables_are_native_once_their_ids_are_held(path: str) -> None:
         assert torch.equal(native_rows[key], python_rows[key]), key
 
 
+@pytest.mark.parametrize("optimizer", ["Adagrad", "RowWiseAdagrad"])
 @pytest.mark.parametrize("path", ["shm", "socket"])
-def test_a_full_hashed_table_evicts_what_the_python_path_evicts(path: str) -> None:
+def test_a_full_hashed_table_evicts_what_the_python_path_evicts(path: str, optimizer: str) -> None:
     """Room for 4 rows: a push that updates held rows and brings new ones evicts the least
     recently updated of the others, never a row it updates, and drops the new ids that do not
-    fit (their gradients with them), as the Python path, push by push."""
+    fit (their gradients with them), as the Python path, push by push (the row-wise Adagrad's
+    state one value a row: its slots move with the rows too)."""
     config = pnn.TableConfig(
-        num_embeddings=None, embedding_dim=DIM, optimizer="Adagrad", max_rows=4
+        num_embeddings=None, embedding_dim=DIM, optimizer=optimizer, max_rows=4
     )
     # The third push updates 6 and brings three new ids: 2 and 4 go, then 8 (last updated
     # with 6, by the second push), never 6.
