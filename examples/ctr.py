@@ -84,6 +84,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add("--export_every", type=float, default=None, help="seconds between exports (300)")
     add("--seed", type=int, default=0)
     add("--prefetch", action="store_true", help="the next batch's rows ride each step")
+    # The push's round trip hidden behind the next step's forward and backward (asynchronous
+    # training: each gradient one step staler); the rows ride two batches ahead then.
+    add("--overlap", action="store_true", help="each push's reply taken at the next step")
     add("--wire_dtype", choices=["float32", "bfloat16", "float16"], help="rows between worker/ps")
     args = p.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -134,6 +137,7 @@ def main() -> None:
         model,
         ctx,
         optimizer=psflow.OptimizerSpec.of(args.optimizer, lr=args.lr, **fused),
+        overlap=args.overlap,
         checkpoint_dir=args.logdir,
         save_checkpoint_steps=args.save_checkpoint_steps,
         export_dir=args.export_dir,
@@ -141,17 +145,19 @@ def main() -> None:
         last_step=args.train_steps,
     ) as sess:
         start, steps = time.perf_counter(), 0
-        batch = next(batches).to(device)
+        ahead = 2 if args.overlap else 1  # the push in flight brings the batch after next's rows
+        coming = [next(batches).to(device) for _ in range(ahead + 1)]
         while not sess.should_stop():
-            following = next(batches).to(device)
+            batch = coming.pop(0)
+            coming.append(next(batches).to(device))
             sess.zero_grad()
             logits = model(batch.dense, batch.categorical)
             loss = F.binary_cross_entropy_with_logits(logits, batch.label)
             loss.backward()
-            if args.prefetch:  # one step stale, like the dense parameters
-                model.prefetch(following.categorical)
+            if args.prefetch:  # as stale as the dense parameters
+                model.prefetch(coming[ahead - 1].categorical)
             sess.step(loss=loss, examples=len(batch.label))
-            batch, steps = following, steps + 1
+            steps += 1
         rate = steps * args.batch_size / (time.perf_counter() - start)
         print(f"{steps} steps, {rate:,.0f} samples/s (this worker)", flush=True)
         if sess.is_chief:  # the one who evaluates, logs and prints the result

@@ -90,7 +90,7 @@ class TrainingSession(Restoring, StopOnSignals):
             (:mod:`psflow.train.input_position`). One batch read per step.
         **settings: :meth:`SessionConfig.of`'s keywords: ``optimizer``, ``lr``,
             ``lr_schedule``, ``mode`` (and ``replicas_to_aggregate``, ``total_num_replicas``,
-            ``max_staleness``, ``sync_timeout``), ``placement``, ``partition_bytes``,
+            ``max_staleness``, ``sync_timeout``, ``overlap``), ``placement``, ``partition_bytes``,
             ``transport``, ``ready_timeout``; ``checkpoint_dir``, ``save_checkpoint_secs``,
             ``save_checkpoint_steps``, ``max_to_keep``, ``restore``, ``save_timeout``;
             ``summary_dir``, ``save_summaries_steps``, ``histogram_steps``,

@@ -49,12 +49,29 @@ class ShardCalls:
         )
         self.metrics = metrics.for_task(self.me, ctx.host).worker(len(self.shards))
         self._held: dict[int, list[Callable[[], None]]] = {}
+        self._pending: tuple[dict[int, int], dict[str, Any], Callable[[Replies], object]] | None
+        self._pending = None
 
     def hold(self, shard: int, move_out: Callable[[], None]) -> None:
         """Says that views of ``shard``'s lane (a reply's rows, taken with
         ``request_views``) are kept beyond this request: ``move_out`` is called before the
         next request to ``shard``, which overwrites them, to copy what is still needed."""
         self._held.setdefault(shard, []).append(move_out)
+
+    def defer(self, rids: dict[int, int], finish: Callable[[Replies], object], **wait: Any) -> None:
+        """Leaves the replies to the requests :meth:`send` just made (``rids``) in flight: the
+        next request of any kind, or :meth:`settle`, takes them first (:meth:`wait` with
+        ``wait``'s keywords) and hands them to ``finish``. One at a time."""
+        assert self._pending is None, "a deferred reply is settled before the next request"
+        self._pending = (rids, wait, finish)
+
+    def settle(self) -> None:
+        """Takes the replies :meth:`defer` left in flight, if any, and hands them on (a
+        refusal or a dead shard raised here, as :meth:`call` raises it)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            rids, wait, finish = pending
+            finish(self.wait(rids, **wait))
 
     @property
     def transport(self) -> Client:
@@ -120,7 +137,10 @@ class ShardCalls:
         block: float | None = None,
     ) -> dict[int, int]:
         """The first half of :meth:`call`: sends the requests; returns their ids by shard
-        (``block``: see :meth:`Client.send`)."""
+        (``block``: see :meth:`Client.send`). A reply left in flight (:meth:`defer`) is
+        taken first: a shard answers its requests in order, and a lane holds one."""
+        if self._pending is not None:
+            self.settle()
         rids = {}
         tensors = tensors or {}
         layouts = layouts or {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -287,6 +287,7 @@ class ShardedClient(ShardCalls):
         request_views: bool = False,
         input_mark: InputMark | None = None,
         input_epochs: Mapping[int, int] | None = None,
+        deferred: Callable[[Replies], object] | None = None,
     ) -> Replies:
         """Pushes each shard's gradients (always including shard 0) in one round trip each.
 
@@ -299,6 +300,8 @@ class ShardedClient(ShardCalls):
         number of the input these gradients come from and the reader's position past it, goes
         to every shard, with gradients or without, with ``input_epochs[s]``, the epoch of
         shard ``s`` it was learnt at (:meth:`input_positions`, :mod:`psflow.ps.positions`).
+        With ``deferred``, the replies are left in flight for it (:meth:`defer`) and none is
+        returned.
         """
         op = Op.PUSH_PULL if pull else Op.PUSH
         headers: dict[int, dict[str, Any]] = {s: {Key.OP: op} for s in grads}
@@ -319,6 +322,11 @@ class ShardedClient(ShardCalls):
             for s, h in headers.items():
                 if s:
                     h[Key.STEP] = global_step
+        if deferred is not None:
+            rids = self.send(headers, grads, layouts=layouts)
+            wait = {"into": into, "lane_views": lane_views, "request_views": request_views}
+            self.defer(rids, deferred, **wait)
+            return {}
         return self.call(
             headers,
             grads,

@@ -96,6 +96,7 @@ class OptimizerConfig:
         total_num_replicas: int | None = None,
         max_staleness: int | None = None,
         sync_timeout: float | None = None,
+        overlap: bool | None = None,
         placement: str | Placement | Sequence[Piece] = "greedy",
         partition_bytes: int | None = Placement.partition_bytes,
         transport: TransportConfig | None = None,
@@ -112,8 +113,8 @@ class OptimizerConfig:
             lr: the optimizer's learning rate (with a name only).
             lr_schedule: a :class:`~psflow.protocol.ScheduleSpec`, a ``(name, {arguments})``
                 pair or a name.
-            mode, replicas_to_aggregate, total_num_replicas, max_staleness, sync_timeout: the
-                mode (:meth:`ModeConfig.of`).
+            mode, replicas_to_aggregate, total_num_replicas, max_staleness, sync_timeout,
+                overlap: the mode (:meth:`ModeConfig.of`).
             placement, partition_bytes: a strategy (``"greedy"``, ``"round_robin"``) and the
                 size above which a parameter is split, or a :class:`Placement`, or the pieces.
             transport: default from the environment.
@@ -146,6 +147,7 @@ class OptimizerConfig:
                 total_num_replicas=total_num_replicas,
                 max_staleness=max_staleness,
                 sync_timeout=sync_timeout,
+                overlap=overlap,
             ),
             placement=placement,
             **{k: v for k, v in given.items() if v is not None},  # else from the environment

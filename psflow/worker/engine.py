@@ -72,10 +72,16 @@ class KeepsInputPositions(ExchangeEngine):
 
 class AsyncEngine(KeepsInputPositions):
     """Asynchronous training: each step pushes this worker's gradients, which every shard
-    applies on arrival, and pulls the values that result, in one round trip per shard."""
+    applies on arrival, and pulls the values that result, in one round trip per shard; with
+    ``overlap``, that round trip ends at the next step's push (:meth:`ParameterExchange.
+    push_pull`)."""
 
     mode = Mode.ASYNC
 
+    def __init__(self, exchange: ParameterExchange, *, overlap: bool = False) -> None:
+        super().__init__(exchange)
+        self.overlap = overlap
+
     def step(self) -> int:
         grads, layouts, rows = self.exchange.gradients()
-        return self.exchange.push_pull(grads, layouts, rows)
+        return self.exchange.push_pull(grads, layouts, rows, overlap=self.overlap)

@@ -204,7 +204,11 @@ class ParameterExchange:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients of the placed parameters, like ``torch.optim.Optimizer``
-        (and forgets the tables' lookups since the last step)."""
+        (and forgets the tables' lookups since the last step). Zeroed in place, they may be
+        the bytes of a push still in flight (``overlap``: a socket sends them from their own
+        memory): its reply is taken first."""
+        if not set_to_none:
+            self.client.settle()
         self.tables.clear()
         clear_grads(self.params.values(), set_to_none)  # what we train: no walk over submodules
 
@@ -289,10 +293,17 @@ class ParameterExchange:
         grads: dict[int, Tensors],
         layouts: dict[int, wire.Layout],
         rows: dict[int, list[str]] | None = None,
+        *,
+        overlap: bool = False,
     ) -> int:
         """Pushes ``grads`` (each shard applies them at once; ``rows``: the tables whose row
         gradients they carry) and pulls the values that result, one round trip per shard;
-        returns the global step."""
+        returns the global step. With ``overlap``, the round trip ends at the next request
+        (:meth:`ShardCalls.defer`): the values and the prefetched rows come into the model
+        then, and the global step returned is the last one known (the previous push's)."""
+        if overlap:
+            # The last push's reply first: its rows are taken before this push's prefetch.
+            self.client.settle()
         prefetch: dict[int, list[str]] = {}
         if self.tables:
             ids, prefetch = self.tables.take_prefetch()
@@ -302,6 +313,17 @@ class ParameterExchange:
                     grads.setdefault(s, []).extend(tensors)
                     layouts.pop(s, None)
         mark, self.input_mark = self.input_mark, None
+
+        def took(replies: Replies) -> int:
+            if prefetch:
+                rest = self.tables.put_prefetched({s: t for s, (_, t) in replies.items()})
+                replies = {s: (h, rest[s]) for s, (h, _) in replies.items()}
+            before = self.global_step
+            step = self.load(replies)
+            # The other workers' updates applied between this worker's last pull and its push.
+            self.client.metrics.staleness.observe(max(0, step - before - 1))
+            return step
+
         replies = self.client.push(
             grads,
             pull=True,
@@ -316,15 +338,9 @@ class ParameterExchange:
             row_dtypes=self.tables.row_dtypes(prefetch) if prefetch else None,
             # The rows stay where they came until used (TableClient.put_prefetched).
             request_views=bool(prefetch),
+            deferred=took if overlap else None,
         )
-        if prefetch:
-            rest = self.tables.put_prefetched({s: t for s, (_, t) in replies.items()})
-            replies = {s: (h, rest[s]) for s, (h, _) in replies.items()}
-        before = self.global_step
-        step = self.load(replies)
-        # The other workers' updates applied between this worker's last pull and its push.
-        self.client.metrics.staleness.observe(max(0, step - before - 1))
-        return step
+        return self.global_step if overlap else took(replies)
 
     def close(self, *, finished: bool) -> None:
         """Tells the ps this worker has finished (with ``finished``) and disconnects."""

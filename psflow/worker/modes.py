@@ -54,6 +54,11 @@ class ModeConfig:
     timeout: float | None = field(default_factory=_default_timeout)
     """Seconds a worker waits for its step (sync) or for the slowest worker (bounded
     staleness), and for the all-reduce group; default: the transport timeout."""
+    overlap: bool = False
+    """Async: each step's push stays in flight while the next step computes, its reply (the
+    values, and the rows a prefetch asked for) taken at the next step's push: the round trip
+    hidden behind the next forward and backward, each gradient one step staler. A prefetch
+    must then ask for the batch after next."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -76,6 +81,14 @@ class ModeConfig:
                 raise ValueError(f"max_staleness={s} applies to mode='async', not {self.mode!r}")
         if self.timeout is not None and self.timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
+        if not isinstance(self.overlap, bool):
+            raise TypeError(f"overlap must be a bool, got {self.overlap!r}")
+        if self.overlap and (self.mode != Mode.ASYNC or self.max_staleness is not None):
+            raise ValueError(
+                "overlap applies to mode='async' without max_staleness, not "
+                f"mode={self.mode.value!r}"
+                + ("" if self.max_staleness is None else f", max_staleness={self.max_staleness}")
+            )
 
     @classmethod
     def of(
@@ -86,6 +99,7 @@ class ModeConfig:
         total_num_replicas: int | None = None,
         max_staleness: int | None = None,
         sync_timeout: float | None = None,
+        overlap: bool | None = None,
     ) -> ModeConfig:
         """The settings given as keywords (a mode's name, or ``None`` for ``PSFLOW_MODE``), or
         ``mode`` itself when it is a :class:`ModeConfig` (then no other keyword may be given).
@@ -95,13 +109,14 @@ class ModeConfig:
             "total_num_replicas": total_num_replicas,
             "max_staleness": max_staleness,
             "sync_timeout": sync_timeout,
+            "overlap": overlap,
         }
         if isinstance(mode, ModeConfig):
             extra = sorted(k for k, v in given.items() if v is not None)
             if extra:
                 raise ValueError(f"give {extra} in the ModeConfig, not beside it")
             return mode
-        optional: dict[str, Any] = {"mode": mode, "timeout": sync_timeout}
+        optional: dict[str, Any] = {"mode": mode, "timeout": sync_timeout, "overlap": overlap}
         return cls(
             replicas_to_aggregate=replicas_to_aggregate,
             total_num_replicas=total_num_replicas,

@@ -280,7 +280,7 @@ def _engine(
         elif mode.max_staleness is not None:
             engine = StalenessEngine(exchange, mode)
         else:
-            engine = AsyncEngine(exchange)
+            engine = AsyncEngine(exchange, overlap=mode.overlap)
         engine.start(spec, ready_timeout=config.ready_timeout)
     except BaseException:
         exchange.close(finished=False)
