@@ -10,7 +10,8 @@ id the table held then has lost its row (:attr:`Rows.map_version
 <psflow.sparse.rows.Rows.map_version>` unchanged): the rows of the ids held then are theirs
 still, their checks passed (a lookup's are a push's); an id not held then (-1) may have been
 given a row since (by another task's push), so the caller finds those few again. Anything else
-maps again.
+maps again. A task's last two lookups are kept: with a push in flight while the next step
+computes (``overlap``), a push's ids are those of the lookup before the last.
 """
 
 from __future__ import annotations
@@ -23,11 +24,15 @@ MAX_TASKS = 1024
 """The most tasks whose lookups a table keeps (the oldest go first)."""
 MAX_IDS = 1 << 20
 """The most ids a table keeps in all (16 bytes each with their rows: 16 MB)."""
+KEPT = 2
+"""Lookups kept a task: a push's ids are those of the task's last lookup, or, with a push in
+flight while the next step computes (``overlap``: the prefetch two batches ahead), of the one
+before it."""
 
 
 class MappedIds:
-    """The ids each task last looked up in one table, their rows, and the table's
-    :attr:`~psflow.sparse.rows.Rows.map_version` then.
+    """The ids each task last looked up in one table (its last :data:`KEPT` lookups), their
+    rows, and the table's :attr:`~psflow.sparse.rows.Rows.map_version` then.
 
     Example:
         >>> m = MappedIds()
@@ -40,7 +45,7 @@ class MappedIds:
     """
 
     def __init__(self) -> None:
-        self._by: dict[str, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], int]] = {}
+        self._by: dict[str, list[tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], int]]] = {}
         self._ids = 0
 
     def __len__(self) -> int:
@@ -50,31 +55,42 @@ class MappedIds:
         self, task: str, ids: np.ndarray[Any, Any], rows: np.ndarray[Any, Any], version: int
     ) -> None:
         """Keeps ``ids`` (a copy the caller gives up) and the ``rows`` the kernels mapped them
-        to at ``version``, in place of what ``task`` looked up before."""
-        self._forget(task)
+        to at ``version``, after what ``task`` looked up before (the oldest past
+        :data:`KEPT` let go)."""
+        kept = self._by.pop(task, [])  # back in as the newest task
         if len(ids) > MAX_IDS:
+            self._let_go(kept)
             return
-        self._by[task] = (ids, rows, version)
+        kept.append((ids, rows, version))
         self._ids += len(ids)
+        if len(kept) > KEPT:
+            self._let_go(kept[:-KEPT])
+            del kept[:-KEPT]
+        self._by[task] = kept
         while len(self._by) > MAX_TASKS or self._ids > MAX_IDS:
-            self._forget(next(iter(self._by)))
+            self._let_go(self._by.pop(next(iter(self._by))))
 
     def recall(
         self, task: str, ids: np.ndarray[Any, Any], version: int
     ) -> np.ndarray[Any, Any] | None:
-        """The rows of ``ids`` when ``task`` last looked up exactly these at ``version`` (-1
-        where not held then: the caller's to find again), else ``None``; either way what it
-        looked up is given up (a push uses it once, and may complete the rows in place)."""
-        entry = self._forget(task)
-        if entry is None:
+        """The rows of ``ids`` when ``task`` looked up exactly these (byte for byte) at
+        ``version`` (-1 where not held then: the caller's to find again), else ``None``. A
+        lookup of these ids is given up either way (a push uses it once, and may complete the
+        rows in place); the task's other lookup stays (a prefetch made after it may be for an
+        earlier push: a lookup at a step's start settles the push in flight first)."""
+        kept = self._by.get(task)
+        if not kept:
             return None
-        known, rows, at = entry
-        if at != version or len(known) != len(ids) or not np.array_equal(known, ids):
-            return None
-        return rows
+        for i, (known, rows, at) in enumerate(kept):
+            if len(known) == len(ids) and np.array_equal(known, ids):
+                self._let_go(kept[i : i + 1])
+                del kept[i]
+                if not kept:
+                    del self._by[task]
+                return rows if at == version else None
+        return None
 
-    def _forget(self, task: str) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], int] | None:
-        entry = self._by.pop(task, None)
-        if entry is not None:
-            self._ids -= len(entry[0])
-        return entry
+    def _let_go(
+        self, entries: list[tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], int]]
+    ) -> None:
+        self._ids -= sum(len(ids) for ids, _, _ in entries)

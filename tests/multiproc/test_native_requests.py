@@ -818,7 +818,7 @@ def test_a_push_takes_its_lookups_rows_while_the_table_keeps_them(
     mapping them again (``MappedIds``) while no row held then has gone, the ids not held then
     found again (another task's push may have made their rows); after rows were evicted in
     between (a full hashed table moves its last rows into the holes), and for ids in another
-    order, they are mapped again. The other task's pushes here are the Python path's (which
+    order, they are mapped again (that lookup kept: a task's last two are). The other task's pushes here are the Python path's (which
     leave the lookup kept). Every state is the Python path's, slot by slot."""
     mapped = []
     map_rows = kernels.map_rows
@@ -860,7 +860,9 @@ def test_a_push_takes_its_lookups_rows_while_the_table_keeps_them(
     assert served == 6 and none == 0
     # The kernels mapped the first push's ids and those after an eviction or in another order.
     assert [int(s.pop("mapped")) for s in native_states] == [1, 1, 1, 1, 1, 2, 3, 3]
-    assert kept == [0, 1, 0, 1, 1, 0, 1, 1, 0, 1, 0, 1, 0]  # kept until its task's next push
+    # Kept until its task's push of those ids: a push of others (the other order) leaves it,
+    # as a push in flight while the next step computes has the lookup before the last.
+    assert kept == [0, 1, 0, 1, 1, 0, 1, 1, 0, 1, 1, 1, 1]
     assert stats == python_stats and stats["evicted"] >= 3
     for native_rows, python_rows in zip(native_states, python_states, strict=True):
         python_rows.pop("mapped")

@@ -15,6 +15,7 @@ import psflow
 import psflow.nn as pnn
 from psflow.cluster.ports import local_cluster
 from psflow.cluster.spec import TaskContext, TaskSpec
+from psflow.sparse import kernels
 from psflow.transport import TransportConfig
 from psflow.worker import DistributedOptimizer
 from psflow.worker.modes import ModeConfig
@@ -99,22 +100,30 @@ def test_overlap_is_for_plain_asynchronous_training() -> None:
         ModeConfig(overlap=1)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("vocab", [40, None], ids=["fixed", "hashed"])
 @pytest.mark.parametrize("path", ["shm", "socket"])
-def test_a_table_prefetched_two_batches_ahead_loses_no_push(path: str) -> None:
+def test_a_table_prefetched_two_batches_ahead_loses_no_push(
+    path: str, vocab: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A table's rows prefetched for the batch after next (the push in flight brings them):
     every forward after the first two takes them instead of a lookup, forward ``k`` sees the
     rows as the ps held them after push ``k - 2``, and the pushes all land, each once
     (row-wise SGD on a gradient of ones: a row ends 0.1 lower for every batch that held its
-    id)."""
+    id). A hashed table's pushes each take the rows their prefetch found (its last two
+    lookups kept a task): none maps its ids again."""
     from .test_native_requests import native_of
 
-    vocab, dim, steps = 40, 4, 7
+    mapped = []
+    map_rows = kernels.map_rows
+    monkeypatch.setattr(kernels, "map_rows", lambda *a, **k: mapped.append(1) or map_rows(*a, **k))
+    n, dim, steps = 40, 4, 7
     g = torch.Generator().manual_seed(5)
-    ids = [torch.randperm(vocab, generator=g)[:12] for _ in range(steps + 2)]
-    table = pnn.Embedding(vocab, dim, seed=1, optimizer=pnn.RowOptimizerSpec.of("SGD", lr=0.1))
+    ids = [torch.randperm(n, generator=g)[:12] for _ in range(steps + 2)]
+    sgd = pnn.RowOptimizerSpec.of("SGD", lr=0.1)
+    table = pnn.Embedding(vocab, dim, seed=1, optimizer=sgd)
     with job(path, table, overlap=True) as (opt, servers):
         (rows_of,) = servers[0].store.tables.values()
-        initial = rows_of.lookup(torch.arange(vocab)).clone()
+        initial = rows_of.lookup(torch.arange(n)).clone()
         lookups = native_of(servers[0]).served
         seen = []
         for k in range(steps):
@@ -126,15 +135,17 @@ def test_a_table_prefetched_two_batches_ahead_loses_no_push(path: str) -> None:
             opt.step()
         assert native_of(servers[0]).served - lookups == 2  # batches 0 and 1 alone
         opt.pull()  # takes the last push's reply first
-        held = rows_of.lookup(torch.arange(vocab))
+        # A fixed table keeps no lookup (its map costs what keeping would): each push maps.
+        assert len(mapped) == (0 if vocab is None else steps)
+        held = rows_of.lookup(torch.arange(n))
     for k in range(steps):
         # Forward 1 looks its rows up, after push 0 (which the lookup's request settles);
         # forward k >= 2 takes those push k - 2 gathered after its update.
-        applied = torch.zeros(vocab)
+        applied = torch.zeros(n)
         for j in range(k if k < 2 else k - 1):
             applied[ids[j]] += 1
         torch.testing.assert_close(seen[k], initial[ids[k]] - 0.1 * applied[ids[k]][:, None])
-    applied = torch.zeros(vocab)
+    applied = torch.zeros(n)
     for k in range(steps):
         applied[ids[k]] += 1
     torch.testing.assert_close(held, initial - 0.1 * applied[:, None])
