@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,6 +28,16 @@ LOST_CODES = frozenset({Code.UNINITIALIZED, Code.RESTORED})
 """Refusals that mean the ps lost the state the request was made against (it restarted empty,
 or was restored from a checkpoint since): raised as :class:`PeerLostError`, which a
 :class:`~psflow.train.TrainingSession` recovers from."""
+
+
+class _Pending(NamedTuple):
+    """Requests sent whose replies are left in flight (:meth:`ShardCalls.defer`)."""
+
+    rids: dict[int, int]
+    finish: Callable[[Replies], object]
+    tensors: dict[int, Tensors]
+    start: float
+    wait: dict[str, Any]
 
 
 class ShardCalls:
@@ -49,8 +59,7 @@ class ShardCalls:
         )
         self.metrics = metrics.for_task(self.me, ctx.host).worker(len(self.shards))
         self._held: dict[int, list[Callable[[], None]]] = {}
-        self._pending: tuple[dict[int, int], dict[str, Any], Callable[[Replies], object]] | None
-        self._pending = None
+        self._pending: _Pending | None = None
 
     def hold(self, shard: int, move_out: Callable[[], None]) -> None:
         """Says that views of ``shard``'s lane (a reply's rows, taken with
@@ -58,20 +67,30 @@ class ShardCalls:
         next request to ``shard``, which overwrites them, to copy what is still needed."""
         self._held.setdefault(shard, []).append(move_out)
 
-    def defer(self, rids: dict[int, int], finish: Callable[[Replies], object], **wait: Any) -> None:
-        """Leaves the replies to the requests :meth:`send` just made (``rids``) in flight: the
-        next request of any kind, or :meth:`settle`, takes them first (:meth:`wait` with
-        ``wait``'s keywords) and hands them to ``finish``. One at a time."""
+    def defer(
+        self,
+        rids: dict[int, int],
+        finish: Callable[[Replies], object],
+        tensors: dict[int, Tensors],
+        start: float,
+        **wait: Any,
+    ) -> None:
+        """Leaves the replies to the requests :meth:`send` just made (``rids``, with
+        ``tensors``, at ``start``: ``time.perf_counter()``) in flight: the next request of any
+        kind, or :meth:`settle`, takes them first (:meth:`wait` with ``wait``'s keywords),
+        counts the round trip as :meth:`call` does and hands them to ``finish``. One at a
+        time."""
         assert self._pending is None, "a deferred reply is settled before the next request"
-        self._pending = (rids, wait, finish)
+        self._pending = _Pending(rids, finish, tensors, start, wait)
 
     def settle(self) -> None:
         """Takes the replies :meth:`defer` left in flight, if any, and hands them on (a
         refusal or a dead shard raised here, as :meth:`call` raises it)."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            rids, wait, finish = pending
-            finish(self.wait(rids, **wait))
+            replies = self.wait(pending.rids, **pending.wait)
+            self._observe(pending.start, replies, pending.tensors)
+            pending.finish(replies)
 
     @property
     def transport(self) -> Client:
@@ -104,8 +123,8 @@ class ShardCalls:
                 (:data:`LOST_CODES`), or is gone.
             PeerError: when a shard refused the request or did not answer.
         """
-        m = self.metrics
-        start = time.perf_counter() if m.on else 0.0
+        self.settle()  # a reply in flight is not this call's round trip
+        start = time.perf_counter()
         rids = self.send(headers, tensors, layouts=layouts)
         replies = self.wait(
             rids,
@@ -115,8 +134,14 @@ class ShardCalls:
             into_of=into_of,
             request_views=request_views,
         )
+        self._observe(start, replies, tensors)
+        return replies
+
+    def _observe(self, start: float, replies: Replies, tensors: dict[int, Tensors] | None) -> None:
+        """Counts a round trip that began at ``start`` (its requests' ``tensors``)."""
+        m = self.metrics
         if not m.on:
-            return replies
+            return
         # Each shard's round trip ends when the last of the call's replies is in: the shards
         # answer in parallel, and a worker waits for them all.
         seconds = time.perf_counter() - start
@@ -126,7 +151,6 @@ class ShardCalls:
         if tensors:
             for shard, sent in tensors.items():
                 m.sent[shard].inc(sum(t.nbytes for _, t in sent))
-        return replies
 
     def send(
         self,

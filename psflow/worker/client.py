@@ -323,9 +323,11 @@ class ShardedClient(ShardCalls):
                 if s:
                     h[Key.STEP] = global_step
         if deferred is not None:
+            self.settle()  # not this push's round trip
+            start = time.perf_counter()
             rids = self.send(headers, grads, layouts=layouts)
             wait = {"into": into, "lane_views": lane_views, "request_views": request_views}
-            self.defer(rids, deferred, **wait)
+            self.defer(rids, deferred, grads, start, **wait)
             return {}
         return self.call(
             headers,
