@@ -17,9 +17,11 @@
 - ``init.py``: :class:`InitService`, the chief's ``init`` (the shard's values, optimizer,
   schedule and tables, or a restore).
 - ``exchange.py``: :class:`ExchangeService`, ``pull``, ``push`` and ``push_pull`` (the hot path).
-- ``native.py``: :class:`~psflow.ps.native.NativeLookup` and
-  :class:`~psflow.ps.native.NativePush`, lookups and the tables' part of pushes served from the
-  request's bytes in one C call (the Python path serves and refuses the rest).
+- ``native.py``: :class:`~psflow.ps.native.NativeLookup`, lookups served from the request's
+  bytes in one C call (the Python path serves and refuses the rest); ``native_push.py``:
+  :class:`~psflow.ps.native_push.NativePush`, the tables' part of pushes the same way;
+  ``native_rows.py``: what both take from the kernels (their jobs' rows, the ids not held, a
+  reply's buffers and casts).
 - ``tables.py``: the embedding tables on a shard (:func:`~psflow.ps.tables.build_tables`, row
   gradients, restore), :class:`TableService` (``lookup``, ``table_status``).
 - ``row_wire.py``: rows and row gradients on the wire narrower than their table

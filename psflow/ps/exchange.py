@@ -22,7 +22,7 @@ import torch
 
 from psflow.protocol import Key, Op
 from psflow.protocol.messages import prefetch_tensor_names
-from psflow.ps.native import NativePush
+from psflow.ps.native_push import NativePush
 from psflow.ps.positions import pushed_input
 from psflow.ps.row_wire import row_dtypes
 from psflow.ps.service import Handler, Service, ServiceHost
@@ -58,7 +58,7 @@ class ExchangeService(Service):
         self.require_initialized = host.require_initialized
         self.native = NativePush(host)
         """Pushes with row gradients or a prefetch: the tables' part in native code
-        (:mod:`psflow.ps.native`)."""
+        (:mod:`psflow.ps.native_push`)."""
 
     def handlers(self) -> Mapping[Op, Handler]:
         return {Op.PULL: self._pull, Op.PUSH: self._push, Op.PUSH_PULL: self._push_pull}

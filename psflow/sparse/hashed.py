@@ -370,7 +370,7 @@ class HashedRows(Rows):
             kernels.fill_rows(self.updated_at, slots, now)
 
     def make_rows(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        """The new rows of a native push (:mod:`psflow.ps.native`), before its update:
+        """The new rows of a native push (:mod:`psflow.ps.native_push`), before its update:
         ``ids`` the push's (unique, checked), ``slots`` each one's row as the kernels mapped it
         (-1: not held), completed in place as :meth:`apply` does: a row made for each id not
         held that is admitted and fits, -1 left for the others (their gradients are dropped).
