@@ -205,6 +205,16 @@ def test_errors_quote_hostile_values_briefly() -> None:
     assert len(str(e.value)) < 200
 
 
+@pytest.mark.parametrize("bad", [{"a": 1}, "x", 1, [["w", "float7", [1]], ["v", "float32", [2]]]])
+def test_a_tensor_list_like_a_recent_one_is_still_checked(bad: object) -> None:
+    """The recent lists are matched by equality alone: a value of the same length as one of
+    them, or a list that shares its last entry, is checked and refused in its own words."""
+    wire.tensor_metas({"t": [["v", "float32", [2]]]})  # recent: one entry, "v" last
+    wire.tensor_metas({"t": [["u", "float32", [1]], ["v", "float32", [2]]]})
+    with pytest.raises(wire.WireError, match=r"must be a list|unknown dtype"):
+        wire.tensor_metas({"t": bad})
+
+
 @pytest.mark.parametrize(
     ("dtype", "shape"),
     [

@@ -115,11 +115,12 @@ def tensor_metas(header: Mapping[str, Any]) -> list[TensorMeta]:
         return []
     # One tuple, read and replaced whole, so that threads sharing it see consistent pairs.
     recent = _recent_metas
-    for seen, metas in recent:
-        # The last entry first: a push's lists differ there (its ids' count), so that a new
-        # list costs one entry's comparison a recent one, not its dense entries' walk.
-        if len(raw) == len(seen) and raw[-1] == seen[-1] and raw == seen:
-            return metas
+    if type(raw) is list:  # anything else is refused below, in the words of its check
+        for seen, metas in recent:
+            # The last entry first: a push's lists differ there (its ids' count), so that a
+            # new list costs one entry's comparison a recent one, not its dense entries' walk.
+            if len(raw) == len(seen) and raw[-1] == seen[-1] and raw == seen:
+                return metas
     out = _validate_metas(raw)
     _recent_metas = ((raw, out), *recent[: _RECENT - 1])
     return out
