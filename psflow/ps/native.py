@@ -52,7 +52,6 @@ from psflow.transport import Request, wire
 __all__ = ["NativeLookup"]
 
 _ABSENT_ZEROS = Key.ABSENT_ZEROS.value
-_ROW_DTYPES = Key.ROW_DTYPES.value
 
 _PLAIN_LOOKUP = frozenset(
     k.value
