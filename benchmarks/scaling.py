@@ -21,7 +21,8 @@ The model is ``examples/ctr.py``'s DLRM in DeepRec's shape (embedding dim 16, bo
   ``--against_env K=V,...``, that run's tasks get those environment variables
   (``--against_env PSFLOW_FLUSH_DENORMALS=0``: a setting against its default). A job
   ``PxWtN`` gives its ps tasks N threads (``psflow launch --ps-threads``), ``PxWb`` binds every
-  task to its cores (``--bind-cores``).
+  task to its cores (``--bind-cores``), ``PxWi`` runs it without CurveZMQ keys (``--insecure``:
+  ``--jobs 1x3,1x3i`` gives the socket path's cipher its own figure).
 
 Printed per job and path: samples/s, samples/s per core (the cores the job's processes may
 use: ``min(P + W, cores)``), and efficiency: the job's samples/s over the ``procs`` ceiling of
@@ -104,34 +105,38 @@ def default_jobs(cores: int) -> str:
     return ",".join(f"{p}x{w}" for p, w in sizes if p + w <= cores + cores // 4)
 
 
-JOB = re.compile(r"(\d+)x([1-9]\d*)(?:t([1-9]\d*))?(b?)")
+JOB = re.compile(r"(\d+)x([1-9]\d*)(?:t([1-9]\d*))?(b?)(i?)")
 
 
 class Job(NamedTuple):
     """One job's shape: ``PSxWORKERS``, ``tN`` its ps tasks on N threads (``--ps-threads``),
-    ``b`` every task bound to its cores (``--bind-cores``)."""
+    ``b`` every task bound to its cores (``--bind-cores``), ``i`` without keys
+    (``--insecure``: nothing encrypted)."""
 
     ps: int
     workers: int
     ps_threads: int | None = None
     bind: bool = False
+    insecure: bool = False
 
     @property
     def name(self) -> str:
         threads = "" if self.ps_threads is None else f"t{self.ps_threads}"
-        return f"{self.ps}x{self.workers}{threads}{'b' if self.bind else ''}"
+        return f"{self.ps}x{self.workers}{threads}{'b' if self.bind else ''}{'i' * self.insecure}"
 
 
 def parse_jobs(text: str) -> list[Job]:
-    """``PSxWORKERS[tTHREADS][b]`` sizes, comma-separated (:class:`Job`)."""
+    """``PSxWORKERS[tTHREADS][b][i]`` sizes, comma-separated (:class:`Job`)."""
     out = []
     for item in text.split(","):
         m = JOB.fullmatch(item.strip())
         if m is None:
             raise SystemExit(
-                f"--jobs: {item!r} is not PSxWORKERS[tTHREADS][b] (for example 2x4, 2x12t2, 4x12b)"
+                f"--jobs: {item!r} is not PSxWORKERS[tTHREADS][b][i] "
+                "(for example 2x4, 2x12t2, 4x12b, 1x3i)"
             )
-        out.append(Job(int(m[1]), int(m[2]), None if m[3] is None else int(m[3]), m[4] == "b"))
+        threads = None if m[3] is None else int(m[3])
+        out.append(Job(int(m[1]), int(m[2]), threads, m[4] == "b", m[5] == "i"))
     return out
 
 
@@ -237,6 +242,8 @@ def job_command(
         cmd += ["--ps-threads", str(job.ps_threads)]
     if job.bind:
         cmd.append("--bind-cores")
+    if job.insecure:
+        cmd.append("--insecure")
     cmd += [str(root / "examples" / "ctr.py"), "--data", data]
     cmd += ["--train_steps", str(steps), "--dim", str(p["dim"]), "--bottom", p["bottom"]]
     cmd += ["--top", p["top"], "--batch_size", str(p["batch"]), "--no-wide", "--min_count", "0"]
