@@ -14,6 +14,7 @@ The model is ``examples/ctr.py``'s DLRM in DeepRec's shape (embedding dim 16, bo
 - **Jobs**: ``psflow launch --ps P --workers W examples/ctr.py ...`` for each ``PxW`` of
   ``--jobs`` (default: by the host's cores), through shared memory and through the socket
   (``PSFLOW_SHM=0``), alternately; each worker's own samples/s line, summed. With
+  ``--args ARGS``, every run of every job takes those example arguments too. With
   ``--against ARGS``, each job also runs with those example arguments, alternating, for an A/B
   on one machine (``--against=--no-fused``: torch's Adam loop against the fused form); with
   ``--against_tree DIR``, that run is another checkout's psflow and example (a worktree of
@@ -302,6 +303,11 @@ def main() -> None:
     parser.add_argument("--cores", type=int, help="cores to count on (default: this host's)")
     parser.add_argument("--ceiling_rows", type=int, default=1 << 20, help="plain table rows")
     parser.add_argument(
+        "--args",
+        help="example arguments for every run of every job, both sides of an A/B "
+        "(e.g. '--wide': the example's wide term, which the preset leaves out)",
+    )
+    parser.add_argument(
         "--against",
         help="example arguments for a second run of each job, alternating with the first "
         "(an A/B on one machine, e.g. '--no-fused'); its figures are prefixed against_",
@@ -346,12 +352,13 @@ def main() -> None:
         )
         rows = []
         yardsticks = [ceiling_threads]
-        variants: list[tuple[str, list[str], Path, dict[str, str]]] = [("", [], ROOT, {})]
+        common = shlex.split(args.args or "")
+        variants: list[tuple[str, list[str], Path, dict[str, str]]] = [("", common, ROOT, {})]
         against = bool(args.against or args.against_tree or args.against_env)
         if against:
             tree = (args.against_tree or ROOT).resolve()
             env = parse_env(parser, args.against_env)
-            variants.append(("against_", shlex.split(args.against or ""), tree, env))
+            variants.append(("against_", common + shlex.split(args.against or ""), tree, env))
         for job in jobs:
             used = min(job.ps * (job.ps_threads or 1) + job.workers, cores)
             entry: dict[str, Any] = {"job": job.name, "ps": job.ps, "workers": job.workers}
@@ -393,6 +400,7 @@ def main() -> None:
     result = {
         "benchmark": "scaling",
         "preset": args.preset,
+        "args": args.args,
         "against": args.against,
         "against_tree": None if args.against_tree is None else str(args.against_tree),
         "against_env": args.against_env,

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from psflow.nn.config import UNSET, TableConfig, Unset, table_config
 from psflow.nn.frozen import snapshot_index, traced
-from psflow.nn.gather import GatherRows, lookup
+from psflow.nn.gather import BagRows, GatherRows, lookup
 from psflow.nn.table import TableModule
 from psflow.protocol import RowOptimizerSpec
 
@@ -335,6 +335,19 @@ class EmbeddingBag(TableModule):
             # and scatter-added by the kernels, from the rows where they came in).
             return lookup(self, input).view(input.shape[0], self.embedding_dim)
         positions, rows, padding = self._gather(input)
+        if (
+            input.dim() == 2
+            and mode in ("sum", "mean")
+            and per_sample_weights is None
+            and padding is None
+            and not self.scale_grad_by_freq
+            and rows.requires_grad
+            and torch.is_grad_enabled()
+            and not traced()
+        ):
+            # Bags of equal size (a multi-hot feature, a wide term's columns): torch's
+            # forward, the gradient scatter-added instead of torch's sorted backward.
+            return BagRows.apply(rows, positions, mode)  # type: ignore[no-any-return]
         return F.embedding_bag(
             positions,
             rows,

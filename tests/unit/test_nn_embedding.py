@@ -217,6 +217,40 @@ def test_embedding_bag_matches_torch(
     check_grads(bag, source, ref)
 
 
+@pytest.mark.parametrize(
+    "attached", [True, "grouped", "parts"], ids=["attached", "grouped", "parts"]
+)
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("dim", [1, 16])
+def test_bags_of_equal_size_scatter_add_their_gradient(
+    dim: int, mode: str, attached: bool | str
+) -> None:
+    """Bags of equal size (2-D ids, as a wide term's columns) over an attached table: torch's
+    values to the bit, the gradient by the kernels' scatter-add (``BagRows``), torch's up to
+    the order of its sums."""
+    gen = torch.Generator().manual_seed(3)
+    n = 60
+    bag = EmbeddingBag(n, dim, mode=mode, seed=3)
+    ref = torch.nn.EmbeddingBag(n, dim, mode=mode)
+    ref.weight.data.copy_(bag.weight.detach())
+    source = attach_or_not(bag, attached)
+    assert source is not None
+    ids = torch.randint(0, n // 3, (64, 26), generator=gen)  # each id in many bags
+    out, want = bag(ids), ref(ids)
+    assert type(out.grad_fn).__name__ == "BagRowsBackward"
+    assert torch.equal(out, want)
+    grad_out = torch.randn(want.shape, generator=gen)
+    out.backward(grad_out)
+    want.backward(grad_out)
+    assert ref.weight.grad is not None
+    grads = source.grad_per_id()
+    assert sorted(grads) == sorted(set(ids.view(-1).tolist()))
+    for i, g in grads.items():
+        torch.testing.assert_close(g, ref.weight.grad[i], rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # no gradient asked: torch's embedding_bag alone
+        assert bag(ids).grad_fn is None and torch.equal(bag(ids), want)
+
+
 def test_the_weight_starts_as_the_ps_rows_start() -> None:
     emb = Embedding(N, DIM, padding_idx=2, seed=7, init_std=0.5)
     want = initial_rows(7, torch.arange(N), DIM, std=0.5, dtype=torch.float32, padding_idx=2)
