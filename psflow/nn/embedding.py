@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from psflow.nn.config import UNSET, TableConfig, Unset, table_config
 from psflow.nn.frozen import snapshot_index, traced
-from psflow.nn.gather import BagRows, GatherRows, lookup
+from psflow.nn.gather import BagRows, GatherRows, bag_sizes, lookup
 from psflow.nn.table import TableModule
 from psflow.protocol import RowOptimizerSpec
 
@@ -336,8 +336,7 @@ class EmbeddingBag(TableModule):
             return lookup(self, input).view(input.shape[0], self.embedding_dim)
         positions, rows, padding = self._gather(input)
         if (
-            input.dim() == 2
-            and mode in ("sum", "mean")
+            mode in ("sum", "mean")
             and per_sample_weights is None
             and padding is None
             and not self.scale_grad_by_freq
@@ -345,9 +344,15 @@ class EmbeddingBag(TableModule):
             and torch.is_grad_enabled()
             and not traced()
         ):
-            # Bags of equal size (a multi-hot feature, a wide term's columns): torch's
-            # forward, the gradient scatter-added instead of torch's sorted backward.
-            return BagRows.apply(rows, positions, mode)  # type: ignore[no-any-return]
+            # Multi-hot features, a wide term's columns: torch's forward, the gradient
+            # scatter-added by the kernels instead of torch's sorted backward.
+            last = self.include_last_offset
+            bags = bag_sizes(positions, offsets, last)
+            if bags is not None:
+                sizes, covered = bags
+                return BagRows.apply(  # type: ignore[no-any-return]
+                    rows, positions, offsets, sizes, covered, mode, last
+                )
         return F.embedding_bag(
             positions,
             rows,

@@ -3,8 +3,8 @@
 - :class:`GatherRows`: ``rows[index]`` as an autograd function over
   :func:`psflow.sparse.kernels.gather` and :func:`~psflow.sparse.kernels.scatter_add`.
 - :func:`lookup`: ``F.embedding`` of a table whose rows come from a row source.
-- :class:`BagRows`: ``F.embedding_bag`` of bags of equal size over such rows, its gradient
-  scatter-added by the kernels.
+- :class:`BagRows`: ``F.embedding_bag`` over such rows, its gradient scatter-added by the
+  kernels (:func:`bag_sizes`: each bag's size).
 """
 
 from __future__ import annotations
@@ -43,28 +43,69 @@ class GatherRows(torch.autograd.Function):
 
 
 class BagRows(torch.autograd.Function):
-    """``F.embedding_bag(positions, rows, mode=mode)`` for bags of equal size (``positions``
-    2-D, a bag a row), ``mode`` ``"sum"`` or ``"mean"``, no weights and no padding row: the
-    forward is torch's, the gradient each id's bag's (over its size for ``"mean"``)
-    scatter-added into its row by :func:`psflow.sparse.kernels.scatter_add`. torch's CPU
-    backward sorts the ids first: for a CTR batch's 512 bags of 26 ids it took about 1 ms
-    here, this about a tenth of it. The same sums, added in another order (the last bits)."""
+    """``F.embedding_bag(positions, rows, offsets, mode=mode)`` with ``mode`` ``"sum"`` or
+    ``"mean"``, no weights and no padding row: the forward is torch's, the gradient each id's
+    bag's (over the bag's size for ``"mean"``) scatter-added into its row by
+    :func:`psflow.sparse.kernels.scatter_add`. torch's CPU backward sorts the ids first: for a
+    CTR batch's 512 bags of 26 ids it took about 1 ms here, this about a tenth of it. The same
+    sums, added in another order (the last bits).
+
+    ``sizes`` are the bags' sizes in order and ``covered`` their sum (:func:`bag_sizes`): bag
+    ``b`` holds the ids from the end of bag ``b - 1``; ids after the last bag are in none
+    (torch's forward leaves them out too)."""
 
     @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, positions: torch.Tensor, mode: str) -> torch.Tensor:
-        ctx.save_for_backward(positions)
+    def forward(
+        ctx: Any,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        offsets: torch.Tensor | None,
+        sizes: torch.Tensor,
+        covered: int,
+        mode: str,
+        include_last_offset: bool,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(positions, sizes)
         ctx.rows = rows.shape[0]
+        ctx.covered = covered
         ctx.mean = mode == "mean"
-        return F.embedding_bag(positions, rows.detach(), mode=mode)
+        return F.embedding_bag(
+            positions, rows.detach(), offsets, mode=mode, include_last_offset=include_last_offset
+        )
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        (positions,) = ctx.saved_tensors
-        size = positions.shape[1]
-        if ctx.mean and size:
-            grad = grad / size
-        each = grad.contiguous().repeat_interleave(size, dim=0)  # an id's its bag's
-        return kernels.scatter_add(ctx.rows, each, positions.reshape(-1)), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        positions, sizes = ctx.saved_tensors
+        if ctx.mean:
+            grad = grad / sizes.clamp_min(1).unsqueeze(1).to(grad.dtype)
+        covered = ctx.covered
+        each = grad.contiguous().repeat_interleave(sizes, dim=0, output_size=covered)
+        flat = positions.reshape(-1)[:covered]
+        return kernels.scatter_add(ctx.rows, each, flat), None, None, None, None, None, None
+
+
+def bag_sizes(
+    positions: torch.Tensor, offsets: torch.Tensor | None, include_last_offset: bool
+) -> tuple[torch.Tensor, int] | None:
+    """The sizes of the bags ``F.embedding_bag`` makes of ``positions`` (2-D: a bag a row;
+    1-D: by ``offsets``, the last bag to the end unless ``include_last_offset``) and how many
+    ids they hold, or ``None`` where the offsets are not ones its forward takes as bags in
+    order (not starting at 0, decreasing, past the ids): torch's own path then says so, or does
+    what it does."""
+    device = positions.device
+    if positions.dim() == 2:
+        bags, size = positions.shape
+        return torch.full((bags,), size, dtype=torch.int64, device=device), bags * size
+    if offsets is None or offsets.dim() != 1 or not len(offsets):
+        return None
+    n = positions.numel()
+    bounds = offsets.to(device=device, dtype=torch.int64)
+    if not include_last_offset:
+        bounds = torch.cat([bounds, bounds.new_tensor([n])])
+    if len(bounds) < 2 or int(bounds[0]) != 0 or int(bounds[-1]) > n:
+        return None
+    sizes = bounds[1:] - bounds[:-1]
+    return (sizes, int(bounds[-1])) if bool((sizes >= 0).all()) else None
 
 
 def lookup(table: TableModule, input: torch.Tensor) -> torch.Tensor:

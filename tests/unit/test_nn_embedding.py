@@ -220,23 +220,33 @@ def test_embedding_bag_matches_torch(
 @pytest.mark.parametrize(
     "attached", [True, "grouped", "parts"], ids=["attached", "grouped", "parts"]
 )
+@pytest.mark.parametrize("layout", ["2d", "offsets", "offsets+last"])
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 @pytest.mark.parametrize("dim", [1, 16])
-def test_bags_of_equal_size_scatter_add_their_gradient(
-    dim: int, mode: str, attached: bool | str
+def test_bags_scatter_add_their_gradient(
+    dim: int, mode: str, layout: str, attached: bool | str
 ) -> None:
-    """Bags of equal size (2-D ids, as a wide term's columns) over an attached table: torch's
-    values to the bit, the gradient by the kernels' scatter-add (``BagRows``), torch's up to
-    the order of its sums."""
+    """Bags over an attached table (2-D ids, as a wide term's columns, or ragged ones by
+    offsets, empty bags among them): torch's values to the bit, the gradient by the kernels'
+    scatter-add (``BagRows``), torch's up to the order of its sums."""
     gen = torch.Generator().manual_seed(3)
     n = 60
-    bag = EmbeddingBag(n, dim, mode=mode, seed=3)
-    ref = torch.nn.EmbeddingBag(n, dim, mode=mode)
+    last = layout == "offsets+last"
+    bag = EmbeddingBag(n, dim, mode=mode, seed=3, include_last_offset=last)
+    ref = torch.nn.EmbeddingBag(n, dim, mode=mode, include_last_offset=last)
     ref.weight.data.copy_(bag.weight.detach())
     source = attach_or_not(bag, attached)
     assert source is not None
-    ids = torch.randint(0, n // 3, (64, 26), generator=gen)  # each id in many bags
-    out, want = bag(ids), ref(ids)
+    offsets = None
+    if layout == "2d":
+        ids = torch.randint(0, n // 3, (64, 26), generator=gen)  # each id in many bags
+    else:
+        ids = torch.randint(0, n // 3, (700,), generator=gen)
+        cuts = torch.randint(0, 701, (63,), generator=gen).sort().values
+        offsets = torch.cat([torch.tensor([0, 0]), cuts])  # the first bag empty, others too
+        if last:
+            offsets = torch.cat([offsets, torch.tensor([700])])
+    out, want = bag(ids, offsets), ref(ids, offsets)
     assert type(out.grad_fn).__name__ == "BagRowsBackward"
     assert torch.equal(out, want)
     grad_out = torch.randn(want.shape, generator=gen)
@@ -248,7 +258,38 @@ def test_bags_of_equal_size_scatter_add_their_gradient(
     for i, g in grads.items():
         torch.testing.assert_close(g, ref.weight.grad[i], rtol=1e-5, atol=1e-5)
     with torch.no_grad():  # no gradient asked: torch's embedding_bag alone
-        assert bag(ids).grad_fn is None and torch.equal(bag(ids), want)
+        assert bag(ids, offsets).grad_fn is None and torch.equal(bag(ids, offsets), want)
+
+
+def test_ids_after_the_last_bag_get_no_gradient() -> None:
+    """With ``include_last_offset`` and a last offset short of the ids, the ids after it are
+    in no bag: the forward leaves them out, so their rows get no gradient (torch's own CPU
+    backward gives them their neighbours')."""
+    bag = EmbeddingBag(N, DIM, mode="sum", include_last_offset=True, seed=1)
+    source = attach_or_not(bag, True)
+    assert source is not None
+    ids, offsets = torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([0, 2, 4])
+    out = bag(ids, offsets)
+    assert type(out.grad_fn).__name__ == "BagRowsBackward"
+    out.backward(torch.ones_like(out))
+    grads = source.grad_per_id()
+    assert all(torch.equal(grads[i], torch.ones(DIM)) for i in (1, 2, 3, 4))
+    assert all(torch.count_nonzero(grads[i]) == 0 for i in (5, 6))
+
+
+@pytest.mark.parametrize(
+    "offsets", [[1, 3], [0, 4, 2], [0, 2, 9]], ids=["not-at-0", "decreasing", "past-the-ids"]
+)
+def test_offsets_torch_refuses_are_refused_as_torch_refuses(offsets: list[int]) -> None:
+    bag = EmbeddingBag(N, DIM, mode="sum")
+    attach_or_not(bag, True)
+    ref = torch.nn.EmbeddingBag(N, DIM, mode="sum")
+    ids = torch.tensor([1, 2, 3, 4, 5, 6])
+    with pytest.raises(RuntimeError) as want:
+        ref(ids, torch.tensor(offsets))
+    with pytest.raises(RuntimeError) as got:
+        bag(ids, torch.tensor(offsets))
+    assert str(got.value) == str(want.value)
 
 
 def test_the_weight_starts_as_the_ps_rows_start() -> None:
