@@ -130,8 +130,8 @@ class Embedding(TableModule):
         if self.padding_idx is None and not self.scale_grad_by_freq:
             return lookup(self, input)
         positions, rows, padding = self._gather(input)
-        if padding is None and not self.scale_grad_by_freq:  # the batch holds no padding id
-            flat = GatherRows.apply(rows, positions.reshape(-1))
+        if not self.scale_grad_by_freq:  # the padding id's row, if the batch has it, no gradient
+            flat = GatherRows.apply(rows, positions.reshape(-1), None, padding)
             return flat.view(*positions.shape, self.embedding_dim)
         return F.embedding(positions, rows, padding, None, 2.0, self.scale_grad_by_freq, False)
 

@@ -24,22 +24,31 @@ class GatherRows(torch.autograd.Function):
     """``rows[index]`` and its gradient, with :func:`psflow.sparse.kernels.gather` and
     :func:`~psflow.sparse.kernels.scatter_add`. With ``parts``, the values come from them
     (their concatenation is ``rows``' values, which ``rows`` need not hold), read here and
-    never again: the gradient needs only ``index``."""
+    never again: the gradient needs only ``index``. With ``padding``, that row (the padding
+    id's) gets no gradient, as ``F.embedding``'s ``padding_idx`` has it."""
 
     @staticmethod
     def forward(
-        ctx: Any, rows: torch.Tensor, index: torch.Tensor, parts: list[torch.Tensor] | None = None
+        ctx: Any,
+        rows: torch.Tensor,
+        index: torch.Tensor,
+        parts: list[torch.Tensor] | None = None,
+        padding: int | None = None,
     ) -> torch.Tensor:
         ctx.save_for_backward(index)
         ctx.rows = rows.shape[0]
+        ctx.padding = padding
         if parts is not None:
             return kernels.gather_parts(parts, index)
         return kernels.gather(rows.detach(), index)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (index,) = ctx.saved_tensors
-        return kernels.scatter_add(ctx.rows, grad.contiguous(), index), None, None
+        out = kernels.scatter_add(ctx.rows, grad.contiguous(), index)
+        if ctx.padding is not None:
+            out[ctx.padding] = 0
+        return out, None, None, None
 
 
 class BagRows(torch.autograd.Function):

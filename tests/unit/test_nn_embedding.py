@@ -161,6 +161,28 @@ def test_embedding_scale_grad_by_freq_and_int32_ids_match_torch(attached: bool |
     check_grads(emb, source, ref)
 
 
+@pytest.mark.parametrize("attached", [True, "grouped"], ids=["attached", "grouped"])
+def test_a_batch_with_the_padding_id_takes_the_kernels_backward(attached: bool | str) -> None:
+    """The padding id among the batch's ids: its row gathered as the others (torch's forward
+    gives it as it is) and given no gradient, the rest scatter-added by the kernels."""
+    gen = torch.Generator().manual_seed(4)
+    emb = Embedding(N, DIM, padding_idx=2, seed=4)
+    ref = torch.nn.Embedding(N, DIM, padding_idx=2)
+    ref.weight.data.copy_(emb.weight.detach())
+    source = attach_or_not(emb, attached)
+    assert source is not None
+    ids = random_ids(gen, (40, 7), 2)
+    out, want = emb(ids), ref(ids)
+    assert type(out.grad_fn).__name__ == "ViewBackward0"
+    assert type(out.grad_fn.next_functions[0][0]).__name__ == "GatherRowsBackward"
+    assert torch.equal(out, want)
+    grad_out = torch.randn(want.shape, generator=gen)
+    out.backward(grad_out)
+    want.backward(grad_out)
+    assert torch.count_nonzero(source.grad_per_id()[2]) == 0
+    check_grads(emb, source, ref)
+
+
 def bag_cases() -> list[Any]:
     cases = []
     for mode in ("sum", "mean", "max"):
