@@ -70,9 +70,12 @@ class DLRM(nn.Module):
         """The top MLP's logit ``[B, 1]`` of the bottom MLP's ``x`` ``[B, dim]`` and the 26
         columns' rows ``e`` ``[B, 26, dim]``, with their pairwise dot products."""
         t = torch.cat([x.unsqueeze(1), e], dim=1)  # [B, 27, dim]
-        # The 351 pairs below the diagonal. index_select, not [:, lower]: the same values, and a
-        # backward by index_add instead of index_put's accumulation, 1.4 ms less a step.
-        z = torch.bmm(t, t.transpose(1, 2)).flatten(1).index_select(1, self.lower)  # [B, 351]
+        # The 351 pairs below the diagonal. gather, not index_select or [:, lower]: the same
+        # values, and a backward by one scatter_add (each place once: the same bits) instead of
+        # index_add's column by column or index_put's accumulation (1.1 ms a batch of 512
+        # against 1.5 and 1.6 here, forward and backward).
+        pairs = self.lower.expand(len(x), -1)
+        z = torch.gather(torch.bmm(t, t.transpose(1, 2)).flatten(1), 1, pairs)  # [B, 351]
         return self.top(torch.cat([x, z], dim=1))  # type: ignore[no-any-return]
 
     def forward(self, dense: torch.Tensor, categorical: torch.Tensor) -> torch.Tensor:
