@@ -74,8 +74,9 @@ class DLRM(nn.Module):
         # values, and a backward by one scatter_add (each place once: the same bits) instead of
         # index_add's column by column or index_put's accumulation (1.1 ms a batch of 512
         # against 1.5 and 1.6 here, forward and backward).
-        pairs = self.lower.expand(len(x), -1)
-        z = torch.gather(torch.bmm(t, t.transpose(1, 2)).flatten(1), 1, pairs)  # [B, 351]
+        products = torch.bmm(t, t.transpose(1, 2)).flatten(1)  # [B, 729]
+        pairs = self.lower.expand(products.shape[0], -1)  # the batch's size stays symbolic
+        z = torch.gather(products, 1, pairs)  # [B, 351]
         return self.top(torch.cat([x, z], dim=1))  # type: ignore[no-any-return]
 
     def forward(self, dense: torch.Tensor, categorical: torch.Tensor) -> torch.Tensor:
