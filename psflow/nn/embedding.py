@@ -336,22 +336,22 @@ class EmbeddingBag(TableModule):
             return lookup(self, input).view(input.shape[0], self.embedding_dim)
         positions, rows, padding = self._gather(input)
         if (
-            mode in ("sum", "mean")
-            and per_sample_weights is None
+            (mode == "sum" or (mode == "mean" and per_sample_weights is None))
             and padding is None
             and not self.scale_grad_by_freq
             and rows.requires_grad
             and torch.is_grad_enabled()
             and not traced()
         ):
-            # Multi-hot features, a wide term's columns: torch's forward, the gradient
-            # scatter-added by the kernels instead of torch's sorted backward.
+            # Multi-hot features, a wide term's columns, TensorFlow's combiners: torch's
+            # forward, the gradient scatter-added by the kernels instead of torch's sorted
+            # backward.
             last = self.include_last_offset
             bags = bag_sizes(positions, offsets, last)
             if bags is not None:
                 sizes, covered = bags
                 return BagRows.apply(  # type: ignore[no-any-return]
-                    rows, positions, offsets, sizes, covered, mode, last
+                    rows, positions, offsets, sizes, covered, mode, last, per_sample_weights
                 )
         return F.embedding_bag(
             positions,

@@ -52,12 +52,14 @@ class GatherRows(torch.autograd.Function):
 
 
 class BagRows(torch.autograd.Function):
-    """``F.embedding_bag(positions, rows, offsets, mode=mode)`` with ``mode`` ``"sum"`` or
-    ``"mean"``, no weights and no padding row: the forward is torch's, the gradient each id's
-    bag's (over the bag's size for ``"mean"``) scatter-added into its row by
-    :func:`psflow.sparse.kernels.scatter_add`. torch's CPU backward sorts the ids first: for a
-    CTR batch's 512 bags of 26 ids it took about 1 ms here, this about a tenth of it. The same
-    sums, added in another order (the last bits).
+    """``F.embedding_bag(positions, rows, offsets, mode=mode, per_sample_weights=weights)``
+    with ``mode`` ``"sum"`` or ``"mean"`` (weights with ``"sum"`` only, as torch takes them)
+    and no padding row: the forward is torch's, the gradient each id's bag's (times its
+    weight; over the bag's size for ``"mean"``) scatter-added into its row by
+    :func:`psflow.sparse.kernels.scatter_add`, and a weight's the dot product of its bag's
+    gradient with its id's row. torch's CPU backward sorts the ids first: for a CTR batch's 512
+    bags of 26 ids it took about 1 ms here, this about a tenth of it. The same sums, added in
+    another order (the last bits).
 
     ``sizes`` are the bags' sizes in order and ``covered`` their sum (:func:`bag_sizes`): bag
     ``b`` holds the ids from the end of bag ``b - 1``; ids after the last bag are in none
@@ -73,24 +75,41 @@ class BagRows(torch.autograd.Function):
         covered: int,
         mode: str,
         include_last_offset: bool,
+        weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        ctx.save_for_backward(positions, sizes)
+        values = rows.detach()
+        given = None if weights is None else weights.detach()
+        ctx.save_for_backward(positions, sizes, given, values if weights is not None else None)
         ctx.rows = rows.shape[0]
         ctx.covered = covered
         ctx.mean = mode == "mean"
         return F.embedding_bag(
-            positions, rows.detach(), offsets, mode=mode, include_last_offset=include_last_offset
+            positions,
+            values,
+            offsets,
+            mode=mode,
+            per_sample_weights=given,
+            include_last_offset=include_last_offset,
         )
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        positions, sizes = ctx.saved_tensors
+        positions, sizes, weights, values = ctx.saved_tensors
         if ctx.mean:
             grad = grad / sizes.clamp_min(1).unsqueeze(1).to(grad.dtype)
         covered = ctx.covered
         each = grad.contiguous().repeat_interleave(sizes, dim=0, output_size=covered)
         flat = positions.reshape(-1)[:covered]
-        return kernels.scatter_add(ctx.rows, each, flat), None, None, None, None, None, None
+        weights_grad = None
+        if weights is not None:
+            flat_weights = weights.reshape(-1)
+            if ctx.needs_input_grad[7]:
+                got = torch.zeros_like(flat_weights)
+                got[:covered] = (each * values.index_select(0, flat)).sum(1)
+                weights_grad = got.view(weights.shape)
+            each = each * flat_weights[:covered].unsqueeze(1)
+        rows_grad = kernels.scatter_add(ctx.rows, each, flat)
+        return rows_grad, None, None, None, None, None, None, weights_grad
 
 
 def bag_sizes(

@@ -283,6 +283,46 @@ def test_bags_scatter_add_their_gradient(
         assert bag(ids, offsets).grad_fn is None and torch.equal(bag(ids, offsets), want)
 
 
+@pytest.mark.parametrize("layout", ["2d", "offsets"])
+def test_weighted_bags_give_rows_and_weights_torch_s_gradients(layout: str) -> None:
+    """Weighted sums (``per_sample_weights``, which TensorFlow's combiners become) take the
+    kernels' backward too: the rows' gradient scaled by each id's weight, and the weights'
+    gradient each its bag's gradient dotted with its id's row, as torch gives them."""
+    gen = torch.Generator().manual_seed(6)
+    n, dim = 40, 8
+    bag = EmbeddingBag(n, dim, mode="sum", seed=6)
+    ref = torch.nn.EmbeddingBag(n, dim, mode="sum")
+    ref.weight.data.copy_(bag.weight.detach())
+    source = attach_or_not(bag, "grouped")
+    assert source is not None
+    if layout == "2d":
+        ids, offsets = torch.randint(0, n // 2, (30, 9), generator=gen), None
+    else:
+        ids = torch.randint(0, n // 2, (300,), generator=gen)
+        offsets = torch.cat(
+            [torch.tensor([0]), torch.randint(0, 301, (29,), generator=gen).sort().values]
+        )
+    weights = torch.rand(ids.shape, generator=gen).requires_grad_(True)
+    ref_weights = weights.detach().clone().requires_grad_(True)
+    out, want = bag(ids, offsets, weights), ref(ids, offsets, ref_weights)
+    assert type(out.grad_fn).__name__ == "BagRowsBackward"
+    assert torch.equal(out, want)
+    grad_out = torch.randn(want.shape, generator=gen)
+    out.backward(grad_out)
+    want.backward(grad_out)
+    assert weights.grad is not None and ref_weights.grad is not None and ref.weight.grad is not None
+    torch.testing.assert_close(weights.grad, ref_weights.grad, rtol=1e-5, atol=1e-5)
+    for i, g in source.grad_per_id().items():
+        torch.testing.assert_close(g, ref.weight.grad[i], rtol=1e-5, atol=1e-5)
+
+
+def test_sqrtn_bags_take_the_kernels_backward() -> None:
+    bag = EmbeddingBag(N, DIM, mode="sqrtn", seed=2)
+    attach_or_not(bag, True)
+    out = bag(torch.tensor([[1, 2, 3], [4, 4, 5]]))
+    assert type(out.grad_fn).__name__ == "BagRowsBackward"
+
+
 def test_ids_after_the_last_bag_get_no_gradient() -> None:
     """With ``include_last_offset`` and a last offset short of the ids, the ids after it are
     in no bag: the forward leaves them out, so their rows get no gradient (torch's own CPU
