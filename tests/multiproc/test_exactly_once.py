@@ -13,6 +13,7 @@ what reached the optimizer can be counted after tasks are killed (issue 37, item
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 import subprocess
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ from safetensors.torch import load_file
 
 from psflow.cluster.ports import local_cluster
 from psflow.data import serialize_example, write_records
-from psflow.data.stream import FileStreamConfig, FileStreamReader
+from psflow.data.stream import FileStreamConfig, FileStreamReader, owner
 from psflow.train import CheckpointDir, TrainingSession
 from psflow.worker.calls import ShardCalls
 from tests.faults import FAULTS
@@ -93,8 +94,19 @@ def job_with_kills(tmp_path: Path, source: str, stack: contextlib.ExitStack) -> 
     else:
         data = tmp_path / "data"
         data.mkdir()
-        for k in range(10):  # shared by the hash of their paths
-            land(data, k, range(k * 400, (k + 1) * 400))
+        # Shared by the hash of their paths, which hold the test's temporary directory: names
+        # chosen so that each worker reads five, whose 125 steps take the global step past its
+        # kill below (with the split left to chance, a worker of three files finished first).
+        shares: dict[int, list[int]] = {0: [], 1: []}  # worker -> its files' numbers
+        for k in itertools.count():
+            share = shares[owner(str(data / f"part-{k}.tfrecord"), 2)]
+            if len(share) < 5:
+                share.append(k)
+            if all(len(got) == 5 for got in shares.values()):
+                break
+        names = sorted(shares[0] + shares[1])
+        for j, k in enumerate(names):
+            land(data, k, range(j * 400, (j + 1) * 400))
         given = ["--files", str(data / "part-*.tfrecord")]
     faults = [
         *("--once", str(tmp_path / "faults")),
