@@ -337,7 +337,6 @@ class EmbeddingBag(TableModule):
         positions, rows, padding = self._gather(input)
         if (
             (mode == "sum" or (mode == "mean" and per_sample_weights is None))
-            and padding is None
             and not self.scale_grad_by_freq
             and rows.requires_grad
             and torch.is_grad_enabled()
@@ -351,8 +350,9 @@ class EmbeddingBag(TableModule):
             if bags is not None:
                 sizes, covered = bags
                 return BagRows.apply(  # type: ignore[no-any-return]
-                    rows, positions, offsets, sizes, covered, mode, last, per_sample_weights
-                )
+                    rows, positions, offsets, sizes, covered, mode, last, per_sample_weights,
+                    padding,
+                )  # fmt: skip
         return F.embedding_bag(
             positions,
             rows,

@@ -242,20 +242,23 @@ def test_embedding_bag_matches_torch(
 @pytest.mark.parametrize(
     "attached", [True, "grouped", "parts"], ids=["attached", "grouped", "parts"]
 )
+@pytest.mark.parametrize("padding_idx", [None, 5], ids=["", "padded"])
 @pytest.mark.parametrize("layout", ["2d", "offsets", "offsets+last"])
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 @pytest.mark.parametrize("dim", [1, 16])
 def test_bags_scatter_add_their_gradient(
-    dim: int, mode: str, layout: str, attached: bool | str
+    dim: int, mode: str, layout: str, padding_idx: int | None, attached: bool | str
 ) -> None:
     """Bags over an attached table (2-D ids, as a wide term's columns, or ragged ones by
-    offsets, empty bags among them): torch's values to the bit, the gradient by the kernels'
-    scatter-add (``BagRows``), torch's up to the order of its sums."""
+    offsets, empty bags among them; a padding id among the ids, in neither sum nor count):
+    torch's values to the bit, the gradient by the kernels' scatter-add (``BagRows``), torch's
+    up to the order of its sums, none for the padding row."""
     gen = torch.Generator().manual_seed(3)
     n = 60
     last = layout == "offsets+last"
-    bag = EmbeddingBag(n, dim, mode=mode, seed=3, include_last_offset=last)
-    ref = torch.nn.EmbeddingBag(n, dim, mode=mode, include_last_offset=last)
+    kwargs: dict[str, Any] = {"mode": mode, "include_last_offset": last, "padding_idx": padding_idx}
+    bag = EmbeddingBag(n, dim, seed=3, **kwargs)
+    ref = torch.nn.EmbeddingBag(n, dim, **kwargs)
     ref.weight.data.copy_(bag.weight.detach())
     source = attach_or_not(bag, attached)
     assert source is not None
@@ -279,6 +282,8 @@ def test_bags_scatter_add_their_gradient(
     assert sorted(grads) == sorted(set(ids.view(-1).tolist()))
     for i, g in grads.items():
         torch.testing.assert_close(g, ref.weight.grad[i], rtol=1e-5, atol=1e-5)
+    if padding_idx is not None:
+        assert torch.count_nonzero(grads[padding_idx]) == 0
     with torch.no_grad():  # no gradient asked: torch's embedding_bag alone
         assert bag(ids, offsets).grad_fn is None and torch.equal(bag(ids, offsets), want)
 
