@@ -288,15 +288,18 @@ def test_bags_scatter_add_their_gradient(
         assert bag(ids, offsets).grad_fn is None and torch.equal(bag(ids, offsets), want)
 
 
+@pytest.mark.parametrize("padding_idx", [None, 3], ids=["", "padded"])
 @pytest.mark.parametrize("layout", ["2d", "offsets"])
-def test_weighted_bags_give_rows_and_weights_torch_s_gradients(layout: str) -> None:
+def test_weighted_bags_give_rows_and_weights_torch_s_gradients(
+    layout: str, padding_idx: int | None
+) -> None:
     """Weighted sums (``per_sample_weights``, which TensorFlow's combiners become) take the
     kernels' backward too: the rows' gradient scaled by each id's weight, and the weights'
     gradient each its bag's gradient dotted with its id's row, as torch gives them."""
     gen = torch.Generator().manual_seed(6)
     n, dim = 40, 8
-    bag = EmbeddingBag(n, dim, mode="sum", seed=6)
-    ref = torch.nn.EmbeddingBag(n, dim, mode="sum")
+    bag = EmbeddingBag(n, dim, mode="sum", seed=6, padding_idx=padding_idx)
+    ref = torch.nn.EmbeddingBag(n, dim, mode="sum", padding_idx=padding_idx)
     ref.weight.data.copy_(bag.weight.detach())
     source = attach_or_not(bag, "grouped")
     assert source is not None
@@ -319,6 +322,9 @@ def test_weighted_bags_give_rows_and_weights_torch_s_gradients(layout: str) -> N
     torch.testing.assert_close(weights.grad, ref_weights.grad, rtol=1e-5, atol=1e-5)
     for i, g in source.grad_per_id().items():
         torch.testing.assert_close(g, ref.weight.grad[i], rtol=1e-5, atol=1e-5)
+    if padding_idx is not None:
+        assert bool((ids == padding_idx).any())
+        assert torch.count_nonzero(weights.grad[ids == padding_idx]) == 0
 
 
 def test_sqrtn_bags_take_the_kernels_backward() -> None:
