@@ -3,8 +3,9 @@
 As Horovod's elastic tests pass their fault schedule to the training script, a test runs its
 program (a script, or ``-c CODE``) through this one, which injects the faults first::
 
-    python tests/faults.py [--once DIR] [--after-checkpoint DIR] [--kill-at TASK@STEP ...]
-                           [--hang-at TASK@STEP:SECONDS ...] [--slow-save SECONDS] SCRIPT [ARGS...]
+    python tests/faults.py [--once DIR] [--in-order] [--after-checkpoint DIR]
+                           [--kill-at TASK@STEP ...] [--hang-at TASK@STEP:SECONDS ...]
+                           [--slow-save SECONDS] SCRIPT [ARGS...]
     python tests/faults.py [...] -c CODE [ARGS...]
 
 - ``--kill-at worker:0@3500``: task ``worker:0`` SIGKILLs itself once its
@@ -19,6 +20,11 @@ program (a script, or ``-c CODE``) through this one, which injects the faults fi
 - ``--once DIR`` (before the other flags): each task's fault fires once per ``DIR`` (it leaves
   ``DIR/killed-<task>`` or ``DIR/hung-<task>`` first): the same task, restarted by ``psflow
   launch --max-restarts`` with the same arguments, or resumed, trains on past the step.
+- ``--in-order`` (after ``--once``, before the faults): the faults strike in the order given,
+  whatever the tasks' speeds: each waits, past its step, until the task of the one before it has
+  struck and come back (its restart got as far as its session, or its ps server, and left
+  ``DIR/back-<task>``). Steps alone order nothing under load: a ps's fault at 1000 and the
+  chief's at 1400 both waited for a slow checkpoint and struck at 1559 and 1556.
 - ``--slow-save 1.5``: every checkpoint shard this process (a ps) writes waits 1.5 s, fully
   written under its temporary name, before its rename: a window to kill the task in.
 - ``--after-checkpoint DIR`` (before the other flags): a fault past its step waits until
@@ -50,6 +56,9 @@ FAULTS = Path(__file__).resolve()
 ONCE: Path | None = None
 """``--once DIR``: where each task marks the kill it did (it is not done again)."""
 
+ORDER: list[str] = []
+"""``--in-order``: the tasks of the faults, in the order they strike (empty: unordered)."""
+
 AFTER_CHECKPOINT: tuple[Path, int] | None = None
 """``--after-checkpoint DIR[@STEP]``: faults wait for a complete checkpoint there, of at least
 that global step."""
@@ -68,11 +77,29 @@ def _checkpointed() -> bool:
     return latest is not None and saved.manifest(latest).global_step >= least
 
 
+def _mark(task: str, what: str) -> Path:
+    assert ONCE is not None
+    return ONCE / f"{what}-{task.replace(':', '-')}"
+
+
+def _came_back(task: str) -> None:
+    """Under ``--once``, marks ``task`` back: its fault struck and this is its restart."""
+    if ONCE is not None and (_mark(task, "killed").exists() or _mark(task, "hung").exists()):
+        _mark(task, "back").touch()
+
+
+def _turn(task: str) -> bool:
+    """Whether ``task``'s fault may strike under ``--in-order``: the task before it is back."""
+    if task not in ORDER or ORDER.index(task) == 0:
+        return True
+    return _mark(ORDER[ORDER.index(task) - 1], "back").exists()
+
+
 def _strike(task: str, hang: float | None, step: int) -> None:
     """SIGKILLs this process, or with ``hang`` SIGSTOPs it for that many seconds (once per task
     under :data:`ONCE`, when given)."""
     if ONCE is not None:
-        mark = ONCE / f"{'killed' if hang is None else 'hung'}-{task.replace(':', '-')}"
+        mark = _mark(task, "killed" if hang is None else "hung")
         if mark.exists():
             return
         mark.touch()
@@ -117,10 +144,13 @@ class FaultHook(Hook):
         """The hook for ``task`` from a schedule ``<task>@<step>`` (``<task>@<step>:<seconds>``
         with ``hang``); ``None`` for other tasks."""
         who, at, seconds = _parse(spec, hang=hang)
-        return cls(at, task, seconds) if who == task else None
+        if who != task:
+            return None
+        _came_back(task)
+        return cls(at, task, seconds)
 
     def after_step(self, ctx: StepContext) -> None:
-        if ctx.global_step >= self.step and _checkpointed():
+        if ctx.global_step >= self.step and _checkpointed() and _turn(self.task):
             _strike(self.task, self.hang, ctx.global_step)
 
 
@@ -151,10 +181,11 @@ def _strike_ps_at(spec: str, *, hang: bool) -> None:
         out = original(self)
         who, at, seconds = _parse(spec, hang=hang)
         if who == self.name:
+            _came_back(self.name)
 
             def watch() -> None:
                 # Polled: the serving thread must not be slowed by a test's hook.
-                while self.store.step < at or not _checkpointed():
+                while self.store.step < at or not _checkpointed() or not _turn(self.name):
                     time.sleep(0.005)
                 _strike(self.name, seconds, self.store.step)
 
@@ -183,8 +214,14 @@ def slow_save(seconds: float) -> None:
 
 def main(argv: list[str]) -> None:
     global ONCE, AFTER_CHECKPOINT
-    flags = ("--kill-at", "--hang-at", "--slow-save", "--once", "--after-checkpoint")
+    flags = ("--kill-at", "--hang-at", "--slow-save", "--once", "--after-checkpoint", "--in-order")
+    in_order = False
     while argv and argv[0] in flags:
+        if argv[0] == "--in-order":
+            if ONCE is None:
+                raise SystemExit("--in-order needs --once DIR before it (its marks order faults)")
+            in_order, argv = True, argv[1:]
+            continue
         flag, value, argv = argv[0], argv[1], argv[2:]
         if flag == "--once":
             ONCE = Path(value)
@@ -194,6 +231,11 @@ def main(argv: list[str]) -> None:
             AFTER_CHECKPOINT = (Path(where), int(least))
         elif flag in ("--kill-at", "--hang-at"):
             kill_at(value, hang=flag == "--hang-at")
+            if in_order:
+                who = _parse(value, hang=flag == "--hang-at")[0]
+                if who in ORDER:
+                    raise SystemExit(f"--in-order: {who} is given two faults; --once strikes one")
+                ORDER.append(who)
         else:
             slow_save(float(value))
     if not argv:
