@@ -5,7 +5,7 @@ program (a script, or ``-c CODE``) through this one, which injects the faults fi
 
     python tests/faults.py [--once DIR] [--in-order] [--after-checkpoint DIR]
                            [--kill-at TASK@STEP ...] [--hang-at TASK@STEP:SECONDS ...]
-                           [--slow-save SECONDS] SCRIPT [ARGS...]
+                           [--slow-save SECONDS] [--hold-save FILE] SCRIPT [ARGS...]
     python tests/faults.py [...] -c CODE [ARGS...]
 
 - ``--kill-at worker:0@3500``: task ``worker:0`` SIGKILLs itself once its
@@ -27,6 +27,8 @@ program (a script, or ``-c CODE``) through this one, which injects the faults fi
   chief's at 1400 both waited for a slow checkpoint and struck at 1559 and 1556.
 - ``--slow-save 1.5``: every checkpoint shard this process (a ps) writes waits 1.5 s, fully
   written under its temporary name, before its rename: a window to kill the task in.
+- ``--hold-save FILE``: the same, until ``FILE`` exists (at most 60 s): a save held in flight
+  until the test lets it go.
 - ``--after-checkpoint DIR`` (before the other flags): a fault past its step waits until
   ``DIR`` holds a complete checkpoint (``DIR@1500``: one of global step 1500 or later): a
   schedule that needs one to restore from holds however fast the steps run (500 steps of the
@@ -197,24 +199,43 @@ def _strike_ps_at(spec: str, *, hang: bool) -> None:
 
 def slow_save(seconds: float) -> None:
     """Checkpoint shards written by this process wait ``seconds`` before their rename."""
+    _before_rename(lambda: time.sleep(seconds))
+
+
+def hold_save(gate: Path, timeout: float = 60.0) -> None:
+    """Checkpoint shards written by this process wait before their rename until ``gate``
+    exists (at most ``timeout`` seconds): a save a test holds in flight as long as it needs."""
+
+    def hold() -> None:
+        deadline = time.monotonic() + timeout
+        while not gate.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    _before_rename(hold)
+
+
+def _before_rename(pause: Callable[[], None]) -> None:
     import psflow.ps.checkpoint as shard_files
 
     write = shard_files.atomic_write
 
-    def slow(*args: Any, before_commit: Callable[[], None] | None = None, **kwargs: Any) -> None:
-        def pause() -> None:
+    def delayed(*args: Any, before_commit: Callable[[], None] | None = None, **kwargs: Any) -> None:
+        def commit() -> None:
             if before_commit is not None:
                 before_commit()
-            time.sleep(seconds)
+            pause()
 
-        write(*args, before_commit=pause, **kwargs)
+        write(*args, before_commit=commit, **kwargs)
 
-    shard_files.atomic_write = slow  # type: ignore[assignment]
+    shard_files.atomic_write = delayed  # type: ignore[assignment]
 
 
 def main(argv: list[str]) -> None:
     global ONCE, AFTER_CHECKPOINT
-    flags = ("--kill-at", "--hang-at", "--slow-save", "--once", "--after-checkpoint", "--in-order")
+    flags = (
+        *("--kill-at", "--hang-at", "--slow-save", "--hold-save", "--once", "--after-checkpoint"),
+        "--in-order",
+    )
     in_order = False
     while argv and argv[0] in flags:
         if argv[0] == "--in-order":
@@ -236,6 +257,8 @@ def main(argv: list[str]) -> None:
                 if who in ORDER:
                     raise SystemExit(f"--in-order: {who} is given two faults; --once strikes one")
                 ORDER.append(who)
+        elif flag == "--hold-save":
+            hold_save(Path(value))
         else:
             slow_save(float(value))
     if not argv:

@@ -33,7 +33,7 @@ else:  # pragma: no cover - Python 3.10
             return str(self.value).__format__(spec)
 
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """Carried in every header (:attr:`Key.VERSION`); a peer speaking another version is refused.
 2: sync requests name their settings in full (``replicas_to_aggregate``, not ``r``), and every
 error reply carries a :class:`Code`. 3: an init may carry a learning-rate schedule
@@ -45,7 +45,9 @@ where a hashed table holds no row (:attr:`Key.ABSENT_ZEROS`), which a ps of vers
 answer with seeded rows; and incremental exports (:attr:`Op.EXPORT`). 7: rows on the wire in
 another dtype (:attr:`Key.ROW_DTYPES`). 8: a push may carry its worker's input position
 (:attr:`Key.INPUT_SEQ`, :attr:`Key.INPUT_POSITION`, :attr:`Key.INPUT_EPOCH`), which a ps of
-version 7 would apply again after a restart."""
+version 7 would apply again after a restart. 9: a save or an export refused because the shard
+still writes an earlier one says so (:attr:`Code.BUSY`), which a client of version 8 took for a
+request refused for good."""
 
 
 WORKER_TIMEOUT = 30.0
@@ -214,6 +216,9 @@ class Code(StrEnum):
     """Overtaken by a restore of the ps from a checkpoint: the step it was made for is gone."""
     STOPPING = "stopping"
     """The server stopped (or the step can no longer complete) while the request waited."""
+    BUSY = "busy"
+    """The shard still writes an earlier checkpoint or export (one asked before the chief
+    restarted): the same request succeeds once that is written."""
 
 
 class SaveState(StrEnum):

@@ -27,6 +27,7 @@ from fsspec.core import split_protocol
 from psflow.env import PSFLOW_CHECKPOINT_DIR
 from psflow.metrics import PsMetrics
 from psflow.protocol import Key, Op, SaveState
+from psflow.ps.errors import BusyError
 from psflow.ps.files import atomic_write, join, url_to_fs  # psflow.train imports them from here
 from psflow.ps.optimizer_state import load_optimizer_state as load_optimizer_state
 from psflow.ps.optimizer_state import split_init_tensors as split_init_tensors
@@ -104,7 +105,7 @@ class ShardCheckpointer:
             raise ValueError(f"'{Key.BY_STEP}' must be true or false, got {wire.brief(by_step)}")
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
-                raise ValueError("a checkpoint of this shard is still being written")
+                raise BusyError("a checkpoint of this shard is still being written")
         snap = snapshot(self.store, shard=self.shard, num_shards=self.num_shards)
         if by_step:  # the directory beside the one asked for, named by what the snapshot holds
             url = f"{url.rstrip('/').rsplit('/', 1)[0]}/ckpt-{snap.step}"

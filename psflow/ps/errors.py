@@ -33,3 +33,9 @@ class InputOvertakenError(RequestError):
     lost."""
 
     code = Code.RESTORED
+
+
+class BusyError(RequestError):
+    """A save or an export while the shard still writes an earlier one."""
+
+    code = Code.BUSY

@@ -33,7 +33,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from psflow.protocol import Key, Op, SaveState
-from psflow.ps.errors import RequestError
+from psflow.ps.errors import BusyError, RequestError
 from psflow.ps.files import atomic_write, join, url_to_fs
 from psflow.ps.service import Handler, Service, ServiceHost
 from psflow.ps.shard_file import safetensors_chunks
@@ -120,7 +120,7 @@ class ExportService(Service):
             raise ValueError(f"a delta export {seq} cannot follow {since} from base {base}")
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
-                raise ValueError("an export of this shard is still being written")
+                raise BusyError("an export of this shard is still being written")
         if since is not None and since != self.since:
             tracked = "no changes" if self.since is None else f"changes since export {self.since}"
             raise ValueError(

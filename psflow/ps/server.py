@@ -52,7 +52,7 @@ from psflow.cluster.spec import TaskContext
 from psflow.protocol import Code, Key, Op
 from psflow.ps.checkpoint import CheckpointService
 from psflow.ps.config import ServerConfig
-from psflow.ps.errors import NotInitializedError, RequestError
+from psflow.ps.errors import BusyError, NotInitializedError, RequestError
 from psflow.ps.exchange import ExchangeService
 from psflow.ps.exports import ExportService
 from psflow.ps.host import TransportHost
@@ -441,6 +441,8 @@ class ParameterServer(TransportHost):
             # sender hears why at once.
             self.refuse(request, f"{self.name} stops: {e}", Code.STOPPING)
             raise
+        except BusyError as e:  # not bad input: the chief asks again later
+            self.refuse(request, str(e), e.code)
         except RequestError as e:
             self._refuse_bad(request, e, e.code)
         except wire.WireError as e:  # a ValueError too: the tensors do not match the header

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from psflow.metrics import WorkerMetrics
-from psflow.protocol import Key, SaveState
+from psflow.protocol import Code, Key, SaveState
 from psflow.train.checkpoint_export import (
     export_state_dict,
     fixed_tables,
@@ -34,6 +34,7 @@ from psflow.train.checkpoint_export import (
 )
 from psflow.train.checkpoint_read import Checkpoint, load_checkpoint
 from psflow.train.manifest import CheckpointDir, Manifest, VariableEntry
+from psflow.transport import PeerError
 from psflow.transport.wire import dtype_name
 from psflow.worker.placement import Piece
 
@@ -51,6 +52,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _POLL_SECONDS = 0.02
+_BUSY_RETRY_SECONDS = 0.5
+"""How long a chief not waiting leaves the ps alone once one said it still writes a save."""
 
 
 class ShardSaver(Protocol):
@@ -115,6 +118,8 @@ class Checkpointer:
         """The longest time a ps paused serving to copy its shard for the last save."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._skipping = False
+        self._busy_until = 0.0
 
     @property
     def busy(self) -> bool:
@@ -128,11 +133,41 @@ class Checkpointer:
         With ``wait=False`` only the snapshot happens now; the rest runs in the background
         and a failure is raised by the next call (or :meth:`wait`). ``final`` marks the
         manifest as the job's last checkpoint (an existing ``ckpt-<step>`` gets the mark).
+
+        A ps may still write a checkpoint asked for before this chief restarted: then a save
+        without ``wait`` is skipped, and one with it asks again until the ps has written it
+        (``TimeoutError`` past ``timeout``).
         """
         self.wait(raise_error=True) if wait else self._raise_pending()
-        if self.busy:
-            log.info("checkpoint at step %d skipped: the previous one is still being written", step)
-            return None
+        deadline = time.monotonic() + self.timeout
+        while True:
+            if self.busy:
+                self._skip(step, "the previous one is still being written")
+                return None
+            if not wait and time.monotonic() < self._busy_until:
+                return None  # a ps said it still writes an earlier one: not asked every step
+            try:
+                return self._start(step, wait=wait, final=final)
+            except PeerError as e:
+                # A ps still writes the checkpoint a chief asked for before it restarted.
+                if e.code != Code.BUSY:
+                    raise
+                if not wait:
+                    self._busy_until = time.monotonic() + _BUSY_RETRY_SECONDS
+                    self._skip(step, str(e))
+                    return None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"checkpoint at step {step}: {e}, still after {self.timeout:g} s"
+                    ) from e
+                time.sleep(_POLL_SECONDS)
+
+    def _skip(self, step: int, why: str) -> None:
+        if not self._skipping:  # one line for the steps that find the same save in the way
+            log.info("checkpoint at step %d skipped (and the next, until written): %s", step, why)
+        self._skipping = True
+
+    def _start(self, step: int, *, wait: bool, final: bool) -> str:
         name = f"ckpt-{step}"
         if any(c.name == name and c.complete for c in self.dir.checkpoints()):
             if final:
@@ -142,6 +177,7 @@ class Checkpointer:
         # Shard 0 first, naming the directory by the global step its snapshot holds; the others
         # then write into that one.
         replies = self.client.save({0: self.dir.url_of(name)}, by_step=True)
+        self._skipping = False
         held = f"ckpt-{int(replies[0][Key.SNAPSHOT_STEP])}"
         if held != name:
             name = held
@@ -153,7 +189,12 @@ class Checkpointer:
         url = self.dir.url_of(name)
         others = {s: url for s in range(1, self.client.num_shards)}
         if others:
-            replies |= self.client.save(others)
+            try:
+                replies |= self.client.save(others)
+            except PeerError as e:
+                if e.code == Code.BUSY:
+                    log.warning("checkpoint %s abandoned, shard 0's file unnamed: %s", name, e)
+                raise
         self.last_pause = time.perf_counter() - start
         self.last_snapshot_seconds = max(
             float(h.get(Key.SNAPSHOT_SECONDS, 0)) for h in replies.values()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -257,9 +258,16 @@ class CheckpointDir:
             manifest.final = True
             atomic_write(self.fs, join(self.path, name, MANIFEST), manifest.to_json().encode())
 
-    def prune(self, max_to_keep: int | None, *, incomplete_below: int | None = None) -> list[str]:
+    def prune(
+        self,
+        max_to_keep: int | None,
+        *,
+        incomplete_below: int | None = None,
+        spare: Collection[str] = (),
+    ) -> list[str]:
         """Removes complete checkpoints beyond the newest ``max_to_keep`` (never the latest)
-        and incomplete ones older than step ``incomplete_below``; returns the names removed."""
+        and incomplete ones older than step ``incomplete_below`` (not those named in ``spare``);
+        returns the names removed."""
         latest = self.latest()
         items = self.checkpoints()
         complete = [c for c in items if c.complete]
@@ -267,7 +275,11 @@ class CheckpointDir:
         if max_to_keep is not None and len(complete) > max_to_keep:
             doomed += [c for c in complete[: len(complete) - max_to_keep] if c.name != latest]
         if incomplete_below is not None:
-            doomed += [c for c in items if not c.complete and c.step < incomplete_below]
+            doomed += [
+                c
+                for c in items
+                if not c.complete and c.step < incomplete_below and c.name not in spare
+            ]
         removed = []
         for c in doomed:
             try:

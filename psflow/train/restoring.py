@@ -11,13 +11,14 @@ part of :class:`~psflow.train.TrainingSession` that brings the job back to its l
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from torch import nn
 
 from psflow import env as envvars
 from psflow.cluster.spec import TaskContext
-from psflow.protocol import Code, Key, OptimizerSpec, ScheduleSpec
+from psflow.protocol import Code, Key, OptimizerSpec, SaveState, ScheduleSpec
 from psflow.protocol.messages import OPT_SEP
 from psflow.ps.checkpoint import decode_shard
 from psflow.train.alone import LocalEngine
@@ -77,7 +78,7 @@ class Restoring:
         cfg = self.config.checkpoint
         if cfg.checkpoint_dir is None:
             return
-        self._prune_incomplete(cfg.checkpoint_dir)
+        self._prune_incomplete(cfg.checkpoint_dir, spare=self._still_written(cfg.checkpoint_dir))
         if not cfg.restore:
             return
         # A ps that came back empty while this chief was away (both lost at once): every shard
@@ -96,10 +97,26 @@ class Restoring:
             )  # fmt: skip
 
     @staticmethod
-    def _prune_incomplete(checkpoint_dir: str) -> None:
-        removed = CheckpointDir(checkpoint_dir).prune(None, incomplete_below=2**62)
+    def _prune_incomplete(checkpoint_dir: str, *, spare: Collection[str] = ()) -> None:
+        removed = CheckpointDir(checkpoint_dir).prune(None, incomplete_below=2**62, spare=spare)
         if removed:  # left by a task killed mid-save
             log.info("removed incomplete checkpoints %s", ", ".join(removed))
+        if spare:  # the next complete save removes them
+            log.info("left incomplete checkpoints %s: a ps still writes them", ", ".join(spare))
+
+    def _still_written(self, checkpoint_dir: str) -> list[str]:
+        """The incomplete checkpoints some ps still writes: asked for by a chief before this
+        one restarted (removed, the ps's write would fail; the ps refuses saves until done)."""
+        assert self._client is not None
+        saved = CheckpointDir(checkpoint_dir)
+        shards = range(self._client.num_shards)
+        writing = []
+        for c in saved.checkpoints():
+            if not c.complete:
+                status = self._client.save_status({s: saved.url_of(c.name) for s in shards})
+                if any(h.get(Key.STATE) == SaveState.WRITING for h in status.values()):
+                    writing.append(c.name)
+        return writing
 
     def _start_allreduce(self) -> None:
         """All-reduce mode, on every rank: the chief loads the latest checkpoint into its own

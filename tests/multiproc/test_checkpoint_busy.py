@@ -1,0 +1,94 @@
+"""A chief restarted while the ps still write the checkpoint its first self asked for: it
+leaves that directory alone, skips its own saves until the ps are done (or, asked to wait, waits
+for them), then saves; the job never fails on it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from psflow.protocol import Code, Key
+from psflow.train import CheckpointDir
+from psflow.transport import PeerError, TransportConfig
+from psflow.worker import DistributedOptimizer, ShardedClient
+
+from .support import local_cluster, quiet_session, start_ps, stop, worker_ctx
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
+
+
+def _step(opt: Any, model: torch.nn.Module) -> None:
+    opt.zero_grad()
+    model(torch.ones(2, 4)).pow(2).sum().backward()
+    opt.step()
+
+
+def test_a_restarted_chief_waits_for_the_save_its_first_self_left(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cluster = local_cluster(2, 1)
+    gate = tmp_path / "gate"  # the ps hold every checkpoint file unrenamed until it exists
+    procs = [start_ps(cluster, i, faults=["--hold-save", str(gate)]) for i in range(2)]
+    url = str(tmp_path / "ckpt")
+    transport = TransportConfig(timeout=20)
+    try:
+        # The first chief: it initialises the ps, trains a step, asks both ps to save, and is
+        # gone before they have written (what it would have done next, no one does).
+        first = torch.nn.Linear(4, 1)
+        opt = DistributedOptimizer(first, worker_ctx(cluster), lr=0.1, transport=transport)
+        _step(opt, first)
+        client = ShardedClient(worker_ctx(cluster), transport)
+        replies = client.save({0: f"{url}/ckpt-0"}, by_step=True)
+        abandoned = f"ckpt-{replies[0][Key.SNAPSHOT_STEP]}"
+        client.save({1: f"{url}/{abandoned}"})
+        client.close()
+        opt.close(finished=False)
+        assert [c.name for c in CheckpointDir(url).checkpoints()] == [abandoned]
+
+        model = torch.nn.Linear(4, 1)
+        with caplog.at_level(logging.INFO), quiet_session(model, cluster, url, lr=0.1) as sess:
+            # Removed, the ps's writes would fail: it is left until a save completes.
+            assert f"left incomplete checkpoints {abandoned}: a ps still writes them" in caplog.text
+            _step(sess, model)
+            assert sess.checkpointer is not None
+            assert sess.checkpointer.save(sess.global_step, wait=False) is None
+            assert "ps:0: a checkpoint of this shard is still being written" in caplog.text
+
+            # A save that waits asks again until the ps are done, then saves.
+            refusals = threading.Event()
+            asked = sess.checkpointer.client.save
+
+            def save(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return asked(*args, **kwargs)
+                except PeerError as e:
+                    if e.code == Code.BUSY:
+                        refusals.set()
+                    raise
+
+            sess.checkpointer.client.save = save  # type: ignore[method-assign]
+            saved: list[str | None] = []
+            waiting = threading.Thread(target=lambda: saved.append(sess.save()))
+            waiting.start()
+            assert refusals.wait(20), "the save was never refused while the ps still wrote"
+            gate.touch()
+            waiting.join(30)
+            assert saved and saved[0] is not None, saved
+            name = saved[0].rsplit("/", 1)[1]
+            d = CheckpointDir(url)
+            # The abandoned directory (no manifest, never to get one) went with the complete save.
+            assert [(c.name, c.complete) for c in d.checkpoints()] == [(name, True)]
+            assert d.manifest(name).global_step == sess.global_step
+        for p in procs:
+            code, err = stop(p)
+            assert code == 0, err[-3000:]
+            assert "failed" not in err, err[-3000:]
+    finally:
+        gate.touch()
+        for p in procs:
+            stop(p, timeout=1)
