@@ -25,8 +25,8 @@ program (a script, or ``-c CODE``) through this one, which injects the faults fi
   struck and come back (its restart got as far as its session, or its ps server, and left
   ``DIR/back-<task>``). Steps alone order nothing under load: a ps's fault at 1000 and the
   chief's at 1400 both waited for a slow checkpoint and struck at 1559 and 1556.
-- ``--slow-save 1.5``: every checkpoint shard this process (a ps) writes waits 1.5 s, fully
-  written under its temporary name, before its rename: a window to kill the task in.
+- ``--slow-save 1.5``: every checkpoint or export shard this process (a ps) writes waits 1.5 s,
+  fully written under its temporary name, before its rename: a window to kill the task in.
 - ``--hold-save FILE``: the same, until ``FILE`` exists (at most 60 s): a save held in flight
   until the test lets it go.
 - ``--after-checkpoint DIR`` (before the other flags): a fault past its step waits until
@@ -198,13 +198,14 @@ def _strike_ps_at(spec: str, *, hang: bool) -> None:
 
 
 def slow_save(seconds: float) -> None:
-    """Checkpoint shards written by this process wait ``seconds`` before their rename."""
+    """Checkpoint and export shards written by this process wait ``seconds`` before their
+    rename."""
     _before_rename(lambda: time.sleep(seconds))
 
 
 def hold_save(gate: Path, timeout: float = 60.0) -> None:
-    """Checkpoint shards written by this process wait before their rename until ``gate``
-    exists (at most ``timeout`` seconds): a save a test holds in flight as long as it needs."""
+    """Checkpoint and export shards written by this process wait before their rename until
+    ``gate`` exists (at most ``timeout`` seconds): a save held in flight as long as a test needs."""
 
     def hold() -> None:
         deadline = time.monotonic() + timeout
@@ -215,7 +216,9 @@ def hold_save(gate: Path, timeout: float = 60.0) -> None:
 
 
 def _before_rename(pause: Callable[[], None]) -> None:
+    """Checkpoint and export files written by this process call ``pause`` before their rename."""
     import psflow.ps.checkpoint as shard_files
+    import psflow.ps.exports as export_files
 
     write = shard_files.atomic_write
 
@@ -228,6 +231,7 @@ def _before_rename(pause: Callable[[], None]) -> None:
         write(*args, before_commit=commit, **kwargs)
 
     shard_files.atomic_write = delayed  # type: ignore[assignment]
+    export_files.atomic_write = delayed  # type: ignore[assignment]
 
 
 def main(argv: list[str]) -> None:

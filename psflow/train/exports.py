@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from psflow.protocol import Key, Op, SaveState
+from psflow.protocol import Code, Key, Op, SaveState
 from psflow.ps.files import atomic_write, join, url_to_fs
 from psflow.serve.delta import (
     EXPORT_RE,
@@ -127,6 +127,9 @@ class Exporter:
         try:
             self._export()
         except BaseException as e:
+            if _busy(e):  # a ps still writes the export a chief asked for before it restarted
+                log.info("export skipped: %s", e.__cause__)
+                return
             log.error("export failed: %s", e)
             self._error = e
 
@@ -143,10 +146,21 @@ class Exporter:
 
         Raises:
             ExportError: when a ps refused it or its write failed (nothing published).
+
+        A ps may still write an export asked for before this chief restarted: then this one
+        is asked again until the ps has written it (``export_timeout`` at most).
         """
         self.wait()
         self._last_t = self.clock()
-        return self._export()
+        deadline = time.monotonic() + self.config.export_timeout
+        while True:
+            try:
+                return self._export()
+            except ExportError as e:
+                if not _busy(e) or time.monotonic() > deadline:
+                    raise
+                log.debug("export refused, asking again: %s", e.__cause__)
+            time.sleep(_POLL_SECONDS)
 
     def _export(self) -> str:
         client = self.make_client()
@@ -262,3 +276,9 @@ class Exporter:
             old = done.base < oldest_kept if done is not None else seq < newest_base
             if old:
                 fs.rm(str(entry), recursive=True)
+
+
+def _busy(error: BaseException) -> bool:
+    """Whether ``error`` is a ps's refusal while it still writes an earlier export."""
+    cause = error.__cause__
+    return isinstance(cause, PeerError) and cause.code == Code.BUSY

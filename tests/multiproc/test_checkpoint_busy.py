@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from psflow.protocol import Code, Key
+from psflow.protocol import Code, Key, Op
+from psflow.serve.delta import list_exports
 from psflow.train import CheckpointDir
 from psflow.transport import PeerError, TransportConfig
 from psflow.worker import DistributedOptimizer, ShardedClient
@@ -84,6 +86,58 @@ def test_a_restarted_chief_waits_for_the_save_its_first_self_left(
             # The abandoned directory (no manifest, never to get one) went with the complete save.
             assert [(c.name, c.complete) for c in d.checkpoints()] == [(name, True)]
             assert d.manifest(name).global_step == sess.global_step
+        for p in procs:
+            code, err = stop(p)
+            assert code == 0, err[-3000:]
+            assert "failed" not in err, err[-3000:]
+    finally:
+        gate.touch()
+        for p in procs:
+            stop(p, timeout=1)
+
+
+def test_a_restarted_chief_skips_exports_while_the_ps_write_its_first_selfs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cluster = local_cluster(1, 1)
+    gate = tmp_path / "gate"
+    procs = [start_ps(cluster, faults=["--hold-save", str(gate)])]
+    exports = tmp_path / "exports"
+    transport = TransportConfig(timeout=20)
+    try:
+        first = torch.nn.Linear(4, 1)
+        opt = DistributedOptimizer(first, worker_ctx(cluster), lr=0.1, transport=transport)
+        _step(opt, first)
+        client = ShardedClient(worker_ctx(cluster), transport)
+        header = {Key.OP: Op.EXPORT, Key.EXPORT_SEQ: 0, Key.BASE: 0, Key.RESERVE_BYTES: 0}
+        client.call({0: {**header, Key.DIR: str(exports / "export-0")}})
+        client.close()
+        opt.close(finished=False)
+
+        model = torch.nn.Linear(4, 1)
+        with caplog.at_level(logging.DEBUG, "psflow.train.exports"), quiet_session(
+            model, cluster, str(tmp_path / "ckpt"), lr=0.1, export_dir=str(exports),
+            export_every=1e-6,  # due at every step
+        ) as sess:  # fmt: skip
+            for _ in range(3):  # each step's export is refused; none fails the session
+                _step(sess, model)
+                assert sess.exporter is not None
+                sess.exporter.wait()
+            assert "export skipped: ps:0: an export of this shard is still being written" in (
+                caplog.text
+            )
+            done: list[str] = []
+            waiting = threading.Thread(target=lambda: done.append(sess.export() or ""))
+            waiting.start()
+            deadline = time.monotonic() + 20
+            while "export refused, asking again" not in caplog.text:
+                assert time.monotonic() < deadline, "the export was never refused"
+                time.sleep(0.01)
+            gate.touch()
+            waiting.join(30)
+            assert done and done[0], done
+            # The export asked of the dead chief stays unpublished; the new one is complete.
+            assert [e.seq for e in list_exports(str(exports))] == [int(done[0].rsplit("-", 1)[1])]
         for p in procs:
             code, err = stop(p)
             assert code == 0, err[-3000:]
