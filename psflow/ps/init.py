@@ -42,6 +42,9 @@ class InitService(Service):
             ``ckpt-<step>`` directories (anywhere when ``None``).
         restored: called with the reason when the chief replaces the shard's variables, to
             tell every service of the server (:meth:`Service.on_restored`).
+        under_way: called once the chief has restored the shard mid-job (after a ps came back
+            empty), when every worker has started already (:meth:`Liveness.expect
+            <psflow.ps.liveness.Liveness.expect>`).
     """
 
     def __init__(
@@ -52,8 +55,10 @@ class InitService(Service):
         num_shards: int,
         checkpoint_dir: str | None,
         restored: Callable[[str], None],
+        under_way: Callable[[], None] = lambda: None,
     ) -> None:
         self.host = host
+        self.under_way = under_way
         self.chief = chief
         self.num_shards = num_shards
         self.checkpoint_dir = checkpoint_dir
@@ -111,6 +116,8 @@ class InitService(Service):
             "" if schedule is None else f", lr_schedule {schedule.describe()} at step {step}",
         )
         host.reply(request, {Key.INITIALIZED: True, Key.ALREADY: False})
+        if request.header.get(Key.REPLACE) is True:  # what the chief sends after a lost ps
+            self.under_way()
 
     def _tables_from(self, request: Request) -> list[str]:
         """The checkpoint files a restoring init (the chief's) reads its tables from: only

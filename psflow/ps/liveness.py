@@ -7,7 +7,9 @@ every fifth of the timeout, from :mod:`psflow.worker.heartbeat`) does. A worker 
 longer is *dead*: killed, hung (SIGSTOP), or cut off. A dead worker that speaks again (its
 restart, or SIGCONT) rejoins. A worker that never joined is not declared dead: it may still be
 starting (importing torch on a loaded machine takes seconds), and the others wait for it as
-before.
+before. A ps restored mid-job (it crashed and came back empty) *expects* every worker it has
+not heard from since: the job was under way, and a worker that finished (or died) before the
+crash will never speak to it again; silent for the timeout, it is dead too.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class Liveness:
         self.last: dict[str, float] = {}
         """Each joined worker: when it was last heard from (``time.monotonic``)."""
         self.dead: set[str] = set()
+        self.expected: set[str] = set()
+        """Workers joined by :meth:`expect`, not by a request, and silent since."""
         self.deaths = 0
         """Workers declared dead so far (a worker that dies twice counts twice)."""
 
@@ -53,10 +57,20 @@ class Liveness:
         if name not in self.trainers:
             return False
         self.last[name] = now
+        self.expected.discard(name)
         if name in self.dead:
             self.dead.discard(name)
             return True
         return False
+
+    def expect(self, now: float, finished: AbstractSet[str]) -> list[str]:
+        """Joins, from ``now``, every unfinished worker not heard from yet: the job is under
+        way (a restore mid-job). Returns them."""
+        names = sorted(self.trainers - self.last.keys() - finished)
+        for name in names:
+            self.last[name] = now
+        self.expected.update(names)
+        return names
 
     def check(self, now: float, finished: AbstractSet[str]) -> list[str]:
         """The joined, unfinished workers silent for longer than the timeout and not yet

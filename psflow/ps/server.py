@@ -156,6 +156,7 @@ class ParameterServer(TransportHost):
                 num_shards=ctx.cluster.num_tasks("ps"),
                 checkpoint_dir=self.checkpoint_dir,
                 restored=self._restored,
+                under_way=self._under_way,
             )
         )
         self.register(ExchangeService(self))
@@ -374,10 +375,18 @@ class ParameterServer(TransportHost):
 
     def _declare_dead(self, worker: str, now: float) -> None:
         silence = self.liveness.silence(worker, now)
-        reason = (
-            f"{worker} is dead: {self.name} has not heard from it for {silence:.1f} s "
-            f"({envvars.PSFLOW_WORKER_TIMEOUT}={self.liveness.timeout:g})"
-        )
+        setting = f"{envvars.PSFLOW_WORKER_TIMEOUT}={self.liveness.timeout:g}"
+        if worker in self.liveness.expected:
+            reason = (
+                f"{worker} is dead: {self.name} has not heard from it in the {silence:.1f} s "
+                f"since it was restored mid-job (it finished or failed before {self.name} "
+                f"restarted?) ({setting})"
+            )
+        else:
+            reason = (
+                f"{worker} is dead: {self.name} has not heard from it for {silence:.1f} s "
+                f"({setting})"
+            )
         log.warning("%s: %s", self.name, reason)
         for service in self._services:
             service.on_worker_dead(worker, reason)
@@ -391,6 +400,18 @@ class ParameterServer(TransportHost):
         """The chief is replacing the shard's variables (:class:`InitService`)."""
         for service in self._services:
             service.on_restored(reason)
+
+    def _under_way(self) -> None:
+        """The chief restored this shard mid-job: the workers it has not heard from since it
+        started have started long ago (some may have finished before it crashed)."""
+        expected = self.liveness.expect(time.monotonic(), self.finished)
+        if expected:
+            log.info(
+                "%s: restored mid-job: %s dead unless heard from within %g s",
+                self.name,
+                ", ".join(expected),
+                self.liveness.timeout,
+            )
 
     def _back(self, worker: str, how: str) -> None:
         log.info("%s: %s, %s: it rejoins", self.name, worker, how)

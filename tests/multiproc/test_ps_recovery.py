@@ -4,11 +4,13 @@ checkpoint, restored by the chief into every shard."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,10 +19,11 @@ import psflow
 from psflow.protocol import Key, Op, OptimizerSpec
 from psflow.train import CheckpointDir
 from psflow.transport import PeerError, PeerLostError, TransportConfig
+from psflow.worker import DistributedOptimizer
 from psflow.worker.client import ShardedClient
 
 from .forked import Forked
-from .support import ROOT, local_cluster, start_ps, stop, task_env, worker_ctx
+from .support import ROOT, local_cluster, quiet_session, start_ps, stop, task_env, worker_ctx
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
@@ -182,3 +185,51 @@ def test_a_restore_ends_the_synchronous_steps_in_progress() -> None:
             header, tensors = c.wait(rids, 10)[0]
             assert header["accepted"] and header["step"] == 1
             assert torch.equal(tensors[0][1], torch.full((4,), 4.9))  # 5 - 0.1 * mean(1, 1)
+
+
+def test_a_ps_restored_after_a_worker_finished_ends_the_job_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """worker:1 finished (it said ``done`` and went), then the ps crashed and came back empty.
+    The chief restores it mid-job; worker:1 will never speak to it again. The restored ps
+    declares it dead after the worker timeout, so the chief's end (which waits for the other
+    workers) and the ps's exit follow, rather than both waiting for a ``done`` that never
+    comes (the chief its ``end_timeout``, the ps until its launcher stopped it)."""
+    monkeypatch.setenv("PSFLOW_WORKER_TIMEOUT", "3")  # the chief's heartbeats, a second apart
+    cluster = local_cluster(1, 2)
+    env = {"PSFLOW_WORKER_TIMEOUT": "3"}
+    ps = start_ps(cluster, env=env)
+    restarted = None
+
+    def step(opt: Any, model: torch.nn.Module) -> None:
+        opt.zero_grad()
+        model(torch.ones(2, 4)).pow(2).sum().backward()
+        opt.step()
+
+    try:
+        model, other_model = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+        with caplog.at_level(logging.INFO), quiet_session(
+            model, cluster, str(tmp_path / "ckpt"), lr=0.1, end_timeout=120
+        ) as sess:  # fmt: skip
+            other = DistributedOptimizer(
+                other_model, worker_ctx(cluster, 1), lr=0.1, transport=TransportConfig(timeout=20)
+            )
+            step(other, other_model)
+            other.close()  # finished
+            step(sess, model)
+            assert sess.save() is not None
+            ps.send_signal(signal.SIGKILL)
+            ps.wait(10)
+            restarted = start_ps(cluster, env=env)  # what Kubernetes does with a failed pod
+            step(sess, model)  # the ps is lost: restored from the checkpoint, and on
+            assert "ps:0 came back empty: every shard restored from ckpt-" in caplog.text
+            step(sess, model)
+        assert "still training after" not in caplog.text  # not the chief's end_timeout
+        code, err = stop(restarted)
+        assert code == 0, err[-3000:]
+        assert "restored mid-job: worker:1 dead unless heard from within 3 s" in err, err[-3000:]
+        assert "worker:1 is dead: ps:0 has not heard from it in the" in err, err[-3000:]
+        assert "exiting without worker:1 (dead)" in err, err[-3000:]
+    finally:
+        for p in [ps, *([restarted] if restarted else [])]:
+            stop(p, timeout=1)

@@ -30,6 +30,21 @@ def test_only_a_joined_unfinished_worker_silent_past_the_timeout_is_dead() -> No
     assert live.deaths == 2
 
 
+def test_a_ps_restored_mid_job_expects_every_worker_it_has_not_heard_from() -> None:
+    live = Liveness({"chief:0", "worker:0", "worker:1", "worker:2"}, timeout=3.0)
+    live.heard("chief:0", 0.0)  # the chief restores it
+    # worker:2 has said 'done' to this ps already: not expected.
+    assert live.expect(1.0, finished={"worker:2"}) == ["worker:0", "worker:1"]
+    assert live.expected == {"worker:0", "worker:1"}
+    assert live.heard("worker:0", 2.0) is False  # it speaks: joined as any other
+    assert live.expected == {"worker:1"}
+    live.heard("chief:0", 3.5)
+    assert live.check(4.5, finished={"worker:2"}) == ["worker:1"]  # never spoke since
+    assert live.expect(5.0, finished=set()) == ["worker:2"]  # the others were heard already
+    assert live.heard("worker:1", 6.0) is True  # dead, it speaks: it rejoins
+    assert live.expected == {"worker:2"}
+
+
 def test_the_timeout_must_be_positive() -> None:
     with pytest.raises(ValueError, match="worker timeout must be > 0"):
         Liveness({"worker:0"}, timeout=0)
