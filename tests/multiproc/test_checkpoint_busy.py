@@ -30,27 +30,41 @@ def _step(opt: Any, model: torch.nn.Module) -> None:
     opt.step()
 
 
+def _listed(url: str, name: str) -> None:
+    """Waits until a ps writing ``name`` under ``url`` has made its directory (its thread's
+    first step)."""
+    deadline = time.monotonic() + 20
+    while name not in [c.name for c in CheckpointDir(url).checkpoints()]:
+        assert time.monotonic() < deadline, f"{name} never appeared under {url}"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("asked", ["both", "ps:1"])
 def test_a_restarted_chief_waits_for_the_save_its_first_self_left(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, asked: str
 ) -> None:
+    """``asked``: the shards the first chief asked to save before it was gone (``ps:1``: it
+    died between its two requests, or ps:0 had written its file already)."""
     cluster = local_cluster(2, 1)
     gate = tmp_path / "gate"  # the ps hold every checkpoint file unrenamed until it exists
     procs = [start_ps(cluster, i, faults=["--hold-save", str(gate)]) for i in range(2)]
     url = str(tmp_path / "ckpt")
     transport = TransportConfig(timeout=20)
     try:
-        # The first chief: it initialises the ps, trains a step, asks both ps to save, and is
+        # The first chief: it initialises the ps, trains a step, asks the ps to save, and is
         # gone before they have written (what it would have done next, no one does).
         first = torch.nn.Linear(4, 1)
         opt = DistributedOptimizer(first, worker_ctx(cluster), lr=0.1, transport=transport)
         _step(opt, first)
         client = ShardedClient(worker_ctx(cluster), transport)
-        replies = client.save({0: f"{url}/ckpt-0"}, by_step=True)
-        abandoned = f"ckpt-{replies[0][Key.SNAPSHOT_STEP]}"
+        abandoned = "ckpt-1"
+        if asked == "both":
+            replies = client.save({0: f"{url}/ckpt-0"}, by_step=True)
+            assert replies[0][Key.SNAPSHOT_STEP] == 1
         client.save({1: f"{url}/{abandoned}"})
         client.close()
         opt.close(finished=False)
-        assert [c.name for c in CheckpointDir(url).checkpoints()] == [abandoned]
+        _listed(url, abandoned)
 
         model = torch.nn.Linear(4, 1)
         with caplog.at_level(logging.INFO), quiet_session(model, cluster, url, lr=0.1) as sess:
@@ -59,7 +73,12 @@ def test_a_restarted_chief_waits_for_the_save_its_first_self_left(
             _step(sess, model)
             assert sess.checkpointer is not None
             assert sess.checkpointer.save(sess.global_step, wait=False) is None
-            assert "ps:0: a checkpoint of this shard is still being written" in caplog.text
+            if asked == "both":
+                assert "ps:0: a checkpoint of this shard is still being written" in caplog.text
+            else:  # ps:0 took its snapshot; the checkpoint is given up at ps:1's refusal
+                assert "checkpoint ckpt-2 abandoned, shard 0's file unnamed: ps:1: a " in (
+                    caplog.text
+                )
 
             # A save that waits asks again until the ps are done, then saves.
             refusals = threading.Event()
