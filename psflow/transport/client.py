@@ -66,6 +66,7 @@ class Client(Receiver):
         self._peers: dict[str, _Peer] = {}
         # Each request in flight: its peer, and whether it went through the peer's lane.
         self._inflight: dict[int, tuple[_Peer, bool]] = {}
+        self._sent_at_drops: dict[int, int] = {}
         self._looks = Looks()
         self._next_id = 1
         self._lane_retired: list[Callable[[np.ndarray[Any, Any]], None]] = []
@@ -99,10 +100,14 @@ class Client(Receiver):
         return self._peers[peer].link
 
     def _on_event(self, name: str, event: Event) -> None:
-        # The monitor's thread: only the link (a few attributes) changes here.
+        # The monitor's thread: only the link (a few attributes) and the count change here.
         peer = self._peers.get(name)
-        if peer is not None and not peer.answered:
+        if peer is None:
+            return
+        if not peer.answered:
             peer.link.update(event, peer.address)
+        elif event["event"] == zmq.EVENT_DISCONNECTED:
+            peer.drops += 1
 
     def lane(self, peer: str) -> Lane | None:
         """The shared-memory lane to ``peer``, if one is attached."""
@@ -145,6 +150,7 @@ class Client(Receiver):
         frames = wire.encode(header, tensors, chunk=self.config.chunk_bytes)
         self._send(p, frames, block)
         self._inflight[rid] = (p, False)
+        self._sent_at_drops[rid] = p.drops
         p.inflight.add(rid)
         return rid
 
@@ -202,6 +208,7 @@ class Client(Receiver):
             }
             self._send(peer, wire.encode(header))
             self._inflight[rid] = (peer, False)
+            self._sent_at_drops[rid] = peer.drops
             peer.inflight.add(rid)
             self.wait([rid])
         except PeerTimeoutError:

@@ -36,6 +36,7 @@ EVENTS = (
     | zmq.EVENT_CONNECT_RETRIED
     | zmq.EVENT_HANDSHAKE_SUCCEEDED
     | HANDSHAKE_FAILED
+    | zmq.EVENT_DISCONNECTED
     | zmq.EVENT_MONITOR_STOPPED
 )
 """The events watched: no per-message event, so a busy socket reports nothing."""

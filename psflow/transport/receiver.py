@@ -35,6 +35,9 @@ _USE_SOCKET = Op.USE_SOCKET.value
 _POLLIN = int(zmq.POLLIN)
 """A poll event as a plain int: a test against pyzmq's enum costs a microsecond per request."""
 
+_DROP_CHECK_SECONDS = 0.2
+"""A wait on one socket wakes at least this often to see whether its connection closed."""
+
 _NAP_SECONDS = 0.05
 """A wait on several peers asleep looks at the lanes' counts again at least this often (see
 the doorbells in transport.shm)."""
@@ -61,6 +64,9 @@ class _Peer:
     """Its requests in flight (a lane carries one request at a time)."""
     link: Link = field(default_factory=Link)
     """What its connection's monitor said, until it first answered."""
+    drops: int = 0
+    """Its connections that closed since it first answered (the monitor counts them): a
+    request sent by socket before one can have no reply."""
 
     def __str__(self) -> str:
         return f"{self.name} at {self.address}"
@@ -95,6 +101,8 @@ class Receiver:
     """Each request in flight: its peer, and whether it went through the peer's lane."""
     _lane_retired: list[Callable[[np.ndarray[Any, Any]], None]]
     """Called with a lane's reply area when a late reply may still write there."""
+    _sent_at_drops: dict[int, int]
+    """Each request in flight by socket: its peer's :attr:`_Peer.drops` when it was sent."""
     _looks: Looks
     """Whether the waits for several replies at once have been ending within the spin time
     (a wait on one lane keeps the lane's own)."""
@@ -141,8 +149,11 @@ class Receiver:
             left = deadline - time.monotonic()
             if left <= 0:
                 self._timeout(w.want, timeout)
-            for peer, parts in self._arrivals(w.want, left, look):
+            arrivals = self._arrivals(w.want, left, look)
+            for peer, parts in arrivals:
                 self._take(peer, parts, w)
+            if not arrivals:
+                self._dropped(w)
         if several:  # a wait on one lane counts in that lane's odds (Lane.wait_reply)
             self._looks.waited(time.monotonic() - begun, spin=self.config.spin_seconds)
         return w.replies
@@ -171,7 +182,8 @@ class Receiver:
                     self._lost(peer, e)
                 return ((peer, None),) if rang else ()
             sock = peer.sock
-            sock.rcvtimeo = max(1, int(left * 1000))
+            # Awake now and then: a closed connection is seen here (_dropped), not at the end.
+            sock.rcvtimeo = max(1, int(min(left, _DROP_CHECK_SECONDS) * 1000))
             try:
                 return ((peer, sock.recv_multipart(copy=False)),)
             except zmq.Again:
@@ -245,8 +257,7 @@ class Receiver:
         its lane rang for) as the reply to its request, dropping stale ones."""
         if not peer.answered:
             peer.answered = True
-            peer.link = Link()
-            peer.sock.disable_monitor()  # it is up: nothing more to learn from its connection
+            peer.link = Link()  # it is up: from now on its monitor counts its closed connections
         lane = None if parts is not None else peer.lane
         try:
             if lane is not None:
@@ -268,12 +279,14 @@ class Receiver:
         if rid not in w.want:
             return  # the reply to a request that already timed out
         self._inflight.pop(rid)[0].inflight.discard(rid)  # _landed(rid), spared a call
+        self._sent_at_drops.pop(rid, None)
         if lane is not None and op == _USE_SOCKET:
             need = header.get(Key.NEED)
             if isinstance(need, int) and not isinstance(need, bool):
                 peer.reply_need = max(peer.reply_need, need)
             # Too large for the lane: it comes by socket.
             self._inflight[rid] = (peer, False)
+            self._sent_at_drops[rid] = peer.drops
             peer.inflight.add(rid)
             return
         w.want.discard(rid)
@@ -307,7 +320,30 @@ class Receiver:
         """Forgets request ``rid`` as in flight; its peer, and whether it went by lane."""
         flight = self._inflight.pop(rid)
         flight[0].inflight.discard(rid)
+        self._sent_at_drops.pop(rid, None)
         return flight
+
+    def _dropped(self, w: _Wait) -> None:
+        """Raises :class:`PeerLostError` when the connection to the peer of a request ``w``
+        awaits by socket closed after it was sent (the peer exited: killed, or restarted):
+        its reply cannot come. What came before the close is taken first."""
+        for rid in list(w.want):
+            flight = self._inflight.get(rid)
+            if flight is None or flight[1]:
+                continue
+            peer = flight[0]
+            if peer.drops <= self._sent_at_drops.get(rid, peer.drops):
+                continue
+            for late, parts in self._arrived({}, {peer.sock: peer}):
+                self._take(late, parts, w)
+            if rid not in w.want:
+                continue
+            for r in [r for r in w.want if r in peer.inflight and r in self._sent_at_drops]:
+                if self._sent_at_drops[r] < peer.drops:
+                    self._landed(r)
+            raise PeerLostError(
+                str(peer), "its connection closed with a request in flight (it exited?)"
+            )
 
     def _lost(self, peer: _Peer, error: LaneError) -> NoReturn:
         for rid in [r for r in peer.inflight if self._inflight[r][1]]:

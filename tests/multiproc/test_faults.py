@@ -15,7 +15,7 @@ import zmq
 
 import psflow
 from psflow.env import threads_per_task
-from psflow.protocol import PROTOCOL_VERSION, Key
+from psflow.protocol import PROTOCOL_VERSION, Key, Op
 from psflow.transport import (
     Client,
     CurveKeys,
@@ -217,6 +217,31 @@ def test_a_dead_ps_is_named_at_once_through_its_lane() -> None:
         assert time.monotonic() - start < 5  # not the 30 s timeout
         opt.close(finished=False)
     finally:
+        stop(ps, timeout=5)
+
+
+def test_a_dead_ps_is_named_at_once_through_the_socket() -> None:
+    """A request by socket to a ps that exits (killed while it had the request) fails as soon
+    as its connection closes, not at the transport's timeout: what a worker on another host
+    sees when a ps dies, and what starts its recovery."""
+    cluster = local_cluster(1, 1)
+    ps = start_ps(cluster)
+    address = cluster.addresses("ps")[0]
+    client = Client({"ps:0": address}, TransportConfig(timeout=60.0, shared_memory=False))
+    try:
+        client.wait([client.send("ps:0", {Key.OP: Op.STATUS})])  # it is up: answered once
+        freeze(ps.pid)
+        rid = client.send("ps:0", {Key.OP: Op.STATUS})  # in flight: the ps is stopped
+        ps.kill()
+        ps.wait(10)
+        start = time.monotonic()
+        with pytest.raises(
+            PeerLostError, match=rf"ps:0 at {address}: its connection closed with a request"
+        ):
+            client.wait([rid])
+        assert time.monotonic() - start < 30  # not the 60 s timeout
+    finally:
+        client.close()
         stop(ps, timeout=5)
 
 
