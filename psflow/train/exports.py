@@ -144,11 +144,11 @@ class Exporter:
     def export(self) -> str:
         """Exports now (after the one in progress) and waits; returns the export's directory.
 
-        Raises:
-            ExportError: when a ps refused it or its write failed (nothing published).
-
         A ps may still write an export asked for before this chief restarted: then this one
         is asked again until the ps has written it (``export_timeout`` at most).
+
+        Raises:
+            ExportError: when a ps refused it or its write failed (nothing published).
         """
         self.wait()
         self._last_t = self.clock()
