@@ -4,9 +4,11 @@ for them), then saves; the job never fails on it."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,43 @@ def _step(opt: Any, model: torch.nn.Module) -> None:
     opt.step()
 
 
+@contextlib.contextmanager
+def _ps_holding_saves(cluster: Any, gate: Path) -> Iterator[None]:
+    """The cluster's ps, each holding every checkpoint or export file unrenamed until ``gate``
+    exists; at the end of the block each must exit 0 by itself, no write of theirs failed."""
+    procs = [
+        start_ps(cluster, i, faults=["--hold-save", str(gate)])
+        for i in range(cluster.num_tasks("ps"))
+    ]
+    try:
+        yield
+        for p in procs:
+            code, err = stop(p)
+            assert code == 0, err[-3000:]
+            assert "failed" not in err, err[-3000:]
+    finally:
+        gate.touch()
+        for p in procs:
+            stop(p, timeout=1)
+
+
+@contextlib.contextmanager
+def _first_chief(cluster: Any) -> Iterator[ShardedClient]:
+    """The first chief: it initialises the ps and trains a step; what the caller asks through
+    the client it yields is the last it does: it is gone then, before the ps have written
+    (what it would have done next, no one does)."""
+    transport = TransportConfig(timeout=20)
+    first = torch.nn.Linear(4, 1)
+    opt = DistributedOptimizer(first, worker_ctx(cluster), lr=0.1, transport=transport)
+    client = ShardedClient(worker_ctx(cluster), transport)
+    try:
+        _step(opt, first)
+        yield client
+    finally:
+        client.close()
+        opt.close(finished=False)
+
+
 def _listed(url: str, name: str) -> None:
     """Waits until a ps writing ``name`` under ``url`` has made its directory (its thread's
     first step)."""
@@ -46,24 +85,15 @@ def test_a_restarted_chief_waits_for_the_save_its_first_self_left(
     """``asked``: the shards the first chief asked to save before it was gone (``ps:1``: it
     died between its two requests, or ps:0 had written its file already)."""
     cluster = local_cluster(2, 1)
-    gate = tmp_path / "gate"  # the ps hold every checkpoint file unrenamed until it exists
-    procs = [start_ps(cluster, i, faults=["--hold-save", str(gate)]) for i in range(2)]
+    gate = tmp_path / "gate"
     url = str(tmp_path / "ckpt")
-    transport = TransportConfig(timeout=20)
-    try:
-        # The first chief: it initialises the ps, trains a step, asks the ps to save, and is
-        # gone before they have written (what it would have done next, no one does).
-        first = torch.nn.Linear(4, 1)
-        opt = DistributedOptimizer(first, worker_ctx(cluster), lr=0.1, transport=transport)
-        _step(opt, first)
-        client = ShardedClient(worker_ctx(cluster), transport)
-        abandoned = "ckpt-1"
-        if asked == "both":
-            replies = client.save({0: f"{url}/ckpt-0"}, by_step=True)
-            assert replies[0][Key.SNAPSHOT_STEP] == 1
-        client.save({1: f"{url}/{abandoned}"})
-        client.close()
-        opt.close(finished=False)
+    abandoned = "ckpt-1"
+    with _ps_holding_saves(cluster, gate):
+        with _first_chief(cluster) as client:
+            if asked == "both":
+                replies = client.save({0: f"{url}/ckpt-0"}, by_step=True)
+                assert replies[0][Key.SNAPSHOT_STEP] == 1
+            client.save({1: f"{url}/{abandoned}"})
         _listed(url, abandoned)
 
         model = torch.nn.Linear(4, 1)
@@ -105,14 +135,6 @@ def test_a_restarted_chief_waits_for_the_save_its_first_self_left(
             # The abandoned directory (no manifest, never to get one) went with the complete save.
             assert [(c.name, c.complete) for c in d.checkpoints()] == [(name, True)]
             assert d.manifest(name).global_step == sess.global_step
-        for p in procs:
-            code, err = stop(p)
-            assert code == 0, err[-3000:]
-            assert "failed" not in err, err[-3000:]
-    finally:
-        gate.touch()
-        for p in procs:
-            stop(p, timeout=1)
 
 
 def test_a_restarted_chief_skips_exports_while_the_ps_write_its_first_selfs(
@@ -120,18 +142,11 @@ def test_a_restarted_chief_skips_exports_while_the_ps_write_its_first_selfs(
 ) -> None:
     cluster = local_cluster(1, 1)
     gate = tmp_path / "gate"
-    procs = [start_ps(cluster, faults=["--hold-save", str(gate)])]
     exports = tmp_path / "exports"
-    transport = TransportConfig(timeout=20)
-    try:
-        first = torch.nn.Linear(4, 1)
-        opt = DistributedOptimizer(first, worker_ctx(cluster), lr=0.1, transport=transport)
-        _step(opt, first)
-        client = ShardedClient(worker_ctx(cluster), transport)
-        header = {Key.OP: Op.EXPORT, Key.EXPORT_SEQ: 0, Key.BASE: 0, Key.RESERVE_BYTES: 0}
-        client.call({0: {**header, Key.DIR: str(exports / "export-0")}})
-        client.close()
-        opt.close(finished=False)
+    with _ps_holding_saves(cluster, gate):
+        with _first_chief(cluster) as client:
+            header = {Key.OP: Op.EXPORT, Key.EXPORT_SEQ: 0, Key.BASE: 0, Key.RESERVE_BYTES: 0}
+            client.call({0: {**header, Key.DIR: str(exports / "export-0")}})
 
         model = torch.nn.Linear(4, 1)
         with caplog.at_level(logging.DEBUG, "psflow.train.exports"), quiet_session(
@@ -157,11 +172,3 @@ def test_a_restarted_chief_skips_exports_while_the_ps_write_its_first_selfs(
             assert done and done[0], done
             # The export asked of the dead chief stays unpublished; the new one is complete.
             assert [e.seq for e in list_exports(str(exports))] == [int(done[0].rsplit("-", 1)[1])]
-        for p in procs:
-            code, err = stop(p)
-            assert code == 0, err[-3000:]
-            assert "failed" not in err, err[-3000:]
-    finally:
-        gate.touch()
-        for p in procs:
-            stop(p, timeout=1)
