@@ -151,6 +151,7 @@ class Checkpointer:
             except PeerError as e:
                 # A ps still writes the checkpoint a chief asked for before it restarted.
                 if e.code != Code.BUSY:
+                    self._skipping = False  # a skip after this failure is news again
                     raise
                 if not wait:
                     self._busy_until = time.monotonic() + _BUSY_RETRY_SECONDS
