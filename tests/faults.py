@@ -22,9 +22,10 @@ program (a script, or ``-c CODE``) through this one, which injects the faults fi
   launch --max-restarts`` with the same arguments, or resumed, trains on past the step.
 - ``--in-order`` (after ``--once``, before the faults): the faults strike in the order given,
   whatever the tasks' speeds: each waits, past its step, until the task of the one before it has
-  struck and come back (its restart got as far as its session, or its ps server, and left
-  ``DIR/back-<task>``). Steps alone order nothing under load: a ps's fault at 1000 and the
-  chief's at 1400 both waited for a slow checkpoint and struck at 1559 and 1556.
+  struck and come back (its restart got as far as its session, or its ps server, or a hung
+  task resumed, and left ``DIR/back-<task>``). Steps alone order nothing under load: a ps's
+  fault at 1000 and the chief's at 1400 both waited for a slow checkpoint and struck at 1559
+  and 1556.
 - ``--slow-save 1.5``: every checkpoint or export shard this process (a ps) writes waits 1.5 s,
   fully written under its temporary name, before its rename: a window to kill the task in.
 - ``--hold-save FILE``: the same, until ``FILE`` exists (at most 60 s): a save held in flight
@@ -117,6 +118,8 @@ def _strike(task: str, hang: float | None, step: int) -> None:
         ["/bin/sh", "-c", f"sleep {hang}; kill -CONT {os.getpid()}"], start_new_session=True
     )
     os.kill(os.getpid(), signal.SIGSTOP)
+    if ONCE is not None:  # resumed: back, for a fault --in-order after this one
+        _mark(task, "back").touch()
 
 
 def _parse(spec: str, *, hang: bool = False) -> tuple[str, int, float | None]:
