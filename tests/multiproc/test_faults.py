@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
+import struct
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -242,6 +246,95 @@ def test_a_dead_ps_is_named_at_once_through_the_socket() -> None:
         assert time.monotonic() - start < 30  # not the 60 s timeout
     finally:
         client.close()
+        stop(ps, timeout=5)
+
+
+class _Relay:
+    """A TCP relay from a port of its own to ``target`` whose connections a test can cut with
+    a reset, as a NAT or a load balancer between two hosts may: the ps stays up."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.target = target
+        self.sent = 0
+        """Bytes relayed towards the target."""
+        self._pairs: list[tuple[socket.socket, socket.socket]] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                near, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            try:
+                far = socket.create_connection(self.target)
+            except OSError:  # the ps not listening yet: the client connects again
+                near.close()
+                continue
+            with self._lock:
+                self._pairs.append((near, far))
+            for a, b, outward in ((near, far, True), (far, near, False)):
+                threading.Thread(target=self._pump, args=(a, b, outward), daemon=True).start()
+
+    def _pump(self, a: socket.socket, b: socket.socket, outward: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := a.recv(1 << 16):
+                b.sendall(data)
+                if outward:
+                    self.sent += len(data)
+
+    def cut(self) -> None:
+        """Resets every connection relayed so far (both sides); new ones are relayed again."""
+        with self._lock:
+            pairs, self._pairs = self._pairs, []
+        for pair in pairs:
+            for sock in pair:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    # Before the close: it wakes the pump blocked in recv (a close alone would
+                    # wait for it, and the peers would see nothing).
+                    sock.shutdown(socket.SHUT_RDWR)
+                    sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
+        self.cut()
+
+
+def test_a_cut_connection_fails_its_request_at_once_and_the_next_goes_through() -> None:
+    """A connection reset between the hosts, the ps alive: the request in flight on it fails
+    at once (its reply cannot come back on another connection), and the next request, on the
+    connection ZeroMQ makes again, is answered."""
+    cluster = local_cluster(1, 1)
+    ps = start_ps(cluster)
+    host, port = cluster.addresses("ps")[0].rsplit(":", 1)
+    relay = _Relay((host, int(port)))
+    client = Client({"ps:0": relay.address}, TransportConfig(timeout=60.0, shared_memory=False))
+    try:
+        client.wait([client.send("ps:0", {Key.OP: Op.STATUS})])
+        freeze(ps.pid)  # it holds the next request: no reply before the cut
+        before = relay.sent
+        rid = client.send("ps:0", {Key.OP: Op.STATUS})
+        deadline = time.monotonic() + 20
+        while relay.sent == before:  # on the connection about to be cut
+            assert time.monotonic() < deadline, "the request never left"
+            time.sleep(0.001)
+        relay.cut()
+        start = time.monotonic()
+        with pytest.raises(PeerLostError, match="its connection closed with a request in flight"):
+            client.wait([rid])
+        assert time.monotonic() - start < 30  # not the 60 s timeout
+        os.kill(ps.pid, signal.SIGCONT)
+        ((header, _),) = client.wait([client.send("ps:0", {Key.OP: Op.STATUS})]).values()
+        assert header[Key.SHARD] == 0
+    finally:
+        os.kill(ps.pid, signal.SIGCONT)
+        client.close()
+        relay.close()
+        ps.kill()  # it would serve on: no worker said done
         stop(ps, timeout=5)
 
 
