@@ -342,7 +342,9 @@ class Receiver:
                 if self._sent_at_drops[r] < peer.drops:
                     self._landed(r)
             raise PeerLostError(
-                str(peer), "its connection closed with a request in flight (it exited?)"
+                str(peer),
+                "its connection closed with a request in flight (it exited, or the connection "
+                "was cut?)",
             )
 
     def _lost(self, peer: _Peer, error: LaneError) -> NoReturn:
