@@ -92,6 +92,13 @@ PSFLOW_TIMEOUT = "PSFLOW_TIMEOUT"
 peer (default 60). Waiting for a peer to come up at all is bounded by ``PSFLOW_READY_TIMEOUT``
 instead."""
 
+PSFLOW_LINK_TIMEOUT = "PSFLOW_LINK_TIMEOUT"
+"""Seconds a client's connection to a peer may go without a sign of life before it is closed as
+dead (default 20): ZeroMQ's heartbeats, every quarter of it, are answered by the peer's own I/O
+thread, busy Python or not, so only a hung (SIGSTOP) peer, a host gone or a cut network stays
+silent that long. A request in flight on the connection then fails naming the peer, before its
+``PSFLOW_TIMEOUT``: a worker's recovery begins sooner when a ps's host dies."""
+
 PSFLOW_LOG_LEVEL = "PSFLOW_LOG_LEVEL"
 """Level of psflow's own log lines (the ``psflow`` logger): DEBUG, INFO (the default), WARNING
 or ERROR. :func:`psflow.resolve` sets it and gives the ``psflow`` logger a handler on stderr

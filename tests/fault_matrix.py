@@ -207,7 +207,8 @@ def _measure(
     task = re.escape(s.task)
     detected = re.compile(
         rf"task {task} failed with signal|{task} is dead"
-        rf"|{task} at \S+: (no answer within|step \d+ did not complete)"
+        rf"|{task} at \S+: (no answer within|step \d+ did not complete"
+        r"|its connection closed with a request in flight)"
     )
     fault_at = fault_step = None
     detected_at = recovered_at = None

@@ -77,6 +77,10 @@ class Client(Receiver):
             sock.linger = 0
             # A DEALER with no live peer (down, or refused by CurveZMQ) blocks its sends.
             sock.sndtimeo = int(config.timeout * 1000)
+            # A connection silent past link_timeout is closed: a request on it is lost then
+            # (_dropped), not at its timeout. The peer's I/O thread answers, whatever its Python.
+            sock.heartbeat_timeout = max(1, int(config.link_timeout * 1000))
+            sock.heartbeat_ivl = max(1, int(config.link_timeout * 250))
             if config.keys is not None:
                 configure_client(sock, config.keys)
             self._peers[name] = _Peer(name, address, sock, lanes_allowed=config.shared_memory)

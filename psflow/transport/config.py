@@ -31,6 +31,12 @@ class TransportConfig:
     timeout: float = field(default_factory=lambda: envvars.seconds(envvars.PSFLOW_TIMEOUT, 60.0))
     """Seconds a request may take before it fails with an error naming the peer
     (``PSFLOW_TIMEOUT``, default 60)."""
+    link_timeout: float = field(
+        default_factory=lambda: envvars.seconds(envvars.PSFLOW_LINK_TIMEOUT, 20.0)
+    )
+    """Seconds a client's connection may go without a sign of life from its peer (ZeroMQ's
+    heartbeats, every quarter of it) before it is closed and a request in flight on it fails
+    (``PSFLOW_LINK_TIMEOUT``, default 20)."""
     max_message_bytes: int = 8 << 30
     """Largest message (sum of tensor bytes) a server accepts."""
     chunk_bytes: int = field(
@@ -60,6 +66,11 @@ class TransportConfig:
     def __post_init__(self) -> None:
         if self.timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
+        if self.link_timeout <= 0:
+            raise ValueError(
+                f"link_timeout ({envvars.PSFLOW_LINK_TIMEOUT}) must be > 0 seconds, "
+                f"got {self.link_timeout}"
+            )
         if self.max_message_bytes <= 0:
             raise ValueError(f"max_message_bytes must be > 0, got {self.max_message_bytes}")
         if self.chunk_bytes < 4096:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import zmq
 
+from psflow import env as envvars
 from psflow.protocol.messages import IN_REQUEST_AREA, Key, Op
 from psflow.transport import wire
 from psflow.transport.config import TransportConfig
@@ -343,8 +344,9 @@ class Receiver:
                     self._landed(r)
             raise PeerLostError(
                 str(peer),
-                "its connection closed with a request in flight (it exited, or the connection "
-                "was cut?)",
+                "its connection closed with a request in flight (it exited, hung or lost its "
+                "host, or the connection was cut: a link silent for "
+                f"{envvars.PSFLOW_LINK_TIMEOUT}={self.config.link_timeout:g} s is closed)",
             )
 
     def _lost(self, peer: _Peer, error: LaneError) -> NoReturn:

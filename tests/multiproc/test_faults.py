@@ -249,6 +249,33 @@ def test_a_dead_ps_is_named_at_once_through_the_socket() -> None:
         stop(ps, timeout=5)
 
 
+def test_a_hung_ps_is_named_by_its_silent_link_before_the_request_timeout() -> None:
+    """A ps stopped (SIGSTOP) with a request in flight by socket: its I/O thread no longer
+    answers ZeroMQ's heartbeats, the connection is closed after ``link_timeout``, and the
+    request fails then, not at its 60 s; once the ps resumes, the next request is answered."""
+    cluster = local_cluster(1, 1)
+    ps = start_ps(cluster)
+    address = cluster.addresses("ps")[0]
+    config = TransportConfig(timeout=60.0, link_timeout=1.0, shared_memory=False)
+    client = Client({"ps:0": address}, config)
+    try:
+        client.wait([client.send("ps:0", {Key.OP: Op.STATUS})])
+        freeze(ps.pid)
+        rid = client.send("ps:0", {Key.OP: Op.STATUS})
+        start = time.monotonic()
+        with pytest.raises(PeerLostError, match=r"PSFLOW_LINK_TIMEOUT=1 s is closed"):
+            client.wait([rid])
+        assert time.monotonic() - start < 30  # not the 60 s timeout
+        os.kill(ps.pid, signal.SIGCONT)
+        ((header, _),) = client.wait([client.send("ps:0", {Key.OP: Op.STATUS})]).values()
+        assert header[Key.SHARD] == 0
+    finally:
+        os.kill(ps.pid, signal.SIGCONT)
+        client.close()
+        ps.kill()  # it would serve on: no worker said done
+        stop(ps, timeout=5)
+
+
 class _Relay:
     """A TCP relay from a port of its own to ``target`` whose connections a test can cut with
     a reset, as a NAT or a load balancer between two hosts may: the ps stays up."""

@@ -13,7 +13,13 @@ from psflow.transport import TransportConfig, generate_keys
 
 pytestmark = pytest.mark.unit
 
-VARIABLES = ("PSFLOW_TIMEOUT", "PSFLOW_SHM", "PSFLOW_WAIT_LOG_SECONDS", "PSFLOW_KEYS_DIR")
+VARIABLES = (
+    "PSFLOW_TIMEOUT",
+    "PSFLOW_LINK_TIMEOUT",
+    "PSFLOW_SHM",
+    "PSFLOW_WAIT_LOG_SECONDS",
+    "PSFLOW_KEYS_DIR",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -40,6 +46,17 @@ def test_a_bad_timeout_names_its_variable(monkeypatch: pytest.MonkeyPatch, raw: 
     )
 
 
+@pytest.mark.parametrize("raw", ["abc", "-1", "0", "nan"])
+def test_a_bad_link_timeout_names_its_variable(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    monkeypatch.setenv("PSFLOW_LINK_TIMEOUT", raw)
+    _refused("PSFLOW_LINK_TIMEOUT", raw)
+
+
+def test_a_link_timeout_given_must_be_positive() -> None:
+    with pytest.raises(ValueError, match=r"link_timeout \(PSFLOW_LINK_TIMEOUT\) must be > 0"):
+        TransportConfig(link_timeout=0)
+
+
 @pytest.mark.parametrize("raw", ["abc", "-1", "0"])
 def test_a_bad_wait_log_names_its_variable(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
     monkeypatch.setenv("PSFLOW_WAIT_LOG_SECONDS", raw)
@@ -57,8 +74,10 @@ def test_good_values_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PSFLOW_TIMEOUT", "2.5")
     monkeypatch.setenv("PSFLOW_WAIT_LOG_SECONDS", "3")
     monkeypatch.setenv("PSFLOW_SHM", "Off")
+    monkeypatch.setenv("PSFLOW_LINK_TIMEOUT", "7")
     config = TransportConfig()
     assert (config.timeout, config.wait_log_seconds, config.shared_memory) == (2.5, 3.0, False)
+    assert config.link_timeout == 7.0
     monkeypatch.setenv("PSFLOW_SHM", "yes")
     assert TransportConfig().shared_memory
 
@@ -66,6 +85,7 @@ def test_good_values_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_unset_or_empty_means_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
     defaults = TransportConfig()
     assert (defaults.timeout, defaults.wait_log_seconds, defaults.shared_memory) == (60, 10, True)
+    assert defaults.link_timeout == 20
     for name in ("PSFLOW_TIMEOUT", "PSFLOW_WAIT_LOG_SECONDS", "PSFLOW_SHM"):
         monkeypatch.setenv(name, "")
     config = TransportConfig()
