@@ -251,6 +251,8 @@ def test_tensorboard_shows_the_learning_rate_the_ps_applied(tmp_path: Path) -> N
     lr, last = 0.05, 40
     ps = start_ps(cluster)
     other_started = threading.Event()
+    chief_steps = [0]
+    chief_done = threading.Event()
 
     def other() -> None:
         model = make_model("linear")
@@ -258,7 +260,15 @@ def test_tensorboard_shows_the_learning_rate_the_ps_applied(tmp_path: Path) -> N
             model, worker_ctx(cluster, 1), lr=lr, lr_schedule=schedule
         ) as opt:
             other_started.set()
+            taken = 0
             while opt.global_step < last:
+                # At most three steps to each of the chief's: on a loaded machine the chief's
+                # first summary took longer than all 40 of this thread's steps, and it saw two.
+                deadline = time.monotonic() + 60
+                while taken >= 3 * (chief_steps[0] + 1) and not chief_done.is_set():
+                    assert time.monotonic() < deadline, "the chief stopped stepping"
+                    time.sleep(0.001)
+                taken += 1
                 x, y = batch(opt.global_step, 1, 4)
                 opt.zero_grad()
                 loss_fn(model, x, y).backward()
@@ -287,11 +297,14 @@ def test_tensorboard_shows_the_learning_rate_the_ps_applied(tmp_path: Path) -> N
                 loss = loss_fn(model, x, y)
                 loss.backward()
                 sess.step(loss=loss)
+                chief_steps[0] += 1
+            chief_done.set()  # before its end, which may wait for the other
         thread.join(60)
         assert not thread.is_alive()
         code, err = stop(ps)
         assert code == 0, err[-3000:]
     finally:
+        chief_done.set()
         stop(ps, timeout=1)
 
     acc = EventAccumulator(logdir, size_guidance={"scalars": 0})
