@@ -11,6 +11,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -224,6 +225,21 @@ def test_a_dead_ps_is_named_at_once_through_its_lane() -> None:
         stop(ps, timeout=5)
 
 
+def _status(client: Client) -> dict[str, Any]:
+    """ps:0's answer to a status request."""
+    ((header, _),) = client.wait([client.send("ps:0", {Key.OP: Op.STATUS})]).values()
+    return header
+
+
+def _lost_at_once(client: Client, rid: int, match: str) -> None:
+    """The wait for ``rid`` fails with :class:`PeerLostError` matching ``match``, well before
+    the client's timeout (60 s)."""
+    start = time.monotonic()
+    with pytest.raises(PeerLostError, match=match):
+        client.wait([rid])
+    assert time.monotonic() - start < 30
+
+
 def test_a_dead_ps_is_named_at_once_through_the_socket() -> None:
     """A request by socket to a ps that exits (killed while it had the request) fails as soon
     as its connection closes, not at the transport's timeout: what a worker on another host
@@ -233,17 +249,12 @@ def test_a_dead_ps_is_named_at_once_through_the_socket() -> None:
     address = cluster.addresses("ps")[0]
     client = Client({"ps:0": address}, TransportConfig(timeout=60.0, shared_memory=False))
     try:
-        client.wait([client.send("ps:0", {Key.OP: Op.STATUS})])  # it is up: answered once
+        _status(client)  # it is up: answered once
         freeze(ps.pid)
         rid = client.send("ps:0", {Key.OP: Op.STATUS})  # in flight: the ps is stopped
         ps.kill()
         ps.wait(10)
-        start = time.monotonic()
-        with pytest.raises(
-            PeerLostError, match=rf"ps:0 at {address}: its connection closed with a request"
-        ):
-            client.wait([rid])
-        assert time.monotonic() - start < 30  # not the 60 s timeout
+        _lost_at_once(client, rid, rf"ps:0 at {address}: its connection closed with a request")
     finally:
         client.close()
         stop(ps, timeout=5)
@@ -259,16 +270,12 @@ def test_a_hung_ps_is_named_by_its_silent_link_before_the_request_timeout() -> N
     config = TransportConfig(timeout=60.0, link_timeout=1.0, shared_memory=False)
     client = Client({"ps:0": address}, config)
     try:
-        client.wait([client.send("ps:0", {Key.OP: Op.STATUS})])
+        _status(client)
         freeze(ps.pid)
         rid = client.send("ps:0", {Key.OP: Op.STATUS})
-        start = time.monotonic()
-        with pytest.raises(PeerLostError, match=r"PSFLOW_LINK_TIMEOUT=1 s is closed"):
-            client.wait([rid])
-        assert time.monotonic() - start < 30  # not the 60 s timeout
+        _lost_at_once(client, rid, r"PSFLOW_LINK_TIMEOUT=1 s is closed")
         os.kill(ps.pid, signal.SIGCONT)
-        ((header, _),) = client.wait([client.send("ps:0", {Key.OP: Op.STATUS})]).values()
-        assert header[Key.SHARD] == 0
+        assert _status(client)[Key.SHARD] == 0
     finally:
         os.kill(ps.pid, signal.SIGCONT)
         client.close()
@@ -341,7 +348,7 @@ def test_a_cut_connection_fails_its_request_at_once_and_the_next_goes_through() 
     relay = _Relay((host, int(port)))
     client = Client({"ps:0": relay.address}, TransportConfig(timeout=60.0, shared_memory=False))
     try:
-        client.wait([client.send("ps:0", {Key.OP: Op.STATUS})])
+        _status(client)
         freeze(ps.pid)  # it holds the next request: no reply before the cut
         before = relay.sent
         rid = client.send("ps:0", {Key.OP: Op.STATUS})
@@ -350,13 +357,9 @@ def test_a_cut_connection_fails_its_request_at_once_and_the_next_goes_through() 
             assert time.monotonic() < deadline, "the request never left"
             time.sleep(0.001)
         relay.cut()
-        start = time.monotonic()
-        with pytest.raises(PeerLostError, match="its connection closed with a request in flight"):
-            client.wait([rid])
-        assert time.monotonic() - start < 30  # not the 60 s timeout
+        _lost_at_once(client, rid, "its connection closed with a request in flight")
         os.kill(ps.pid, signal.SIGCONT)
-        ((header, _),) = client.wait([client.send("ps:0", {Key.OP: Op.STATUS})]).values()
-        assert header[Key.SHARD] == 0
+        assert _status(client)[Key.SHARD] == 0
     finally:
         os.kill(ps.pid, signal.SIGCONT)
         client.close()
