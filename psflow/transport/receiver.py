@@ -326,8 +326,9 @@ class Receiver:
 
     def _dropped(self, w: _Wait) -> None:
         """Raises :class:`PeerLostError` when the connection to the peer of a request ``w``
-        awaits by socket closed after it was sent (the peer exited: killed, or restarted):
-        its reply cannot come. What came before the close is taken first."""
+        awaits by socket closed after it was sent (the peer exited, was silent past the link
+        timeout, or the connection was cut): its reply cannot come. What came before the close
+        is taken first."""
         for rid in list(w.want):
             flight = self._inflight.get(rid)
             if flight is None or flight[1]:
