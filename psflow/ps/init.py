@@ -55,7 +55,7 @@ class InitService(Service):
         num_shards: int,
         checkpoint_dir: str | None,
         restored: Callable[[str], None],
-        under_way: Callable[[], None] = lambda: None,
+        under_way: Callable[[], None],
     ) -> None:
         self.host = host
         self.under_way = under_way
