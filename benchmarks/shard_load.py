@@ -20,9 +20,10 @@ part of a step, and the hollow loss's sums and their backward, about a fifth of 
 shard's serving CPU a request (``ParameterServer.handling_cpu`` over its push_pull requests, in
 microseconds), the requests a second one core would serve at that CPU (``per_core``: the
 capacity of a shard's core), and the shards' core's busy share (that CPU times the requests a
-second the timed steps made). The last line is one JSON object. A 16-core job of issue 35's
-target (60% of 16 plain-torch cores: about 500 steps a second of 512) asks each of 4 shards for
-500 requests a second.
+second the timed steps made). The job has CurveZMQ keys unless ``--insecure``, as ``psflow
+launch`` gives them: through the socket (``--socket``) every byte is encrypted. The last line is
+one JSON object. A 16-core job of issue 35's target (60% of 16 plain-torch cores: about 500
+steps a second of 512) asks each of 4 shards for 500 requests a second.
 """
 
 from __future__ import annotations
@@ -148,13 +149,15 @@ def work(ctx: Any, p: dict[str, Any], data: str, profile: str | None) -> None:
 
 def run(args: argparse.Namespace, p: dict[str, Any], data: str, tree: str | None) -> dict[str, Any]:
     """One job of the hollow workers against the shards; its figures."""
-    from common import new_cluster, run_job, smoke_preload
+    from common import keys_dir, new_cluster, run_job, smoke_preload
 
     script = str(HERE / "shard_load.py")  # another tree: its psflow, this hollow worker
     cmd = [script, "--role", "task", "--preset", args.preset, "--data", data]
     if args.profile:
         cmd += ["--profile", os.path.abspath(args.profile)]
     env = {"PSFLOW_SHM": "0" if args.socket else "1"}
+    if not args.insecure:  # as psflow launch: every job its CurveZMQ keys
+        env["PSFLOW_KEYS_DIR"] = keys_dir()
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")]))
     shards: dict[str, dict[str, Any]] = {}
@@ -195,6 +198,9 @@ def main() -> None:
     parser.add_argument("--data", help="a `psflow data synth-ctr` directory (default: new)")
     parser.add_argument("--socket", action="store_true", help="PSFLOW_SHM=0")
     parser.add_argument(
+        "--insecure", action="store_true", help="no CurveZMQ keys (psflow launch --insecure)"
+    )
+    parser.add_argument(
         "--against_tree",
         help="another psflow checkout (a worktree of main, kernels built) run alternately",
     )
@@ -226,6 +232,7 @@ def main() -> None:
         "ps": args.ps,
         "workers": args.workers,
         "path": "socket" if args.socket else "shm",
+        "keys": not args.insecure,
     }
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in trees}
     with tempfile.TemporaryDirectory(prefix="shard-load-") as tmp:
