@@ -149,6 +149,9 @@ class Client(Receiver):
             frames = wire.encode(dict(header), tensors, area=lane.request, layout=layout)
             if len(frames) == 1 and lane.post_request(frames[0]):
                 self._inflight[rid] = (p, True)
+                # A lane's reply comes through shared memory, but a hung ps is noticed by the
+                # socket beside it going silent (Receiver._dropped).
+                self._sent_at_drops[rid] = p.drops
                 p.inflight.add(rid)
                 return rid
         frames = wire.encode(header, tensors, chunk=self.config.chunk_bytes)

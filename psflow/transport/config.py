@@ -35,8 +35,8 @@ class TransportConfig:
         default_factory=lambda: envvars.seconds(envvars.PSFLOW_LINK_TIMEOUT, 20.0)
     )
     """Seconds a client's connection may go without a sign of life from its peer (ZeroMQ's
-    heartbeats, every quarter of it) before it is closed and a request in flight on it fails
-    (``PSFLOW_LINK_TIMEOUT``, default 20)."""
+    heartbeats, every quarter of it) before it is closed and a request in flight on it fails,
+    or on the peer's shared-memory lane beside it (``PSFLOW_LINK_TIMEOUT``, default 20)."""
     max_message_bytes: int = 8 << 30
     """Largest message (sum of tensor bytes) a server accepts."""
     chunk_bytes: int = field(

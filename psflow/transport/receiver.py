@@ -178,7 +178,8 @@ class Receiver:
             if by_lane:
                 assert peer.lane is not None
                 try:
-                    rang = peer.lane.wait_reply(left, spin)
+                    # Awake now and then: a silent link is seen here (_dropped), not at the end.
+                    rang = peer.lane.wait_reply(min(left, _DROP_CHECK_SECONDS), spin)
                 except LaneError as e:
                     self._lost(peer, e)
                 return ((peer, None),) if rang else ()
@@ -326,29 +327,49 @@ class Receiver:
 
     def _dropped(self, w: _Wait) -> None:
         """Raises :class:`PeerLostError` when the connection to the peer of a request ``w``
-        awaits by socket closed after it was sent (the peer exited, was silent past the link
-        timeout, or the connection was cut): its reply cannot come. What came before the close
-        is taken first."""
+        awaits closed after it was sent (the peer exited, was silent past the link timeout, or
+        the connection was cut): its reply cannot come. What came before the close is taken
+        first. A request that went through the peer's lane fails too when the socket beside
+        the lane closed (a ps stopped on this host: its lane is never rung, nor hung up), and
+        the lane is given up as at a timeout, since the ps may still write into it."""
         for rid in list(w.want):
             flight = self._inflight.get(rid)
-            if flight is None or flight[1]:
+            if flight is None:
                 continue
-            peer = flight[0]
+            peer, by_lane = flight
             if peer.drops <= self._sent_at_drops.get(rid, peer.drops):
                 continue
-            for late, parts in self._arrived({}, {peer.sock: peer}):
-                self._take(late, parts, w)
-            if rid not in w.want:
-                continue
-            for r in [r for r in w.want if r in peer.inflight and r in self._sent_at_drops]:
+            if by_lane:
+                if peer.lane is not None and peer.lane.has_reply():
+                    continue  # it came after all: taken at the next look
+            else:
+                for late, parts in self._arrived({}, {peer.sock: peer}):
+                    self._take(late, parts, w)
+                if rid not in w.want:
+                    continue
+            # Every request awaited from it that was sent before the close is given up.
+            gone = [r for r in w.want if r in peer.inflight and r in self._sent_at_drops]
+            lane_lost = False
+            for r in gone:
                 if self._sent_at_drops[r] < peer.drops:
-                    self._landed(r)
+                    lane_lost |= self._landed(r)[1]
+            if lane_lost:
+                self._retire_lane(peer)
             raise PeerLostError(
                 str(peer),
                 "its connection closed with a request in flight (it exited, hung or lost its "
                 "host, or the connection was cut: a link silent for "
                 f"{envvars.PSFLOW_LINK_TIMEOUT}={self.config.link_timeout:g} s is closed)",
             )
+
+    def _retire_lane(self, peer: _Peer) -> None:
+        """Drops ``peer``'s lane for good after a request through it was given up: its server
+        may still read or write the lane later (the callbacks of :meth:`on_lane_retired` move
+        what still lies in its reply area out of it)."""
+        if peer.lane is not None:
+            for callback in self._lane_retired:
+                callback(peer.lane.reply)
+        self._drop_lane(peer)
 
     def _lost(self, peer: _Peer, error: LaneError) -> NoReturn:
         for rid in [r for r in peer.inflight if self._inflight[r][1]]:
@@ -361,11 +382,7 @@ class Receiver:
         for rid in want:
             peer, by_lane = self._landed(rid)
             if by_lane:
-                # Its server may still read or write the lane later: never use it again.
-                if peer.lane is not None:
-                    for callback in self._lane_retired:
-                        callback(peer.lane.reply)
-                self._drop_lane(peer)
+                self._retire_lane(peer)
             late.add(peer)
         ordered = sorted(late, key=lambda p: p.name)
         names = ", ".join(str(p) for p in ordered)

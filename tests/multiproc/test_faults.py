@@ -225,6 +225,37 @@ def test_a_dead_ps_is_named_at_once_through_its_lane() -> None:
         stop(ps, timeout=5)
 
 
+def test_a_hung_ps_is_named_by_its_silent_link_through_its_lane() -> None:
+    """A ps stopped (SIGSTOP) with a push in flight through its shared-memory lane: the lane
+    is never rung nor hung up, but the socket beside it goes silent, and the push fails after
+    ``link_timeout``, not at its 60 s. The lane is given up (the ps may still write into it);
+    once the ps resumes, the next step goes through."""
+    cluster = local_cluster(1, 1)
+    ps = start_ps(cluster)
+    try:
+        model = torch.nn.Linear(256, 512)  # 512 KB: through a shared-memory lane
+        config = TransportConfig(timeout=60.0, link_timeout=1.0)
+        opt = psflow.DistributedOptimizer(model, worker_ctx(cluster), lr=0.1, transport=config)
+        for _ in range(2):
+            model(torch.ones(1, 256)).sum().backward()
+            opt.step()
+        lane = lanes(opt)["ps:0"]
+        freeze(ps.pid)
+        model(torch.ones(1, 256)).sum().backward()
+        start = time.monotonic()
+        with pytest.raises(PeerLostError, match=r"ps:0 at .*PSFLOW_LINK_TIMEOUT=1 s is closed"):
+            opt.step()
+        assert time.monotonic() - start < 30  # not the 60 s timeout
+        assert lanes(opt).get("ps:0") is not lane  # given up
+        os.kill(ps.pid, signal.SIGCONT)
+        model(torch.ones(1, 256)).sum().backward()
+        opt.step()
+        opt.close()
+    finally:
+        os.kill(ps.pid, signal.SIGCONT)
+        stop(ps, timeout=5)
+
+
 def _status(client: Client) -> dict[str, Any]:
     """ps:0's answer to a status request."""
     ((header, _),) = client.wait([client.send("ps:0", {Key.OP: Op.STATUS})]).values()
