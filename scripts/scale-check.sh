@@ -9,7 +9,10 @@
 # PSFLOW_FLUSH_DENORMALS=0); NATIVE_AB=1 first measures a CTR shard's serving CPU with the
 # native request path on and off (embedding.py --native_requests 1,0); PROFILE= skips the profile;
 # ROW_THREADS=2,4 first measures a shard's rows on that many threads (benchmarks/row_threads.py,
-# then the sparse workload with PSFLOW_PS_THREADS 1 and N, both paths each).
+# then the sparse workload with PSFLOW_PS_THREADS 1 and N, both paths each); SHARD_LOAD=12 first
+# runs that many hollow CTR workers against 4 shards on one core of their own
+# (benchmarks/shard_load.py, both paths: a shard's serving CPU a request where it is saturated,
+# and a worker's CPU a step outside its model).
 #
 # It needs pyzmq, google-crc32c and py-spy as wheels in .whl (see scripts/gpu-check.sh for the
 # download; add py-spy==0.4.3 with --platform manylinux1_x86_64), carried: command
@@ -44,6 +47,14 @@ if [ -n "${ROW_THREADS:-}" ]; then  # e.g. ROW_THREADS=2,4: a shard's rows on N 
         # Each run's line says the rows a shard's core serves and each op's microseconds.
         "$py" benchmarks/embedding.py --workload sparse --paths shm,socket \
             --ps_threads "1,$n" 2>&1 | tee "$out/sparse-t$n.log" | grep -v Warning
+    done
+fi
+
+if [ -n "${SHARD_LOAD:-}" ]; then  # e.g. SHARD_LOAD=12: hollow workers against 4 shards on a core
+    for path in "" --socket; do
+        echo "== shard_load: 4 shards, $SHARD_LOAD hollow workers ${path:-(shared memory)} =="
+        "$py" benchmarks/shard_load.py --data /tmp/ctr --workers "$SHARD_LOAD" $path 2>&1 |
+            tee "$out/shard_load${path:+-socket}.log" | grep -v Warning
     done
 fi
 
