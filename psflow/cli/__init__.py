@@ -122,8 +122,10 @@ def _add_launch(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     p.add_argument(
         "--ps-exit-timeout",
         type=float,
-        default=30.0,
-        help="seconds the ps tasks may take to exit after the workers finish",
+        default=None,
+        help="seconds the ps tasks may take to exit after the workers finish (default: "
+        "PSFLOW_WORKER_TIMEOUT + 30, so 60: a ps waits one worker timeout for a worker that "
+        "never spoke to it)",
     )
     p.add_argument(
         "--grace",

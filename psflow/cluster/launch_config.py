@@ -9,7 +9,9 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from psflow import env as envvars
 from psflow.cluster.modes import MODES, Mode
+from psflow.protocol import WORKER_TIMEOUT
 
 LAUNCH_MODES = MODES
 """The modes ``psflow launch --mode`` takes: every one (:data:`psflow.cluster.modes.MODES`)."""
@@ -23,6 +25,14 @@ ps. On 16 cores, ``examples/ctr.py`` at 4 ps x 12 workers had each ps's serving 
 busy with the workers waiting for them (50% of the cores' plain-torch rate once its Adam was
 fused; 2 ps x 4 workers 82% of its 6 cores): ``benchmarks/results/scaling.md``. Other ratios at
 16 cores are still to measure; ``--ps`` chooses."""
+
+
+PS_EXIT_MARGIN = 30.0
+"""Seconds past the workers' timeout the ps tasks get to exit once every worker has finished
+(``--ps-exit-timeout``'s default): a ps waits one worker timeout for a worker that never spoke
+to it (one that finished before the ps restarted empty) before it exits without it, so a
+deadline of one worker timeout alone raced that wait and could fail a job whose chief had
+finished."""
 
 
 def planned_ps(workers: int, mode: str | None) -> int:
@@ -59,8 +69,10 @@ class LaunchConfig:
     left and exit (then it is stopped, and the job fails)."""
     host: str = "127.0.0.1"
     """Address every task listens on."""
-    ps_exit_timeout: float = 30.0
-    """Seconds the ps tasks may take to exit once every worker has finished."""
+    ps_exit_timeout: float | None = None
+    """Seconds the ps tasks may take to exit once every worker has finished; ``None``: the
+    workers' timeout the tasks get (``PSFLOW_WORKER_TIMEOUT`` in :attr:`env`, else in this
+    environment, else 30) and :data:`PS_EXIT_MARGIN` more (:attr:`ps_exit_seconds`)."""
     grace: float = 30.0
     """Seconds the tasks get between SIGTERM and SIGKILL when the job is stopped (Ctrl-C,
     SIGTERM, or a failed task): time for a chief to finish a checkpoint."""
@@ -122,5 +134,28 @@ class LaunchConfig:
             raise ValueError(f"--preload takes module names (torch,psflow), got {bad}")
         if self.evaluators not in (0, 1):
             raise ValueError(f"evaluators must be 0 or 1, got {self.evaluators}")
-        if self.ps_exit_timeout <= 0 or self.grace <= 0 or self.eval_exit_timeout <= 0:
+        if self.ps_exit_seconds <= 0 or self.grace <= 0 or self.eval_exit_timeout <= 0:
             raise ValueError("ps_exit_timeout, grace and eval_exit_timeout must be > 0 seconds")
+
+    @property
+    def ps_exit_seconds(self) -> float:
+        """:attr:`ps_exit_timeout`, or its default: the tasks' worker timeout plus
+        :data:`PS_EXIT_MARGIN`.
+
+        Raises:
+            ValueError: naming ``PSFLOW_WORKER_TIMEOUT`` when it is not a number of seconds.
+        """
+        if self.ps_exit_timeout is not None:
+            return self.ps_exit_timeout
+        given = self.env.get(envvars.PSFLOW_WORKER_TIMEOUT)
+        if given is None:
+            return envvars.seconds(envvars.PSFLOW_WORKER_TIMEOUT, WORKER_TIMEOUT) + PS_EXIT_MARGIN
+        try:
+            timeout = float(given)
+        except ValueError:
+            timeout = float("nan")
+        if not 0 < timeout < float("inf"):
+            raise ValueError(
+                f"{envvars.PSFLOW_WORKER_TIMEOUT} must be a number of seconds > 0, got {given!r}"
+            )
+        return timeout + PS_EXIT_MARGIN

@@ -261,11 +261,11 @@ class Launcher:
             return None
         if self._ended_at is None:
             self._ended_at = now
-        if now - self._ended_at <= self.config.ps_exit_timeout:
+        if now - self._ended_at <= self.config.ps_exit_seconds:
             return None
         chief = self.cluster.chief in left
         self._say(
-            f"{', '.join(map(str, left))} still running {self.config.ps_exit_timeout:g} s after "
+            f"{', '.join(map(str, left))} still running {self.config.ps_exit_seconds:g} s after "
             "the ps exited 0 (they declared it dead and ended the job without it): hung? "
             "stopping it"
             + (
@@ -326,7 +326,7 @@ class Launcher:
         """Whether a task still running ``waited`` seconds after the workers finished has
         overstayed (the ps: ``ps_exit_timeout``; an evaluator: ``eval_exit_timeout``)."""
         for job, limit, why in (
-            ("ps", self.config.ps_exit_timeout, ""),
+            ("ps", self.config.ps_exit_seconds, ""),
             ("evaluator", self.config.eval_exit_timeout, " (no final checkpoint to stop after?)"),
         ):
             left = [str(t) for t, p in self.procs.items() if t.job == job and p.poll() is None]

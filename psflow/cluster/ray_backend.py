@@ -398,7 +398,7 @@ class RayLauncher:
             if trainers_done_at is not None:
                 waited = time.monotonic() - trainers_done_at
                 for job, limit in (
-                    ("ps", self.config.ps_exit_timeout),
+                    ("ps", self.config.ps_exit_seconds),
                     ("evaluator", self.config.eval_exit_timeout),
                 ):
                     left = [str(s) for s, c in codes if s.job == job and c is None]

@@ -80,6 +80,27 @@ def test_the_launch_flags_and_their_defaults(script: str) -> None:
     assert args.max_restarts == 0 and not args.insecure
 
 
+def test_the_ps_exit_deadline_outlasts_the_ps_s_wait_for_a_worker_that_never_spoke(
+    script: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ps waits one worker timeout for a worker that never spoke to it (one that finished
+    before the ps restarted empty) before it exits: the launcher's default deadline is that
+    timeout, as the tasks get it, and 30 s more, never the timeout alone."""
+    monkeypatch.delenv("PSFLOW_WORKER_TIMEOUT", raising=False)
+    assert LaunchConfig(script=script).ps_exit_seconds == 60.0
+    monkeypatch.setenv("PSFLOW_WORKER_TIMEOUT", "45")
+    assert LaunchConfig(script=script).ps_exit_seconds == 75.0
+    env = {"PSFLOW_WORKER_TIMEOUT": "4"}  # the tasks' own: it wins
+    assert LaunchConfig(script=script, env=env).ps_exit_seconds == 34.0
+    assert LaunchConfig(script=script, ps_exit_timeout=5.0).ps_exit_seconds == 5.0
+    args = psflow.cli.build_parser().parse_args(["launch", script])
+    assert args.ps_exit_timeout is None
+    with pytest.raises(ValueError, match="PSFLOW_WORKER_TIMEOUT must be a number of seconds"):
+        LaunchConfig(script=script, env={"PSFLOW_WORKER_TIMEOUT": "soon"})
+    with pytest.raises(ValueError, match="ps_exit_timeout"):
+        LaunchConfig(script=script, ps_exit_timeout=0.0)
+
+
 def test_without_ps_the_launcher_plans_one_to_every_three_workers_and_says_so(
     script: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
