@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 from psflow import env as envvars
 from psflow.cluster.modes import MODES, Mode
-from psflow.protocol import WORKER_TIMEOUT
 
 LAUNCH_MODES = MODES
 """The modes ``psflow launch --mode`` takes: every one (:data:`psflow.cluster.modes.MODES`)."""
@@ -33,6 +32,11 @@ PS_EXIT_MARGIN = 30.0
 to it (one that finished before the ps restarted empty) before it exits without it, so a
 deadline of one worker timeout alone raced that wait and could fail a job whose chief had
 finished."""
+
+DEFAULT_WORKER_TIMEOUT = 30.0
+"""The ps's worker timeout where ``PSFLOW_WORKER_TIMEOUT`` is not set: ``psflow.protocol``'s
+``WORKER_TIMEOUT``, not imported here (that package loads torch, which the launcher never
+needs); a test holds the two equal."""
 
 
 def planned_ps(workers: int, mode: str | None) -> int:
@@ -149,7 +153,8 @@ class LaunchConfig:
             return self.ps_exit_timeout
         given = self.env.get(envvars.PSFLOW_WORKER_TIMEOUT)
         if given is None:
-            return envvars.seconds(envvars.PSFLOW_WORKER_TIMEOUT, WORKER_TIMEOUT) + PS_EXIT_MARGIN
+            timeout = envvars.seconds(envvars.PSFLOW_WORKER_TIMEOUT, DEFAULT_WORKER_TIMEOUT)
+            return timeout + PS_EXIT_MARGIN
         try:
             timeout = float(given)
         except ValueError:

@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 
 import psflow.cli
+import psflow.cluster.launch_config as launch_config
 import psflow.cluster.ray_backend as ray_backend
 from psflow.cluster.cli import launch
 from psflow.cluster.cores import bind, core_sets
 from psflow.cluster.launcher import LaunchConfig, Launcher
 from psflow.cluster.spec import TaskSpec
+from psflow.protocol import WORKER_TIMEOUT
 from psflow.transport import CurveKeys
 
 pytestmark = pytest.mark.unit
@@ -86,6 +88,7 @@ def test_the_ps_exit_deadline_outlasts_the_ps_s_wait_for_a_worker_that_never_spo
     """A ps waits one worker timeout for a worker that never spoke to it (one that finished
     before the ps restarted empty) before it exits: the launcher's default deadline is that
     timeout, as the tasks get it, and 30 s more, never the timeout alone."""
+    assert launch_config.DEFAULT_WORKER_TIMEOUT == WORKER_TIMEOUT  # the ps's own default
     monkeypatch.delenv("PSFLOW_WORKER_TIMEOUT", raising=False)
     assert LaunchConfig(script=script).ps_exit_seconds == 60.0
     monkeypatch.setenv("PSFLOW_WORKER_TIMEOUT", "45")
