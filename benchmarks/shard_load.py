@@ -20,7 +20,8 @@ part of a step, and the hollow loss's sums and their backward, about a fifth of 
 shard's serving CPU a request (``ParameterServer.handling_cpu`` over its push_pull requests, in
 microseconds), the requests a second one core would serve at that CPU (``per_core``: the
 capacity of a shard's core), and the shards' core's busy share (that CPU times the requests a
-second the timed steps made). The job has CurveZMQ keys unless ``--insecure``, as ``psflow
+second the timed steps made: an estimate, the warm-up's requests in the CPU, which can pass 1
+in a short run). The job has CurveZMQ keys unless ``--insecure``, as ``psflow
 launch`` gives them: through the socket (``--socket``) every byte is encrypted. The last line is
 one JSON object. A 16-core job of issue 35's target (60% of 16 plain-torch cores: about 500
 steps a second of 512) asks each of 4 shards for 500 requests a second.
