@@ -332,6 +332,20 @@ static PyObject *py_idmap_put(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(reused);
 }
 
+/* finite(double, p, n): whether none of the n float32 (float64) values at p is an infinity
+ * or a NaN. */
+static PyObject *py_finite(PyObject *self, PyObject *args) {
+    int f64_;
+    Py_ssize_t p, n;
+    int ok;
+    if (!PyArg_ParseTuple(args, "pnn", &f64_, &p, &n)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    ok = f64_ ? psflow_finite_f64(PTR(const uint64_t, p), n)
+              : psflow_finite_f32(PTR(const uint32_t, p), n);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(ok);
+}
+
 /* splitmix64(in, n, out): the finaliser of each int64 (bits as uint64), into out. */
 static PyObject *py_splitmix64(PyObject *self, PyObject *args) {
     Py_ssize_t in, n, out;
@@ -732,6 +746,7 @@ static PyMethodDef methods[] = {
     {"scatter_add", py_scatter_add, METH_VARARGS, "out[index[i]] += src[i]; -1 or the first bad."},
     {"idmap_find", py_idmap_find, METH_VARARGS, "Each id's cell (or slot) in an id map, or -1."},
     {"idmap_put", py_idmap_put, METH_VARARGS, "Adds ids to an id map; removed cells reused."},
+    {"finite", py_finite, METH_VARARGS, "Whether no float32 (float64) value is inf or NaN."},
     {"splitmix64", py_splitmix64, METH_VARARGS, "splitmix64's finaliser of each int64."},
     {"initial_uniforms", py_initial_uniforms, METH_VARARGS, "The uniforms of initial rows."},
     {"normals", py_normals, METH_VARARGS, "Initial rows' normals made and placed, cast."},

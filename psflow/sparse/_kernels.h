@@ -41,6 +41,10 @@ void psflow_put_rows(char *dst, const char *src, const int64_t *index, ptrdiff_t
 void psflow_fill_rows(char *dst, const int64_t *index, ptrdiff_t n, const char *row,
                       ptrdiff_t bytes);
 
+/* 1 when none of the n values at p is an infinity or a NaN (float32, float64 as their bits). */
+int psflow_finite_f32(const uint32_t *p, ptrdiff_t n);
+int psflow_finite_f64(const uint64_t *p, ptrdiff_t n);
+
 /* out[i] = row index[i] of rows held in parts: part p holds rows [starts[p], starts[p + 1]) at
  * srcs[p]. */
 void psflow_gather_parts(char *out, const char *const *srcs, const int64_t *starts,

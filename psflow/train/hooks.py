@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from psflow.cluster.spec import TaskContext
+from psflow.sparse import kernels
 from psflow.worker import DistributedOptimizer
 
 
@@ -131,7 +132,10 @@ def _all_finite(grads: list[torch.Tensor]) -> bool:
     gradient and waited on each: a third of a CTR worker's step outside the push
     (benchmarks/results/profile.md).
 
-    The reduction is the 2-norm: a NaN or an infinity anywhere makes it NaN or infinite, and
+    Where the kernels are built, a contiguous float32 or float64 gradient on the CPU is instead
+    checked by their one pass over its exponent bits (:func:`psflow.sparse.kernels.native_finite`:
+    the DLRM's gradients in a sixth of the 2-norm's time). For the others, the reduction is
+    the 2-norm: a NaN or an infinity anywhere makes it NaN or infinite, and
     torch computes it 12 times faster than the largest magnitude (the DLRM's 476k gradients on
     one CPU thread: 0.32 ms against 3.8 ms, a tenth of a 16-core worker's step). Only finite
     values whose squares overflow (above about 1e19) make it infinite too: the largest
@@ -142,7 +146,11 @@ def _all_finite(grads: list[torch.Tensor]) -> bool:
             if not bool(torch.isfinite(g.coalesce().values()).all()):
                 return False
         elif g.numel():
-            by_device.setdefault(g.device, []).append(g)
+            finite = kernels.native_finite(g)  # a CPU float32 or float64 one, at reading speed
+            if finite is None:
+                by_device.setdefault(g.device, []).append(g)
+            elif not finite:
+                return False
     return all(
         bool(torch.stack(torch._foreach_norm(gs, 2)).isfinite().all())
         or bool(torch.stack(torch._foreach_norm(gs, float("inf"))).isfinite().all())

@@ -155,14 +155,24 @@ def test_a_bad_row_dtypes_is_refused_naming_it(value: object, message: str) -> N
         row_dtypes({Key.ROW_DTYPES: value}, _tables(), ["emb"])
 
 
-@pytest.mark.parametrize("dtype", [*HALVES, torch.float32])
-def test_all_finite_finds_every_inf_and_nan(dtype: torch.dtype) -> None:
-    """The bit test of a 16-bit float agrees with ``torch.isfinite`` on its extremes."""
+@pytest.mark.parametrize("dtype", [*HALVES, torch.float32, torch.float64])
+def test_all_finite_finds_every_inf_and_nan(dtype: torch.dtype, path: str) -> None:
+    """The bit test of a 16-bit float, and the kernels' of a float32 or float64 one (torch's
+    ``isfinite`` on the fallback path), agree with ``torch.isfinite`` on their extremes."""
     info = torch.finfo(dtype)
-    edges = torch.tensor([0.0, -0.0, info.max, -info.max, info.tiny, info.smallest_normal])
-    finite = torch.cat([torch.randn(100), edges]).to(dtype)
+    edges = [0.0, -0.0, info.max, -info.max, info.tiny, info.smallest_normal]
+    finite = torch.cat([torch.randn(100), torch.tensor(edges, dtype=torch.float64)]).to(dtype)
     assert kernels.all_finite(finite) and kernels.all_finite(finite[:0])
     for bad in (float("inf"), float("-inf"), float("nan")):
         t = finite.clone()
         t[57] = bad
         assert not kernels.all_finite(t), bad
+        t = torch.cat([finite] * 40)  # past a vector's width, the bad value last
+        t[-1] = bad
+        assert not kernels.all_finite(t), bad
+    native = kernels.native_finite(finite)
+    if path == "native" and dtype in (torch.float32, torch.float64):
+        assert native is True
+        assert kernels.native_finite(torch.stack([finite, finite], 1)[:, 0]) is None  # strided
+    else:
+        assert native is None

@@ -70,7 +70,7 @@ def test_nan_guard_names_the_step_task_and_last_checkpoint() -> None:
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_nan_guard_finds_a_bad_value_in_any_gradient_of_any_dtype(bad: float) -> None:
+def test_nan_guard_finds_a_bad_value_in_any_gradient_of_any_dtype(bad: float, path: str) -> None:
     sess = FakeSession()
     sess.model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).to(
         torch.bfloat16
@@ -95,7 +95,7 @@ def test_nan_guard_finds_a_bad_value_in_any_gradient_of_any_dtype(bad: float) ->
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
-def test_nan_guard_lets_the_largest_finite_gradients_through(dtype: torch.dtype) -> None:
+def test_nan_guard_lets_the_largest_finite_gradients_through(dtype: torch.dtype, path: str) -> None:
     """Finite values whose squares overflow (the 2-norm infinite) are still finite: the
     largest magnitude decides."""
     sess = FakeSession()
