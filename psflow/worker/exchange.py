@@ -232,11 +232,13 @@ class ParameterExchange:
             self._view_ptrs = ptrs
         return self._into
 
-    def load(self, replies: Replies) -> int:
+    def load(self, replies: Replies, *, adopt: bool = True) -> int:
         """Puts pulled values in the model; returns the global step (shard 0's).
 
         Call :meth:`destinations` first (for the request these replies answer): it refreshes
-        the views of the model's parameters that this fills.
+        the views of the model's parameters that this fills. ``adopt=False``: every value is
+        copied into memory the model owns, none left where it came (``overlap``: the ps
+        rewrites its lane's reply area while this worker computes the next step).
         """
         views = self._view_of
         shard_of = self._shard_of
@@ -246,19 +248,26 @@ class ParameterExchange:
             # views of one blob per message, and values that came beside prefetched rows in a
             # lane's request area (which the next request overwrites), copied: into the
             # model's memory, which stays where it is (no new tensors a step).
-            adopt = Key.INLINE not in header and not _in_request_area(header)
+            in_lane = Key.IN_LANE in header
+            adopted = adopt and Key.INLINE not in header and not _in_request_area(header)
             for var, value in tensors:
                 dst = views.get(var)
                 if dst is None or shard_of[var] != shard:
                     raise ValueError(f"ps:{shard} sent unknown variable {var!r}")
                 if value.data_ptr() == dst.data_ptr():
-                    continue  # received in place
+                    param = whole.get(var)
+                    if adopt or not in_lane or param is None:
+                        continue  # received in place
+                    # The parameter lives in the lane, adopted at an earlier pull: the ps will
+                    # rewrite it there while this worker computes. Memory of its own.
+                    param.data = value.clone()
+                    continue
                 if dst.shape != value.shape:
                     raise ValueError(
                         f"ps:{shard} sent {var!r} with shape {list(value.shape)}, "
                         f"the model has {list(dst.shape)}: is every worker running the same model?"
                     )
-                param = whole.get(var) if adopt else None
+                param = whole.get(var) if adopted else None
                 if param is not None and value.dtype == param.dtype and param.is_cpu:
                     # Received into memory of its own (a frame, or the lane where the ps
                     # writes this variable every time): the parameter moves there.
@@ -304,6 +313,14 @@ class ParameterExchange:
         if overlap:
             # The last push's reply first: its rows are taken before this push's prefetch.
             self.client.settle()
+            # This push's reply is written while the next step computes: no parameter may
+            # live in a lane's reply area then (a pull adopts them there), or the next forward
+            # would see values a step fresher than the schedule, or half of them.
+            transport = self.client.transport
+            for peer in transport.peers:
+                lane = transport.lane(peer)
+                if lane is not None:
+                    self._move_out_of(lane.reply)
         prefetch: dict[int, list[str]] = {}
         if self.tables:
             ids, prefetch = self.tables.take_prefetch()
@@ -319,7 +336,9 @@ class ParameterExchange:
                 rest = self.tables.put_prefetched({s: t for s, (_, t) in replies.items()})
                 replies = {s: (h, rest[s]) for s, (h, _) in replies.items()}
             before = self.global_step
-            step = self.load(replies)
+            # With overlap this push's reply is written while the next step computes: a value
+            # left in the lane would change under its forward (and a step staler than meant).
+            step = self.load(replies, adopt=not overlap)
             # The other workers' updates applied between this worker's last pull and its push.
             self.client.metrics.staleness.observe(max(0, step - before - 1))
             return step

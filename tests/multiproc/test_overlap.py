@@ -5,6 +5,7 @@ table's prefetched rows two batches ahead, and every other request taking the re
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +21,7 @@ from psflow.transport import TransportConfig
 from psflow.worker import DistributedOptimizer
 from psflow.worker.modes import ModeConfig
 
-from .support import worker_ctx
+from .support import lanes, worker_ctx
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 
@@ -88,6 +89,41 @@ def test_each_gradient_is_of_the_values_before_the_last_push(path: str) -> None:
         seen.append(held)
     for n, value in got.items():
         torch.testing.assert_close(value, held[n], rtol=0, atol=1e-12)
+
+
+def test_a_reply_written_while_the_next_step_computes_leaves_its_values_alone() -> None:
+    """The reply to a push in flight lands in the shard's lane while the next step computes:
+    the parameters must not live there (a pull adopts them into the lane's reply area), or
+    that step's forward sees the values a push fresher than the schedule, or half of them.
+    Here each forward waits until the ps has answered the push before it, which made the
+    race certain; every forward sees the values of two pushes before."""
+    data = batches(5)
+    model = linear()
+    used = []
+    with job("shm", model, overlap=True) as (opt, servers):
+        for k, (x, y) in enumerate(data):
+            if k:  # push k - 1 applied and answered into its lane, not yet taken
+                lane = lanes(opt)["ps:0"]
+                deadline = time.monotonic() + 30
+                while not (servers[0].store.step == k and lane.has_reply()):
+                    assert time.monotonic() < deadline, "the ps did not answer"
+                    time.sleep(0.001)
+            opt.zero_grad()
+            used.append({n: p.detach().clone() for n, p in model.named_parameters()})
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    ref = linear()
+    seen = [{n: p.detach().clone() for n, p in ref.named_parameters()}]
+    for k, (x, y) in enumerate(data):
+        at = seen[max(0, k - 1)]
+        for n, value in used[k].items():
+            torch.testing.assert_close(value, at[n], rtol=0, atol=1e-12, msg=f"step {k}: {n}")
+        with torch.no_grad():
+            for n, p in ref.named_parameters():
+                p.copy_(at[n])
+        ref.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        seen.append({n: seen[-1][n] - 0.1 * p.grad for n, p in ref.named_parameters()})
 
 
 def test_overlap_is_for_plain_asynchronous_training() -> None:
