@@ -336,8 +336,8 @@ class ParameterExchange:
                 rest = self.tables.put_prefetched({s: t for s, (_, t) in replies.items()})
                 replies = {s: (h, rest[s]) for s, (h, _) in replies.items()}
             before = self.global_step
-            # With overlap this push's reply is written while the next step computes: a value
-            # left in the lane would change under its forward (and a step staler than meant).
+            # With overlap the next push's reply is written while the next step computes: a
+            # value left in the lane would change under its forward (a push fresher than meant).
             step = self.load(replies, adopt=not overlap)
             # The other workers' updates applied between this worker's last pull and its push.
             self.client.metrics.staleness.observe(max(0, step - before - 1))
