@@ -282,13 +282,14 @@ def port(name: str, environ: Mapping[str, str] | None = None) -> int | None:
     return value
 
 
-def seconds(name: str, default: float) -> float:
-    """The positive number of seconds the environment variable ``name`` holds, else ``default``.
+def seconds(name: str, default: float, *, environ: Mapping[str, str] | None = None) -> float:
+    """The positive number of seconds the environment variable ``name`` holds, else ``default``
+    (``environ``: where to read it, as :func:`text`).
 
     Raises:
         ValueError: naming the variable, when it holds anything else.
     """
-    value = _number(name, "seconds > 0", lambda v: v > 0)
+    value = _number(name, "seconds > 0", lambda v: v > 0, environ)
     return default if value is None else value
 
 
@@ -312,13 +313,15 @@ def micros(name: str, default: float) -> float:
     return default if value is None else value / 1e6
 
 
-def _number(name: str, what: str, ok: Callable[[float], bool]) -> float | None:
+def _number(
+    name: str, what: str, ok: Callable[[float], bool], environ: Mapping[str, str] | None = None
+) -> float | None:
     """The finite number the environment variable ``name`` holds (``None``: unset or empty).
 
     Raises:
         ValueError: naming the variable and ``what`` it must be, when ``ok`` refuses it.
     """
-    raw = text(name)
+    raw = text(name, environ=environ)
     if raw is None:
         return None
     try:

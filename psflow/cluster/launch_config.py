@@ -151,16 +151,8 @@ class LaunchConfig:
         """
         if self.ps_exit_timeout is not None:
             return self.ps_exit_timeout
-        given = self.env.get(envvars.PSFLOW_WORKER_TIMEOUT)
-        if given is None:
-            timeout = envvars.seconds(envvars.PSFLOW_WORKER_TIMEOUT, DEFAULT_WORKER_TIMEOUT)
-            return timeout + PS_EXIT_MARGIN
-        try:
-            timeout = float(given)
-        except ValueError:
-            timeout = float("nan")
-        if not 0 < timeout < float("inf"):
-            raise ValueError(
-                f"{envvars.PSFLOW_WORKER_TIMEOUT} must be a number of seconds > 0, got {given!r}"
-            )
+        tasks_env = {**os.environ, **self.env}  # what the tasks get
+        timeout = envvars.seconds(
+            envvars.PSFLOW_WORKER_TIMEOUT, DEFAULT_WORKER_TIMEOUT, environ=tasks_env
+        )
         return timeout + PS_EXIT_MARGIN

@@ -237,7 +237,7 @@ class ParameterExchange:
 
         Call :meth:`destinations` first (for the request these replies answer): it refreshes
         the views of the model's parameters that this fills. ``adopt=False``: every value is
-        copied into memory the model owns, none left where it came (``overlap``: the ps
+        copied into the parameters' memory, none adopted where it came (``overlap``: the ps
         rewrites its lane's reply area while this worker computes the next step).
         """
         views = self._view_of
@@ -248,20 +248,13 @@ class ParameterExchange:
             # views of one blob per message, and values that came beside prefetched rows in a
             # lane's request area (which the next request overwrites), copied: into the
             # model's memory, which stays where it is (no new tensors a step).
-            in_lane = Key.IN_LANE in header
             adopted = adopt and Key.INLINE not in header and not _in_request_area(header)
             for var, value in tensors:
                 dst = views.get(var)
                 if dst is None or shard_of[var] != shard:
                     raise ValueError(f"ps:{shard} sent unknown variable {var!r}")
                 if value.data_ptr() == dst.data_ptr():
-                    param = whole.get(var)
-                    if adopt or not in_lane or param is None:
-                        continue  # received in place
-                    # The parameter lives in the lane, adopted at an earlier pull: the ps will
-                    # rewrite it there while this worker computes. Memory of its own.
-                    param.data = value.clone()
-                    continue
+                    continue  # received in place
                 if dst.shape != value.shape:
                     raise ValueError(
                         f"ps:{shard} sent {var!r} with shape {list(value.shape)}, "
