@@ -6,8 +6,9 @@ on without them, and psflow does the same work in Python (each wrapper says whic
   partition of ids to shards, a hashed table's id map and admission counts, the hashes of new
   rows' initial values; without it,
   torch's operations (``psflow/sparse/kernels.py``, ``psflow/sparse/init.py``).
-- ``psflow.data._native`` (``psflow/data/_native.c`` binding ``_farmhash.c`` and ``_example.c``):
-  TensorFlow's string hash and the Example parser's fast path; without it, numpy and Python
+- ``psflow.data._native`` (``psflow/data/_native.c`` binding ``_farmhash.c``, ``_example.c`` and
+  ``_tfrecord.c``): TensorFlow's string hash, the Example parser's fast path, TFRecord's framing
+  and checksums, records packed into one buffer; without it, numpy and Python
   (``psflow/data/native.py``).
 
 Everything else about the package is in pyproject.toml.
@@ -34,7 +35,12 @@ setup(
         ),
         Extension(
             "psflow.data._native",
-            ["psflow/data/_native.c", "psflow/data/_farmhash.c", "psflow/data/_example.c"],
+            [
+                "psflow/data/_native.c",
+                "psflow/data/_farmhash.c",
+                "psflow/data/_example.c",
+                "psflow/data/_tfrecord.c",
+            ],
             depends=["psflow/data/_native.h"],  # a change rebuilds it, and the sdist carries it
             extra_compile_args=["-O3"],
             optional=True,

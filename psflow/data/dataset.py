@@ -12,6 +12,7 @@ import torch.utils.data
 
 from psflow.data import fs, pipeline
 from psflow.data.features import FeatureSpec, Ragged, VarLenFeature, parse_examples
+from psflow.data.shuffle import shuffle_batches
 from psflow.data.tfrecord import RecordBatch, TFRecordReader, resolve_compression
 
 
@@ -167,11 +168,7 @@ class TFRecordDataset(torch.utils.data.IterableDataset[Any]):
         )
         if cfg.shuffle_buffer > 0:
             rng = np.random.default_rng([cfg.seed, epoch, index, count])
-            records = pipeline.shuffle_records(batches, cfg.shuffle_buffer, rng)
-            if cfg.batch_size is None and self.spec is None:
-                yield from records
-                return
-            batches = pipeline.chunk_records(records, cfg.batch_size or 1024)
+            batches = shuffle_batches(batches, cfg.shuffle_buffer, rng)
         if cfg.batch_size is None:
             for b in batches:
                 if self.spec is None:

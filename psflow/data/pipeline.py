@@ -1,7 +1,8 @@
-"""The record pipeline of one shard: file assignment, interleave, shuffle, batching, prefetch.
+"""The record pipeline of one shard: file assignment, interleave, batching, prefetch (the
+shuffle buffer is :mod:`psflow.data.shuffle`).
 
 Every function here is a plain generator over :class:`RecordBatch` objects, so that the pipeline
-moves whole buffers and touches records one by one only where it must (the shuffle buffer).
+moves whole buffers and never touches records one by one.
 """
 
 from __future__ import annotations
@@ -98,27 +99,6 @@ def interleave(
 def slice_batch(b: RecordBatch, lo: int, hi: int) -> RecordBatch:
     """Records ``lo:hi`` of a batch, sharing its buffer."""
     return RecordBatch(b.buffer, b.starts[lo:hi], b.lengths[lo:hi], b.indices[lo:hi], b.path)
-
-
-def shuffle_records(
-    batches: Iterator[RecordBatch], buffer_size: int, rng: np.random.Generator
-) -> Iterator[bytes]:
-    """tf.data's shuffle buffer: keep ``buffer_size`` records, emit a random one per arrival."""
-    buf: list[bytes] = []
-    draws = iter(())  # type: Iterator[int]
-    for batch in batches:
-        for record in batch:
-            if len(buf) < buffer_size:
-                buf.append(record)
-                continue
-            j = next(draws, None)
-            if j is None:
-                draws = iter(rng.integers(0, buffer_size, 4096).tolist())
-                j = next(draws)
-            buf[j], record = record, buf[j]
-            yield record
-    rng.shuffle(buf)  # type: ignore[arg-type]
-    yield from buf
 
 
 def rebatch(
@@ -221,17 +201,6 @@ def _concat(parts: list[RecordBatch]) -> RecordBatch:
     return RecordBatch(
         b"".join(pieces), np.concatenate(starts), np.concatenate(lengths), indices, path
     )
-
-
-def chunk_records(records: Iterator[bytes], size: int) -> Iterator[RecordBatch]:
-    batch: list[bytes] = []
-    for r in records:
-        batch.append(r)
-        if len(batch) == size:
-            yield RecordBatch.from_records(batch)
-            batch = []
-    if batch:
-        yield RecordBatch.from_records(batch)
 
 
 _DONE = object()

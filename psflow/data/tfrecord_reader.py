@@ -1,9 +1,12 @@
 """Reading TFRecord files: :class:`TFRecordReader`, :class:`RecordBatch`, :func:`read_records`.
 
-The reader reads large chunks and finds record boundaries with one cheap Python step per
-record; checksums of the 8-byte headers are verified for a whole chunk at once in numpy,
-checksums of the data with google-crc32c's C code. A :class:`RecordBatch` hands records out as
-one buffer plus offsets, so the hot path creates no Python object per record.
+The reader reads large chunks and frames and verifies each chunk's records in one call of the
+compiled framer (:func:`psflow.data.native.frame_records`). A chunk it refuses (a checksum that
+fails), or every chunk where it was not built, is framed in Python with one cheap step per record,
+the checksums of the 8-byte headers verified for the whole chunk at once in numpy and those of
+the data by google-crc32c's C code; that path names or skips the bad record. A
+:class:`RecordBatch` hands records out as one buffer plus offsets, so the hot path creates no
+Python object per record.
 
 Hostile files: a record's declared length is trusted only once its header checksum is good, and
 even then never past :data:`MAX_RECORD_BYTES` (a reader argument) nor, in an uncompressed file,
@@ -24,7 +27,7 @@ from typing import IO
 import google_crc32c
 import numpy as np
 
-from psflow.data import fs
+from psflow.data import fs, native
 from psflow.data.tfrecord_compression import _Source, resolve_compression
 from psflow.data.tfrecord_framing import (
     _FOOTER,
@@ -270,7 +273,51 @@ class TFRecordReader:
         """Frames the complete records in ``buf[pos:]``, verifies them, returns a batch.
 
         Returns (batch, new pos, new index, bytes needed past the end to go on, bad header).
+        The compiled framer (:func:`psflow.data.native.frame_records`) takes the chunks whose
+        checksums all hold; any other, or every chunk without it, is framed here in Python
+        and numpy, which names or skips the bad record.
         """
+        framed = native.frame_records(
+            buf, pos, verify=self.verify, index=index, shard=self.shard
+        )
+        if framed is None:
+            return self._scan_python(buf, pos, base, index)
+        s, n, pos = framed
+        count = len(s)
+        need, pending_bad = self._pending(buf, pos, base)
+        if pending_bad is not None:
+            self._skip(self._error(base + pos, index + count, pending_bad))
+        batch = None
+        if count:
+            idx = np.arange(index, index + count, dtype=np.int64)
+            if self.shard is not None:
+                sh, shards, off = self.shard
+                keep = (idx + off) % shards == sh
+                s, n, idx = s[keep], n[keep], idx[keep]
+            batch = RecordBatch(buf, s, n, idx, self.path)
+        return batch, pos, index + count, need, pending_bad is not None
+
+    def _pending(self, buf: bytes, pos: int, base: int) -> tuple[int, str | None]:
+        """The bytes past the end of ``buf`` that the incomplete record at ``pos`` needs, and
+        why it is corrupt, if it is."""
+        end = len(buf)
+        if pos + _HEADER > end:
+            return 1, None
+        # An incomplete record: trust its length only once its checksum is good, and then
+        # only up to max_record_bytes and the end of the file, so that a corrupt length
+        # never makes the reader wait for, or allocate, gigabytes.
+        if self.verify and masked_crc32c(buf[pos : pos + 8]) != _U32.unpack_from(buf, pos + 8)[0]:
+            return 1, "length checksum mismatch"
+        length = _U64.unpack_from(buf, pos)[0]
+        bad = self._bad_length(base + pos, length)
+        if bad is not None:
+            return 1, bad
+        return _HEADER + length + _FOOTER - (end - pos), None
+
+    def _scan_python(
+        self, buf: bytes, pos: int, base: int, index: int
+    ) -> tuple[RecordBatch | None, int, int, int, bool]:
+        """:meth:`_scan` in Python and numpy."""
         end = len(buf)
         u64 = _U64.unpack_from
         heads: list[int] = []
@@ -284,22 +331,7 @@ class TFRecordReader:
                 break
             append(pos)
             pos = nxt
-        need = 1
-        pending_bad: str | None = None
-        if pos + _HEADER <= end:
-            # An incomplete record: trust its length only once its checksum is good, and then
-            # only up to max_record_bytes and the end of the file, so that a corrupt length
-            # never makes the reader wait for, or allocate, gigabytes.
-            if (
-                self.verify
-                and masked_crc32c(buf[pos : pos + 8]) != _U32.unpack_from(buf, pos + 8)[0]
-            ):
-                pending_bad = "length checksum mismatch"
-            else:
-                length = u64(buf, pos)[0]
-                pending_bad = self._bad_length(base + pos, length)
-                if pending_bad is None:
-                    need = _HEADER + length + _FOOTER - (end - pos)
+        need, pending_bad = self._pending(buf, pos, base)
         arr = np.frombuffer(buf, dtype=np.uint8)
         h = np.asarray(heads, dtype=np.int64)
         s = h + _HEADER

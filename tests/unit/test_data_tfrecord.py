@@ -28,7 +28,7 @@ from psflow.data.tfrecord import (
 from psflow.data.tfrecord_framing import _crc32c_8
 from tests.paths import TFRECORD_FIXTURES
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("path")]
 
 FIX = TFRECORD_FIXTURES
 EXPECTED = json.loads((FIX / "expected.json").read_text())

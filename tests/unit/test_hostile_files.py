@@ -22,11 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from psflow.data import native
 from psflow.data.features import VarLenFeature, parse_examples
 from psflow.data.tfrecord import DataLossError, RecordBatch, TFRecordReader, masked_crc32c
 from psflow.ps import safefile
 from psflow.ps.shard_file import decode_shard, read_shard, safetensors_chunks
 from psflow.train.manifest import Manifest
+from tests.kernels import need_kernels
 from tests.paths import TFRECORD_FIXTURES
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
@@ -144,6 +146,39 @@ def test_mutated_tfrecord_files_end_in_records_or_named_errors(
 
     counts, _ = _bounded(loop)
     assert sum(counts.values()) == cases and counts["error"] > cases // 2
+
+
+def _outcome(path: Path, chunk: int, skip: bool, shard: tuple[int, int, int] | None) -> object:
+    """Everything a read of ``path`` shows: the records with their indices, the skipped count,
+    the error."""
+    got: list[tuple[int, bytes]] = []
+    reader = TFRecordReader(path, chunk_size=chunk, skip_corrupt=skip, shard=shard)
+    try:
+        for batch in reader.iter_batches():
+            got += zip(batch.indices.tolist(), batch.tolist(), strict=True)
+    except DataLossError as e:
+        return got, reader.skipped, str(e)
+    return got, reader.skipped, None
+
+
+def test_the_compiled_framer_reads_every_mutated_file_as_the_python_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records, indices, skips and errors alike on both paths, whatever the corruption (the
+    compiled framer hands a chunk with a bad checksum to the Python one)."""
+    need_kernels()
+    rng = random.Random("framer")
+    for _ in range(300):
+        path, _ = tfrecord_case(rng, tmp_path, "")
+        args = (
+            rng.choice([64, 1000, 1 << 16]),
+            rng.random() < 0.5,
+            rng.choice([None, (1, 3, 2), (0, 2, 0)]),
+        )
+        native_read = _outcome(path, *args)
+        with monkeypatch.context() as m:
+            m.setattr(native, "NATIVE", None)
+            assert _outcome(path, *args) == native_read, args
 
 
 @pytest.mark.parametrize("compression", ["", "GZIP", "ZLIB"])
