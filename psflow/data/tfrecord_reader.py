@@ -277,9 +277,7 @@ class TFRecordReader:
         checksums all hold; any other, or every chunk without it, is framed here in Python
         and numpy, which names or skips the bad record.
         """
-        framed = native.frame_records(
-            buf, pos, verify=self.verify, index=index, shard=self.shard
-        )
+        framed = native.frame_records(buf, pos, verify=self.verify, index=index, shard=self.shard)
         if framed is None:
             return self._scan_python(buf, pos, base, index)
         s, n, pos = framed
