@@ -91,6 +91,12 @@ class _Buffers:
             self.keys[id(batch.buffer)] = key
         starts = np.asarray(batch.starts, dtype=np.int64)
         lengths = np.asarray(batch.lengths, dtype=np.int64)
+        size = memoryview(batch.buffer).nbytes
+        if len(starts) != len(lengths) or (
+            len(starts) and ((starts < 0) | (lengths < 0) | (starts + lengths > size)).any()
+        ):
+            # The packing copies from these addresses: a record outside its buffer is refused.
+            raise ValueError(f"records outside their buffer of {size} bytes ({batch.path!r})")
         key_of = np.full(len(batch), key, dtype=np.int64)
         return _Refs(key_of, starts, lengths, starts + _address(batch.buffer))
 

@@ -108,3 +108,13 @@ def test_buffers_are_let_go_once_none_of_their_records_is_held(
 def test_a_buffer_of_no_records_is_refused() -> None:
     with pytest.raises(ValueError, match="buffer_size must be >= 1, got 0"):
         next(shuffle_batches(iter(()), 0, np.random.default_rng(0)))
+
+
+def test_a_record_outside_its_buffer_is_refused() -> None:
+    """The packing copies from each record's place: one that lies outside its buffer is an
+    error, never a read past it."""
+    bad = RecordBatch(b"0123456789", np.array([0, 8]), np.array([4, 4]), np.arange(2), "f.tfrecord")
+    with pytest.raises(
+        ValueError, match=r"records outside their buffer of 10 bytes \('f.tfrecord'\)"
+    ):
+        list(shuffle_batches(iter([bad]), 1, np.random.default_rng(0)))
