@@ -8,10 +8,11 @@ int64, x 200 float32, ids 20 int64, name 64 bytes), then measures, median of ``-
 - psflow raw: :class:`TFRecordReader` batches (checksums verified), records/s and MB/s;
 - psflow raw as ``list[bytes]`` batches of ``--batch-size``;
 - psflow parsed: :class:`TFRecordDataset` with a FixedLenFeature spec, torch tensors, batches
-  of ``--batch-size``;
+  of ``--batch-size``; the same through a shuffle buffer of ten batches;
 - with ``--compare-tf``: ``tf.data.TFRecordDataset(...).batch(B)`` and the same followed by
   ``tf.io.parse_example`` (sequential map, and ``num_parallel_calls=AUTOTUNE`` with prefetch),
-  run by ``--tf-python`` (default: this interpreter) in a subprocess on the same file.
+  and ``.shuffle(10 * B)`` before the batching, run by ``--tf-python`` (default: this
+  interpreter) in a subprocess on the same file.
 
 ``--preset smoke`` uses a 2 MB file and one run, for the test suite. The last line printed is
 one JSON object with every figure.
@@ -63,6 +64,9 @@ def parsed():
     return raw().map(lambda b: tf.io.parse_example(b, spec))
 def parsed_parallel():
     return raw().map(lambda b: tf.io.parse_example(b, spec), num_parallel_calls=AUTO).prefetch(AUTO)
+def shuffled():
+    ds = tf.data.TFRecordDataset(path, buffer_size=4 << 20).shuffle(10 * bs, seed=0).batch(bs)
+    return ds.map(lambda b: tf.io.parse_example(b, spec))
 def run(make, key):
     rates = []
     for _ in range(repeats):
@@ -75,6 +79,7 @@ out = {"tf_version": tf.__version__}
 out["tf_raw_rps"], n = run(raw, None)
 out["tf_parse_rps"], _ = run(parsed, "x")
 out["tf_parse_parallel_rps"], _ = run(parsed_parallel, "x")
+out["tf_shuffle_parse_rps"], _ = run(shuffled, "x")
 out["tf_records"] = n
 print(json.dumps(out))
 """
@@ -147,9 +152,12 @@ def main(argv: list[str] | None = None) -> int:
                 nbytes += b.nbytes
         return n, nbytes
 
-    def parsed() -> tuple[int, int]:
+    def parsed(shuffle_buffer: int = 0) -> tuple[int, int]:
         n = 0
-        ds = TFRecordDataset(str(path), SPEC, batch_size=bs, compression="", backend="torch")
+        ds = TFRecordDataset(
+            str(path), SPEC, batch_size=bs, compression="", backend="torch",
+            shuffle_buffer=shuffle_buffer,
+        )  # fmt: skip
         for b in ds:
             n += int(b["x"].shape[0])
         return n, size
@@ -169,10 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     result.update(psflow_raw_list_rps=round(rps), psflow_raw_list_mbps=round(mbps, 1))
     rps, _, _ = median_rate(parsed, repeats)
     result.update(psflow_parse_rps=round(rps))
+    rps, _, _ = median_rate(lambda: parsed(10 * bs), repeats)
+    result.update(psflow_shuffle_parse_rps=round(rps))
     print(
         f"psflow raw: {result['psflow_raw_rps']:,} records/s, {result['psflow_raw_mbps']} MB/s; "
         f"as list[bytes] batches: {result['psflow_raw_list_rps']:,} records/s; "
-        f"parsed to tensors: {result['psflow_parse_rps']:,} records/s",
+        f"parsed to tensors: {result['psflow_parse_rps']:,} records/s "
+        f"({result['psflow_shuffle_parse_rps']:,} through a shuffle buffer of {10 * bs:,})",
         flush=True,
     )
     if args.compare_tf:
@@ -196,12 +207,16 @@ def main(argv: list[str] | None = None) -> int:
         result["raw_list_vs_tf"] = round(result["psflow_raw_list_rps"] / tf["tf_raw_rps"], 2)
         result["parse_vs_tf"] = round(result["psflow_parse_rps"] / tf["tf_parse_rps"], 2)
         result["parse_vs_tf_parallel"] = round(result["psflow_parse_rps"] / best_tf_parse, 2)
+        result["shuffle_parse_vs_tf"] = round(
+            result["psflow_shuffle_parse_rps"] / tf["tf_shuffle_parse_rps"], 2
+        )
         print(
             f"tensorflow {tf['tf_version']}: raw batched {result['tf_raw_rps']:,} records/s; "
             f"parse_example {result['tf_parse_rps']:,} records/s "
             f"(parallel map + prefetch {result['tf_parse_parallel_rps']:,}); "
             f"psflow/TF raw {result['raw_vs_tf']}x, parse {result['parse_vs_tf']}x "
-            f"({result['parse_vs_tf_parallel']}x vs parallel)",
+            f"({result['parse_vs_tf_parallel']}x vs parallel); shuffled and parsed "
+            f"{result['tf_shuffle_parse_rps']:,} records/s ({result['shuffle_parse_vs_tf']}x)",
             flush=True,
         )
     print(json.dumps(result))

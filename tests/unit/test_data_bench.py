@@ -23,5 +23,6 @@ def test_tfrecord_read_smoke(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["records"] == 2000
-    for key in ("psflow_raw_rps", "psflow_raw_mbps", "psflow_raw_list_rps", "psflow_parse_rps"):
+    figures = ("psflow_raw_rps", "psflow_raw_mbps", "psflow_raw_list_rps", "psflow_parse_rps")
+    for key in (*figures, "psflow_shuffle_parse_rps"):
         assert result[key] > 0, key
