@@ -26,6 +26,9 @@ int64_t psflow_parse_fixed(const uint8_t *buf, const int64_t *starts, const int6
                            const int64_t *name_len, const int64_t *kinds, const int64_t *sizes,
                            int64_t nf, uint8_t *const *outs, uint8_t *seen);
 
+/* Builds psflow_crc32c's tables: once, when the module loads. */
+void psflow_crc32c_init(void);
+
 /* CRC32C of the n bytes at p (google-crc32c's value); soft: the table path even where the
  * CPU has the instruction. */
 uint32_t psflow_crc32c(const uint8_t *p, size_t n, int soft);

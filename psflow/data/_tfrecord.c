@@ -20,11 +20,11 @@
 #define FOOTER 4
 
 /* CRC32C (Castagnoli, reflected polynomial 0x82F63B78), eight bytes at a time by eight
-   tables (slicing-by-8), built once. */
+   tables (slicing-by-8), built once when the module loads (psflow_crc32c_init), before any
+   thread can ask. */
 static uint32_t crc_tables[8][256];
-static int crc_tables_built = 0;
 
-static void crc_build(void) {
+void psflow_crc32c_init(void) {
     for (uint32_t i = 0; i < 256; i++) {
         uint32_t c = i;
         for (int k = 0; k < 8; k++) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
@@ -33,11 +33,9 @@ static void crc_build(void) {
     for (uint32_t i = 0; i < 256; i++)
         for (int t = 1; t < 8; t++)
             crc_tables[t][i] = (crc_tables[t - 1][i] >> 8) ^ crc_tables[0][crc_tables[t - 1][i] & 0xFF];
-    crc_tables_built = 1;
 }
 
 static uint32_t crc_soft(uint32_t crc, const uint8_t *p, size_t n) {
-    if (!crc_tables_built) crc_build(); /* idempotent: a race writes the same values */
     while (n >= 8) {
         uint32_t lo, hi;
         memcpy(&lo, p, 4);

@@ -8,8 +8,9 @@ for :mod:`psflow.data.tfrecord_reader` and :mod:`psflow.data.shuffle`).
 Each function here checks what it hands the C code (dtypes, contiguity, bounds) and answers
 ``None`` where the module is missing, for the caller to take its Python path: a pure-Python
 transcription of the hash, the general vectorized decoder for Examples, the reader's framing in
-Python and numpy, a join. Both paths give the
-same output (``tests/unit/test_hashing.py``, ``tests/unit/test_data_example.py``).
+Python and numpy, a join. Both paths give the same output (``tests/unit/test_hashing.py``,
+``tests/unit/test_data_example.py``, ``tests/unit/test_hostile_files.py``,
+``tests/unit/test_data_shuffle.py``).
 
 No torch and no ``psflow.sparse`` here: reading and hashing records never loads the tensor
 library. ``PSFLOW_KERNELS=0`` turns this module off too (one switch for all of psflow's C code,

@@ -14,7 +14,7 @@ import google_crc32c
 import numpy as np
 import pytest
 
-from psflow.data import fs
+from psflow.data import fs, native
 from psflow.data.tfrecord import (
     DataLossError,
     RecordBatch,
@@ -86,6 +86,15 @@ def test_checksums_match_google_crc32c() -> None:
     pos = np.arange(0, 792, 8)
     want = [google_crc32c.value(data[p : p + 8].tobytes()) for p in pos]
     assert _crc32c_8(data, pos).tolist() == want
+
+
+def test_the_compiled_checksum_is_google_crc32c(path: str) -> None:
+    """By SSE4.2's instruction where the CPU has it, and by the table path (``soft``)."""
+    rng = np.random.default_rng(1)
+    for n in [*range(40), 1000, 4097, 65_537]:
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        got = {native.crc32c(data), native.crc32c(data, soft=True)}
+        assert got == ({google_crc32c.value(data)} if path == "native" else {None}), n
 
 
 def test_bad_checksum_names_file_offset_and_index(tmp_path: Path) -> None:
