@@ -12,7 +12,8 @@
 # then the sparse workload with PSFLOW_PS_THREADS 1 and N, both paths each); SHARD_LOAD=12 first
 # runs that many hollow CTR workers against 4 shards on one core of their own
 # (benchmarks/shard_load.py, both paths: a shard's serving CPU a request where it is saturated,
-# and a worker's CPU a step outside its model).
+# and a worker's CPU a step outside its model); SOCKET_PROFILE=1 profiles the job through the
+# socket too (its stacks in $OUT/socket).
 #
 # It needs pyzmq, google-crc32c and py-spy as wheels in .whl (see scripts/gpu-check.sh for the
 # download; add py-spy==0.4.3 with --platform manylinux1_x86_64), carried: command
@@ -82,3 +83,10 @@ fi
 echo "== job_profile: $profile, shared memory =="
 "$py" benchmarks/job_profile.py --ps "${profile%x*}" --workers "${profile#*x}" --data /tmp/ctr \
     --warmup "${WARMUP:-12}" --window "${WINDOW:-8}" --pyspy ps:0,worker:0 --out "$out" 2>&1 | tee "$out/profile.log"
+if [ -n "${SOCKET_PROFILE:-}" ]; then  # SOCKET_PROFILE=1: the same through the socket
+    echo "== job_profile: $profile, socket =="
+    mkdir -p "$out/socket"
+    "$py" benchmarks/job_profile.py --ps "${profile%x*}" --workers "${profile#*x}" --data /tmp/ctr \
+        --warmup "${WARMUP:-12}" --window "${WINDOW:-8}" --pyspy ps:0,worker:0 --socket \
+        --out "$out/socket" 2>&1 | tee "$out/profile-socket.log"
+fi
