@@ -173,6 +173,12 @@ after its last one, yielding its core, before it sleeps on its FIFO (:mod:`psflo
 the doorbells), while its last waits ended that soon (:mod:`psflow.transport.looks`); ``0``
 sleeps at once. Looking spares both sides a wake-up per message."""
 
+PSFLOW_IO_THREADS = "PSFLOW_IO_THREADS"
+"""ZeroMQ I/O threads of a task's context (default 1): they encrypt and decrypt every byte
+through the socket with CurveZMQ keys, a ps's for all its workers' connections, which ZeroMQ
+shares out among them as they connect (:class:`psflow.transport.TransportConfig`). It takes
+effect where psflow's server or client makes the task's first ZeroMQ socket."""
+
 PSFLOW_KERNELS = "PSFLOW_KERNELS"
 """``1`` (default): psflow's C extensions are used where the install built them: a ps applies
 the row-wise optimizers of embedding tables with the fused kernels of

@@ -24,6 +24,7 @@ from psflow.protocol.messages import Key, Op
 from psflow.transport import wire
 from psflow.transport.auth import configure_client
 from psflow.transport.config import TransportConfig, endpoint
+from psflow.transport.config import context as transport_context
 from psflow.transport.errors import PeerError, PeerTimeoutError
 from psflow.transport.looks import Looks
 from psflow.transport.monitor import Event, Link, Monitor
@@ -62,7 +63,7 @@ class Client(Receiver):
     ) -> None:
         self.config = config
         allocator.tune()  # before ZeroMQ's I/O thread makes its first allocation
-        self._context = context or zmq.Context.instance()
+        self._context = context or transport_context(config)
         self._peers: dict[str, _Peer] = {}
         # Each request in flight: its peer, and whether it went through the peer's lane.
         self._inflight: dict[int, tuple[_Peer, bool]] = {}

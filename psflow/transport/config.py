@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import zmq
+
 from psflow import allocator
 from psflow import env as envvars
 from psflow.cluster.spec import parse_address
@@ -56,6 +58,12 @@ class TransportConfig:
     """How long after its last message a side of a shared-memory lane looks for the next one
     before it sleeps, while its last waits ended that soon (``PSFLOW_SPIN_US``; 0: it sleeps at
     once). See the doorbells in :mod:`psflow.transport.shm` and :mod:`psflow.transport.looks`."""
+    io_threads: int = field(default_factory=lambda: envvars.count(envvars.PSFLOW_IO_THREADS, 1))
+    """ZeroMQ I/O threads of the process's context (``PSFLOW_IO_THREADS``, default 1): with
+    CurveZMQ keys they encrypt and decrypt every byte through the socket, a ps's for all its
+    workers' connections, which ZeroMQ shares out among them by load as they connect. Set where
+    psflow makes the process's first ZeroMQ socket (:func:`context`); later, ZeroMQ keeps the
+    threads it started."""
     wait_log_seconds: float = field(
         default_factory=lambda: envvars.seconds(envvars.PSFLOW_WAIT_LOG_SECONDS, 10.0)
     )
@@ -79,6 +87,10 @@ class TransportConfig:
             raise ValueError(
                 f"spin_seconds ({envvars.PSFLOW_SPIN_US}) must be >= 0, got {self.spin_seconds}"
             )
+        if self.io_threads < 1:
+            raise ValueError(
+                f"io_threads ({envvars.PSFLOW_IO_THREADS}) must be >= 1, got {self.io_threads}"
+            )
         if self.wait_log_seconds <= 0:
             raise ValueError(
                 f"wait_log_seconds ({envvars.PSFLOW_WAIT_LOG_SECONDS}) must be > 0 seconds, "
@@ -92,6 +104,15 @@ class TransportConfig:
         if keys_dir and "keys" not in overrides:
             overrides["keys"] = CurveKeys.load(keys_dir)
         return cls(**overrides)
+
+
+def context(config: TransportConfig) -> zmq.Context[Any]:
+    """The process's ZeroMQ context, asked for ``config.io_threads`` I/O threads: ZeroMQ starts
+    them with the context's first socket and keeps them, so the ask counts only before it."""
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    if ctx.get(zmq.IO_THREADS) != config.io_threads:
+        ctx.set(zmq.IO_THREADS, config.io_threads)
+    return ctx
 
 
 def endpoint(address: str, *, bind: bool, timeout: float = 0.0) -> str:

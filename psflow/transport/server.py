@@ -31,6 +31,7 @@ from psflow.protocol.messages import Code, Key, Op
 from psflow.transport import wire
 from psflow.transport.auth import Gatekeeper, configure_server
 from psflow.transport.config import TransportConfig, endpoint
+from psflow.transport.config import context as transport_context
 from psflow.transport.looks import Looks
 from psflow.transport.monitor import Event, Monitor, RateLimitedLog
 from psflow.transport.replier import Replier, Request, _error
@@ -95,7 +96,7 @@ class Server(Replier):
     ) -> None:
         self.config = config
         allocator.tune()  # before ZeroMQ's I/O thread makes its first allocation
-        self._context = context or zmq.Context.instance()
+        self._context = context or transport_context(config)
         self._auth: Gatekeeper | None = None
         self.address = address
         self._refusals = RateLimitedLog(log, config.wait_log_seconds)

@@ -5,6 +5,8 @@ error or a switch silently left on."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ VARIABLES = (
     "PSFLOW_SHM",
     "PSFLOW_WAIT_LOG_SECONDS",
     "PSFLOW_KEYS_DIR",
+    "PSFLOW_IO_THREADS",
 )
 
 
@@ -107,3 +110,39 @@ def test_keys_come_from_the_keys_dir_when_set(
     assert TransportConfig.from_env(shared_memory=False).keys is None
     monkeypatch.setenv("PSFLOW_KEYS_DIR", str(generate_keys(tmp_path / "keys")))
     assert TransportConfig.from_env(shared_memory=False).keys is not None
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-2", "1.5"])
+def test_bad_io_threads_name_their_variable(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    monkeypatch.setenv("PSFLOW_IO_THREADS", raw)
+    _refused("PSFLOW_IO_THREADS", raw)
+
+
+IO_THREADS_SCRIPT = """
+import os
+from psflow.cluster.ports import free_ports
+from psflow.transport import Server, TransportConfig
+(port,) = free_ports(1)
+server = Server(f"127.0.0.1:{port}", TransportConfig(shared_memory=False))
+names = {open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")}
+print(sorted(n for n in names if n.startswith("ZMQbg/IO")))
+server.close()
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="threads listed by /proc only")
+def test_io_threads_start_with_the_first_socket() -> None:
+    """``PSFLOW_IO_THREADS=2``: a task whose first socket is a psflow server runs two ZeroMQ
+    I/O threads (a fresh process: the test process's context has started its own)."""
+    env = {"PSFLOW_IO_THREADS": "2", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [sys.executable, "-c", IO_THREADS_SCRIPT], env=env, capture_output=True, text=True,
+        timeout=60, check=True,
+    ).stdout  # fmt: skip
+    assert out.strip() == "['ZMQbg/IO/0', 'ZMQbg/IO/1']"
+    del env["PSFLOW_IO_THREADS"]
+    out = subprocess.run(
+        [sys.executable, "-c", IO_THREADS_SCRIPT], env=env, capture_output=True, text=True,
+        timeout=60, check=True,
+    ).stdout  # fmt: skip
+    assert out.strip() == "['ZMQbg/IO/0']"
