@@ -27,11 +27,13 @@ No TensorFlow at run time. Where things live:
   ``Fingerprint64`` modulo the buckets, as ``tf.strings.to_hash_bucket_fast``),
   :func:`hash_bucket_of_ints` (``categorical_column_with_hash_bucket`` on int64),
   :func:`fingerprint64`
-- ``native.py`` (+ ``_native.c`` binding ``_farmhash.c`` and ``_example.c``, optional): the
-  hash and the plain-form Example parser in C, no torch; Python where they were not built or
-  ``PSFLOW_KERNELS=0``
+- ``native.py`` (+ ``_native.c`` binding ``_farmhash.c``, ``_example.c`` and ``_tfrecord.c``,
+  optional): the hash, the plain-form Example parser, TFRecord's framing and checksums and the
+  packing of records in C, no torch; Python where they were not built or ``PSFLOW_KERNELS=0``
 - ``schema.py``: :func:`infer_schema`, :func:`format_schema`
-- ``pipeline.py``: file/record sharding, interleave, shuffle buffer, rebatching, prefetch
+- ``pipeline.py``: file/record sharding, interleave, rebatching, prefetch
+- ``shuffle.py``: :func:`~psflow.data.shuffle.shuffle_batches`, tf.data's shuffle buffer a
+  chunk at a time (references to records, not copies)
 - ``dataset.py``: :class:`TFRecordDataset` (a torch ``IterableDataset``), :class:`DatasetConfig`
 - ``fs.py``: :func:`expand_paths` (local paths, fsspec URLs, globs)
 - ``kafka.py``: :class:`KafkaReader`, :class:`KafkaConfig`, :func:`merge_states`: a Kafka topic,
