@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from psflow.data import native
-from psflow.data.tfrecord_reader import RecordBatch
+from psflow.data.tfrecord import RecordBatch
 
 __all__ = ["shuffle_batches"]
 
