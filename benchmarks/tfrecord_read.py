@@ -14,6 +14,10 @@ int64, x 200 float32, ids 20 int64, name 64 bytes), then measures, median of ``-
   and ``.shuffle(10 * B)`` before the batching, run by ``--tf-python`` (default: this
   interpreter) in a subprocess on the same file.
 
+With ``--ctr DIR`` (a ``psflow data synth-ctr`` set), also the CPU a batch of 512 of
+``examples/ctr.py``'s reading takes on one thread (``ctr_batches`` of its training files,
+shuffle buffer 5,120, no prefetch thread: framing, shuffle, parse and the batch's arrays).
+
 ``--preset smoke`` uses a 2 MB file and one run, for the test suite. The last line printed is
 one JSON object with every figure.
 """
@@ -39,7 +43,10 @@ from psflow.data.features import FixedLenFeature
 from psflow.data.pipeline import rebatch
 from psflow.data.tfrecord import TFRecordReader, TFRecordWriter
 
-PRESETS = {"smoke": {"size_mb": 2, "repeats": 1}, "full": {"size_mb": 200, "repeats": 3}}
+PRESETS = {
+    "smoke": {"size_mb": 2, "repeats": 1, "ctr_batches": 10},
+    "full": {"size_mb": 200, "repeats": 3, "ctr_batches": 800},
+}
 SPEC = {
     "label": FixedLenFeature(dtype="int64"),
     "x": FixedLenFeature(dtype="float32", shape=(200,)),
@@ -116,12 +123,35 @@ def median_rate(fn: Any, repeats: int) -> tuple[float, float, int]:
     return runs[len(runs) // 2]
 
 
+def ctr_batch_cpu(data: Path, batches: int, repeats: int) -> float:
+    """Microseconds of this thread's CPU a batch of 512 of ``examples/ctr.py``'s reader takes,
+    median of ``repeats`` runs of ``batches`` batches after 20."""
+    from psflow.data.ctr import ctr_batches
+
+    runs = []
+    for _ in range(repeats):
+        reader = ctr_batches(
+            f"{data}/train-*", batch_size=512, shuffle_buffer=10 * 512, seed=0,
+            num_epochs=None, prefetch=0,
+        )  # fmt: skip
+        for _ in range(20):
+            next(reader)
+        start = time.thread_time()
+        for _ in range(batches):
+            next(reader)
+        runs.append((time.thread_time() - start) / batches * 1e6)
+        reader.close()
+    runs.sort()
+    return round(runs[len(runs) // 2], 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="full")
     ap.add_argument("--file", type=Path, help="benchmark file (made if missing)")
     ap.add_argument("--batch-size", type=int, default=1024)
     ap.add_argument("--repeats", type=int)
+    ap.add_argument("--ctr", type=Path, help="a synth-ctr set: also examples/ctr.py's reading")
     ap.add_argument("--compare-tf", action="store_true", help="also run tf.data on the same file")
     ap.add_argument("--tf-python", default=sys.executable, help="interpreter with tensorflow")
     args = ap.parse_args(argv)
@@ -179,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     result.update(psflow_parse_rps=round(rps))
     rps, _, _ = median_rate(lambda: parsed(10 * bs), repeats)
     result.update(psflow_shuffle_parse_rps=round(rps))
+    if args.ctr is not None:
+        result["ctr_us_a_batch"] = ctr_batch_cpu(args.ctr, int(preset["ctr_batches"]), repeats)
+        print(f"examples/ctr.py's reading: {result['ctr_us_a_batch']} us of CPU a batch of 512")
     print(
         f"psflow raw: {result['psflow_raw_rps']:,} records/s, {result['psflow_raw_mbps']} MB/s; "
         f"as list[bytes] batches: {result['psflow_raw_list_rps']:,} records/s; "
