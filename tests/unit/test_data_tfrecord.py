@@ -177,6 +177,29 @@ def test_empty_file_and_empty_records(tmp_path: Path) -> None:
     assert list(read_records(p)) == [b"", b"", b"x"]
 
 
+def test_a_chunk_of_more_records_than_one_compiled_call_frames(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """150,000 records of 0-2 bytes lie in one 4 MB chunk: the compiled framer takes them in
+    several calls (at most 65,536 a call), the shard's record indices counted across them, as
+    the Python path reads them."""
+    path = tmp_path / "tiny.tfrecord"
+    write_records(path, [bytes(i % 3) for i in range(150_000)])
+    for shard in (None, (1, 3, 2)):
+        with TFRecordReader(path, shard=shard) as reader:
+            batches = list(reader.iter_batches())
+        got = [(int(i), r) for b in batches for i, r in zip(b.indices, b.tolist(), strict=True)]
+        with monkeypatch.context() as m:
+            m.setattr(native, "NATIVE", None)
+            with TFRecordReader(path, shard=shard) as reader:
+                want = [
+                    (int(i), r)
+                    for b in reader.iter_batches()
+                    for i, r in zip(b.indices, b.tolist(), strict=True)
+                ]
+        assert got == want and len(got) == (150_000 if shard is None else 50_000)
+
+
 def test_record_batch_views_and_packing() -> None:
     with TFRecordReader(FIX / "examples.tfrecord") as r:
         (batch,) = list(r.iter_batches())
