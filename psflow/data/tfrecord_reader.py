@@ -217,9 +217,7 @@ class TFRecordReader:
                 # The record that straddles the two chunks gets a buffer of its own: a copy of
                 # one record, where joining the old tail to the new chunk would copy the chunk.
                 # Its header was verified when `need` was taken from it.
-                batch, _, index, _, _ = self._scan(
-                    buf[pos:] + chunk[:need], 0, base + pos, index, False
-                )
+                batch, _, index, _, _ = self._scan(buf[pos:] + chunk[:need], 0, base + pos, index)
                 if batch is not None and len(batch):
                     yield batch
                 base += len(buf)
@@ -248,7 +246,7 @@ class TFRecordReader:
                     base + pos - resync_from,
                 )
                 resync_from = None
-            batch, pos, index, need, bad_header = self._scan(buf, pos, base, index, final)
+            batch, pos, index, need, bad_header = self._scan(buf, pos, base, index)
             if batch is not None and len(batch):
                 yield batch
             if bad_header:
@@ -268,7 +266,7 @@ class TFRecordReader:
                 return
 
     def _scan(
-        self, buf: bytes, pos: int, base: int, index: int, final: bool
+        self, buf: bytes, pos: int, base: int, index: int
     ) -> tuple[RecordBatch | None, int, int, int, bool]:
         """Frames the complete records in ``buf[pos:]``, verifies them, returns a batch.
 
