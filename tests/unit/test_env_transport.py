@@ -119,13 +119,25 @@ def test_bad_io_threads_name_their_variable(monkeypatch: pytest.MonkeyPatch, raw
 
 
 IO_THREADS_SCRIPT = """
-import os
+import os, threading, time
 from psflow.cluster.ports import free_ports
 from psflow.transport import Server, TransportConfig
+
+def comm(tid):
+    with open(f"/proc/self/task/{tid}/comm") as f:
+        return f.read().strip()
+
 (port,) = free_ports(1)
+before = set(os.listdir("/proc/self/task"))
 server = Server(f"127.0.0.1:{port}", TransportConfig(shared_memory=False))
-names = {open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")}
-print(sorted(n for n in names if n.startswith("ZMQbg/IO")))
+# libzmq starts its threads before the first socket exists, but each names itself once it runs:
+# wait (on the names, with a deadline) until every new thread that Python did not start has one.
+python = {str(t.native_id) for t in threading.enumerate()}
+native = set(os.listdir("/proc/self/task")) - before - python
+deadline = time.monotonic() + 30
+while not all(comm(t).startswith("ZMQbg/") for t in native) and time.monotonic() < deadline:
+    time.sleep(0.01)
+print(sorted(n for n in map(comm, native) if n.startswith("ZMQbg/IO")))
 server.close()
 """
 
