@@ -94,7 +94,14 @@ class HashedRows(Rows):
         self._native_now: float | None = None
         """With a time to live, the time of the native request being served (expire_due)."""
         self.updated_at = None
-        self._alloc(capacity)
+        self.values = allocator.table_empty((capacity, self.dim), self.dtype)
+        self.state = self.optimizer.new_state(capacity, self.dim, self.dtype, filled=False)
+        self.slot_ids = torch.empty(capacity, dtype=torch.int64)
+        self.last_update = torch.zeros(capacity, dtype=torch.int64)
+        if self.ttl is not None:
+            self.updated_at = torch.zeros(capacity, dtype=torch.float64)
+        self._areas: dict[str, allocator.Reservation] = {}
+        """Each tensor's reservation, by name, once it has one (:meth:`_grown`)."""
         self.counts = {
             "admitted": 0,
             "not_admitted": 0,
@@ -106,35 +113,61 @@ class HashedRows(Rows):
 
     # -- storage -----------------------------------------------------------------------------
 
-    def _alloc(self, capacity: int) -> None:
-        """Storage for ``capacity`` rows, the first ``self._n`` copied from the current one.
+    def _grow(self, capacity: int) -> None:
+        """Storage for ``capacity`` rows, the first ``self._n`` those of the current one.
         The rest is left as allocated: a slot gets its row and state as it is taken
         (:meth:`_store` writes fresh ones; :meth:`load` every state key, as its check
         requires), and the pages of slots never taken stay untouched (a table that just
-        doubled its capacity does not fill the new half)."""
-        n = self._n
-        values = allocator.table_empty((capacity, self.dim), self.dtype)
-        state = self.optimizer.new_state(capacity, self.dim, self.dtype, filled=False)
-        slot_ids = torch.empty(capacity, dtype=torch.int64)
-        last = torch.zeros(capacity, dtype=torch.int64)
-        at = None if self.ttl is None else torch.zeros(capacity, dtype=torch.float64)
-        if n:
-            values[:n] = self.values[:n]
-            for key, tensor in state.items():
-                tensor[:n] = self.state[key][:n]
-            slot_ids[:n] = self.slot_ids[:n]
-            last[:n] = self.last_update[:n]
-            if at is not None and self.updated_at is not None:
-                at[:n] = self.updated_at[:n]
+        doubled its capacity does not fill the new half). A tensor past
+        :data:`~psflow.allocator.RESERVE_FROM_BYTES` grows in place in a reservation
+        (:meth:`_grown`)."""
+        columns = {
+            "values": self.values,
+            "slot_ids": self.slot_ids,
+            "last_update": self.last_update,
+        }
+        columns |= {STATE_PREFIX + k: v for k, v in self.state.items()}
+        if self.updated_at is not None:
+            columns["updated_at"] = self.updated_at
+        reserve = capacity * sum(t[:1].nbytes for t in columns.values())
+        reserve_now = reserve >= allocator.RESERVE_FROM_BYTES
+        grown = {name: self._grown(name, t, capacity, reserve_now) for name, t in columns.items()}
+        self.values, self.slot_ids = grown["values"], grown["slot_ids"]
+        self.last_update, self.updated_at = grown["last_update"], grown.get("updated_at")
+        self.state = {k: grown[STATE_PREFIX + k] for k in self.state}
         if self._changed is not None:
             changed = torch.zeros(capacity, dtype=torch.bool)
-            changed[:n] = self._changed[:n]
+            changed[: self._n] = self._changed[: self._n]
             self._changed = changed
-        self.updated_at = at
-        self.values = values
-        self.state = state
-        self.slot_ids = slot_ids
-        self.last_update = last
+
+    def _grown(self, name: str, old: torch.Tensor, capacity: int, reserve: bool) -> torch.Tensor:
+        """``old`` (the tensor ``name``) grown to ``capacity`` rows, its first ``self._n``
+        kept. In its :class:`~psflow.allocator.Reservation` when it has one, or can take one
+        with ``reserve`` (for ``max_rows`` rows, or as many as the machine's memory could hold
+        of the rows), nothing moves: the new rows are fresh pages, zeros. Otherwise it is
+        copied to new storage, as a growth always was."""
+        n = self._n
+        area = self._areas.get(name)
+        if area is not None and capacity > area.rows:  # past the machine's memory
+            del self._areas[name]
+            area = None
+        if area is None and reserve:
+            rows = max(2 * capacity, allocator.physical_memory() // self.values[:1].nbytes)
+            if self.max_rows is not None:
+                rows = min(rows, self.max_rows)
+            area = allocator.reserve(tuple(old.shape[1:]), old.dtype, rows)
+            if area is not None:
+                self._areas[name] = area
+        if area is not None:
+            out = area.first(capacity)
+            if not area.holds(old):
+                out[:n] = old[:n]
+            return out
+        out = allocator.table_empty((capacity, *old.shape[1:]), old.dtype)
+        out[:n] = old[:n]
+        if name in ("last_update", "updated_at"):
+            out[n:].zero_()
+        return out
 
     @property
     def capacity(self) -> int:
@@ -166,7 +199,7 @@ class HashedRows(Rows):
                 capacity *= 2
             if self.max_rows is not None:
                 capacity = min(capacity, self.max_rows)
-            self._alloc(capacity)
+            self._grow(capacity)
         parts.append(torch.arange(n, n + fresh, dtype=torch.int64))
         self._n = n + fresh
         if len(parts) > 1:

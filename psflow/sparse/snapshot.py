@@ -24,9 +24,9 @@ class RowSnapshot:
     rows it has not copied yet, :meth:`preserve` copies those rows (what one update touches,
     a few thousand rows); :meth:`result`, in the thread that writes the checkpoint, copies the
     rest chunk by chunk. Each row's value and optimizer state are copied together, so they
-    belong to the same moment (DeepRec-AI/DeepRec#1023 is what happens otherwise). A shard
-    whose storage is replaced (a hashed table growing) leaves the old tensors unchanged, which
-    is all a snapshot needs of them.
+    belong to the same moment (DeepRec-AI/DeepRec#1023 is what happens otherwise). A hashed
+    table that grows keeps its first rows where they are (in a reservation) or leaves the old
+    tensors unchanged (when copied): either way, what the snapshot holds is what it took.
     """
 
     CHUNK_ROWS = 1 << 16

@@ -1,0 +1,171 @@
+"""A hashed table's storage as it grows: in place in reserved address space past
+``RESERVE_FROM_BYTES`` (nothing copied), copied where no reservation can be had, the same rows
+and state either way, and snapshots keeping their moment across a growth."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from psflow import allocator
+from psflow.protocol import RowOptimizerSpec, TableSpec
+from psflow.sparse import HashedRows
+
+pytestmark = pytest.mark.unit
+
+F64 = torch.float64
+
+
+def spec(optimizer: str, **kwargs: object) -> TableSpec:
+    extra = {"initial_accumulator_value": 0.25} if optimizer in ("Adagrad", "Ftrl") else {}
+    return TableSpec(
+        name="ids", embedding_dim=3, num_embeddings=None, dtype="float64", seed=5,
+        optimizer=RowOptimizerSpec.of(optimizer, **extra), **kwargs,
+    )  # fmt: skip
+
+
+def grow(rows: HashedRows, steps: int = 5) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
+    """Pushes of new ids and held ones, each step more than the last: the lookups on the way,
+    and the storage's (capacity, address) after each step."""
+    seen, storage = [], []
+    made = rows.num_rows
+    for step in range(steps):
+        new = 700 * (step + 1)
+        ids = torch.cat([torch.arange(made, made + new), torch.arange(0, made, 3)]) * 7919 - 11
+        made += new
+        grads = torch.linspace(-1, 1, ids.numel() * 3, dtype=F64).view(-1, 3)
+        rows.apply(ids, grads)
+        seen.append(rows.lookup(torch.arange(0, made + 50, 5) * 7919 - 11))
+        storage.append((rows.capacity, rows.values.data_ptr()))
+    return seen, storage
+
+
+def same(a: HashedRows, b: HashedRows) -> None:
+    sa, sb = a.snapshot(), b.snapshot()
+    assert sa.keys() == sb.keys()
+    oa, ob = torch.argsort(sa["ids"]), torch.argsort(sb["ids"])
+    for key in sa:
+        assert torch.equal(sa[key][oa], sb[key][ob]), key
+    assert a.stats == b.stats
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "kwargs"),
+    [
+        ("Adagrad", {}),
+        ("RowWiseAdagrad", {}),
+        ("Adam", {"ttl_seconds": 1000.0}),
+        ("Ftrl", {"max_rows": 6000}),
+    ],
+)
+def test_a_table_grown_in_place_holds_what_a_copied_one_holds(
+    monkeypatch: pytest.MonkeyPatch, optimizer: str, kwargs: dict[str, object]
+) -> None:
+    """The same pushes into a table whose growths are reserved (from its first) and one whose
+    growths copy (no reservation to be had): the same lookups, rows, state, ids and counts
+    (evictions with ``max_rows``, times with ``ttl_seconds``); the reserved one's rows never
+    move once reserved, the copied one's do."""
+    monkeypatch.setattr(allocator, "RESERVE_FROM_BYTES", 1)
+    tables = {}
+    for name in ("reserved", "copied"):
+        with monkeypatch.context() as m:
+            if name == "copied":
+                m.setattr(allocator, "reserve", lambda *a: None)
+            rows = HashedRows(spec(optimizer, **kwargs), 0, 1, clock=lambda: 7.0)
+            rows.apply(torch.tensor([-11]), torch.ones(1, 3, dtype=F64))
+            rows.begin_export(base=True).rows.result()  # changes tracked through the growths
+            tables[name] = (rows, *grow(rows))
+    reserved, seen_reserved, storage_reserved = tables["reserved"]
+    copied, seen_copied, storage_copied = tables["copied"]
+    for a, b in zip(seen_reserved, seen_copied, strict=True):
+        assert torch.equal(a, b)
+    same(reserved, copied)
+    assert storage_reserved[-1][0] == storage_copied[-1][0] > 4 * 1024  # grown 3 times or more
+    grown = [ptr for capacity, ptr in storage_reserved if capacity > 1024]
+    assert len(grown) >= 3 and len(set(grown)) == 1
+    assert len({ptr for _, ptr in storage_copied}) == len({c for c, _ in storage_copied})
+    delta_r, delta_c = reserved.begin_export(base=False), copied.begin_export(base=False)
+    for key in ("ids", "values"):
+        got, want = delta_r.rows.result()[key], delta_c.rows.result()[key]
+        assert got.shape[0] > 0 and torch.equal(got, want), key
+    assert torch.equal(delta_r.tombstones, delta_c.tombstones)
+
+
+def test_a_snapshot_keeps_its_moment_across_a_growth_in_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A snapshot begun before a push that grows the table (in place) and updates the rows the
+    snapshot holds: the snapshot has the rows as they were when it began."""
+    monkeypatch.setattr(allocator, "RESERVE_FROM_BYTES", 1)
+    rows = HashedRows(spec("Adagrad"), 0, 1)
+    ids = torch.arange(1000) * 13
+    rows.apply(ids, torch.ones(1000, 3, dtype=F64))
+    grow(rows, steps=1)  # 1,700 rows: reserved from here on
+    before = rows.snapshot()
+    snap = rows.begin_snapshot()
+    start, ptr = rows.capacity, rows.values.data_ptr()
+    more = torch.cat([ids, torch.arange(10_000, 14_000) * 13])
+    rows.apply(more, torch.full((more.numel(), 3), 0.5, dtype=F64))
+    assert rows.capacity > start and rows.values.data_ptr() == ptr
+    after = snap.result()
+    for key in before:
+        assert torch.equal(after[key], before[key]), key
+    assert not torch.equal(rows.snapshot()["values"][: before["values"].shape[0]], before["values"])
+
+
+def test_a_table_past_its_reservation_moves_to_a_larger_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A table that outgrows its reservation (more rows than the machine's memory, made small
+    here) is copied once into a new one, its rows and state kept, and grows in place again."""
+    monkeypatch.setattr(allocator, "RESERVE_FROM_BYTES", 1)
+    monkeypatch.setattr(allocator, "physical_memory", lambda: 1000 * 3 * 8)  # 1,000 rows
+    rows, ref = HashedRows(spec("Adagrad"), 0, 1), HashedRows(spec("Adagrad"), 0, 1)
+    _, storage = grow(rows, steps=5)  # reserved at 4,096 rows for 8,192, then past them
+    with monkeypatch.context() as m:
+        m.setattr(allocator, "reserve", lambda *a: None)
+        grow(ref, steps=5)
+    assert [c for c, _ in storage] == [1024, 4096, 8192, 8192, 16384]
+    ptrs = [ptr for _, ptr in storage]
+    assert ptrs[1] == ptrs[2] == ptrs[3] != ptrs[4]
+    same(rows, ref)
+    _, storage = grow(rows, steps=4)  # 16,384 -> 32,768 in the new reservation
+    assert storage[-1] == (32768, ptrs[4])
+
+
+def test_a_reservation_costs_only_the_pages_touched() -> None:
+    """Half the machine's memory reserved, a few rows written: the process's resident memory
+    grows by those pages only; the rows read back, the rest are zeros; rows beyond it are
+    refused."""
+    if allocator.reserve((1,), torch.uint8, 1) is None:
+        pytest.skip("no address space to reserve here (not Linux, strict overcommit, RLIMIT_AS)")
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    rows = allocator.physical_memory() // 2 // 256
+    before = resident()
+    area = allocator.reserve((64,), torch.float32, rows)
+    assert area is not None and area.rows == rows
+    t = area.first(rows)
+    t[:10] = 1.5
+    t[rows // 2] = -2.0
+    assert resident() - before < 64 << 20
+    assert float(t[:10].sum()) == 1.5 * 640 and float(t[rows // 2].sum()) == -128.0
+    assert float(t[10:20].abs().sum()) == 0.0
+    with pytest.raises(ValueError, match="rows asked of a reservation"):
+        area.first(rows + 1)
+
+
+def test_no_reservation_under_an_address_space_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a finite ``RLIMIT_AS`` the reserved space would count against the limit: none is
+    taken, and the table copies as it grows."""
+    monkeypatch.setattr(allocator.resource, "getrlimit", lambda what: (1 << 34, 1 << 34))
+    assert allocator.reserve((4,), torch.float32, 1024) is None
+
+
+def test_the_allocators_examples_hold() -> None:
+    import doctest
+
+    assert doctest.testmod(allocator).failed == 0
