@@ -85,7 +85,7 @@ class HashedRows(Rows):
             INITIAL_CAPACITY if self.max_rows is None else min(INITIAL_CAPACITY, self.max_rows)
         )
         self._n = 0
-        self._index = IdMap()
+        self._index = IdMap(most=self.max_rows)
         self.mapped = MappedIds()
         self._tick = 0
         self.ttl = spec.ttl_seconds

@@ -78,3 +78,44 @@ def test_an_idmap_keeps_its_load_at_most_one_half_with_tombstones_counted(path: 
 
 def test_the_docstring_example_runs() -> None:
     assert doctest.testmod(idmap_module).failed == 0
+
+
+def test_a_growing_map_rebuilds_into_cells_made_ready_as_it_filled(path: str) -> None:
+    """From a quarter's load the cells of the coming rebuild (four times as many) are made a
+    part at each put, all of them by the put that rebuilds, which then takes them: the map
+    still answers as before, and its bytes count the prepared cells."""
+    m = IdMap()
+    cells = MIN_CELLS
+    ids = torch.arange(cells // 2) * 7919 - 3
+    m.put(ids[: cells // 4], torch.arange(cells // 4))
+    assert m.nbytes == 3 * 8 * cells  # keys, values and the claims of the torch path
+    made = []
+    for start in range(cells // 4, cells // 2, 32):
+        m.put(ids[start : start + 32], torch.arange(start, start + 32))
+        assert m._next is not None and m._next[0].numel() == 4 * cells
+        made.append(m._next_ready)
+    assert made == sorted(made) and made[-1] == 4 * cells and made[0] < cells
+    assert m.nbytes == 3 * 8 * cells + 2 * 8 * 4 * cells
+    ready = m._next[0].data_ptr()
+    m.put(torch.tensor([-1]), torch.tensor([cells // 2]))  # past a half: the rebuild
+    assert m.keys.data_ptr() == ready and m._next is None and m.nbytes == 3 * 8 * 4 * cells
+    everything = torch.cat([ids, torch.tensor([-1, 5])])
+    assert m.get(everything).tolist() == [*range(cells // 2 + 1), -1]
+
+
+def test_nothing_is_prepared_for_a_rebuild_that_would_not_grow_the_map(path: str) -> None:
+    """A load made mostly of tombstones (removed ids), or a map told it holds at most a few
+    ids (a table's ``max_rows``), rebuilds at its own size: no cells are prepared for it."""
+    cells = MIN_CELLS
+    ids = torch.arange(cells) * 31 + 1
+    m = IdMap()
+    m.put(ids[:500], torch.arange(500))
+    m.remove(ids[:490])
+    m.put(ids[500:510], torch.arange(500, 510))  # a load of 510 / 1,024, 490 of it removed
+    assert m._next is None and m.nbytes == 3 * 8 * cells
+    m.put(ids[510:520], torch.arange(510, 520))  # the rebuild, at the same size
+    assert m.nbytes == 3 * 8 * cells and m.get(ids[488:520]).tolist() == [-1, -1, *range(490, 520)]
+    capped = IdMap(most=100)
+    capped.put(ids[: cells // 2], torch.arange(cells // 2))
+    assert capped._next is None
+    assert capped.get(ids[: cells // 2]).tolist() == list(range(cells // 2))
