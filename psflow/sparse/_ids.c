@@ -262,3 +262,26 @@ long long psflow_idmap_put(int64_t *keys, int64_t *vals, long long mask, const i
     }
     return reused;
 }
+
+/* Moves every id one map holds (keys, vals, mask) into another's cells, empty and with room for
+   them all (a rebuild), a block of cells at a time: each block's ids gathered, then put with
+   their cells asked for ahead as psflow_idmap_put asks. Returns how many it moved, or -1 when a
+   probe found no room. */
+long long psflow_idmap_move(const int64_t *keys, const int64_t *vals, long long mask,
+                            int64_t *to_keys, int64_t *to_vals, long long to_mask) {
+    enum { BLOCK = 1024 };
+    int64_t ids[BLOCK], slots[BLOCK];
+    long long moved = 0;
+    for (long long c = 0; c <= mask;) {
+        ptrdiff_t k = 0;
+        for (; c <= mask && k < BLOCK; c++) {
+            if (vals[c] < 0) continue;
+            ids[k] = keys[c];
+            slots[k++] = vals[c];
+        }
+        if (psflow_idmap_put(to_keys, to_vals, to_mask, ids, slots, k) < 0) return -1;
+        moved += k;
+    }
+    return moved;
+}
+

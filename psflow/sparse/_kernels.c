@@ -332,6 +332,22 @@ static PyObject *py_idmap_put(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(reused);
 }
 
+/* idmap_move(keys, vals, mask, to_keys, to_vals, to_mask): every id of one map put into another's
+   empty cells, with room for them all (a rebuild). Returns how many, or -1 when a probe found
+   no room. */
+static PyObject *py_idmap_move(PyObject *self, PyObject *args) {
+    Py_ssize_t keys_, vals_, to_keys_, to_vals_;
+    long long mask, to_mask, moved;
+    if (!PyArg_ParseTuple(args, "nnLnnL", &keys_, &vals_, &mask, &to_keys_, &to_vals_, &to_mask))
+        return NULL;
+    const int64_t *keys = PTR(int64_t, keys_), *vals = PTR(int64_t, vals_);
+    int64_t *to_keys = PTR(int64_t, to_keys_), *to_vals = PTR(int64_t, to_vals_);
+    Py_BEGIN_ALLOW_THREADS
+    moved = psflow_idmap_move(keys, vals, mask, to_keys, to_vals, to_mask);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(moved);
+}
+
 /* finite(double, p, n): whether none of the n float32 (float64) values at p is an infinity
  * or a NaN. */
 static PyObject *py_finite(PyObject *self, PyObject *args) {
@@ -746,6 +762,7 @@ static PyMethodDef methods[] = {
     {"scatter_add", py_scatter_add, METH_VARARGS, "out[index[i]] += src[i]; -1 or the first bad."},
     {"idmap_find", py_idmap_find, METH_VARARGS, "Each id's cell (or slot) in an id map, or -1."},
     {"idmap_put", py_idmap_put, METH_VARARGS, "Adds ids to an id map; removed cells reused."},
+    {"idmap_move", py_idmap_move, METH_VARARGS, "Every id of one id map put into another's."},
     {"finite", py_finite, METH_VARARGS, "Whether no float32 (float64) value is inf or NaN."},
     {"splitmix64", py_splitmix64, METH_VARARGS, "splitmix64's finaliser of each int64."},
     {"initial_uniforms", py_initial_uniforms, METH_VARARGS, "The uniforms of initial rows."},

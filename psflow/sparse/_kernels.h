@@ -118,6 +118,11 @@ void psflow_idmap_find(const int64_t *keys, const int64_t *vals, long long mask,
 long long psflow_idmap_put(int64_t *keys, int64_t *vals, long long mask, const int64_t *ids,
                            const int64_t *slots, ptrdiff_t n);
 
+/* Moves every id one map holds into another's empty cells; how many, or -1 when a probe found
+ * no room. */
+long long psflow_idmap_move(const int64_t *keys, const int64_t *vals, long long mask,
+                            int64_t *to_keys, int64_t *to_vals, long long to_mask);
+
 /* A request's ids copied from src into out, checked (psflow_check_ids) and mapped to their rows
  * in storage: through a hashed table's id map (keys not NULL) or a fixed table's partition.
  * With absent_ok, an id the map does not hold is left at -1. set, used: scratch of `slots` cells

@@ -233,6 +233,18 @@ class IdMap:
 
     def _rebuild(self, live: int) -> None:
         """Room for ``live`` entries at a load of a quarter; tombstones dropped."""
+        kernels = _kernels()
+        if kernels is not None:
+            keys, vals, mask = self.keys, self.vals, self._mask
+            self._alloc(_cells_for(live))
+            moved = kernels.idmap_move(
+                keys.data_ptr(), vals.data_ptr(), mask,
+                self.keys.data_ptr(), self.vals.data_ptr(), self._mask,
+            )  # fmt: skip
+            if moved < 0:  # the load is kept at a quarter: a full map is a bug here
+                raise RuntimeError(f"id map of {self._mask + 1} cells found no room")
+            self._live = moved
+            return
         held = (self.vals >= 0).nonzero().squeeze(1)
         keys, vals = self.keys[held], self.vals[held]
         self._alloc(_cells_for(live))
