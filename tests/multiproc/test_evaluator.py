@@ -39,7 +39,10 @@ def test_the_evaluator_scores_every_checkpoint_of_the_job_once(tmp_path: Path) -
     d = CheckpointDir(str(logdir))
     names = [c.name for c in d.checkpoints() if c.complete]
     # At most max_to_keep (5) were written, so none was removed: each is there to compare.
-    assert 3 <= len(names) <= 5, names
+    # The first (step 200) and the final (600) always are; one due while the one before is
+    # still being written is skipped, and on a loaded machine 200 steps of this model can take
+    # less time than writing a checkpoint.
+    assert 2 <= len(names) <= 5 and names[0] == "ckpt-200" and names[-1] == "ckpt-600", names
     manifests = [d.manifest(n) for n in names]
     assert [m.final for m in manifests] == [False] * (len(names) - 1) + [True]
     acc = EventAccumulator(str(logdir / "eval"), size_guidance={"scalars": 0})
