@@ -44,6 +44,8 @@ import os
 import platform
 import resource
 import sys
+import threading
+import weakref
 
 import torch
 
@@ -64,6 +66,12 @@ _MAP_NORESERVE = 0x4000
 RESERVE_FROM_BYTES = 32 << 20
 """A table tensor whose storage would grow to this many bytes or more grows in a
 :class:`Reservation`; a smaller one is copied (a few milliseconds at most)."""
+RESERVE_AT_MOST_BYTES = 1 << 44
+"""Address space a process reserves in all (16 TiB, an eighth of what x86-64 Linux gives a
+process): past it a table copies as it grows, and the process's other mappings (its heap,
+torch's allocations, ZeroMQ's) always find room."""
+_reserved = 0
+_reserved_lock = threading.Lock()
 
 _libc: ctypes.CDLL | None = None
 
@@ -190,7 +198,14 @@ class Reservation:
         itemsize = torch.empty((), dtype=dtype).element_size()
         nbytes = rows * math.prod(row_shape) * itemsize
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
-        self._map = mmap.mmap(-1, nbytes, flags=flags)
+        _take(nbytes)
+        try:
+            self._map = mmap.mmap(-1, nbytes, flags=flags)
+        except BaseException:
+            _give(nbytes)
+            raise
+        # Given back when the mapping goes (its last tensor view with it).
+        weakref.finalize(self._map, _give, nbytes)
         if _setting() == "tuned":
             try:
                 self._map.madvise(mmap.MADV_HUGEPAGE)
@@ -215,8 +230,8 @@ def reserve(row_shape: tuple[int, ...], dtype: torch.dtype, rows: int) -> Reserv
     """A :class:`Reservation` of ``rows`` rows, or None where address space cannot be taken
     without committing memory: outside Linux, under strict overcommit accounting
     (``vm.overcommit_memory`` 2 counts every byte mapped), under a finite ``RLIMIT_AS`` (the
-    mapping would count against it), or when the kernel refuses the mapping. The caller then
-    copies as it grows."""
+    mapping would count against it), past :data:`RESERVE_AT_MOST_BYTES` reserved in all, or
+    when the kernel refuses the mapping. The caller then copies as it grows."""
     if sys.platform != "linux" or rows <= 0:
         return None
     try:
@@ -229,9 +244,32 @@ def reserve(row_shape: tuple[int, ...], dtype: torch.dtype, rows: int) -> Reserv
         return None
     try:
         return Reservation(row_shape, dtype, rows)
-    except (OSError, OverflowError, ValueError) as e:
+    except (OSError, OverflowError, ValueError, MemoryError) as e:
         log.debug("cannot reserve %d rows of %s %s: %s", rows, row_shape, dtype, e)
         return None
+
+
+def _take(nbytes: int) -> None:
+    """Counts ``nbytes`` more reserved; ``MemoryError`` past :data:`RESERVE_AT_MOST_BYTES`."""
+    global _reserved
+    with _reserved_lock:
+        if _reserved + nbytes > RESERVE_AT_MOST_BYTES:
+            raise MemoryError(
+                f"{nbytes} bytes more would reserve {_reserved + nbytes} in all, past "
+                f"{RESERVE_AT_MOST_BYTES}"
+            )
+        _reserved += nbytes
+
+
+def _give(nbytes: int) -> None:
+    global _reserved
+    with _reserved_lock:
+        _reserved -= nbytes
+
+
+def reserved_bytes() -> int:
+    """Address space this process holds in reservations now."""
+    return _reserved
 
 
 def physical_memory() -> int:

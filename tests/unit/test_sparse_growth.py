@@ -169,3 +169,22 @@ def test_the_allocators_examples_hold() -> None:
     import doctest
 
     assert doctest.testmod(allocator).failed == 0
+
+
+def test_reservations_stop_at_the_process_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reservations count against ``RESERVE_AT_MOST_BYTES`` while they live: one that would pass
+    it is refused (the table then copies), and a reservation's bytes come back when its last
+    tensor goes."""
+    base = allocator.reserved_bytes()
+    monkeypatch.setattr(allocator, "RESERVE_AT_MOST_BYTES", base + (16 << 20))
+    first = allocator.reserve((1024,), torch.float32, 3 * 1024)  # 12 MiB
+    if first is None:
+        pytest.skip("no address space to reserve here (not Linux, strict overcommit, RLIMIT_AS)")
+    view = first.first(8)
+    assert allocator.reserved_bytes() == base + (12 << 20)
+    assert allocator.reserve((1024,), torch.float32, 2 * 1024) is None  # 8 MiB more: past it
+    del first
+    assert allocator.reserved_bytes() == base + (12 << 20)  # its view keeps it
+    del view
+    assert allocator.reserved_bytes() == base
+    assert allocator.reserve((1024,), torch.float32, 2 * 1024) is not None
