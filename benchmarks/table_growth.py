@@ -4,12 +4,14 @@ memory it ends with, against another checkout's in the same run.
     python benchmarks/table_growth.py [--against_tree DIR]   # 4M rows of 64, Adagrad
     python benchmarks/table_growth.py --preset smoke          # what the tests run
 
-One shard's ``HashedRows`` (row-wise Adagrad, one thread) takes pushes of ``--batch`` ids, half
-of them new and half ids it holds, until it holds ``--rows`` rows: a stream of new users or
-items. Every push that outgrows the table's storage pays for the growth (and the id map's
-rebuild) before the shard serves anything else, so its workers all wait for it. Figures: each
-push's wall time (median, 99th percentile, longest, and the five longest), the total, and the
-process's peak resident memory (``ru_maxrss``) against the bytes the rows and their state need.
+One shard's ``HashedRows`` (row-wise Adagrad, one thread, ``max_rows`` = ``--rows``) takes
+pushes of ``--batch`` ids, half of them new and half ids it holds, until it holds ``--rows``
+rows: a stream of new users or items. Every push that outgrows the table's storage pays for
+the growth (and the id map's rebuild) before the shard serves anything else, so its workers all
+wait for it. Figures: each push's wall time (median, 99th percentile, longest, and the five
+longest), the total, and the process's peak resident memory (``ru_maxrss``) against the bytes
+the rows and their state need; then, the table full, 50 more pushes, each evicting as many
+least recently updated rows as it makes (``evicting_push_*``).
 Each run is a fresh process; with ``--against_tree``, each round runs this checkout and the
 other alternately (the other's psflow on ``PYTHONPATH``) and reports both with their ratios.
 One JSON line last.
@@ -31,6 +33,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
+EVICTING_PUSHES = 50
+"""Pushes timed once the table is full (its ``max_rows``): each evicts as many rows as it
+makes, the least recently updated."""
 PRESETS: dict[str, dict[str, Any]] = {
     "full": {"rows": 4_000_000, "dim": 64, "batch": 8192, "rounds": 3},
     "smoke": {"rows": 20_000, "dim": 8, "batch": 1024, "rounds": 1},
@@ -48,7 +53,10 @@ def measure(rows_wanted: int, dim: int, batch: int) -> dict[str, Any]:
     allocator.tune()  # as a ps task does
     torch.set_num_threads(1)
     adagrad = RowOptimizerSpec.of("Adagrad", lr=0.05, initial_accumulator_value=0.1)
-    spec = TableSpec(name="t", embedding_dim=dim, num_embeddings=None, seed=1, optimizer=adagrad)
+    spec = TableSpec(
+        name="t", embedding_dim=dim, num_embeddings=None, seed=1, optimizer=adagrad,
+        max_rows=rows_wanted,
+    )  # fmt: skip
     rows = make_rows(spec, 0, 1)
     gen = torch.Generator().manual_seed(0)
     new, held = batch // 2, batch - batch // 2
@@ -56,16 +64,20 @@ def measure(rows_wanted: int, dim: int, batch: int) -> dict[str, Any]:
     times = []
     start = time.perf_counter()
     made = 0
-    while rows.num_rows < rows_wanted:
+    evicting = []
+    while len(evicting) < EVICTING_PUSHES:
         fresh = torch.arange(made, made + new, dtype=torch.int64) * 7919 + 1
         made += new
         old = (torch.randint(0, max(1, made - new), (held,), generator=gen) * 7919 + 1).unique()
         ids = torch.cat([fresh, old]) if made > new else fresh
+        full = rows.num_rows == rows_wanted
         t = time.perf_counter()
         rows.apply(ids, grads[: ids.numel()])
-        times.append(time.perf_counter() - t)
-    total = time.perf_counter() - start
+        (evicting if full else times).append(time.perf_counter() - t)
+        if not full:
+            total = time.perf_counter() - start
     times_ms = sorted(1e3 * t for t in times)
+    evicting_ms = sorted(1e3 * t for t in evicting)
     row_bytes = 2 * dim * 4 + 16  # the row, Adagrad's sum, its id and its last update
     return {
         "rows": rows.num_rows,
@@ -75,6 +87,8 @@ def measure(rows_wanted: int, dim: int, batch: int) -> dict[str, Any]:
         "push_longest_ms": round(times_ms[-1], 1),
         "longest_five_ms": [round(t, 1) for t in times_ms[-5:]],
         "total_s": round(total, 2),
+        "evicting_push_median_ms": round(statistics.median(evicting_ms), 2),
+        "evicting_push_longest_ms": round(evicting_ms[-1], 1),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         "rows_need_mb": rows.num_rows * row_bytes // (1 << 20),
     }
@@ -130,6 +144,7 @@ def main() -> None:
             print(label or "this", json.dumps(runs[label][-1]), flush=True)
     result: dict[str, Any] = {"benchmark": "table_growth", "preset": args.preset, **p}
     lower = ("push_median_ms", "push_p99_ms", "push_longest_ms", "total_s", "peak_rss_mb")
+    lower += ("evicting_push_median_ms", "evicting_push_longest_ms")
     for label, _ in trees:
         for key in lower:
             # The least of the rounds: what the code costs when the machine lets it run.

@@ -188,3 +188,58 @@ def test_reservations_stop_at_the_process_budget(monkeypatch: pytest.MonkeyPatch
     del view
     assert allocator.reserved_bytes() == base
     assert allocator.reserve((1024,), torch.float32, 2 * 1024) is not None
+
+
+@pytest.mark.parametrize("min_count", [0, 2])
+def test_evictions_from_the_pool_are_the_least_recently_updated(min_count: int) -> None:
+    """A table at its ``max_rows`` evicting from its pool (rows updated, gone and made since its
+    scan, pools running out in the middle of a push): after every push, no id is held twice,
+    and every row evicted was updated no later than every row kept from before the push."""
+    rng = torch.Generator().manual_seed(3)
+    rows = HashedRows(spec("Adagrad", max_rows=300, min_count=min_count), 0, 1)
+    last: dict[int, int] = {}  # id -> the push that last updated its row
+    for step in range(400):
+        size = int(torch.randint(1, 120, (1,), generator=rng))
+        fresh = torch.randint(0, 3000, (size,), generator=rng)
+        old = torch.tensor(sorted(last), dtype=torch.int64)
+        if old.numel():
+            old = old[torch.randint(0, old.numel(), (size // 2,), generator=rng)]
+        ids = torch.cat([fresh, old]).unique()
+        before = set(last)
+        rows.apply(ids, torch.ones(ids.numel(), 3, dtype=F64))
+        held = rows.snapshot()["ids"].tolist()
+        assert len(held) == len(set(held)) == rows.num_rows <= 300
+        held_set = set(held)
+        for i in ids.tolist():
+            if i in held_set:
+                last[i] = step
+        evicted = before - held_set
+        kept = (before & held_set) - set(ids.tolist())
+        if evicted and kept:
+            assert max(last[i] for i in evicted) <= min(last[i] for i in kept), step
+        for i in evicted:
+            del last[i]
+        assert set(last) == held_set
+    assert rows.stats["evicted"] > 1000
+
+
+def test_rows_moved_by_expiry_empty_the_eviction_pool() -> None:
+    """An expired row's slot is filled with the last row, which keeps its update count: a pool
+    scanned before holds it under its old slot. The pool is dropped, so the moved row (older
+    than the pool's next) goes before a newer one."""
+    now = [0.0]
+    rows = HashedRows(spec("Adagrad", max_rows=4, ttl_seconds=30.0), 0, 1, clock=lambda: now[0])
+
+    def push(at: float, *ids: int) -> None:
+        now[0] = at
+        rows.apply(torch.tensor(ids), torch.ones(len(ids), 3, dtype=F64))
+
+    # Slots 0-3: p, e (both at time 0), r, m; then r updated: p, e, m, r from least recent.
+    p, e, r, m = 100, 200, 300, 400
+    for at, i in ((0, p), (0, e), (5, r), (10, m), (20, r)):
+        push(at, i)
+    push(25, 500)  # evicts p from a pool of them all
+    push(31, 600)  # e expires; m moves into its slot
+    assert rows.stats["expired"] == 1 and rows.stats["evicted"] == 1
+    push(32, 700)  # evicts m, the least recently updated
+    assert sorted(rows.snapshot()["ids"].tolist()) == [r, 500, 600, 700]
