@@ -190,7 +190,8 @@ class HashedRows(Rows):
         every update since is newer still; a pooled row updated or gone since is skipped. So
         the pool yields what a scan each time would, until it runs out and is scanned anew
         (rows moved, :meth:`_remove_slots`, empty it)."""
-        n, taken, need = self._n, [], count
+        n, need = self._n, count
+        taken: list[torch.Tensor] = []
         while need:
             pool = self._pool
             if pool is None or self._pool_at >= pool.shape[1]:
