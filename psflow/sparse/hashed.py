@@ -138,9 +138,9 @@ class HashedRows(Rows):
         columns |= {STATE_PREFIX + k: v for k, v in self.state.items()}
         if self.updated_at is not None:
             columns["updated_at"] = self.updated_at
-        reserve = capacity * sum(t[:1].nbytes for t in columns.values())
-        reserve_now = reserve >= allocator.RESERVE_FROM_BYTES
-        grown = {name: self._grown(name, t, capacity, reserve_now) for name, t in columns.items()}
+        nbytes = capacity * sum(t[:1].nbytes for t in columns.values())
+        reserve = nbytes >= allocator.RESERVE_FROM_BYTES  # every tensor, or none
+        grown = {name: self._grown(name, t, capacity, reserve) for name, t in columns.items()}
         self.values, self.slot_ids = grown["values"], grown["slot_ids"]
         self.last_update, self.updated_at = grown["last_update"], grown.get("updated_at")
         self.state = {k: grown[STATE_PREFIX + k] for k in self.state}

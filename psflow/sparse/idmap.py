@@ -33,8 +33,9 @@ MIN_CELLS = 1024
 PREPARE_FROM = 4
 """From a load of 1 / PREPARE_FROM, the cells of the coming rebuild are made ready a part at
 each :meth:`IdMap.put`, in step with the load, all of them by the load that rebuilds (a half):
-the rebuild then writes into memory already mapped (a 2.1M-id map's 256 MB of new cells took
-17-593 ms of page faults at once, with the kernel compacting memory for huge pages)."""
+the rebuild then writes into memory already mapped (a 2.1M-id map's 256 MB of new cells, as
+it then grew, took 17-593 ms of page faults at once, the kernel compacting memory for huge
+pages)."""
 _MOVES = itertools.count(1)
 """One count for every map of the process: no two maps ever share a number of :attr:`IdMap.moves`."""
 
@@ -203,14 +204,20 @@ class IdMap:
         self._live -= ids.numel()
         self._gone += ids.numel()
 
+    @property
+    def _churns(self) -> bool:
+        """Whether ids leave this map: some did since the last rebuild, or it holds at most
+        :attr:`_most` (a table with ``max_rows`` evicts once full)."""
+        return self._gone > 0 or self._most is not None
+
     def _prepare(self, used: int) -> None:
         """Makes the cells the coming rebuild takes (that of :meth:`put` when ``used`` passes
         half the cells, the tombstones of now dropped) as far as the load has come towards it;
         none where the rebuild would not grow the map (tombstones make most of its load)."""
         cells = self._mask + 1
-        after = _cells_for(cells // 2 - self._gone + 1)
+        after = _cells_for(cells // 2 - self._gone + 1, churn=self._churns)
         if self._most is not None:
-            after = min(after, _cells_for(self._most))
+            after = min(after, _cells_for(self._most, churn=True))
         if self._next is not None and self._next[0].numel() != after:
             self._next, self._next_ready = None, 0
         if after <= cells:
@@ -232,11 +239,12 @@ class IdMap:
             self._next_ready = upto
 
     def _rebuild(self, live: int) -> None:
-        """Room for ``live`` entries at a load of a quarter; tombstones dropped."""
+        """Room for ``live`` entries (:func:`_cells_for`); tombstones dropped."""
         kernels = _kernels()
+        cells = _cells_for(live, churn=self._churns)
         if kernels is not None:
             keys, vals, mask = self.keys, self.vals, self._mask
-            self._alloc(_cells_for(live))
+            self._alloc(cells)
             moved = kernels.idmap_move(
                 keys.data_ptr(), vals.data_ptr(), mask,
                 self.keys.data_ptr(), self.vals.data_ptr(), self._mask,
@@ -247,12 +255,18 @@ class IdMap:
             return
         held = (self.vals >= 0).nonzero().squeeze(1)
         keys, vals = self.keys[held], self.vals[held]
-        self._alloc(_cells_for(live))
+        self._alloc(cells)
         self._live = 0
         if held.numel():
             self.put(keys, vals)
 
 
-def _cells_for(live: int) -> int:
-    """The cells a rebuild for ``live`` entries makes: a load of at most a quarter."""
-    return max(MIN_CELLS, 1 << (4 * live - 1).bit_length())
+def _cells_for(live: int, *, churn: bool) -> int:
+    """The cells a rebuild for ``live`` entries makes. With ``churn`` (ids leave the map: a
+    table that evicts), a load of at most a quarter, so that as many removals again come
+    before the next; else twice as many cells as the entries and more, a load from a
+    quarter to a half, so that a growing map holds 32 to 64 bytes an id (a quarter's load
+    after each rebuild had it hold up to 128)."""
+    if churn:
+        return max(MIN_CELLS, 1 << (4 * live - 1).bit_length())
+    return max(MIN_CELLS, 1 << (2 * live).bit_length())

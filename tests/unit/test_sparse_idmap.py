@@ -81,7 +81,7 @@ def test_the_docstring_example_runs() -> None:
 
 
 def test_a_growing_map_rebuilds_into_cells_made_ready_as_it_filled(path: str) -> None:
-    """From a quarter's load the cells of the coming rebuild (four times as many) are made a
+    """From a quarter's load the cells of the coming rebuild (twice as many) are made a
     part at each put, all of them by the put that rebuilds, which then takes them: the map
     still answers as before, and its bytes count the prepared cells."""
     m = IdMap()
@@ -92,13 +92,13 @@ def test_a_growing_map_rebuilds_into_cells_made_ready_as_it_filled(path: str) ->
     made = []
     for start in range(cells // 4, cells // 2, 32):
         m.put(ids[start : start + 32], torch.arange(start, start + 32))
-        assert m._next is not None and m._next[0].numel() == 4 * cells
+        assert m._next is not None and m._next[0].numel() == 2 * cells
         made.append(m._next_ready)
-    assert made == sorted(made) and made[-1] == 4 * cells and made[0] < cells
-    assert m.nbytes == 3 * 8 * cells + 2 * 8 * 4 * cells
+    assert made == sorted(made) and made[-1] == 2 * cells and made[0] < cells
+    assert m.nbytes == 3 * 8 * cells + 2 * 8 * 2 * cells
     ready = m._next[0].data_ptr()
     m.put(torch.tensor([-1]), torch.tensor([cells // 2]))  # past a half: the rebuild
-    assert m.keys.data_ptr() == ready and m._next is None and m.nbytes == 3 * 8 * 4 * cells
+    assert m.keys.data_ptr() == ready and m._next is None and m.nbytes == 3 * 8 * 2 * cells
     everything = torch.cat([ids, torch.tensor([-1, 5])])
     assert m.get(everything).tolist() == [*range(cells // 2 + 1), -1]
 
@@ -119,3 +119,19 @@ def test_nothing_is_prepared_for_a_rebuild_that_would_not_grow_the_map(path: str
     capped.put(ids[: cells // 2], torch.arange(cells // 2))
     assert capped._next is None
     assert capped.get(ids[: cells // 2]).tolist() == list(range(cells // 2))
+
+
+def test_a_growing_map_holds_a_quarter_to_a_half_of_its_cells(path: str) -> None:
+    """A map that only grows rebuilds at twice the cells (32-64 bytes an id, not up to 128);
+    one whose ids are removed too rebuilds with room for as many removals again."""
+    m = IdMap()
+    for start in range(0, 20_000, 100):
+        m.put(torch.arange(start, start + 100) * 3, torch.arange(start, start + 100))
+        cells = m.keys.numel()
+        assert 2 * len(m) <= cells and (cells == MIN_CELLS or 4 * len(m) > cells)
+    assert m.keys.numel() == 65536
+    churned = IdMap()
+    for start in range(0, 20_000, 100):
+        churned.put(torch.arange(start, start + 100), torch.arange(100))
+        churned.remove(torch.arange(start, start + 100))
+    assert len(churned) == 0 and churned.keys.numel() == MIN_CELLS
