@@ -34,6 +34,10 @@ all, and keeps this many times what it needed, in order, for the pushes after
 (:meth:`HashedRows._least_recent`): a scan each push cost time in the rows held (a full
 4M-row table: 7.4 ms of a push of 4,096 new ids)."""
 
+EVICTED_COMPACT_FROM = 1 << 16
+"""Evicted ids noted for an export's tombstones are compacted from this many on
+(:meth:`HashedRows._note_evicted`)."""
+
 EXPIRY_SCANS_PER_TTL = 16
 """With ``ttl_seconds``, the rows are scanned for expired ones at most this many times per
 time to live (and before every snapshot): an expired row lingers at most ``ttl / 16`` for
@@ -273,9 +277,15 @@ class HashedRows(Rows):
     # -- time to live -------------------------------------------------------------------------
 
     def _note_evicted(self, ids: torch.Tensor) -> None:
-        """Remembers evicted ids for the next export's tombstones (once one is tracked)."""
+        """Remembers evicted ids for the next export's tombstones (once one is tracked). Past
+        twice what the last compaction kept, they are compacted (:meth:`_tombstones`): an id
+        evicted again and again between exports is held once, and one held again not at all."""
         if self._changed is not None:
             self._evicted.append(ids.clone())
+            noted = sum(t.numel() for t in self._evicted)
+            kept = self._evicted[0].numel()  # the last compaction's
+            if noted > max(EVICTED_COMPACT_FROM, 2 * kept):
+                self._evicted = [self._tombstones()]
 
     def _expire_due(self) -> float:
         """The clock's time; the expired rows evicted first when a scan is due."""

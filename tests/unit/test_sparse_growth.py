@@ -243,3 +243,22 @@ def test_rows_moved_by_expiry_empty_the_eviction_pool() -> None:
     assert rows.stats["expired"] == 1 and rows.stats["evicted"] == 1
     push(32, 700)  # evicts m, the least recently updated
     assert sorted(rows.snapshot()["ids"].tolist()) == [r, 500, 600, 700]
+
+
+def test_ids_evicted_between_exports_are_compacted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full table evicting the same ids again and again between two exports keeps each
+    evicted id once (those held again not at all), and the delta's tombstones are the ids
+    evicted and not held at its moment."""
+    from psflow.sparse import hashed as hashed_module
+
+    monkeypatch.setattr(hashed_module, "EVICTED_COMPACT_FROM", 256)
+    rows = HashedRows(spec("Adagrad", max_rows=100), 0, 1)
+    rows.begin_export(base=True).rows.result()
+    for step in range(600):
+        ids = torch.arange(step * 50, step * 50 + 50) % 1000
+        rows.apply(ids, torch.ones(50, 3, dtype=F64))
+        assert sum(t.numel() for t in rows._evicted) <= 2 * 1000 + 50
+    assert rows.stats["evicted"] == 600 * 50 - 100
+    held = set(rows.snapshot()["ids"].tolist())
+    part = rows.begin_export(base=False)
+    assert part.tombstones.tolist() == sorted(set(range(1000)) - held)
