@@ -2,9 +2,9 @@
 on without them, and psflow does the same work in Python (each wrapper says which path it takes).
 
 - ``psflow.sparse._kernels`` (``psflow/sparse/_kernels.c`` binding ``_rows.c``, ``_ids.c``,
-  ``_init.c`` and ``_sketch.c``): row kernels, the ps's fused row-wise updates, row gathers, the
-  partition of ids to shards, a hashed table's id map and admission counts, the hashes of new
-  rows' initial values; without it,
+  ``_init.c``, ``_sketch.c`` and ``_evict.c``): row kernels, the ps's fused row-wise updates, row
+  gathers, the partition of ids to shards, a hashed table's id map, admission counts and
+  eviction order, the hashes of new rows' initial values; without it,
   torch's operations (``psflow/sparse/kernels.py``, ``psflow/sparse/init.py``).
 - ``psflow.data._native`` (``psflow/data/_native.c`` binding ``_farmhash.c``, ``_example.c`` and
   ``_tfrecord.c``): TensorFlow's string hash, the Example parser's fast path, TFRecord's framing
@@ -26,6 +26,7 @@ setup(
                 "psflow/sparse/_ids.c",
                 "psflow/sparse/_init.c",
                 "psflow/sparse/_sketch.c",
+                "psflow/sparse/_evict.c",
             ],
             depends=["psflow/sparse/_kernels.h"],
             # No contraction into fused multiply-adds and no fast-math: the same roundings as

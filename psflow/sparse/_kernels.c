@@ -348,6 +348,20 @@ static PyObject *py_idmap_move(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(moved);
 }
 
+/* least_recent(ticks, n, k, out_slots, out_ticks): the k least of n update counts and their
+   slots, in order of count then slot. Returns 0, or -1 when memory ran out. */
+static PyObject *py_least_recent(PyObject *self, PyObject *args) {
+    Py_ssize_t ticks_, n, k, slots_, out_;
+    int done;
+    if (!PyArg_ParseTuple(args, "nnnnn", &ticks_, &n, &k, &slots_, &out_)) return NULL;
+    const int64_t *ticks = PTR(int64_t, ticks_);
+    int64_t *slots = PTR(int64_t, slots_), *out = PTR(int64_t, out_);
+    Py_BEGIN_ALLOW_THREADS
+    done = psflow_least_recent(ticks, n, k, slots, out);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(done);
+}
+
 /* finite(double, p, n): whether none of the n float32 (float64) values at p is an infinity
  * or a NaN. */
 static PyObject *py_finite(PyObject *self, PyObject *args) {
@@ -763,6 +777,7 @@ static PyMethodDef methods[] = {
     {"idmap_find", py_idmap_find, METH_VARARGS, "Each id's cell (or slot) in an id map, or -1."},
     {"idmap_put", py_idmap_put, METH_VARARGS, "Adds ids to an id map; removed cells reused."},
     {"idmap_move", py_idmap_move, METH_VARARGS, "Every id of one id map put into another's."},
+    {"least_recent", py_least_recent, METH_VARARGS, "The k least update counts, in order."},
     {"finite", py_finite, METH_VARARGS, "Whether no float32 (float64) value is inf or NaN."},
     {"splitmix64", py_splitmix64, METH_VARARGS, "splitmix64's finaliser of each int64."},
     {"initial_uniforms", py_initial_uniforms, METH_VARARGS, "The uniforms of initial rows."},

@@ -168,4 +168,9 @@ void psflow_sketch_count(const int64_t *ids, ptrdiff_t n, int32_t *sketch, int64
                          const int64_t *salts, ptrdiff_t depth, int32_t min_count,
                          int32_t *count);
 
+/* The k least of n update counts with their slots, in order of count then slot (_evict.c);
+ * 0, or -1 when memory ran out. */
+int psflow_least_recent(const int64_t *ticks, ptrdiff_t n, ptrdiff_t k, int64_t *out_slots,
+                        int64_t *out_ticks);
+
 #endif

@@ -200,7 +200,7 @@ class HashedRows(Rows):
             pool = self._pool
             if pool is None or self._pool_at >= pool.shape[1]:
                 k = min(n, EVICT_POOL * count)
-                ticks, slots = torch.topk(self.last_update[:n], k, largest=False, sorted=True)
+                ticks, slots = kernels.least_recent(self.last_update[:n], k)
                 if taken:  # those taken from the last pool are held still: not twice
                     again = torch.zeros(n, dtype=torch.bool).index_fill_(0, torch.cat(taken), True)
                     keep = again.index_select(0, slots).logical_not_()

@@ -326,6 +326,28 @@ def fill_rows(dst: torch.Tensor, index: torch.Tensor, value: float | bool) -> No
     check(bad, index, dst.shape[0])
 
 
+def least_recent(ticks: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` least of ``ticks`` (1-D int64, each at least 0; ``0 < k <= len``) and where
+    they are, in order of value and, for equal values, of place: ``torch.topk(ticks, k,
+    largest=False, sorted=True)`` with its ties settled by place. By a radix select
+    (``_evict.c``: 4 passes over ``ticks``, against topk's heap) where the kernels are built,
+    else a stable sort.
+
+    Raises:
+        MemoryError: when the kernel found no memory for its work.
+    """
+    n = ticks.numel()
+    if KERNELS is None or ticks.dtype != torch.int64 or not ticks.is_cpu:
+        values, where = torch.sort(ticks, stable=True)
+        return values[:k], where[:k]
+    ticks = ticks.contiguous()
+    where = torch.empty(k, dtype=torch.int64)
+    values = torch.empty(k, dtype=torch.int64)
+    if KERNELS.least_recent(ticks.data_ptr(), n, k, where.data_ptr(), values.data_ptr()) != 0:
+        raise MemoryError(f"no memory to order {n} rows' update counts")
+    return values, where
+
+
 def gather_parts(parts: Sequence[torch.Tensor], index: torch.Tensor) -> torch.Tensor:
     """``torch.cat(parts).index_select(0, index)`` without the ``cat``: rows that came in
     pieces (each shard's where it arrived, a lane of shared memory) gathered where they lie.

@@ -9,7 +9,7 @@ import torch
 
 from psflow import allocator
 from psflow.protocol import RowOptimizerSpec, TableSpec
-from psflow.sparse import HashedRows
+from psflow.sparse import HashedRows, kernels
 
 pytestmark = pytest.mark.unit
 
@@ -190,11 +190,19 @@ def test_reservations_stop_at_the_process_budget(monkeypatch: pytest.MonkeyPatch
     assert allocator.reserve((1024,), torch.float32, 2 * 1024) is not None
 
 
+@pytest.mark.parametrize("kernels_built", [True, False])
 @pytest.mark.parametrize("min_count", [0, 2])
-def test_evictions_from_the_pool_are_the_least_recently_updated(min_count: int) -> None:
+def test_evictions_from_the_pool_are_the_least_recently_updated(
+    monkeypatch: pytest.MonkeyPatch, min_count: int, kernels_built: bool
+) -> None:
     """A table at its ``max_rows`` evicting from its pool (rows updated, gone and made since its
     scan, pools running out in the middle of a push): after every push, no id is held twice,
-    and every row evicted was updated no later than every row kept from before the push."""
+    and every row evicted was updated no later than every row kept from before the push. With
+    the compiled kernels and without (torch's operations throughout)."""
+    if not kernels_built:
+        monkeypatch.setattr(kernels, "KERNELS", None)
+    elif kernels.KERNELS is None:
+        pytest.skip("psflow.sparse._kernels is not built")
     rng = torch.Generator().manual_seed(3)
     rows = HashedRows(spec("Adagrad", max_rows=300, min_count=min_count), 0, 1)
     last: dict[int, int] = {}  # id -> the push that last updated its row
@@ -262,3 +270,19 @@ def test_ids_evicted_between_exports_are_compacted(monkeypatch: pytest.MonkeyPat
     held = set(rows.snapshot()["ids"].tolist())
     part = rows.begin_export(base=False)
     assert part.tombstones.tolist() == sorted(set(range(1000)) - held)
+
+
+@pytest.mark.skipif(kernels.KERNELS is None, reason="psflow.sparse._kernels is not built")
+def test_the_compiled_least_recent_is_a_stable_sorts_first() -> None:
+    """The radix select gives what a stable sort's first ``k`` give, values and places, for
+    counts all equal, few, many and far apart (past the 16 bits of its histogram), at every
+    kind of ``k``."""
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 10, 1000, 300_000):
+        for top in (1, 5, 70_000, 2**40, 2**62):
+            ticks = torch.randint(0, top, (n,), generator=gen, dtype=torch.int64)
+            order = torch.sort(ticks, stable=True)
+            for k in sorted({1, min(n, 7), max(1, n // 3), n}):
+                values, where = kernels.least_recent(ticks, k)
+                assert torch.equal(values, order.values[:k]), (n, top, k)
+                assert torch.equal(where, order.indices[:k]), (n, top, k)
