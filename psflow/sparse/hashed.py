@@ -142,8 +142,14 @@ class HashedRows(Rows):
         columns |= {STATE_PREFIX + k: v for k, v in self.state.items()}
         if self.updated_at is not None:
             columns["updated_at"] = self.updated_at
-        nbytes = capacity * sum(t[:1].nbytes for t in columns.values())
-        reserve = nbytes >= allocator.RESERVE_FROM_BYTES  # every tensor, or none
+        row_bytes = sum(t[:1].nbytes for t in columns.values())
+        reserve = 0  # every tensor reserves the same rows, or none does
+        if capacity * row_bytes >= allocator.RESERVE_FROM_BYTES:
+            # As many rows as the host's memory could hold (or max_rows): each table then
+            # reserves about the memory there is, and no more.
+            reserve = max(2 * capacity, allocator.physical_memory() // row_bytes)
+            if self.max_rows is not None:
+                reserve = min(reserve, self.max_rows)
         grown = {name: self._grown(name, t, capacity, reserve) for name, t in columns.items()}
         self.values, self.slot_ids = grown["values"], grown["slot_ids"]
         self.last_update, self.updated_at = grown["last_update"], grown.get("updated_at")
@@ -153,22 +159,18 @@ class HashedRows(Rows):
             changed[: self._n] = self._changed[: self._n]
             self._changed = changed
 
-    def _grown(self, name: str, old: torch.Tensor, capacity: int, reserve: bool) -> torch.Tensor:
+    def _grown(self, name: str, old: torch.Tensor, capacity: int, reserve: int) -> torch.Tensor:
         """``old`` (the tensor ``name``) grown to ``capacity`` rows, its first ``self._n``
-        kept. In its :class:`~psflow.allocator.Reservation` when it has one, or can take one
-        with ``reserve`` (for ``max_rows`` rows, or as many as the machine's memory could hold
-        of the rows), nothing moves: the new rows are fresh pages, zeros. Otherwise it is
-        copied to new storage, as a growth always was."""
+        kept. In its :class:`~psflow.allocator.Reservation` when it has one, or can take one of
+        ``reserve`` rows (0: none), nothing moves: the new rows are fresh pages, zeros.
+        Otherwise it is copied to new storage, as a growth always was."""
         n = self._n
         area = self._areas.get(name)
-        if area is not None and capacity > area.rows:  # past the machine's memory
+        if area is not None and capacity > area.rows:  # past the host's memory
             del self._areas[name]
             area = None
-        if area is None and reserve:
-            rows = max(2 * capacity, allocator.physical_memory() // self.values[:1].nbytes)
-            if self.max_rows is not None:
-                rows = min(rows, self.max_rows)
-            area = allocator.reserve(tuple(old.shape[1:]), old.dtype, rows)
+        if area is None and reserve >= capacity:
+            area = allocator.reserve(tuple(old.shape[1:]), old.dtype, reserve)
             if area is not None:
                 self._areas[name] = area
         if area is not None:

@@ -249,7 +249,7 @@ class IdMap:
                 keys.data_ptr(), vals.data_ptr(), mask,
                 self.keys.data_ptr(), self.vals.data_ptr(), self._mask,
             )  # fmt: skip
-            if moved < 0:  # the load is kept at a quarter: a full map is a bug here
+            if moved < 0:  # more cells than ids, always: a full map is a bug here
                 raise RuntimeError(f"id map of {self._mask + 1} cells found no room")
             self._live = moved
             return

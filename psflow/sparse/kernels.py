@@ -330,8 +330,8 @@ def least_recent(ticks: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     """The ``k`` least of ``ticks`` (1-D int64, each at least 0; ``0 < k <= len``) and where
     they are, in order of value and, for equal values, of place: ``torch.topk(ticks, k,
     largest=False, sorted=True)`` with its ties settled by place. By a radix select
-    (``_evict.c``: 4 passes over ``ticks``, against topk's heap) where the kernels are built,
-    else a stable sort.
+    (``_evict.c``: three passes over ``ticks``, then a radix sort of the least, against topk's
+    heap) where the kernels are built, else a stable sort.
 
     Raises:
         MemoryError: when the kernel found no memory for its work.
