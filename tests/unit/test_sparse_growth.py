@@ -128,7 +128,7 @@ def test_a_table_past_its_reservation_moves_to_a_larger_one(
     """A table that outgrows its reservation (more rows than the machine's memory, made small
     here) is copied once into a new one, its rows and state kept, and grows in place again."""
     reserve_from_the_first_growth(monkeypatch)
-    monkeypatch.setattr(allocator, "physical_memory", lambda: 1000 * 3 * 8)  # 1,000 rows
+    monkeypatch.setattr(allocator, "physical_memory", lambda: 1000 * 3 * 8)  # a few hundred rows
     rows, ref = HashedRows(spec("Adagrad"), 0, 1), HashedRows(spec("Adagrad"), 0, 1)
     _, storage = grow(rows, steps=5)  # reserved at 4,096 rows for 8,192, then past them
     with monkeypatch.context() as m:
