@@ -26,7 +26,8 @@ training step leaves them (one core). Linux gives a process huge pages where it 
 ``always``; ``PSFLOW_MALLOC=system`` does not ask.
 
 A hashed table's tensors grow as rows come. Past :data:`RESERVE_FROM_BYTES` each grows in a
-:class:`Reservation`: address space for as many rows as the machine's memory could hold,
+:class:`Reservation`: address space for as many rows as the memory the process may have could
+hold (:func:`physical_memory`: the machine's, or a container's limit),
 mapped without memory behind it, so that a page is only taken when first touched. A growth then
 takes more of the same mapping: nothing is copied, and the table holds its rows' memory once.
 Copying instead stalled the shard's requests for the copy (an 8M-row table of dim 16 with
@@ -272,9 +273,24 @@ def reserved_bytes() -> int:
     return _reserved
 
 
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+"""Where a container's memory limit is read: cgroup v2, then v1 (``max`` or a huge number:
+none)."""
+
+
 def physical_memory() -> int:
-    """The machine's memory in bytes (0 where the system does not say)."""
+    """The memory this process may have, in bytes: the machine's, or its control group's limit
+    where lower (a container's, a Kubernetes pod's); 0 where neither says."""
     try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
-        return 0
+        total = 0
+    for path in _CGROUP_LIMITS:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) > 0:
+            total = min(total, int(text)) if total else int(text)
+    return total

@@ -4,6 +4,8 @@ and state either way, and snapshots keeping their moment across a growth."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -295,3 +297,23 @@ def test_the_compiled_least_recent_is_a_stable_sorts_first() -> None:
                 values, where = kernels.least_recent(ticks, k)
                 assert torch.equal(values, order.values[:k]), (n, top, k)
                 assert torch.equal(where, order.indices[:k]), (n, top, k)
+
+
+def test_the_memory_a_reservation_counts_on_is_a_containers_limit(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A table reserves for as many rows as the memory its process may have: the machine's,
+    or its control group's limit where one is set lower (v2's ``max`` and v1's huge number
+    mean none)."""
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    monkeypatch.setattr(allocator, "_CGROUP_LIMITS", (str(v2), str(v1)))
+    host = allocator.physical_memory()
+    assert host > 0
+    v2.write_text("max\n")
+    v1.write_text("9223372036854771712\n")
+    assert allocator.physical_memory() == host
+    v2.write_text(f"{1 << 30}\n")
+    assert allocator.physical_memory() == 1 << 30
+    v2.unlink()
+    v1.write_text(f"{1 << 31}\n")
+    assert allocator.physical_memory() == 1 << 31
