@@ -61,10 +61,10 @@ def measure(rows_wanted: int, dim: int, batch: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     new, held = batch // 2, batch - batch // 2
     grads = torch.full((batch, dim), 0.01)
-    times = []
+    times: list[float] = []
+    evicting: list[float] = []
     start = time.perf_counter()
-    made = 0
-    evicting = []
+    made, total = 0, 0.0
     while len(evicting) < EVICTING_PUSHES:
         fresh = torch.arange(made, made + new, dtype=torch.int64) * 7919 + 1
         made += new
