@@ -235,3 +235,17 @@ def keys_dir() -> str:
     from psflow.cluster.keys import generate_keys
 
     return str(generate_keys(Path(tempfile.mkdtemp(prefix="psflow-bench-keys-")) / "keys"))
+
+
+def run_in_tree(script: str, tree: Path, args: Sequence[str], timeout: float = 900) -> Any:
+    """``script`` (a benchmark's own file) run with ``args`` in a fresh process whose psflow is
+    ``tree``'s (first on ``PYTHONPATH``, run from there): an A/B against another checkout. Its
+    last line, as JSON; ``SystemExit`` with its errors' tail when it fails."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, script, *args]
+    proc = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        name = Path(script).stem
+        raise SystemExit(f"{name} in {tree} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

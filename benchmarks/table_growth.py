@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -96,14 +94,10 @@ def measure(rows_wanted: int, dim: int, batch: int) -> dict[str, Any]:
 
 def run_one(tree: Path, p: dict[str, Any]) -> dict[str, Any]:
     """:func:`measure` in a fresh process with ``tree``'s psflow."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, __file__, "--role", "measure"]
-    cmd += ["--rows", str(p["rows"]), "--dim", str(p["dim"]), "--batch", str(p["batch"])]
-    proc = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise SystemExit(f"table_growth in {tree} failed:\n{proc.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    from common import run_in_tree
+
+    args = ["--role", "measure", "--rows", str(p["rows"]), "--dim", str(p["dim"])]
+    result: dict[str, Any] = run_in_tree(__file__, tree, [*args, "--batch", str(p["batch"])])
     return result
 
 

@@ -81,14 +81,11 @@ def measure(data: str, batches: int) -> dict[str, float]:
 
 def run_one(tree: Path, data: str, batches: int) -> dict[str, float]:
     """:func:`measure` in a fresh process with ``tree``'s psflow."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, __file__, "--role", "measure", "--data", data]
-    cmd += ["--batches", str(batches)]
-    proc = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise SystemExit(f"table_rows in {tree} failed:\n{proc.stderr[-3000:]}")
-    result: dict[str, float] = json.loads(proc.stdout.strip().splitlines()[-1])
+    from common import run_in_tree
+
+    result: dict[str, float] = run_in_tree(
+        __file__, tree, ["--role", "measure", "--data", data, "--batches", str(batches)]
+    )
     return result
 
 
