@@ -167,6 +167,12 @@ PSFLOW_SHM = "PSFLOW_SHM"
 """``1`` (default): requests between a worker and a ps on the same host go through shared
 memory (:mod:`psflow.transport.shm`); ``0`` sends everything through the socket."""
 
+PSFLOW_SEALED = "PSFLOW_SEALED"
+"""``1`` (default): with CurveZMQ keys, a client that reaches a ps only by socket moves its
+requests to the ps's sealed socket, each message sealed with AES-256-GCM under keys handed over
+through CurveZMQ (:mod:`psflow.transport.seal`: a sixth of CurveZMQ's cipher's CPU); ``0``
+keeps every byte inside CurveZMQ (a ps then opens no second port)."""
+
 PSFLOW_SPIN_US = "PSFLOW_SPIN_US"
 """Microseconds (default 2000) that a side of a shared-memory lane looks for the next message
 after its last one, yielding its core, before it sleeps on its FIFO (:mod:`psflow.transport.shm`,

@@ -151,6 +151,10 @@ class Op(StrEnum):
     """A client on the same host offers a shared-memory lane for its next requests."""
     USE_SOCKET = "_socket"
     """Note through a lane: the reply is too large for it and follows through the socket."""
+    SEAL = "_seal"
+    """Through CurveZMQ, a client asks for a session on the server's sealed socket
+    (:mod:`psflow.transport.seal`); the reply carries :attr:`Key.SEAL_SESSION`,
+    :attr:`Key.SEAL_KEYS` and :attr:`Key.SEAL_PORT`."""
 
     # -- a ps shard: state and variables ---------------------------------------------------
     HELLO = "hello"
@@ -270,6 +274,13 @@ class Key(StrEnum):
     """Bytes of the lane's reply area."""
     NEED = "need"
     """With :attr:`Op.USE_SOCKET`: lane bytes the reply would have needed."""
+    SEAL_SESSION = "session"
+    """A sealed socket's session id (16 random bytes)."""
+    SEAL_KEYS = "keys"
+    """A session's two AES-256-GCM keys, the client's sending key then the server's (64 random
+    bytes; only ever sent through CurveZMQ)."""
+    SEAL_PORT = "port"
+    """The port of the server's sealed socket, on the host the client reached it at."""
 
     # -- requests to a ps -------------------------------------------------------------------
     TASK = "task"

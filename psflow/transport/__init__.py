@@ -23,6 +23,9 @@ the reply's code, for the layer above to act on.
   sleeps.
 - ``auth.py``: CurveZMQ keys, :func:`generate_keys`, :class:`CurveKeys`; the server's ZAP
   authenticator that logs the clients it refuses.
+- ``seal.py``: sealed sockets: with keys, a client reached only by socket moves to a second
+  socket of its server, each message sealed with AES-256-GCM under keys handed over through
+  CurveZMQ (a sixth of CurveZMQ's cipher's CPU).
 - ``monitor.py``: connection reports of sockets read in the background: why a peer is silent
   (nothing listening, a refused key), which clients failed their handshake.
 - ``cli.py``: ``psflow keys generate DIR``.

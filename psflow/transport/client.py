@@ -12,6 +12,7 @@ How it waits for the replies is :mod:`psflow.transport.receiver`'s.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,14 +22,14 @@ import zmq
 
 from psflow import allocator
 from psflow.protocol.messages import Key, Op
-from psflow.transport import wire
+from psflow.transport import seal, wire
 from psflow.transport.auth import configure_client
 from psflow.transport.config import TransportConfig, endpoint
 from psflow.transport.config import context as transport_context
 from psflow.transport.errors import PeerError, PeerTimeoutError
 from psflow.transport.looks import Looks
 from psflow.transport.monitor import Event, Link, Monitor
-from psflow.transport.receiver import Receiver, Reply, _Peer
+from psflow.transport.receiver import Receiver, Reply, _Peer, _SealedLink
 from psflow.transport.shm import Lane, LaneError
 from psflow.transport.wire import ZERO_COPY_ABOVE
 
@@ -40,13 +41,23 @@ _ID = Key.ID.value
 _MIN_LANE_BYTES = wire.INLINE_BYTES
 """Each lane area holds at least this much: a small model's tensors never need a new lane."""
 
+_SEALED = "/sealed"
+"""Appended to a peer's name: its sealed socket's reports from the monitor."""
+
+_SEALED_WAIT_SECONDS = 10.0
+"""A sealed socket not connected this long after its session began is reported (once): its port
+may be closed to this client (a deployment that lets only the task's own port through)."""
+
 
 class Client(Receiver):
     """Requests to a fixed list of peers, many in flight at once.
 
     A peer on the same host is reached through a shared-memory lane
     (:mod:`psflow.transport.shm`) once it has answered once over the socket, when no other
-    request to it is in flight; everything else goes through the socket.
+    request to it is in flight; everything else goes through the socket. With CurveZMQ keys, a
+    peer reached only by socket is asked for a session on its sealed socket
+    (:mod:`psflow.transport.seal`) in the same way, and its requests move there once that
+    connects.
 
     Example:
         >>> client = Client({"ps:0": "127.0.0.1:2222"}, TransportConfig(timeout=5))
@@ -73,21 +84,33 @@ class Client(Receiver):
         self._lane_retired: list[Callable[[np.ndarray[Any, Any]], None]] = []
         self._monitor = Monitor("psflow-client-monitor", self._on_event)
         endpoints = {name: endpoint(address, bind=False) for name, address in peers.items()}
+        sealing = config.keys is not None and config.sealed and seal.available()
         for name, address in peers.items():
-            sock = self._context.socket(zmq.DEALER)
-            sock.linger = 0
-            # A DEALER with no live peer (down, or refused by CurveZMQ) blocks its sends.
-            sock.sndtimeo = int(config.timeout * 1000)
-            # A connection silent past link_timeout is closed: a request on it is lost then
-            # (_dropped), not at its timeout. The peer's I/O thread answers, whatever its Python.
-            sock.heartbeat_timeout = max(1, int(config.link_timeout * 1000))
-            sock.heartbeat_ivl = max(1, int(config.link_timeout * 250))
+            sock = self._dealer(name)
             if config.keys is not None:
                 configure_client(sock, config.keys)
-            self._peers[name] = _Peer(name, address, sock, lanes_allowed=config.shared_memory)
+            peer = _Peer(name, address, sock, lanes_allowed=config.shared_memory, own_sock=sock)
+            self._peers[name] = peer
             self._monitor.watch(name, sock)
+            if sealing:
+                # Made and watched now (the monitor watches no socket added later); connected
+                # to the port a session names.
+                peer.sealed = _SealedLink(self._dealer(name, seal.SealedDealer))
+                peer.sealed.sock.setup(name, config.max_message_bytes + wire.MAX_HEADER_BYTES)
+                self._monitor.watch(name + _SEALED, peer.sealed.sock)
             sock.connect(endpoints[name])
         self._monitor.start()
+
+    def _dealer(self, name: str, socket_class: Any = None) -> Any:
+        sock = self._context.socket(zmq.DEALER, socket_class=socket_class)
+        sock.linger = 0
+        # A DEALER with no live peer (down, or refused by CurveZMQ) blocks its sends.
+        sock.sndtimeo = int(self.config.timeout * 1000)
+        # A connection silent past link_timeout is closed: a request on it is lost then
+        # (_dropped), not at its timeout. The peer's I/O thread answers, whatever its Python.
+        sock.heartbeat_timeout = max(1, int(self.config.link_timeout * 1000))
+        sock.heartbeat_ivl = max(1, int(self.config.link_timeout * 250))
+        return sock
 
     @property
     def peers(self) -> list[str]:
@@ -105,13 +128,26 @@ class Client(Receiver):
         return self._peers[peer].link
 
     def _on_event(self, name: str, event: Event) -> None:
-        # The monitor's thread: only the link (a few attributes) and the count change here.
+        # The monitor's thread: only the links (a few attributes) and the count change here.
+        # A closed connection counts when requests travel on it.
+        if name.endswith(_SEALED):
+            peer = self._peers.get(name[: -len(_SEALED)])
+            if peer is None or peer.sealed is None:
+                return
+            sealed = peer.sealed
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                sealed.connected = True
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                sealed.lost = True
+                if peer.sock is sealed.sock:
+                    peer.drops += 1
+            return
         peer = self._peers.get(name)
         if peer is None:
             return
         if not peer.answered:
             peer.link.update(event, peer.address)
-        elif event["event"] == zmq.EVENT_DISCONNECTED:
+        elif event["event"] == zmq.EVENT_DISCONNECTED and peer.sock is peer.own_sock:
             peer.drops += 1
 
     def lane(self, peer: str) -> Lane | None:
@@ -155,10 +191,18 @@ class Client(Receiver):
                 self._sent_at_drops[rid] = p.drops
                 p.inflight.add(rid)
                 return rid
+        if p.sealed is not None:
+            self._seal(p)
         frames = wire.encode(header, tensors, chunk=self.config.chunk_bytes)
         self._send(p, frames, block)
         self._inflight[rid] = (p, False)
-        self._sent_at_drops[rid] = p.drops
+        drops = p.drops
+        if p.sealed is not None and p.sock is p.sealed.sock and p.sealed.lost:
+            # Sent on a connection known to have closed (another request in flight kept it
+            # from moving back): its server may be gone with its port, so it fails as lost at
+            # once (_dropped), not at its timeout.
+            drops -= 1
+        self._sent_at_drops[rid] = drops
         p.inflight.add(rid)
         return rid
 
@@ -204,21 +248,14 @@ class Client(Receiver):
             peer.lanes_allowed = False
             return None
         try:
-            rid = self._next_id
-            self._next_id += 1
             header: dict[str, Any] = {
                 Key.OP: Op.ATTACH_LANE,
-                Key.ID: rid,
                 Key.LANE_NAME: lane.name,
                 Key.LANE_TOKEN: lane.token,
                 Key.LANE_REQUEST_BYTES: request_bytes,
                 Key.LANE_REPLY_BYTES: reply_bytes,
             }
-            self._send(peer, wire.encode(header))
-            self._inflight[rid] = (peer, False)
-            self._sent_at_drops[rid] = peer.drops
-            peer.inflight.add(rid)
-            self.wait([rid])
+            self._ask(peer, header)
         except PeerTimeoutError:
             lane.close()
             raise
@@ -233,6 +270,93 @@ class Client(Receiver):
         peer.lane = lane
         return lane
 
+    def _ask(self, peer: _Peer, header: dict[str, Any]) -> dict[str, Any]:
+        """Sends one of the transport's own requests to ``peer`` by socket and waits for its
+        reply's header."""
+        rid = self._next_id
+        self._next_id += 1
+        header[_ID] = rid
+        self._send(peer, wire.encode(header))
+        self._inflight[rid] = (peer, False)
+        self._sent_at_drops[rid] = peer.drops
+        peer.inflight.add(rid)
+        return self.wait([rid])[rid][0]
+
+    def _seal(self, peer: _Peer) -> None:
+        """Moves ``peer``'s requests to its sealed socket or back, while none is in flight:
+        a session is asked for once it has answered and no lane can reach it; they move once the
+        sealed socket has connected, and back inside CurveZMQ when that connection closes (the
+        server restarted, or the link was cut), a new session asked for at the next request."""
+        sealed = peer.sealed
+        assert sealed is not None
+        if peer.inflight or peer.lanes_allowed or not peer.answered:
+            return
+        if sealed.lost:
+            sealed.lost = sealed.connected = False
+            if sealed.endpoint is not None:
+                sealed.sock.disconnect(sealed.endpoint)
+                sealed.endpoint = None
+            if peer.sock is sealed.sock:
+                log.info("%s: its sealed socket's connection closed; back inside CurveZMQ", peer)
+                peer.sock = peer.own_sock
+            return
+        if peer.sock is sealed.sock:
+            return
+        if sealed.endpoint is None:
+            self._open_session(peer, sealed)
+        elif sealed.connected:
+            log.debug("%s: requests move to its sealed socket %s", peer, sealed.endpoint)
+            peer.sock = sealed.sock
+        elif not sealed.reported and time.monotonic() - sealed.began > _SEALED_WAIT_SECONDS:
+            sealed.reported = True
+            log.info(
+                "%s: its sealed socket %s has not connected in %g s (a port closed to this "
+                "host?); requests stay inside CurveZMQ",
+                peer,
+                sealed.endpoint,
+                _SEALED_WAIT_SECONDS,
+            )
+
+    def _open_session(self, peer: _Peer, sealed: _SealedLink) -> None:
+        try:
+            reply = self._ask(peer, {Key.OP: Op.SEAL})
+        except PeerTimeoutError:
+            raise
+        except PeerError as e:  # a server that does not seal: CurveZMQ for good
+            log.info("%s; requests stay inside CurveZMQ", e)
+            self._no_seal(peer)
+            return
+        session = reply.get(Key.SEAL_SESSION)
+        keys = reply.get(Key.SEAL_KEYS)
+        port = reply.get(Key.SEAL_PORT)
+        if not (
+            isinstance(session, bytes)
+            and len(session) == seal.SESSION_BYTES
+            and isinstance(keys, bytes)
+            and len(keys) == 2 * seal.KEY_BYTES
+            and isinstance(port, int)
+            and not isinstance(port, bool)
+            and 0 < port < 65536
+        ):
+            log.warning(
+                "%s answered a session with %s; requests stay inside CurveZMQ",
+                peer,
+                wire.brief(reply),
+            )
+            self._no_seal(peer)
+            return
+        to_server, to_client = keys[: seal.KEY_BYTES], keys[seal.KEY_BYTES :]
+        sealed.sock.begin(seal.Seal(session, send=to_server, receive=to_client))
+        own = endpoint(peer.address, bind=False)
+        sealed.endpoint = f"{own.rsplit(':', 1)[0]}:{port}"
+        sealed.began = time.monotonic()
+        sealed.sock.connect(sealed.endpoint)
+
+    def _no_seal(self, peer: _Peer) -> None:
+        if peer.sealed is not None:
+            peer.sealed.sock.close(linger=0)
+            peer.sealed = None
+
     def request(
         self,
         peer: str,
@@ -246,6 +370,7 @@ class Client(Receiver):
 
     def close(self) -> None:
         for peer in self._peers.values():
-            peer.sock.close(linger=0)
+            peer.own_sock.close(linger=0)
+            self._no_seal(peer)
             self._drop_lane(peer)
         self._peers.clear()

@@ -52,6 +52,10 @@ class TransportConfig:
     shared_memory: bool = field(default_factory=lambda: envvars.flag(envvars.PSFLOW_SHM, True))
     """Move large tensors through a shared-memory lane when client and server share a host
     (:mod:`psflow.transport.shm`); the socket otherwise (``PSFLOW_SHM``, default on)."""
+    sealed: bool = field(default_factory=lambda: envvars.flag(envvars.PSFLOW_SEALED, True))
+    """With :attr:`keys`, requests to a peer reached only by socket travel on its sealed socket
+    once it has one, sealed with AES-256-GCM (:mod:`psflow.transport.seal`); else all inside
+    CurveZMQ (``PSFLOW_SEALED``, default on)."""
     spin_seconds: float = field(
         default_factory=lambda: envvars.micros(envvars.PSFLOW_SPIN_US, SPIN_SECONDS)
     )

@@ -48,12 +48,31 @@ Reply = tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]
 
 
 @dataclass(eq=False, slots=True)
+class _SealedLink:
+    """A peer's sealed socket (:mod:`psflow.transport.seal`), as this client knows it."""
+
+    sock: Any
+    """Its :class:`~psflow.transport.seal.SealedDealer`."""
+    endpoint: str | None = None
+    """Where it is connected: the port the last session named (``None``: no session)."""
+    began: float = 0.0
+    """When that session began (``time.monotonic``)."""
+    connected: bool = False
+    """Its handshake with the server succeeded (the monitor's thread sets it)."""
+    lost: bool = False
+    """Its connection closed (the monitor's thread sets it)."""
+    reported: bool = False
+    """Whether its failure to connect has been logged."""
+
+
+@dataclass(eq=False, slots=True)
 class _Peer:
     """One peer, as this client knows it."""
 
     name: str
     address: str
     sock: zmq.Socket[bytes]
+    """The socket its requests travel on: :attr:`own_sock`, or its sealed socket's."""
     lanes_allowed: bool
     """Whether its requests may go through a lane (shared memory is on, and no attempt failed)."""
     lane: Lane | None = None
@@ -68,6 +87,10 @@ class _Peer:
     drops: int = 0
     """Its connections that closed since it first answered (the monitor counts them): a
     request sent by socket before one can have no reply."""
+    own_sock: Any = None
+    """The socket connected to its address (through CurveZMQ, with keys)."""
+    sealed: _SealedLink | None = None
+    """Its sealed socket, with CurveZMQ keys and ``PSFLOW_SEALED`` on."""
 
     def __str__(self) -> str:
         return f"{self.name} at {self.address}"
@@ -261,12 +284,13 @@ class Receiver:
             peer.answered = True
             peer.link = Link()  # it is up: from now on its monitor counts its closed connections
         lane = None if parts is not None else peer.lane
+        raw: Any
         try:
             if lane is not None:
                 raw, frames = lane.take_reply(), []
             else:
                 assert parts is not None
-                raw, frames = parts[0].buffer, parts[1:]
+                raw, frames = wire.frame_buffer(parts[0]), parts[1:]
             header = wire.decode_header(raw)
         except (wire.WireError, LaneError) as e:
             raise PeerError(peer.name, f"malformed reply: {e}") from None

@@ -41,6 +41,9 @@ class Request:
     frames: list[Any]
     lane: Lane | None = None
     """The shared-memory lane it came through (its reply goes back the same way)."""
+    sock: Any = None
+    """The socket it came through, when not the server's own (its sealed socket): its reply
+    goes back the same way."""
 
 
 class Replier:
@@ -145,12 +148,13 @@ class Replier:
         memory (with ``track``, kept until :meth:`flush` says ZeroMQ is done with them)."""
         size = sum(len(f) for f in frames[1:])
         msg = [request.identity, *frames]
+        sock = request.sock
         if size < ZERO_COPY_ABOVE:
-            self._send(msg)
+            self._send(msg, sock=sock)
         elif track:
-            self._pending.append(self._send(msg, copy=False, track=True))
+            self._pending.append(self._send(msg, copy=False, track=True, sock=sock))
         else:
-            self._send(msg, copy=False)
+            self._send(msg, copy=False, sock=sock)
 
     def reply_area(
         self, request: Request, sizes: Sequence[int]
@@ -210,13 +214,17 @@ class Replier:
         if request.lane is not None:
             self._post(request.lane, request.identity, frames)
         else:
-            self._send([request.identity, *frames])
+            self._send([request.identity, *frames], sock=request.sock)
 
-    def _send(self, msg: list[Any], *, copy: bool = True, track: bool = False) -> Any:
-        """Sends ``msg`` on the socket (its tracker with ``track``); the socket's events are
-        stale after it (see :meth:`_socket_may_have`)."""
-        self._events_stale = True
-        return self._sock.send_multipart(msg, copy=copy, track=track)
+    def _send(
+        self, msg: list[Any], *, copy: bool = True, track: bool = False, sock: Any = None
+    ) -> Any:
+        """Sends ``msg`` on ``sock``, else the server's socket (its tracker with ``track``); the
+        socket's events are stale after it (see :meth:`_socket_may_have`)."""
+        if sock is None or sock is self._sock:
+            self._events_stale = True
+            sock = self._sock
+        return sock.send_multipart(msg, copy=copy, track=track)
 
     def _post(self, lane: Lane, identity: bytes, frames: list[Any]) -> None:
         if not lane.post_reply(frames[0]):  # closed since: its client gave up

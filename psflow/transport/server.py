@@ -1,8 +1,10 @@
 """The server side: a ROUTER socket that receives requests and answers them one at a time.
 
-Clients on the same host may attach shared-memory lanes (:mod:`psflow.transport.shm`); the
-server answers those requests itself (:attr:`~psflow.protocol.Op.ATTACH_LANE`), so what it hands
-up is only ever a request for the service above it.
+Clients on the same host may attach shared-memory lanes (:mod:`psflow.transport.shm`); with
+CurveZMQ keys, clients that reach it only by socket may move to its sealed socket
+(:mod:`psflow.transport.seal`). The server answers those requests itself
+(:attr:`~psflow.protocol.Op.ATTACH_LANE`, :attr:`~psflow.protocol.Op.SEAL`), so what it hands up
+is only ever a request for the service above it.
 
 A client that cannot connect is never seen by a request, so the server logs it (WARNING, once,
 then at most once per ``wait_log_seconds`` for the same client): one whose CurveZMQ key is not
@@ -28,7 +30,7 @@ import zmq
 from psflow import allocator
 from psflow import env as envvars
 from psflow.protocol.messages import Code, Key, Op
-from psflow.transport import wire
+from psflow.transport import seal, wire
 from psflow.transport.auth import Gatekeeper, configure_server
 from psflow.transport.config import TransportConfig, endpoint
 from psflow.transport.config import context as transport_context
@@ -42,6 +44,7 @@ log = logging.getLogger(__name__)
 # Bound once, as plain strings, for the per-request path (see wire/encoding.py).
 _OP = Key.OP.value
 _ATTACH_LANE = Op.ATTACH_LANE.value
+_SEAL = Op.SEAL.value
 
 _POLLIN = int(zmq.POLLIN)
 _POLLERR = int(zmq.POLLERR)
@@ -133,6 +136,7 @@ class Server(Replier):
         )
         self._monitor.start()
         self._sock = sock
+        self._sealed = self._sealed_socket(bind_to) if config.keys is not None else None
         # ZeroMQ's descriptor for the socket: readable when its events may have changed.
         self._events_fd = select.poll()
         self._events_fd.register(sock.getsockopt(zmq.FD), select.POLLIN)
@@ -143,11 +147,47 @@ class Server(Replier):
         self._lane_of_fd: dict[int, tuple[bytes, Lane]] = {}
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
+        self._sockets_poller = zmq.Poller()
+        self._sockets_poller.register(sock, zmq.POLLIN)
+        if self._sealed is not None:
+            self._poller.register(self._sealed, zmq.POLLIN)
+            self._sockets_poller.register(self._sealed, zmq.POLLIN)
         self._ready: deque[Request] = deque()
         self._last_request = 0.0
         """When the last request was handed out (the doorbells' spin counts from it)."""
         self._looks = Looks()
         """Whether the next request has been coming within the spin time of the last."""
+
+    def _sealed_socket(self, bind_to: str) -> seal.SealedRouter | None:
+        """The sealed socket, bound to a port of the OS's choosing on the same interface, when
+        this server seals (:mod:`psflow.transport.seal`)."""
+        if not self.config.sealed:
+            return None
+        if not seal.available():
+            log.warning(
+                "no cryptography>=47: every byte stays inside CurveZMQ (pip install -U "
+                "cryptography for the sealed socket)"
+            )
+            return None
+        sock = self._context.socket(zmq.ROUTER, socket_class=seal.SealedRouter)
+        sock.setup(self.config.max_message_bytes + wire.MAX_HEADER_BYTES)
+        sock.linger = 0
+        sock.router_mandatory = False
+        sock.maxmsgsize = self.config.max_message_bytes + 2 * wire.MAX_HEADER_BYTES
+        try:
+            sock.bind(bind_to.rsplit(":", 1)[0] + ":*")
+        except zmq.ZMQError as e:
+            sock.close()
+            log.warning("no sealed socket (%s): every byte stays inside CurveZMQ", e)
+            return None
+        return sock
+
+    @property
+    def sealed_port(self) -> int | None:
+        """The port of the sealed socket, if this server has one."""
+        if self._sealed is None:
+            return None
+        return int(self._sealed.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
 
     def _on_event(self, address: str, event: Event) -> None:
         # The monitor's thread.
@@ -198,15 +238,22 @@ class Server(Replier):
             return self._ready.popleft()
         ms = max(1, int(timeout * 1000))
         if not self._lanes:
-            # The socket alone: a blocking receive, cheaper than a poll.
-            if self._sock.rcvtimeo != ms:
-                self._sock.rcvtimeo = ms
             self._events_stale = True
-            try:
-                parts = self._sock.recv_multipart(copy=False)
-            except zmq.Again:
-                return None
-            return self._from_socket(parts)
+            if self._sealed is None:
+                # The socket alone: a blocking receive, cheaper than a poll.
+                if self._sock.rcvtimeo != ms:
+                    self._sock.rcvtimeo = ms
+                try:
+                    parts = self._sock.recv_multipart(copy=False)
+                except zmq.Again:
+                    return None
+                return self._from_socket(parts, self._sock)
+            # The socket and the sealed socket.
+            self._collect_sealed()
+            if not self._ready and self._sockets_poller.poll(ms):
+                self._collect_socket()
+                self._collect_sealed()
+            return self._ready.popleft() if self._ready else None
         if self._collect() or self._spin(timeout):
             return self._ready.popleft()
         # Asleep: each lane's client rings its FIFO (see the doorbells in transport.shm).
@@ -225,6 +272,9 @@ class Server(Replier):
             for what, events in polled:
                 if what is self._sock:
                     self._collect_socket()
+                    continue
+                if what is self._sealed:
+                    self._collect_sealed()
                     continue
                 identity, lane = lane_of_fd[what]
                 if lane.closed:
@@ -266,6 +316,7 @@ class Server(Replier):
         self._collect_lanes()
         if self._socket_may_have() and self._sock.getsockopt(zmq.EVENTS) & _POLLIN:
             self._collect_socket()
+        self._collect_sealed()
         if self._ready:
             self._came()
             return True
@@ -302,13 +353,21 @@ class Server(Replier):
 
     def _collect_socket(self) -> None:
         self._events_stale = True
+        self._collect_from(self._sock)
+
+    def _collect_sealed(self) -> None:
+        # The socket's descriptor is the other socket's: nothing here marks its events stale.
+        if self._sealed is not None:
+            self._collect_from(self._sealed)
+
+    def _collect_from(self, sock: Any) -> None:
         while True:
             try:
-                parts = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                request = self._from_socket(parts)
+                try:
+                    parts = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    return
+                request = self._from_socket(parts, sock)
             except wire.WireError as e:
                 if not self._ready:
                     raise
@@ -318,20 +377,24 @@ class Server(Replier):
             if request is not None:
                 self._ready.append(request)
 
-    def _from_socket(self, parts: list[Any]) -> Request | None:
+    def _from_socket(self, parts: list[Any], sock: Any) -> Request | None:
         identity = parts[0].bytes
         if len(parts) < 2:
             raise wire.WireError("message has no header frame")
         try:
-            header = wire.decode_header(parts[1].buffer)
+            header = wire.decode_header(wire.frame_buffer(parts[1]))
         except Exception as e:  # WireError; anything else is a bug, still the sender's alone
             error = e if isinstance(e, wire.WireError) else wire.WireError(f"unreadable: {e!r}")
-            self._send([identity, *_error(-1, str(error), Code.MALFORMED)])
+            self._send([identity, *_error(-1, str(error), Code.MALFORMED)], sock=sock)
             raise error from None
-        if header[_OP] == _ATTACH_LANE:
-            self._attach(identity, header)
+        op = header[_OP]
+        if op == _ATTACH_LANE:
+            self._attach(identity, header, sock)
             return None
-        return Request(identity=identity, header=header, frames=parts[2:])
+        if op == _SEAL:
+            self._open_session(identity, header, sock)
+            return None
+        return Request(identity=identity, header=header, frames=parts[2:], sock=sock)
 
     def _from_lane(self, identity: bytes, lane: Lane) -> Request | None:
         self._lanes.move_to_end(identity)
@@ -345,12 +408,32 @@ class Server(Replier):
             return None
         return Request(identity=identity, header=header, frames=[], lane=lane)
 
-    def _attach(self, identity: bytes, header: dict[str, Any]) -> None:
+    def _open_session(self, identity: bytes, header: dict[str, Any], sock: Any) -> None:
+        """Answers a client's request for a session on the sealed socket, through CurveZMQ
+        only (its keys travel in the reply)."""
+        rid = header[Key.ID]
+        if sock is not self._sock or self._sealed is None or self._auth is None:
+            why = "no sealed socket on this server" if self._sealed is None else "not here"
+            self._send([identity, *_error(rid, why, Code.REFUSED)], sock=sock)
+            return
+        session, to_server, to_client = self._sealed.sessions.new()
+        reply: dict[str, Any] = {
+            Key.OP: Op.OK,
+            Key.ID: rid,
+            Key.SEAL_SESSION: session,
+            Key.SEAL_KEYS: to_server + to_client,
+            Key.SEAL_PORT: self.sealed_port,
+        }
+        self._send([identity, *wire.encode(reply)])
+
+    def _attach(self, identity: bytes, header: dict[str, Any], sock: Any) -> None:
         """Maps a client's lane (its request to attach one is answered here, not above)."""
         rid = header[Key.ID]
         try:
             if not self.config.shared_memory:
                 raise LaneError("shared memory is off on this server")
+            if sock is not self._sock:
+                raise LaneError("lanes are offered through the server's own socket")
             lane = Lane.attach(
                 header.get(Key.LANE_NAME),
                 header.get(Key.LANE_TOKEN),
@@ -362,7 +445,7 @@ class Server(Replier):
             message = f"no shared-memory lane: {e}"
             if not isinstance(e, LaneError):
                 self._refusals.warning("attach", "refused a lane attach from %r: %r", identity, e)
-            self._send([identity, *_error(rid, message, Code.REFUSED)])
+            self._send([identity, *_error(rid, message, Code.REFUSED)], sock=sock)
             return
         self._drop_lane(identity)
         self._lanes[identity] = lane
@@ -370,7 +453,7 @@ class Server(Replier):
         self._poller.register(lane.requests_fd, zmq.POLLIN)
         while len(self._lanes) > _MAX_LANES:
             self._drop_lane(next(iter(self._lanes)))
-        self._send([identity, *wire.encode({Key.OP: Op.OK, Key.ID: rid})])
+        self._send([identity, *wire.encode({Key.OP: Op.OK, Key.ID: rid})], sock=sock)
 
     def _drop_lane(self, identity: bytes) -> None:
         lane = self._lanes.pop(identity, None)
@@ -382,6 +465,8 @@ class Server(Replier):
     def close(self, linger: float = 0.0) -> None:
         """Closes the socket, giving queued replies up to ``linger`` seconds to leave."""
         self._sock.close(linger=int(linger * 1000))
+        if self._sealed is not None:
+            self._sealed.close(linger=int(linger * 1000))
         for identity in list(self._lanes):
             self._drop_lane(identity)
         if self._auth is not None:

@@ -34,6 +34,7 @@ from psflow.protocol.messages import PROTOCOL_VERSION
 from psflow.transport.wire.decoding import (
     decode_header,
     decode_tensors,
+    frame_buffer,
     frame_views,
     tensor_buffers,
     tensor_metas,
@@ -97,6 +98,7 @@ __all__ = [
     "dtype_name",
     "encode",
     "encode_raw",
+    "frame_buffer",
     "frame_views",
     "lane_bytes",
     "lane_bytes_of",

@@ -186,7 +186,7 @@ def frame_views(
     i = 0
     for m in metas:
         n = num_frames(m.nbytes, chunk)
-        parts = [_buffer(f) for f in frames[i : i + n]]
+        parts = [frame_buffer(f) for f in frames[i : i + n]]
         i += n
         got = sum(len(p) for p in parts)
         if got != m.nbytes:
@@ -293,7 +293,7 @@ def tensor_buffers(
         return None
     out = []
     for m, frame in zip(metas, frames, strict=True):
-        buf = _buffer(frame)
+        buf = frame_buffer(frame)
         if len(buf) != m.nbytes or m.nbytes > chunk:
             return None
         out.append((buf, 0))
@@ -408,6 +408,8 @@ def _aligned(n: int) -> int:
     return (n + 7) & ~7
 
 
-def _buffer(frame: Any) -> memoryview:
+def frame_buffer(frame: Any) -> memoryview:
+    """A received frame's bytes: a ZeroMQ frame's buffer, or the frame itself (an opened sealed
+    frame, :mod:`psflow.transport.seal`)."""
     buf = getattr(frame, "buffer", None)
     return buf if buf is not None else memoryview(frame)

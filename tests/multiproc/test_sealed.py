@@ -1,0 +1,258 @@
+"""Sealed sockets over real connections (``psflow.transport.seal``): with CurveZMQ keys a client
+that reaches a server only by socket moves to its sealed socket and gets the same answers;
+what reaches the sealed port without a session's keys is refused and the server serves on; a
+server without one, or a restarted one, leaves nobody stuck."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from psflow.cluster.ports import free_ports
+from psflow.protocol import PROTOCOL_VERSION, Key, Op
+from psflow.transport import (
+    Client,
+    CurveKeys,
+    PeerLostError,
+    Server,
+    TransportConfig,
+    generate_keys,
+    seal,
+)
+
+from ..fuzz_messages import messages
+from .support import ROOT
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not seal.available(), reason="needs the cryptography package"),
+]
+
+
+class Echo:
+    """A server on a thread answering each request with its tensors doubled; it counts the
+    requests that came through its sealed socket and through its own."""
+
+    def __init__(self, address: str, config: TransportConfig) -> None:
+        self.server = Server(address, config)
+        self.by: dict[str, int] = {"sealed": 0, "own": 0}
+        self.refused = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        server = self.server
+        while not self._stop.is_set():
+            try:
+                request = server.recv(0.05)
+            except ValueError:  # wire.WireError: a refused message, answered by the server
+                self.refused += 1
+                continue
+            if request is None:
+                continue
+            sealed = request.sock is not None and request.sock is not server._sock
+            self.by["sealed" if sealed else "own"] += 1
+            tensors = [(n, t * 2) for n, t in server.tensors(request)]
+            server.reply(request, {Key.OP: Op.OK, "sealed": sealed}, tensors)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.server.close()
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> CurveKeys:
+    return CurveKeys.load(generate_keys(tmp_path / "keys"))
+
+
+def _config(keys: CurveKeys, **overrides: Any) -> TransportConfig:
+    return TransportConfig(timeout=10, link_timeout=5, keys=keys, shared_memory=False, **overrides)
+
+
+def _until_sealed(client: Client, peer: str, limit: float = 30.0) -> int:
+    """Sends requests until one is answered through the sealed socket; how many it took."""
+    deadline = time.monotonic() + limit
+    sent = 0
+    while True:
+        x = torch.arange(1000, dtype=torch.float32) + sent
+        header, ((_, y),) = client.request(peer, {Key.OP: "echo"}, [("x", x)])
+        sent += 1
+        assert torch.equal(y, x * 2)
+        if header["sealed"]:
+            return sent
+        assert time.monotonic() < deadline, "requests never moved to the sealed socket"
+        time.sleep(0.01)
+
+
+def test_requests_move_to_the_sealed_socket_and_arrive_unchanged(keys: CurveKeys) -> None:
+    (port,) = free_ports(1)
+    echo = Echo(f"127.0.0.1:{port}", _config(keys))
+    client = Client({"ps:0": f"127.0.0.1:{port}"}, _config(keys))
+    try:
+        assert echo.server.sealed_port not in (None, port)
+        _until_sealed(client, "ps:0")
+        own = echo.by["own"]
+        # From now on every request goes sealed, large tensors (several frames) included.
+        for i in range(20):
+            big = torch.randn(1 << 18 if i % 2 else 17)
+            ids = torch.arange(i, dtype=torch.int64)
+            header, got = client.request("ps:0", {Key.OP: "echo"}, [("big", big), ("ids", ids)])
+            assert header["sealed"]
+            assert torch.equal(got[0][1], big * 2) and torch.equal(got[1][1], ids * 2)
+        assert echo.by["own"] == own and echo.refused == 0
+    finally:
+        client.close()
+        echo.stop()
+
+
+def test_without_a_sealed_socket_everything_stays_inside_curvezmq(keys: CurveKeys) -> None:
+    (port,) = free_ports(1)
+    echo = Echo(f"127.0.0.1:{port}", _config(keys, sealed=False))
+    client = Client({"ps:0": f"127.0.0.1:{port}"}, _config(keys))
+    try:
+        assert echo.server.sealed_port is None
+        for i in range(10):
+            header, _ = client.request("ps:0", {Key.OP: "echo"}, [("x", torch.ones(i))])
+            assert not header["sealed"]
+        assert client._peers["ps:0"].sealed is None  # asked once, refused, not again
+        assert echo.by == {"sealed": 0, "own": 10}
+    finally:
+        client.close()
+        echo.stop()
+
+
+def _send_raw(port: int, frames: list[bytes]) -> list[bytes] | None:
+    """Frames sent to ``port`` by a plain DEALER; the answer, if one comes within a second."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    try:
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send_multipart(frames)
+        return sock.recv_multipart() if sock.poll(1000) else None
+    finally:
+        sock.close()
+
+
+def test_the_sealed_port_refuses_what_no_session_sealed_and_serves_on(keys: CurveKeys) -> None:
+    (port,) = free_ports(1)
+    echo = Echo(f"127.0.0.1:{port}", _config(keys))
+    client = Client({"ps:0": f"127.0.0.1:{port}"}, _config(keys))
+    try:
+        _until_sealed(client, "ps:0")
+        sealed_port = echo.server.sealed_port
+        assert sealed_port is not None
+        served = dict(echo.by)
+        session = client._peers["ps:0"].sealed.sock.seal.session  # type: ignore[union-attr]
+        forged = seal.Seal(session, send=os.urandom(32), receive=os.urandom(32))
+        plain = msgpack.packb({Key.VERSION: PROTOCOL_VERSION, Key.OP: Op.STATUS, Key.ID: 1})
+        attempts: list[list[bytes]] = [
+            [plain],  # a request in the clear
+            [b"psS1" + bytes(40), b"x"],  # the form, no session
+            [bytes(memoryview(part)) for part in forged.seal([plain])],
+            *(frames for _, _, frames in messages(20261128, 100)),
+        ]
+        for frames in attempts:
+            answer = _send_raw(sealed_port, frames)
+            # Answered in the clear, if at all: a refusal, never a reply to the request.
+            if answer is not None:
+                header = msgpack.unpackb(answer[0], raw=False)
+                assert header[Key.OP] == Op.ERROR and header[Key.ID] == -1, header
+        # Below ZeroMQ: bytes in place of a handshake.
+        for _, _, frames in messages(7, 50):
+            with socket.create_connection(("127.0.0.1", sealed_port), timeout=5) as raw:
+                raw.sendall(b"".join(frames)[:65536])
+        assert echo.by == served, "a message without the session's keys reached the service"
+        assert echo.refused >= 3
+        # The true client's session goes on.
+        header, ((_, y),) = client.request("ps:0", {Key.OP: "echo"}, [("x", torch.ones(3))])
+        assert header["sealed"] and torch.equal(y, torch.full((3,), 2.0))
+    finally:
+        client.close()
+        echo.stop()
+
+
+def test_a_restarted_server_gets_a_new_session(keys: CurveKeys) -> None:
+    (port,) = free_ports(1)
+    address = f"127.0.0.1:{port}"
+    echo = Echo(address, _config(keys))
+    client = Client({"ps:0": address}, _config(keys))
+    try:
+        _until_sealed(client, "ps:0")
+        first_port = echo.server.sealed_port
+        echo.stop()
+        sealed = client._peers["ps:0"].sealed
+        assert sealed is not None
+        deadline = time.monotonic() + 30
+        while not sealed.lost:  # the monitor's word that the connection closed
+            assert time.monotonic() < deadline, "the sealed connection's close was not seen"
+            time.sleep(0.01)
+        echo = Echo(address, _config(keys))
+        assert echo.server.sealed_port != first_port
+        began = time.monotonic()
+        header: dict[str, Any] = {}
+        for _ in range(3):  # the first may have gone to the old port: lost at once, not late
+            try:
+                header, _ = client.request("ps:0", {Key.OP: "echo"}, [("x", torch.ones(2))])
+                break
+            except PeerLostError:
+                pass
+        assert time.monotonic() - began < client.config.timeout
+        assert not header["sealed"]  # back inside CurveZMQ, then a new session
+        _until_sealed(client, "ps:0")
+    finally:
+        client.close()
+        echo.stop()
+
+
+def _launch_linreg(tmp_path: Path, env: dict[str, str]) -> tuple[str, str]:
+    """``psflow launch`` (its fresh keys) of the linear regression, one worker, through the
+    socket alone; its ``W=... b=...`` line and its output."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "psflow.cli",
+        "launch",
+        "--ps",
+        "1",
+        "--workers",
+        "1",
+        str(ROOT / "examples" / "linear_regression.py"),
+        "--train_steps=300",
+        f"--logdir={tmp_path}",
+    ]
+    base = {k: v for k, v in os.environ.items() if k != "PSFLOW_KEYS_DIR"}
+    run = subprocess.run(
+        cmd,
+        env={**base, "PSFLOW_SHM": "0", "PSFLOW_LOG_LEVEL": "DEBUG", **env},
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    m = re.search(r"W=\S+ b=\S+", run.stdout)
+    assert m is not None, run.stdout[-3000:]
+    return m.group(0), run.stdout + run.stderr
+
+
+def test_a_launched_job_trains_the_same_on_its_sealed_socket(tmp_path: Path) -> None:
+    sealed, out = _launch_linreg(tmp_path / "sealed", {})
+    assert "requests move to its sealed socket" in out
+    inside, out = _launch_linreg(tmp_path / "curve", {"PSFLOW_SEALED": "0"})
+    assert "sealed socket" not in out
+    # One worker: every step the same, so the same values to the last digit printed.
+    assert sealed == inside
