@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,11 @@ def configure_client(sock: zmq.Socket[bytes], keys: CurveKeys) -> None:
     sock.curve_secretkey = keys.client_secret
 
 
+_ZAP_BIND_SECONDS = 2.0
+"""How long a server's authenticator tries again to bind ZeroMQ's authenticator endpoint while
+the one of a server this process stopped a moment ago still holds it."""
+
+
 class Gatekeeper(ThreadAuthenticator):
     """pyzmq's ZAP authenticator for a server's CurveZMQ clients, in its own thread, that logs
     each client it refuses (WARNING, with the client's address and key) on ``refusals``.
@@ -123,7 +129,20 @@ class Gatekeeper(ThreadAuthenticator):
         self._address = "an unknown address"
 
     def start(self) -> None:
-        super().start()
+        # ZeroMQ's authenticator endpoint is one per context: one closed a moment ago (a server
+        # of this process, stopped) is released by the context's reaper thread, soon after.
+        deadline = time.monotonic() + _ZAP_BIND_SECONDS
+        while True:
+            try:
+                super().start()
+                break
+            except zmq.ZMQError as e:
+                if self.zap_socket is not None:
+                    self.zap_socket.close(linger=0)
+                    self.zap_socket = None  # type: ignore[assignment]
+                if e.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
         self.configure_curve_callback(domain="*", credentials_provider=self)
 
     def handle_zap_message(self, msg: list[bytes]) -> Any:

@@ -29,7 +29,7 @@ from psflow.transport.config import context as transport_context
 from psflow.transport.errors import PeerError, PeerTimeoutError
 from psflow.transport.looks import Looks
 from psflow.transport.monitor import Event, Link, Monitor
-from psflow.transport.receiver import Receiver, Reply, _Peer, _SealedLink
+from psflow.transport.receiver import SEAL_BREAKS, Receiver, Reply, _Peer, _SealedLink
 from psflow.transport.shm import Lane, LaneError
 from psflow.transport.wire import ZERO_COPY_ABOVE
 
@@ -299,6 +299,8 @@ class Client(Receiver):
             if peer.sock is sealed.sock:
                 log.info("%s: its sealed socket's connection closed; back inside CurveZMQ", peer)
                 peer.sock = peer.own_sock
+            if sealed.breaks >= SEAL_BREAKS:
+                self._no_seal(peer)
             return
         if peer.sock is sealed.sock:
             return

@@ -7,6 +7,7 @@ replies; the client, which connects and sends, sets the attributes it declares.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -24,7 +25,10 @@ from psflow.transport.config import TransportConfig
 from psflow.transport.errors import PeerError, PeerLostError, PeerTimeoutError
 from psflow.transport.looks import Looks
 from psflow.transport.monitor import Link
+from psflow.transport.seal import SealError
 from psflow.transport.shm import Lane, LaneError
+
+log = logging.getLogger("psflow.transport.client")
 
 # Bound once, as plain strings, for the per-request path (see wire/encoding.py).
 _OP = Key.OP.value
@@ -38,6 +42,10 @@ _POLLIN = int(zmq.POLLIN)
 
 _DROP_CHECK_SECONDS = 0.2
 """A wait on one socket wakes at least this often to see whether its connection closed."""
+
+SEAL_BREAKS = 2
+"""Answers on a peer's sealed socket that did not open after which its client asks it for no
+more sessions (its sealed port may lead elsewhere: a host's port mapped to another process)."""
 
 _NAP_SECONDS = 0.05
 """A wait on several peers asleep looks at the lanes' counts again at least this often (see
@@ -63,6 +71,8 @@ class _SealedLink:
     """Its connection closed (the monitor's thread sets it)."""
     reported: bool = False
     """Whether its failure to connect has been logged."""
+    breaks: int = 0
+    """Answers on it that did not open (see :data:`SEAL_BREAKS`)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -210,9 +220,10 @@ class Receiver:
             # Awake now and then: a closed connection is seen here (_dropped), not at the end.
             sock.rcvtimeo = max(1, int(min(left, _DROP_CHECK_SECONDS) * 1000))
             try:
-                return ((peer, sock.recv_multipart(copy=False)),)
+                parts = self._received(peer, sock, 0)
             except zmq.Again:
                 return ()
+            return ((peer, parts),) if parts is not None else ()
         lanes: dict[int, _Peer] = {}
         socks: dict[zmq.Socket[bytes], _Peer] = {}
         for rid in want:
@@ -258,9 +269,8 @@ class Receiver:
                     peer.lane.sleep_for_replies(False)
         return self._arrived(lanes, socks)
 
-    @staticmethod
     def _arrived(
-        lanes: Mapping[int, _Peer], socks: Mapping[zmq.Socket[bytes], _Peer]
+        self, lanes: Mapping[int, _Peer], socks: Mapping[zmq.Socket[bytes], _Peer]
     ) -> list[tuple[_Peer, list[Any] | None]]:
         """The replies that have come, without waiting: each lane's, and every message
         waiting on the sockets."""
@@ -272,10 +282,40 @@ class Receiver:
         for sock, peer in socks.items():
             while True:
                 try:
-                    arrivals.append((peer, sock.recv_multipart(zmq.NOBLOCK, copy=False)))
+                    parts = self._received(peer, sock, zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                if parts is None:
+                    break
+                arrivals.append((peer, parts))
         return arrivals
+
+    @staticmethod
+    def _received(peer: _Peer, sock: Any, flags: int) -> list[Any] | None:
+        """A message from ``sock``, ``peer``'s socket; ``None`` when its sealed socket got one
+        that does not open: its session is given up as a closed connection is (what was sent
+        on it fails as lost, :meth:`_dropped`; the next request goes inside CurveZMQ).
+
+        Raises:
+            zmq.Again: when none has come (within the socket's receive timeout).
+        """
+        try:
+            return sock.recv_multipart(flags, copy=False)  # type: ignore[no-any-return]
+        except SealError as e:
+            sealed = peer.sealed
+            assert sealed is not None
+            sealed.breaks += 1
+            sealed.lost = True
+            peer.drops += 1
+            log.warning(
+                "%s: %s; %s",
+                peer,
+                e,
+                "its sealed socket is given up"
+                if sealed.breaks >= SEAL_BREAKS
+                else "back inside CurveZMQ for a new session",
+            )
+            return None
 
     def _take(self, peer: _Peer, parts: list[Any] | None, w: _Wait) -> None:
         """Files one message from ``peer`` (``parts`` from its socket, or ``None``: the reply

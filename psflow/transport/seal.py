@@ -40,7 +40,6 @@ import numpy as np
 import zmq
 
 from psflow.protocol.messages import Code, Key, Op
-from psflow.transport.errors import PeerError
 from psflow.transport.wire import ZERO_COPY_ABOVE, WireError, brief, decode_header, encode
 
 _aead: Any
@@ -362,9 +361,9 @@ class SealedDealer(zmq.Socket):  # type: ignore[type-arg]
         """The frames of a reply, opened.
 
         Raises:
-            PeerError: naming the server, when a message does not open (its words, in the
-                clear, are quoted: the server refused the request's seal, or someone else
-                wrote them).
+            SealError: when a message does not open, quoting what it says when it is a
+                refusal in the clear (the server refused the request's seal; or someone else
+                wrote it: untrusted words, bounded).
         """
         parts = super().recv_multipart(flags, copy=False)
         seal = self.seal
@@ -375,8 +374,8 @@ class SealedDealer(zmq.Socket):  # type: ignore[type-arg]
                 raise SealError(f"a sealed message has 2 frames, not {len(parts)}")
             return seal.open(parts[0].buffer, parts[1].buffer, max_bytes=self.max_bytes)
         except SealError as e:
-            raise PeerError(
-                self.peer, f"an answer on its sealed socket that does not open: {e}{_said(parts)}"
+            raise SealError(
+                f"an answer on its sealed socket that does not open: {e}{_said(parts)}"
             ) from None
 
 

@@ -50,10 +50,11 @@ class Heartbeat:
         self.interval = interval
         self.me = str(ctx.task)
         self._peers = {f"ps:{i}": address for i, address in enumerate(ctx.cluster.addresses("ps"))}
-        # Through the socket only (a heartbeat carries no tensor); a reply is awaited one
-        # interval, and the sends to ps that are down (a full queue) block a round no longer.
+        # Through the socket only, inside CurveZMQ where there are keys (a heartbeat carries
+        # no tensor: no second connection pays); a reply is awaited one interval, and the
+        # sends to ps that are down (a full queue) block a round no longer.
         self._config = dataclasses.replace(
-            config, shared_memory=False, timeout=interval / (1 + len(self._peers))
+            config, shared_memory=False, sealed=False, timeout=interval / (1 + len(self._peers))
         )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

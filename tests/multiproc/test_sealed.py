@@ -31,6 +31,7 @@ from psflow.transport import (
     generate_keys,
     seal,
 )
+from psflow.transport.receiver import SEAL_BREAKS
 
 from ..fuzz_messages import messages
 from .support import ROOT
@@ -256,3 +257,29 @@ def test_a_launched_job_trains_the_same_on_its_sealed_socket(tmp_path: Path) -> 
     assert "sealed socket" not in out
     # One worker: every step the same, so the same values to the last digit printed.
     assert sealed == inside
+
+
+def test_a_session_the_server_lost_fails_at_once_and_twice_ends_sealing(keys: CurveKeys) -> None:
+    (port,) = free_ports(1)
+    echo = Echo(f"127.0.0.1:{port}", _config(keys))
+    client = Client({"ps:0": f"127.0.0.1:{port}"}, _config(keys))
+    try:
+        for breaks in range(1, SEAL_BREAKS + 1):
+            _until_sealed(client, "ps:0")
+            sessions = echo.server._sealed.sessions  # type: ignore[union-attr]
+            sessions._by_id.clear()  # as if evicted by MAX_SESSIONS newer ones
+            began = time.monotonic()
+            with pytest.raises(PeerLostError, match="ps:0"):
+                client.request("ps:0", {Key.OP: "echo"}, [("x", torch.ones(2))])
+            assert time.monotonic() - began < client.config.timeout
+            header, _ = client.request("ps:0", {Key.OP: "echo"}, [("x", torch.ones(2))])
+            assert not header["sealed"]
+            sealed = client._peers["ps:0"].sealed
+            assert (sealed is None) == (breaks == SEAL_BREAKS)
+        # Given up: inside CurveZMQ from now on, and nothing lost on the way.
+        for _ in range(5):
+            header, ((_, y),) = client.request("ps:0", {Key.OP: "echo"}, [("x", torch.ones(2))])
+            assert not header["sealed"] and torch.equal(y, torch.full((2,), 2.0))
+    finally:
+        client.close()
+        echo.stop()
