@@ -3,14 +3,16 @@
 # ../.library/device): the CUDA tests (towers, stages, a worker on CUDA against 2 ps), then
 # examples/ctr.py with its 2 workers on the CPU and on CUDA, side by side on that machine.
 #
-# There, python3 has a CUDA build of torch and most of psflow's dependencies, but neither pyzmq
-# nor google-crc32c, and nothing can be fetched: they travel as wheels in .whl, fetched here once
+# There, python3 has a CUDA build of torch and most of psflow's dependencies, but not pyzmq or
+# google-crc32c (nor, perhaps, cryptography 47 or later, which the sealed socket needs), and
+# nothing can be fetched: they travel as wheels in .whl, fetched here once
 # (git ignores .whl through .git/info/exclude):
 #
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-#       --platform manylinux2014_x86_64 -d .whl pyzmq==27.3.0 google-crc32c==1.9.0
+#       --platform manylinux2014_x86_64 --platform manylinux_2_34_x86_64 -d .whl pyzmq==27.3.0 \
+#       google-crc32c==1.9.0 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12
 #
 # and the device run carries it: command `bash scripts/gpu-check.sh`, carry [".whl"]. About 4
 # minutes on an H100 with the defaults; CTR_STEPS and CTR_EXAMPLES make it shorter or longer.

@@ -15,8 +15,10 @@
 # and a worker's CPU a step outside its model); SOCKET_PROFILE=1 profiles the job through the
 # socket too (its stacks in $OUT/socket).
 #
-# It needs pyzmq, google-crc32c and py-spy as wheels in .whl (see scripts/gpu-check.sh for the
-# download; add py-spy==0.4.3 with --platform manylinux1_x86_64), carried: command
+# It needs pyzmq, google-crc32c, cryptography (for the sealed socket: without it every byte
+# through the socket stays inside CurveZMQ) and py-spy as wheels in .whl (see
+# scripts/gpu-check.sh for the download; add py-spy==0.4.3 with --platform manylinux1_x86_64),
+# carried: command
 # `bash scripts/scale-check.sh`, carry [".whl"]. Logs and stacks go to $OUT, else
 # /tmp/scale-check. About 6 minutes on 16 cores with the defaults.
 set -uo pipefail
@@ -26,7 +28,8 @@ mkdir -p "$out"
 jobs="${JOBS:-1x1,2x4,4x8,4x12}"
 profile="${PROFILE-4x12}"
 py="${PYTHON:-python3}"
-if compgen -G ".whl/*.whl" >/dev/null && ! "$py" -c "import zmq, google_crc32c" 2>/dev/null; then
+have='import zmq, google_crc32c; from psflow.transport import seal; assert seal.available()'
+if compgen -G ".whl/*.whl" >/dev/null && ! PYTHONPATH="$PWD" "$py" -c "$have" 2>/dev/null; then
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
     export PATH="/tmp/site/bin:$PATH"

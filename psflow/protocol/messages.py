@@ -154,7 +154,7 @@ class Op(StrEnum):
     SEAL = "_seal"
     """Through CurveZMQ, a client asks for a session on the server's sealed socket
     (:mod:`psflow.transport.seal`); the reply carries :attr:`Key.SEAL_SESSION`,
-    :attr:`Key.SEAL_KEYS` and :attr:`Key.SEAL_PORT`."""
+    :attr:`Key.SEAL_KEYS`, :attr:`Key.SEAL_TOKEN` and :attr:`Key.SEAL_PORT`."""
 
     # -- a ps shard: state and variables ---------------------------------------------------
     HELLO = "hello"
@@ -279,6 +279,9 @@ class Key(StrEnum):
     SEAL_KEYS = "keys"
     """A session's two AES-256-GCM keys, the client's sending key then the server's (64 random
     bytes; only ever sent through CurveZMQ)."""
+    SEAL_TOKEN = "token"
+    """What a client's connection to a sealed socket presents (ZeroMQ's PLAIN password: 32
+    random bytes, in hex on the wire of that connection's handshake)."""
     SEAL_PORT = "port"
     """The port of the server's sealed socket, on the host the client reached it at."""
 

@@ -15,6 +15,7 @@ Layout::
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import time
@@ -96,6 +97,10 @@ def configure_client(sock: zmq.Socket[bytes], keys: CurveKeys) -> None:
     sock.curve_secretkey = keys.client_secret
 
 
+SEALED_DOMAIN = "psflow-sealed"
+"""The ZAP domain of a server's sealed socket (:mod:`psflow.transport.seal`): its PLAIN
+connections' tokens are checked there."""
+
 _ZAP_BIND_SECONDS = 2.0
 """How long a server's authenticator tries again to bind ZeroMQ's authenticator endpoint while
 the one of a server this process stopped a moment ago still holds it."""
@@ -127,6 +132,9 @@ class Gatekeeper(ThreadAuthenticator):
         """The z85 public keys this server accepts."""
         self._refusals = refusals
         self._address = "an unknown address"
+        self.sealed_tokens: dict[str, str] = {}
+        """The tokens of the server's sealed sessions by their ids in hex (its sealed socket's
+        :attr:`~psflow.transport.seal.Sessions.tokens`)."""
 
     def start(self) -> None:
         # ZeroMQ's authenticator endpoint is one per context: one closed a moment ago (a server
@@ -150,6 +158,20 @@ class Gatekeeper(ThreadAuthenticator):
         if len(msg) >= 4:
             self._address = msg[3].decode("utf-8", "replace") or "an unknown address"
         return super().handle_zap_message(msg)
+
+    def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
+        # PLAIN is only a sealed socket's: its user name is a session's id, its password the
+        # session's token (psflow.transport.seal), both handed out through CurveZMQ.
+        expected = self.sealed_tokens.get(username) if domain == SEALED_DOMAIN else None
+        if expected is not None and hmac.compare_digest(expected, password):
+            return True, b"OK"
+        self._refusals(
+            ("sealed", self._address),
+            "refused a connection to the sealed socket from %s: no session of its name and "
+            "token (one this server dropped, or not a psflow task of this job)",
+            self._address,
+        )
+        return False, b"no such session"
 
     def callback(self, domain: str, key: bytes) -> bool:
         """Whether the client with this z85 public key may connect (pyzmq's provider hook)."""

@@ -331,11 +331,14 @@ class Client(Receiver):
         session = reply.get(Key.SEAL_SESSION)
         keys = reply.get(Key.SEAL_KEYS)
         port = reply.get(Key.SEAL_PORT)
+        token = reply.get(Key.SEAL_TOKEN)
         if not (
             isinstance(session, bytes)
             and len(session) == seal.SESSION_BYTES
             and isinstance(keys, bytes)
             and len(keys) == 2 * seal.KEY_BYTES
+            and isinstance(token, bytes)
+            and len(token) == seal.TOKEN_BYTES
             and isinstance(port, int)
             and not isinstance(port, bool)
             and 0 < port < 65536
@@ -348,7 +351,7 @@ class Client(Receiver):
             self._no_seal(peer)
             return
         to_server, to_client = keys[: seal.KEY_BYTES], keys[seal.KEY_BYTES :]
-        sealed.sock.begin(seal.Seal(session, send=to_server, receive=to_client))
+        sealed.sock.begin(seal.Seal(session, send=to_server, receive=to_client), token)
         own = endpoint(peer.address, bind=False)
         sealed.endpoint = f"{own.rsplit(':', 1)[0]}:{port}"
         sealed.began = time.monotonic()

@@ -7,9 +7,12 @@ the CPU's AES instructions (OpenSSL, through the ``cryptography`` package) seals
 the same core. So a client that reaches a server only by socket asks it, through the CurveZMQ
 connection (both ends authenticated by their keys, encrypted, forward secret), for a session
 (:attr:`~psflow.protocol.Op.SEAL`). The server answers there with a random session id, two
-random 256-bit keys (one a direction) and the port of its *sealed socket*, a second ROUTER
-without CurveZMQ. From then on that client's requests and their replies travel through the
-sealed socket, each message sealed (:class:`Seal`)::
+random 256-bit keys (one a direction), a random token and the port of its *sealed socket*, a
+second ROUTER without CurveZMQ. The client connects to it with ZeroMQ's PLAIN mechanism, the
+session id and token as user name and password, which the server's authenticator checks: a
+peer that holds no session's token cannot even send it a message (nor make it hold one of
+gigabytes). From then on that client's requests and their replies travel through the sealed
+socket, each message sealed (:class:`Seal`)::
 
     frame 0, in the clear: MAGIC, the session id (16 bytes), the first frame's counter (8),
              the number of frames (4), each frame's length (8 each)
@@ -21,7 +24,8 @@ message fails its tag, and so does a first frame changed in any byte. A receiver
 before the session id is one it handed out (or was given), and takes a message only when its
 counter is past the last one it took: a replay fails. Each key has one sender, whose counter
 only grows: a nonce never repeats under a key. What an eavesdropper learns is what it learns
-from CurveZMQ's frames: their sizes.
+from CurveZMQ's frames, their sizes, and the token, which lets it connect and no more: it
+opens nothing and seals nothing.
 
 A client whose sealed socket cannot connect (a port a deployment does not let through) stays
 with CurveZMQ; without ``cryptography``, or with ``PSFLOW_SEALED=0``, so does everything.
@@ -40,6 +44,7 @@ import numpy as np
 import zmq
 
 from psflow.protocol.messages import Code, Key, Op
+from psflow.transport.auth import SEALED_DOMAIN
 from psflow.transport.wire import ZERO_COPY_ABOVE, WireError, brief, decode_header, encode
 
 _aead: Any
@@ -69,6 +74,7 @@ MAGIC = b"psS1"
 """The first bytes of a sealed message (and its version)."""
 SESSION_BYTES = 16
 KEY_BYTES = 32
+TOKEN_BYTES = 32
 TAG_BYTES = 16
 MAX_FRAMES = 1 << 17
 """The most frames a sealed message may carry (a message's header and its tensors' chunks)."""
@@ -230,24 +236,32 @@ class Seal:
 
 
 class Sessions:
-    """A server's sessions by id, the least recently used dropped past :data:`MAX_SESSIONS`."""
+    """A server's sessions by id, the least recently used dropped past :data:`MAX_SESSIONS`,
+    with the tokens a connection to its sealed socket must present (:attr:`tokens`)."""
 
     def __init__(self, most: int = MAX_SESSIONS) -> None:
         self._most = most
         self._by_id: OrderedDict[bytes, Seal] = OrderedDict()
+        self.tokens: dict[str, str] = {}
+        """PLAIN user name (a session id in hex) to password (its token in hex), read by the
+        authenticator's thread: entries are only added and removed whole."""
 
     def __len__(self) -> int:
         return len(self._by_id)
 
-    def new(self) -> tuple[bytes, bytes, bytes]:
-        """A new session: its id, the client's sending key and the server's, all random."""
+    def new(self) -> tuple[bytes, bytes, bytes, bytes]:
+        """A new session: its id, the client's sending key, the server's and the token, all
+        random."""
         session = secrets.token_bytes(SESSION_BYTES)
         to_server = secrets.token_bytes(KEY_BYTES)
         to_client = secrets.token_bytes(KEY_BYTES)
+        token = secrets.token_bytes(TOKEN_BYTES)
         self._by_id[session] = Seal(session, send=to_client, receive=to_server)
+        self.tokens[session.hex()] = token.hex()
         while len(self._by_id) > self._most:
-            self._by_id.popitem(last=False)
-        return session, to_server, to_client
+            gone, _ = self._by_id.popitem(last=False)
+            self.tokens.pop(gone.hex(), None)
+        return session, to_server, to_client, token
 
     def get(self, session: bytes) -> Seal | None:
         seal = self._by_id.get(session)
@@ -265,10 +279,14 @@ class SealedRouter(zmq.Socket):  # type: ignore[type-arg]
     _of_peer: OrderedDict[bytes, Seal]
 
     def setup(self, max_bytes: int) -> None:
-        """Sets what a socket made by ``context.socket(zmq.ROUTER, socket_class=...)`` needs."""
+        """Sets what a socket made by ``context.socket(zmq.ROUTER, socket_class=...)`` needs:
+        connections by PLAIN, each checked by the authenticator against :attr:`Sessions.tokens`
+        (:class:`~psflow.transport.auth.Gatekeeper`)."""
         self.sessions = Sessions()
         self.max_bytes = max_bytes
         self._of_peer = OrderedDict()
+        self.plain_server = True
+        self.zap_domain = SEALED_DOMAIN.encode()
 
     def recv_multipart(  # type: ignore[override]
         self, flags: int = 0, copy: bool = True, track: bool = False
@@ -339,9 +357,12 @@ class SealedDealer(zmq.Socket):  # type: ignore[type-arg]
         self.max_bytes = max_bytes
         self.seal = None
 
-    def begin(self, seal: Seal) -> None:
-        """A new session: what waits from an earlier one is dropped."""
+    def begin(self, seal: Seal, token: bytes) -> None:
+        """A new session, presented with ``token`` by the connections made from now on: what
+        waits from an earlier one is dropped."""
         self.seal = seal
+        self.plain_username = seal.session.hex().encode()
+        self.plain_password = token.hex().encode()
         while True:
             try:
                 super().recv_multipart(zmq.NOBLOCK, copy=False)

@@ -136,7 +136,9 @@ class Server(Replier):
         )
         self._monitor.start()
         self._sock = sock
-        self._sealed = self._sealed_socket(bind_to) if config.keys is not None else None
+        self._sealed = self._sealed_socket(bind_to) if self._auth is not None else None
+        if self._sealed is not None and self._auth is not None:
+            self._auth.sealed_tokens = self._sealed.sessions.tokens
         # ZeroMQ's descriptor for the socket: readable when its events may have changed.
         self._events_fd = select.poll()
         self._events_fd.register(sock.getsockopt(zmq.FD), select.POLLIN)
@@ -416,12 +418,13 @@ class Server(Replier):
             why = "no sealed socket on this server" if self._sealed is None else "not here"
             self._send([identity, *_error(rid, why, Code.REFUSED)], sock=sock)
             return
-        session, to_server, to_client = self._sealed.sessions.new()
+        session, to_server, to_client, token = self._sealed.sessions.new()
         reply: dict[str, Any] = {
             Key.OP: Op.OK,
             Key.ID: rid,
             Key.SEAL_SESSION: session,
             Key.SEAL_KEYS: to_server + to_client,
+            Key.SEAL_TOKEN: token,
             Key.SEAL_PORT: self.sealed_port,
         }
         self._send([identity, *wire.encode(reply)])

@@ -20,7 +20,7 @@ MAX = 1 << 30
 
 def _pair() -> tuple[Seal, Seal]:
     """A client's and a server's ends of one session."""
-    session, up, down = Sessions().new()
+    session, up, down, _ = Sessions().new()
     return Seal(session, send=up, receive=down), Seal(session, send=down, receive=up)
 
 
@@ -158,6 +158,8 @@ def test_sessions_keep_the_most_recent() -> None:
     assert sessions.get(ids[1]) is None
     assert all(sessions.get(i) is not None for i in (ids[0], ids[2], ids[3]))
     assert len(set(ids)) == 4
+    # A dropped session's token goes with it: its connections are refused from then on.
+    assert sorted(sessions.tokens) == sorted(i.hex() for i in (ids[0], ids[2], ids[3]))
 
 
 def test_a_bad_session_or_key_size_is_a_value_error() -> None:
