@@ -26,9 +26,9 @@ from psflow.transport import seal, wire
 from psflow.transport.auth import configure_client
 from psflow.transport.config import TransportConfig, endpoint
 from psflow.transport.config import context as transport_context
-from psflow.transport.errors import PeerError, PeerTimeoutError
+from psflow.transport.errors import PeerError, PeerLostError, PeerTimeoutError
 from psflow.transport.looks import Looks
-from psflow.transport.monitor import Event, Link, Monitor
+from psflow.transport.monitor import HANDSHAKE_FAILED, Event, Link, Monitor
 from psflow.transport.receiver import SEAL_BREAKS, Receiver, Reply, _Peer, _SealedLink
 from psflow.transport.shm import Lane, LaneError
 from psflow.transport.wire import ZERO_COPY_ABOVE
@@ -135,9 +135,15 @@ class Client(Receiver):
             if peer is None or peer.sealed is None:
                 return
             sealed = peer.sealed
-            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            what = event["event"]
+            if what == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 sealed.connected = True
-            elif event["event"] == zmq.EVENT_DISCONNECTED:
+            elif what & HANDSHAKE_FAILED:
+                # Refused (its port leads to another process): counted, as an answer that
+                # does not open is, so that a client does not ask for sessions for ever.
+                sealed.breaks += 1
+                sealed.lost = True
+            elif what == zmq.EVENT_DISCONNECTED:
                 sealed.lost = True
                 if peer.sock is sealed.sock:
                     peer.drops += 1
@@ -322,8 +328,8 @@ class Client(Receiver):
     def _open_session(self, peer: _Peer, sealed: _SealedLink) -> None:
         try:
             reply = self._ask(peer, {Key.OP: Op.SEAL})
-        except PeerTimeoutError:
-            raise
+        except (PeerTimeoutError, PeerLostError):
+            raise  # as any request's would: the next request asks again
         except PeerError as e:  # a server that does not seal: CurveZMQ for good
             log.info("%s; requests stay inside CurveZMQ", e)
             self._no_seal(peer)

@@ -303,6 +303,10 @@ class SealedRouter(zmq.Socket):  # type: ignore[type-arg]
             if len(parts) != 3:
                 raise SealError(f"a sealed message has 2 frames, not {len(parts) - 1}")
             read = read_prefix(parts[1].buffer, self.max_bytes)
+            # The user name its connection presented (checked with its token by the
+            # authenticator) names the one session it may speak in.
+            if parts[1].get("User-Id") != read[0].hex():
+                raise SealError("a message in a session other than its connection's")
             seal = self.sessions.get(read[0])
             if seal is None:
                 raise SealError("a message of a session this server does not hold")

@@ -216,6 +216,11 @@ def test_the_sealed_port_refuses_what_no_session_sealed_and_serves_on(keys: Curv
             assert answer is not None
             header = msgpack.unpackb(answer[0], raw=False)
             assert header[Key.OP] == Op.ERROR and header[Key.ID] == -1, header
+        # Nor can it speak in another session than the one its token is for.
+        other = seal.Seal(os.urandom(16), send=os.urandom(32), receive=os.urandom(32))
+        answer = _send_raw(sealed_port, [bytes(memoryview(p)) for p in other.seal([status])], plain)
+        assert answer is not None
+        assert "other than its connection's" in msgpack.unpackb(answer[0], raw=False)[Key.ERROR]
         assert echo.by == served, "a message without the session's keys reached the service"
         assert echo.refused >= 1
         # The true client's session goes on.
