@@ -47,8 +47,10 @@ class Echo:
     """A server on a thread answering each request with its tensors doubled; it counts the
     requests that came through its sealed socket and through its own."""
 
-    def __init__(self, address: str, config: TransportConfig) -> None:
-        self.server = Server(address, config)
+    def __init__(
+        self, address: str, config: TransportConfig, context: zmq.Context[Any] | None = None
+    ) -> None:
+        self.server = Server(address, config, context=context)
         self.by: dict[str, int] = {"sealed": 0, "own": 0}
         self.refused = 0
         self._stop = threading.Event()
@@ -327,3 +329,30 @@ def test_a_session_the_server_lost_fails_at_once_and_twice_ends_sealing(keys: Cu
     finally:
         client.close()
         echo.stop()
+
+
+def test_a_sealed_port_that_leads_elsewhere_ends_sealing(
+    keys: CurveKeys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a_port, b_port = free_ports(2)
+    a = Echo(f"127.0.0.1:{a_port}", _config(keys))
+    # Its own context: a context has one authenticator endpoint, as a process has one ps.
+    b_context: zmq.Context[Any] = zmq.Context()
+    b = Echo(f"127.0.0.1:{b_port}", _config(keys), b_context)
+    elsewhere = b.server.sealed_port
+    # A names B's sealed port (a host port mapped to another process): B refuses the token.
+    monkeypatch.setattr(Server, "sealed_port", property(lambda self: elsewhere))
+    client = Client({"ps:0": f"127.0.0.1:{a_port}"}, _config(keys))
+    try:
+        deadline = time.monotonic() + 30
+        while client._peers["ps:0"].sealed is not None:
+            assert time.monotonic() < deadline, "sealing was never given up"
+            header, ((_, y),) = client.request("ps:0", {Key.OP: "echo"}, [("x", torch.ones(2))])
+            assert not header["sealed"] and torch.equal(y, torch.full((2,), 2.0))
+            time.sleep(0.01)
+        assert b.by == {"sealed": 0, "own": 0}
+    finally:
+        client.close()
+        a.stop()
+        b.stop()
+        b_context.term()
