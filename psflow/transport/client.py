@@ -139,9 +139,11 @@ class Client(Receiver):
             if what == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 sealed.connected = True
             elif what & HANDSHAKE_FAILED:
-                # Refused (its port leads to another process): counted, as an answer that
-                # does not open is, so that a client does not ask for sessions for ever.
-                sealed.breaks += 1
+                # Refused. A session that never connected (its port leads to another process)
+                # counts, as an answer that does not open does, so that a client does not ask
+                # for sessions for ever; one that had (its ps restarted on the same port) not.
+                if not sealed.connected:
+                    sealed.breaks += 1
                 sealed.lost = True
             elif what == zmq.EVENT_DISCONNECTED:
                 sealed.lost = True

@@ -44,8 +44,9 @@ _DROP_CHECK_SECONDS = 0.2
 """A wait on one socket wakes at least this often to see whether its connection closed."""
 
 SEAL_BREAKS = 2
-"""Answers on a peer's sealed socket that did not open after which its client asks it for no
-more sessions (its sealed port may lead elsewhere: a host's port mapped to another process)."""
+"""Sessions on a peer's sealed socket that broke in a row (an answer that did not open, or a
+connection refused before any) after which its client asks it for no more (its sealed port may
+lead elsewhere: a host's port mapped to another process)."""
 
 _NAP_SECONDS = 0.05
 """A wait on several peers asleep looks at the lanes' counts again at least this often (see
@@ -72,7 +73,7 @@ class _SealedLink:
     reported: bool = False
     """Whether its failure to connect has been logged."""
     breaks: int = 0
-    """Answers on it that did not open (see :data:`SEAL_BREAKS`)."""
+    """Its sessions that broke since an answer last opened (see :data:`SEAL_BREAKS`)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -300,7 +301,7 @@ class Receiver:
             zmq.Again: when none has come (within the socket's receive timeout).
         """
         try:
-            return sock.recv_multipart(flags, copy=False)  # type: ignore[no-any-return]
+            parts: list[Any] = sock.recv_multipart(flags, copy=False)
         except SealError as e:
             sealed = peer.sealed
             assert sealed is not None
@@ -316,6 +317,10 @@ class Receiver:
                 else "back inside CurveZMQ for a new session",
             )
             return None
+        sealed = peer.sealed
+        if sealed is not None and sealed.breaks and sock is sealed.sock:
+            sealed.breaks = 0  # an answer opened: its sessions work
+        return parts
 
     def _take(self, peer: _Peer, parts: list[Any] | None, w: _Wait) -> None:
         """Files one message from ``peer`` (``parts`` from its socket, or ``None``: the reply
