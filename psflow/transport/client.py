@@ -351,10 +351,22 @@ class Client(Receiver):
             and not isinstance(port, bool)
             and 0 < port < 65536
         ):
+            # Its fields' types and sizes only: the values are keys, never logged.
+            shapes = {
+                str(k): f"{type(v).__name__}[{len(v)}]"
+                if isinstance(v, bytes | str)
+                else type(v).__name__
+                for k, v in (
+                    (Key.SEAL_SESSION, session),
+                    (Key.SEAL_KEYS, keys),
+                    (Key.SEAL_TOKEN, token),
+                    (Key.SEAL_PORT, port),
+                )
+            }
             log.warning(
                 "%s answered a session with %s; requests stay inside CurveZMQ",
                 peer,
-                wire.brief(reply),
+                wire.brief(shapes),
             )
             self._no_seal(peer)
             return

@@ -32,6 +32,7 @@ from psflow.transport import (
     generate_keys,
     seal,
 )
+from psflow.transport.auth import configure_server
 from psflow.transport.receiver import SEAL_BREAKS
 
 from ..fuzz_messages import messages
@@ -373,3 +374,47 @@ def test_a_sealed_port_that_leads_elsewhere_ends_sealing(
         a.stop()
         b.stop()
         b_context.term()
+
+
+def test_a_malformed_session_answer_keeps_the_client_inside_curvezmq_and_out_of_the_log(
+    keys: CurveKeys, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server of the job's keys (a bug, another version) answers a session with a port of
+    the wrong type: the client stays inside CurveZMQ, and its log names the fields' types,
+    never their bytes."""
+    ctx = zmq.Context.instance()
+    server = ctx.socket(zmq.ROUTER)
+    server.linger = 0
+    configure_server(server, keys)  # CurveZMQ without an authenticator: any client key
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    secret = os.urandom(64)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if not server.poll(50):
+                continue
+            identity, raw = server.recv_multipart()
+            header = msgpack.unpackb(raw, raw=False)
+            reply = {Key.VERSION: PROTOCOL_VERSION, Key.OP: Op.OK, Key.ID: header[Key.ID]}
+            if header[Key.OP] == Op.SEAL:
+                fields = {"session": os.urandom(16), "keys": secret, "token": os.urandom(32)}
+                reply.update(fields, port="22")
+            server.send_multipart([identity, msgpack.packb(reply, use_bin_type=True)])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    client = Client({"ps:0": f"127.0.0.1:{port}"}, _config(keys))
+    try:
+        with caplog.at_level("WARNING", logger="psflow.transport.client"):
+            for _ in range(3):
+                client.request("ps:0", {Key.OP: "echo"})
+        assert client._peers["ps:0"].sealed is None
+        logged = caplog.text
+        assert "answered a session with" in logged and "str[2]" in logged
+        assert secret.hex() not in logged and repr(secret)[2:40] not in logged
+    finally:
+        client.close()
+        stop.set()
+        thread.join(10)
+        server.close()
