@@ -245,6 +245,8 @@ class Sessions:
         self.tokens: dict[str, str] = {}
         """PLAIN user name (a session id in hex) to password (its token in hex), read by the
         authenticator's thread: entries are only added and removed whole."""
+        self.opened = 0
+        """Sessions handed out so far: before the first, nobody can connect."""
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -258,6 +260,7 @@ class Sessions:
         token = secrets.token_bytes(TOKEN_BYTES)
         self._by_id[session] = Seal(session, send=to_client, receive=to_server)
         self.tokens[session.hex()] = token.hex()
+        self.opened += 1
         while len(self._by_id) > self._most:
             gone, _ = self._by_id.popitem(last=False)
             self.tokens.pop(gone.hex(), None)

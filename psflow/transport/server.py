@@ -241,8 +241,9 @@ class Server(Replier):
         ms = max(1, int(timeout * 1000))
         if not self._lanes:
             self._events_stale = True
-            if self._sealed is None:
-                # The socket alone: a blocking receive, cheaper than a poll.
+            if self._sealed is None or not self._sealed.sessions.opened:
+                # The socket alone (no session yet, so no connection to the sealed socket): a
+                # blocking receive, cheaper than a poll.
                 if self._sock.rcvtimeo != ms:
                     self._sock.rcvtimeo = ms
                 try:
@@ -358,8 +359,10 @@ class Server(Replier):
         self._collect_from(self._sock)
 
     def _collect_sealed(self) -> None:
-        # The socket's descriptor is the other socket's: nothing here marks its events stale.
-        if self._sealed is not None:
+        # Before its first session nobody can connect to it: a look would cost a spinning
+        # server a failed receive each time. (The socket's descriptor is the other socket's:
+        # nothing here marks its events stale.)
+        if self._sealed is not None and self._sealed.sessions.opened:
             self._collect_from(self._sealed)
 
     def _collect_from(self, sock: Any) -> None:
