@@ -29,7 +29,14 @@ from psflow.transport.config import context as transport_context
 from psflow.transport.errors import PeerError, PeerLostError, PeerTimeoutError
 from psflow.transport.looks import Looks
 from psflow.transport.monitor import HANDSHAKE_FAILED, Event, Link, Monitor
-from psflow.transport.receiver import SEAL_BREAKS, Receiver, Reply, _Peer, _SealedLink
+from psflow.transport.receiver import (
+    SEAL_BREAKS,
+    SEAL_FROM_BYTES,
+    Receiver,
+    Reply,
+    _Peer,
+    _SealedLink,
+)
 from psflow.transport.shm import Lane, LaneError
 from psflow.transport.wire import ZERO_COPY_ABOVE
 
@@ -55,9 +62,9 @@ class Client(Receiver):
     A peer on the same host is reached through a shared-memory lane
     (:mod:`psflow.transport.shm`) once it has answered once over the socket, when no other
     request to it is in flight; everything else goes through the socket. With CurveZMQ keys, a
-    peer reached only by socket is asked for a session on its sealed socket
-    (:mod:`psflow.transport.seal`) in the same way, and its requests move there once that
-    connects.
+    peer reached only by socket whose messages have been large (:data:`SEAL_FROM_BYTES`) is
+    asked for a session on its sealed socket (:mod:`psflow.transport.seal`) in the same way,
+    and its requests move there once that connects.
 
     Example:
         >>> client = Client({"ps:0": "127.0.0.1:2222"}, TransportConfig(timeout=5))
@@ -216,6 +223,8 @@ class Client(Receiver):
 
     def _send(self, peer: _Peer, frames: list[Any], block: float | None = None) -> None:
         size = sum(len(f) for f in frames[1:])
+        if size >= SEAL_FROM_BYTES:
+            peer.large = True
         sock = peer.sock
         if block is not None:
             sock.sndtimeo = max(1, int(block * 1000))
@@ -297,7 +306,7 @@ class Client(Receiver):
         server restarted, or the link was cut), a new session asked for at the next request."""
         sealed = peer.sealed
         assert sealed is not None
-        if peer.inflight or peer.lanes_allowed or not peer.answered:
+        if peer.inflight or peer.lanes_allowed or not peer.answered or not peer.large:
             return
         if sealed.lost:
             sealed.lost = sealed.connected = False

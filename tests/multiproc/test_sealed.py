@@ -5,8 +5,8 @@ server without one, or a restarted one, leaves nobody stuck."""
 
 from __future__ import annotations
 
+import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -33,7 +33,7 @@ from psflow.transport import (
     seal,
 )
 from psflow.transport.auth import configure_server
-from psflow.transport.receiver import SEAL_BREAKS
+from psflow.transport.receiver import SEAL_BREAKS, SEAL_FROM_BYTES
 
 from ..fuzz_messages import messages
 from .support import ROOT
@@ -93,7 +93,8 @@ def _until_sealed(client: Client, peer: str, limit: float = 30.0) -> int:
     deadline = time.monotonic() + limit
     sent = 0
     while True:
-        x = torch.arange(1000, dtype=torch.float32) + sent
+        # Large enough for sealing to pay (SEAL_FROM_BYTES): small messages stay inside CurveZMQ.
+        x = torch.arange(SEAL_FROM_BYTES // 4, dtype=torch.float32) + sent
         header, ((_, y),) = client.request(peer, {Key.OP: "echo"}, [("x", x)])
         sent += 1
         assert torch.equal(y, x * 2)
@@ -130,8 +131,9 @@ def test_without_a_sealed_socket_everything_stays_inside_curvezmq(keys: CurveKey
     client = Client({"ps:0": f"127.0.0.1:{port}"}, _config(keys))
     try:
         assert echo.server.sealed_port is None
-        for i in range(10):
-            header, _ = client.request("ps:0", {Key.OP: "echo"}, [("x", torch.ones(i))])
+        large = torch.ones(SEAL_FROM_BYTES // 4)
+        for _ in range(10):
+            header, _ = client.request("ps:0", {Key.OP: "echo"}, [("x", large)])
             assert not header["sealed"]
         assert client._peers["ps:0"].sealed is None  # asked once, refused, not again
         assert echo.by == {"sealed": 0, "own": 10}
@@ -267,43 +269,69 @@ def test_a_restarted_server_gets_a_new_session(keys: CurveKeys) -> None:
         echo.stop()
 
 
-def _launch_linreg(tmp_path: Path, env: dict[str, str]) -> tuple[str, str]:
-    """``psflow launch`` (its fresh keys) of the linear regression, one worker, through the
-    socket alone; its ``W=... b=...`` line and its output."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "psflow.cli",
-        "launch",
-        "--ps",
-        "1",
-        "--workers",
-        "1",
-        str(ROOT / "examples" / "linear_regression.py"),
-        "--train_steps=300",
-        f"--logdir={tmp_path}",
-    ]
+def test_small_messages_stay_inside_curvezmq(keys: CurveKeys) -> None:
+    """Sealing costs each message some Python, which only large ones repay: a peer whose
+    messages stay small (a linear regression's) never moves."""
+    (port,) = free_ports(1)
+    echo = Echo(f"127.0.0.1:{port}", _config(keys))
+    client = Client({"ps:0": f"127.0.0.1:{port}"}, _config(keys))
+    try:
+        small = torch.ones(SEAL_FROM_BYTES // 8)
+        for _ in range(30):
+            header, _ = client.request("ps:0", {Key.OP: "echo"}, [("x", small)])
+            assert not header["sealed"]
+        assert client._peers["ps:0"].sealed.endpoint is None  # type: ignore[union-attr]
+        assert echo.server._sealed.sessions.opened == 0  # type: ignore[union-attr]
+        # One large message, and the next requests move.
+        client.request("ps:0", {Key.OP: "echo"}, [("x", torch.ones(SEAL_FROM_BYTES // 4))])
+        _until_sealed(client, "ps:0")
+    finally:
+        client.close()
+        echo.stop()
+
+
+@pytest.fixture(scope="module")
+def ctr_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ctr")
+    cmd = [sys.executable, "-m", "psflow.cli", "data", "synth-ctr", str(out)]
+    cmd += ["--examples", "3000", "--test-examples", "500", "--scale", "0.001"]
+    made = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr[-3000:]
+    return out
+
+
+def _launch_ctr(data: Path, tmp_path: Path, env: dict[str, str]) -> tuple[str, str]:
+    """``psflow launch`` (its fresh keys) of the CTR example, one ps and one worker, through the
+    socket alone; its RESULT line and its output."""
+    cmd = [sys.executable, "-m", "psflow.cli", "launch", "--ps", "1", "--workers", "1"]
+    cmd += [str(ROOT / "examples" / "ctr.py"), "--data", str(data), "--train_steps", "40"]
+    cmd += ["--batch_size", "64", "--logdir", str(tmp_path)]
     base = {k: v for k, v in os.environ.items() if k != "PSFLOW_KEYS_DIR"}
     run = subprocess.run(
         cmd,
         env={**base, "PSFLOW_SHM": "0", "PSFLOW_LOG_LEVEL": "DEBUG", **env},
         capture_output=True,
         text=True,
-        timeout=100,
+        timeout=200,
     )
-    assert run.returncode == 0, run.stderr[-3000:]
-    m = re.search(r"W=\S+ b=\S+", run.stdout)
-    assert m is not None, run.stdout[-3000:]
-    return m.group(0), run.stdout + run.stderr
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = [ln for ln in run.stdout.splitlines() if "RESULT " in ln]
+    assert len(lines) == 1, run.stdout[-3000:]
+    return lines[0].split("RESULT ", 1)[1], run.stdout + run.stderr
 
 
-def test_a_launched_job_trains_the_same_on_its_sealed_socket(tmp_path: Path) -> None:
-    sealed, out = _launch_linreg(tmp_path / "sealed", {})
+def test_a_launched_job_trains_the_same_on_its_sealed_socket(
+    ctr_data: Path, tmp_path: Path
+) -> None:
+    sealed, out = _launch_ctr(ctr_data, tmp_path / "sealed", {})
     assert "requests move to its sealed socket" in out
-    inside, out = _launch_linreg(tmp_path / "curve", {"PSFLOW_SEALED": "0"})
+    inside, out = _launch_ctr(ctr_data, tmp_path / "curve", {"PSFLOW_SEALED": "0"})
     assert "sealed socket" not in out
-    # One worker: every step the same, so the same values to the last digit printed.
-    assert sealed == inside
+    # One worker: every step the same, so the same result to the last digit printed.
+    speed = "samples_per_s_per_worker"
+    a, b = json.loads(sealed), json.loads(inside)
+    assert a.pop(speed) > 0 and b.pop(speed) > 0
+    assert a == b and "test_auc" in a
 
 
 def test_a_session_the_server_lost_fails_at_once_and_losing_every_one_ends_sealing(
@@ -365,8 +393,9 @@ def test_a_sealed_port_that_leads_elsewhere_ends_sealing(
         deadline = time.monotonic() + 30
         while client._peers["ps:0"].sealed is not None:
             assert time.monotonic() < deadline, "sealing was never given up"
-            header, ((_, y),) = client.request("ps:0", {Key.OP: "echo"}, [("x", torch.ones(2))])
-            assert not header["sealed"] and torch.equal(y, torch.full((2,), 2.0))
+            x = torch.ones(SEAL_FROM_BYTES // 4)
+            header, ((_, y),) = client.request("ps:0", {Key.OP: "echo"}, [("x", x)])
+            assert not header["sealed"] and torch.equal(y, x * 2)
             time.sleep(0.01)
         assert b.by == {"sealed": 0, "own": 0}
     finally:
@@ -394,7 +423,7 @@ def test_a_malformed_session_answer_keeps_the_client_inside_curvezmq_and_out_of_
         while not stop.is_set():
             if not server.poll(50):
                 continue
-            identity, raw = server.recv_multipart()
+            identity, raw, *_ = server.recv_multipart()
             header = msgpack.unpackb(raw, raw=False)
             reply = {Key.VERSION: PROTOCOL_VERSION, Key.OP: Op.OK, Key.ID: header[Key.ID]}
             if header[Key.OP] == Op.SEAL:
@@ -408,7 +437,7 @@ def test_a_malformed_session_answer_keeps_the_client_inside_curvezmq_and_out_of_
     try:
         with caplog.at_level("WARNING", logger="psflow.transport.client"):
             for _ in range(3):
-                client.request("ps:0", {Key.OP: "echo"})
+                client.request("ps:0", {Key.OP: "echo"}, [("x", torch.ones(SEAL_FROM_BYTES))])
         assert client._peers["ps:0"].sealed is None
         logged = caplog.text
         assert "answered a session with" in logged and "str[2]" in logged
