@@ -169,7 +169,7 @@ memory (:mod:`psflow.transport.shm`); ``0`` sends everything through the socket.
 
 PSFLOW_SEALED = "PSFLOW_SEALED"
 """``1`` (default): with CurveZMQ keys, a client that reaches a ps only by socket moves its
-requests to the ps's sealed socket, each message sealed with AES-256-GCM under keys handed over
+requests (once one of them or a reply carried 64 KiB of tensors) to the ps's sealed socket, each message sealed with AES-256-GCM under keys handed over
 through CurveZMQ (:mod:`psflow.transport.seal`: a sixth of CurveZMQ's cipher's CPU); ``0``
 keeps every byte inside CurveZMQ (a ps then opens no second port)."""
 
