@@ -418,7 +418,11 @@ class Server(Replier):
         only (its keys travel in the reply)."""
         rid = header[Key.ID]
         if sock is not self._sock or self._sealed is None or self._auth is None:
-            why = "no sealed socket on this server" if self._sealed is None else "not here"
+            why = (
+                "no sealed socket on this server"
+                if self._sealed is None
+                else "a session is asked for through the server's own socket"
+            )
             self._send([identity, *_error(rid, why, Code.REFUSED)], sock=sock)
             return
         session, to_server, to_client, token = self._sealed.sessions.new()
