@@ -26,6 +26,7 @@ from psflow.protocol import PROTOCOL_VERSION, Key, Op
 from psflow.transport import (
     Client,
     CurveKeys,
+    PeerError,
     PeerLostError,
     Server,
     TransportConfig,
@@ -85,7 +86,9 @@ def keys(tmp_path: Path) -> CurveKeys:
 
 
 def _config(keys: CurveKeys, **overrides: Any) -> TransportConfig:
-    return TransportConfig(timeout=10, link_timeout=5, keys=keys, shared_memory=False, **overrides)
+    """Through the socket alone unless ``shared_memory=True``."""
+    settings: dict[str, Any] = {"timeout": 10, "link_timeout": 5, "shared_memory": False}
+    return TransportConfig(keys=keys, **{**settings, **overrides})
 
 
 def _until_sealed(client: Client, peer: str, limit: float = 30.0) -> int:
@@ -447,3 +450,42 @@ def test_a_malformed_session_answer_keeps_the_client_inside_curvezmq_and_out_of_
         stop.set()
         thread.join(10)
         server.close()
+
+
+def test_a_server_serves_lanes_and_its_sealed_socket_at_once(keys: CurveKeys) -> None:
+    """A ps with workers on its host (shared-memory lanes) and elsewhere (its sealed socket):
+    both kinds of request are served, in turn, and neither waits on the other."""
+    (port,) = free_ports(1)
+    echo = Echo(f"127.0.0.1:{port}", _config(keys, shared_memory=True))
+    local = Client({"ps:0": f"127.0.0.1:{port}"}, _config(keys, shared_memory=True))
+    remote = Client({"ps:0": f"127.0.0.1:{port}"}, _config(keys))
+    try:
+        _until_sealed(remote, "ps:0")
+        x = torch.randn(SEAL_FROM_BYTES // 2)
+        for i in range(40):
+            rids = {c: c.send("ps:0", {Key.OP: "echo"}, [("x", x + i)]) for c in (local, remote)}
+            for client, rid in rids.items():
+                header, ((_, y),) = client.wait([rid])[rid]
+                assert torch.equal(y, (x + i) * 2)
+                assert header["sealed"] == (client is remote)
+        assert local.lane("ps:0") is not None  # the local client's requests went by lane
+        assert echo.refused == 0
+    finally:
+        local.close()
+        remote.close()
+        echo.stop()
+
+
+def test_a_session_is_only_asked_for_through_the_servers_own_socket(keys: CurveKeys) -> None:
+    (port,) = free_ports(1)
+    echo = Echo(f"127.0.0.1:{port}", _config(keys))
+    client = Client({"ps:0": f"127.0.0.1:{port}"}, _config(keys))
+    try:
+        _until_sealed(client, "ps:0")
+        with pytest.raises(PeerError, match="through the server's own socket"):
+            client.request("ps:0", {Key.OP: Op.SEAL})  # on the sealed socket now
+        header, _ = client.request("ps:0", {Key.OP: "echo"}, [("x", torch.ones(3))])
+        assert header["sealed"]
+    finally:
+        client.close()
+        echo.stop()
