@@ -4,15 +4,17 @@ With CurveZMQ keys every byte through a socket is encrypted by libzmq, always wi
 XSalsa20-Poly1305: about 2.9 GB/s a core on this project's 2-core AMD EPYC host, a tenth of a
 CTR job's two cores through the socket (``benchmarks/results/profile.md``). AES-256-GCM with
 the CPU's AES instructions (OpenSSL, through the ``cryptography`` package) seals 18.7 GB/s on
-the same core. So a client that reaches a server only by socket asks it, through the CurveZMQ
-connection (both ends authenticated by their keys, encrypted, forward secret), for a session
-(:attr:`~psflow.protocol.Op.SEAL`). The server answers there with a random session id, two
-random 256-bit keys (one a direction), a random token and the port of its *sealed socket*, a
-second ROUTER without CurveZMQ. The client connects to it with ZeroMQ's PLAIN mechanism, the
-session id and token as user name and password, which the server's authenticator checks: a
-peer that holds no session's token cannot even send it a message (nor make it hold one of
-gigabytes). From then on that client's requests and their replies travel through the sealed
-socket, each message sealed (:class:`Seal`)::
+the same core. So a client that reaches a server only by socket, once a message between them
+has been large (64 KiB: ``psflow.transport.receiver.SEAL_FROM_BYTES``; small ones do not repay
+the Python a seal costs), asks it, through the CurveZMQ connection (both ends authenticated by
+their keys, encrypted, forward secret), for a session (:attr:`~psflow.protocol.Op.SEAL`). The
+server answers there with a random session id, two random 256-bit keys (one a direction), a
+random token and the port of its *sealed socket*, a second ROUTER without CurveZMQ. The client
+connects to it with ZeroMQ's PLAIN mechanism, the session id and token as user name and
+password, which the server's authenticator checks: a peer that holds no session's token cannot
+even send it a message (nor make it hold one of gigabytes), and a connection speaks only in the
+session its token named. From then on that client's requests and their replies travel through
+the sealed socket, each message sealed (:class:`Seal`)::
 
     frame 0, in the clear: MAGIC, the session id (16 bytes), the first frame's counter (8),
              the number of frames (4), each frame's length (8 each)
