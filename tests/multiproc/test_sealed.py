@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,19 @@ def keys(tmp_path: Path) -> CurveKeys:
     return CurveKeys.load(generate_keys(tmp_path / "keys"))
 
 
+@pytest.fixture
+def pair(keys: CurveKeys) -> Iterator[tuple[Echo, Client]]:
+    """An echo server with keys, and a client of it through the socket alone."""
+    (port,) = free_ports(1)
+    echo = Echo(f"127.0.0.1:{port}", _config(keys))
+    client = Client({"ps:0": f"127.0.0.1:{port}"}, _config(keys))
+    try:
+        yield echo, client
+    finally:
+        client.close()
+        echo.stop()
+
+
 def _config(keys: CurveKeys, **overrides: Any) -> TransportConfig:
     """Through the socket alone unless ``shared_memory=True``."""
     settings: dict[str, Any] = {"timeout": 10, "link_timeout": 5, "shared_memory": False}
@@ -107,25 +121,20 @@ def _until_sealed(client: Client, peer: str, limit: float = 30.0) -> int:
         time.sleep(0.01)
 
 
-def test_requests_move_to_the_sealed_socket_and_arrive_unchanged(keys: CurveKeys) -> None:
-    (port,) = free_ports(1)
-    echo = Echo(f"127.0.0.1:{port}", _config(keys))
-    client = Client({"ps:0": f"127.0.0.1:{port}"}, _config(keys))
-    try:
-        assert echo.server.sealed_port not in (None, port)
-        _until_sealed(client, "ps:0")
-        own = echo.by["own"]
-        # From now on every request goes sealed, large tensors (several frames) included.
-        for i in range(20):
-            big = torch.randn(1 << 18 if i % 2 else 17)
-            ids = torch.arange(i, dtype=torch.int64)
-            header, got = client.request("ps:0", {Key.OP: "echo"}, [("big", big), ("ids", ids)])
-            assert header["sealed"]
-            assert torch.equal(got[0][1], big * 2) and torch.equal(got[1][1], ids * 2)
-        assert echo.by["own"] == own and echo.refused == 0
-    finally:
-        client.close()
-        echo.stop()
+def test_requests_move_to_the_sealed_socket_and_arrive_unchanged(pair: tuple[Echo, Client]) -> None:
+    echo, client = pair
+    own_port = int(client._peers["ps:0"].address.rsplit(":", 1)[1])
+    assert echo.server.sealed_port not in (None, own_port)
+    _until_sealed(client, "ps:0")
+    own = echo.by["own"]
+    # From now on every request goes sealed, large tensors (several frames) included.
+    for i in range(20):
+        big = torch.randn(1 << 18 if i % 2 else 17)
+        ids = torch.arange(i, dtype=torch.int64)
+        header, got = client.request("ps:0", {Key.OP: "echo"}, [("big", big), ("ids", ids)])
+        assert header["sealed"]
+        assert torch.equal(got[0][1], big * 2) and torch.equal(got[1][1], ids * 2)
+    assert echo.by["own"] == own and echo.refused == 0
 
 
 def test_without_a_sealed_socket_everything_stays_inside_curvezmq(keys: CurveKeys) -> None:
@@ -194,49 +203,45 @@ def _send_raw(port: int, frames: list[Any], plain: tuple[bytes, bytes] | None = 
         sock.close()
 
 
-def test_the_sealed_port_refuses_what_no_session_sealed_and_serves_on(keys: CurveKeys) -> None:
-    (port,) = free_ports(1)
-    echo = Echo(f"127.0.0.1:{port}", _config(keys))
-    client = Client({"ps:0": f"127.0.0.1:{port}"}, _config(keys))
-    try:
-        _until_sealed(client, "ps:0")
-        sealed_port = echo.server.sealed_port
-        assert sealed_port is not None
-        served = dict(echo.by)
-        status = msgpack.packb({Key.VERSION: PROTOCOL_VERSION, Key.OP: Op.STATUS, Key.ID: 1})
-        fuzz = [frames for _, _, frames in messages(20261128, 60)]
-        # Without a session's token no connection completes: nothing can reach the server.
-        session = client._peers["ps:0"].sealed.sock.seal.session  # type: ignore[union-attr]
-        for plain in (None, (session.hex().encode(), b"0" * 64), (b"x" * 32, b"y" * 64)):
-            _handshake_refused(sealed_port, plain)
-        for _, _, frames in messages(7, 50):  # below ZeroMQ: bytes in place of a handshake
-            with socket.create_connection(("127.0.0.1", sealed_port), timeout=5) as raw:
-                raw.sendall(b"".join(frames)[:65536])
-        assert echo.refused == 0
-        # One who learned a session's token on the wire connects, and still opens nothing:
-        # its messages are refused, in the clear, and never reach the service.
-        token = bytes.fromhex(echo.server._sealed.sessions.tokens[session.hex()])  # type: ignore[union-attr]
-        plain = (session.hex().encode(), token.hex().encode())
-        forged = seal.Seal(session, send=os.urandom(32), receive=os.urandom(32))
-        attempts = [[status], *fuzz, [bytes(memoryview(p)) for p in forged.seal([status])]]
-        for frames in attempts:
-            answer = _send_raw(sealed_port, frames, plain)
-            assert answer is not None
-            header = msgpack.unpackb(answer[0], raw=False)
-            assert header[Key.OP] == Op.ERROR and header[Key.ID] == -1, header
-        # Nor can it speak in another session than the one its token is for.
-        other = seal.Seal(os.urandom(16), send=os.urandom(32), receive=os.urandom(32))
-        answer = _send_raw(sealed_port, [bytes(memoryview(p)) for p in other.seal([status])], plain)
+def test_the_sealed_port_refuses_what_no_session_sealed_and_serves_on(
+    pair: tuple[Echo, Client],
+) -> None:
+    echo, client = pair
+    _until_sealed(client, "ps:0")
+    sealed_port = echo.server.sealed_port
+    assert sealed_port is not None
+    served = dict(echo.by)
+    status = msgpack.packb({Key.VERSION: PROTOCOL_VERSION, Key.OP: Op.STATUS, Key.ID: 1})
+    fuzz = [frames for _, _, frames in messages(20261128, 60)]
+    # Without a session's token no connection completes: nothing can reach the server.
+    session = client._peers["ps:0"].sealed.sock.seal.session  # type: ignore[union-attr]
+    for plain in (None, (session.hex().encode(), b"0" * 64), (b"x" * 32, b"y" * 64)):
+        _handshake_refused(sealed_port, plain)
+    for _, _, frames in messages(7, 50):  # below ZeroMQ: bytes in place of a handshake
+        with socket.create_connection(("127.0.0.1", sealed_port), timeout=5) as raw:
+            raw.sendall(b"".join(frames)[:65536])
+    assert echo.refused == 0
+    # One who learned a session's token on the wire connects, and still opens nothing:
+    # its messages are refused, in the clear, and never reach the service.
+    token = bytes.fromhex(echo.server._sealed.sessions.tokens[session.hex()])  # type: ignore[union-attr]
+    plain = (session.hex().encode(), token.hex().encode())
+    forged = seal.Seal(session, send=os.urandom(32), receive=os.urandom(32))
+    attempts = [[status], *fuzz, [bytes(memoryview(p)) for p in forged.seal([status])]]
+    for frames in attempts:
+        answer = _send_raw(sealed_port, frames, plain)
         assert answer is not None
-        assert "other than its connection's" in msgpack.unpackb(answer[0], raw=False)[Key.ERROR]
-        assert echo.by == served, "a message without the session's keys reached the service"
-        assert echo.refused >= 1
-        # The true client's session goes on.
-        header, ((_, y),) = client.request("ps:0", {Key.OP: "echo"}, [("x", torch.ones(3))])
-        assert header["sealed"] and torch.equal(y, torch.full((3,), 2.0))
-    finally:
-        client.close()
-        echo.stop()
+        header = msgpack.unpackb(answer[0], raw=False)
+        assert header[Key.OP] == Op.ERROR and header[Key.ID] == -1, header
+    # Nor can it speak in another session than the one its token is for.
+    other = seal.Seal(os.urandom(16), send=os.urandom(32), receive=os.urandom(32))
+    answer = _send_raw(sealed_port, [bytes(memoryview(p)) for p in other.seal([status])], plain)
+    assert answer is not None
+    assert "other than its connection's" in msgpack.unpackb(answer[0], raw=False)[Key.ERROR]
+    assert echo.by == served, "a message without the session's keys reached the service"
+    assert echo.refused >= 1
+    # The true client's session goes on.
+    header, ((_, y),) = client.request("ps:0", {Key.OP: "echo"}, [("x", torch.ones(3))])
+    assert header["sealed"] and torch.equal(y, torch.full((3,), 2.0))
 
 
 def test_a_restarted_server_gets_a_new_session(keys: CurveKeys) -> None:
@@ -272,25 +277,19 @@ def test_a_restarted_server_gets_a_new_session(keys: CurveKeys) -> None:
         echo.stop()
 
 
-def test_small_messages_stay_inside_curvezmq(keys: CurveKeys) -> None:
+def test_small_messages_stay_inside_curvezmq(pair: tuple[Echo, Client]) -> None:
     """Sealing costs each message some Python, which only large ones repay: a peer whose
     messages stay small (a linear regression's) never moves."""
-    (port,) = free_ports(1)
-    echo = Echo(f"127.0.0.1:{port}", _config(keys))
-    client = Client({"ps:0": f"127.0.0.1:{port}"}, _config(keys))
-    try:
-        small = torch.ones(SEAL_FROM_BYTES // 8)
-        for _ in range(30):
-            header, _ = client.request("ps:0", {Key.OP: "echo"}, [("x", small)])
-            assert not header["sealed"]
-        assert client._peers["ps:0"].sealed.endpoint is None  # type: ignore[union-attr]
-        assert echo.server._sealed.sessions.opened == 0  # type: ignore[union-attr]
-        # One large message, and the next requests move.
-        client.request("ps:0", {Key.OP: "echo"}, [("x", torch.ones(SEAL_FROM_BYTES // 4))])
-        _until_sealed(client, "ps:0")
-    finally:
-        client.close()
-        echo.stop()
+    echo, client = pair
+    small = torch.ones(SEAL_FROM_BYTES // 8)
+    for _ in range(30):
+        header, _ = client.request("ps:0", {Key.OP: "echo"}, [("x", small)])
+        assert not header["sealed"]
+    assert client._peers["ps:0"].sealed.endpoint is None  # type: ignore[union-attr]
+    assert echo.server._sealed.sessions.opened == 0  # type: ignore[union-attr]
+    # One large message, and the next requests move.
+    client.request("ps:0", {Key.OP: "echo"}, [("x", torch.ones(SEAL_FROM_BYTES // 4))])
+    _until_sealed(client, "ps:0")
 
 
 @pytest.fixture(scope="module")
@@ -338,11 +337,9 @@ def test_a_launched_job_trains_the_same_on_its_sealed_socket(
 
 
 def test_a_session_the_server_lost_fails_at_once_and_losing_every_one_ends_sealing(
-    keys: CurveKeys,
+    pair: tuple[Echo, Client],
 ) -> None:
-    (port,) = free_ports(1)
-    echo = Echo(f"127.0.0.1:{port}", _config(keys))
-    client = Client({"ps:0": f"127.0.0.1:{port}"}, _config(keys))
+    echo, client = pair
     sessions = echo.server._sealed.sessions  # type: ignore[union-attr]
 
     def echo_once() -> dict[str, Any]:
@@ -350,34 +347,30 @@ def test_a_session_the_server_lost_fails_at_once_and_losing_every_one_ends_seali
         assert torch.equal(y, torch.full((2,), 2.0))
         return header
 
-    try:
-        # A session lost now and then (as if evicted by MAX_SESSIONS newer ones): the request
-        # in it fails at once, the next goes inside CurveZMQ, and a new session follows.
-        for _ in range(SEAL_BREAKS + 1):
-            _until_sealed(client, "ps:0")
-            sessions._by_id.clear()
-            began = time.monotonic()
-            with pytest.raises(PeerLostError, match="ps:0"):
-                echo_once()
-            assert time.monotonic() - began < client.config.timeout
-            assert not echo_once()["sealed"]
+    # A session lost now and then (as if evicted by MAX_SESSIONS newer ones): the request
+    # in it fails at once, the next goes inside CurveZMQ, and a new session follows.
+    for _ in range(SEAL_BREAKS + 1):
         _until_sealed(client, "ps:0")
-        # Every session lost before it answers once: given up after SEAL_BREAKS in a row.
-        lost = 0
-        deadline = time.monotonic() + 30
-        while client._peers["ps:0"].sealed is not None:
-            assert time.monotonic() < deadline, "sealing was never given up"
-            sessions._by_id.clear()
-            try:
-                assert not echo_once()["sealed"]
-            except PeerLostError:
-                lost += 1
-        assert lost == SEAL_BREAKS
-        for _ in range(5):  # inside CurveZMQ from now on, nothing lost on the way
+        sessions._by_id.clear()
+        began = time.monotonic()
+        with pytest.raises(PeerLostError, match="ps:0"):
+            echo_once()
+        assert time.monotonic() - began < client.config.timeout
+        assert not echo_once()["sealed"]
+    _until_sealed(client, "ps:0")
+    # Every session lost before it answers once: given up after SEAL_BREAKS in a row.
+    lost = 0
+    deadline = time.monotonic() + 30
+    while client._peers["ps:0"].sealed is not None:
+        assert time.monotonic() < deadline, "sealing was never given up"
+        sessions._by_id.clear()
+        try:
             assert not echo_once()["sealed"]
-    finally:
-        client.close()
-        echo.stop()
+        except PeerLostError:
+            lost += 1
+    assert lost == SEAL_BREAKS
+    for _ in range(5):  # inside CurveZMQ from now on, nothing lost on the way
+        assert not echo_once()["sealed"]
 
 
 def test_a_sealed_port_that_leads_elsewhere_ends_sealing(
@@ -476,16 +469,12 @@ def test_a_server_serves_lanes_and_its_sealed_socket_at_once(keys: CurveKeys) ->
         echo.stop()
 
 
-def test_a_session_is_only_asked_for_through_the_servers_own_socket(keys: CurveKeys) -> None:
-    (port,) = free_ports(1)
-    echo = Echo(f"127.0.0.1:{port}", _config(keys))
-    client = Client({"ps:0": f"127.0.0.1:{port}"}, _config(keys))
-    try:
-        _until_sealed(client, "ps:0")
-        with pytest.raises(PeerError, match="through the server's own socket"):
-            client.request("ps:0", {Key.OP: Op.SEAL})  # on the sealed socket now
-        header, _ = client.request("ps:0", {Key.OP: "echo"}, [("x", torch.ones(3))])
-        assert header["sealed"]
-    finally:
-        client.close()
-        echo.stop()
+def test_a_session_is_only_asked_for_through_the_servers_own_socket(
+    pair: tuple[Echo, Client],
+) -> None:
+    _, client = pair
+    _until_sealed(client, "ps:0")
+    with pytest.raises(PeerError, match="through the server's own socket"):
+        client.request("ps:0", {Key.OP: Op.SEAL})  # on the sealed socket now
+    header, _ = client.request("ps:0", {Key.OP: "echo"}, [("x", torch.ones(3))])
+    assert header["sealed"]
