@@ -392,7 +392,8 @@ class Receiver:
             )
         except wire.WireError as e:
             raise PeerError(peer.name, f"malformed reply: {e}") from None
-        if _CHUNK in header:
+        # Sized only while a lane or a seal may use it: not on every reply of a peer past both.
+        if _CHUNK in header and (peer.lanes_allowed or not peer.large):
             need = wire.lane_bytes(t.nbytes for _, t in tensors)
             if peer.lanes_allowed:
                 peer.reply_need = max(peer.reply_need, need)

@@ -45,9 +45,10 @@ from typing import Any
 import numpy as np
 import zmq
 
-from psflow.protocol.messages import Code, Key, Op
+from psflow.protocol.messages import Code, Key
 from psflow.transport.auth import SEALED_DOMAIN
-from psflow.transport.wire import ZERO_COPY_ABOVE, WireError, brief, decode_header, encode
+from psflow.transport.replier import _error
+from psflow.transport.wire import ZERO_COPY_ABOVE, WireError, brief, decode_header
 
 _aead: Any
 _errors: Any
@@ -328,13 +329,7 @@ class SealedRouter(zmq.Socket):  # type: ignore[type-arg]
         return [identity, *frames]
 
     def _refuse(self, identity: bytes, why: str) -> None:
-        header: dict[str, Any] = {
-            Key.OP: Op.ERROR,
-            Key.ID: -1,
-            Key.ERROR: why,
-            Key.CODE: Code.MALFORMED,
-        }
-        super().send_multipart([identity, *encode(header)])
+        super().send_multipart([identity, *_error(-1, why, Code.MALFORMED)])
 
     def send_multipart(  # type: ignore[override]
         self, msg_parts: Sequence[Any], flags: int = 0, copy: bool = True, track: bool = False

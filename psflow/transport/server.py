@@ -417,7 +417,7 @@ class Server(Replier):
         """Answers a client's request for a session on the sealed socket, through CurveZMQ
         only (its keys travel in the reply)."""
         rid = header[Key.ID]
-        if sock is not self._sock or self._sealed is None or self._auth is None:
+        if sock is not self._sock or self._sealed is None:
             why = (
                 "no sealed socket on this server"
                 if self._sealed is None
