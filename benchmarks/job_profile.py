@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/job_profile.py --ps 4 --workers 12 [--data DIR] \\
         [--preset full|smoke] [--window 10] [--warmup 15] [--pyspy ps:0,worker:0] \\
-        [--out DIR] [--rate 50] [--socket]
+        [--out DIR] [--rate 50] [--socket] [--extra="--device cuda"]
 
 Starts ``psflow launch`` of ``examples/ctr.py`` with ``scaling.py``'s model (``--preset``),
 waits ``--warmup`` seconds once every task runs, then for ``--window`` seconds reads each task's
@@ -10,8 +10,8 @@ CPU time from ``/proc``: the whole process (cores it kept busy) and its busiest 
 near 1.0 is a thread that saturates a core: a ps's serving thread, a worker's training loop).
 With ``--pyspy``, ``py-spy record --native --idle -f raw`` of the named tasks for another
 window after that one (py-spy stops a process at each sample), written to ``--out``
-(collapsed stacks: one line per stack, its sample count last). The job is stopped after the
-window. Without ``--data``, a ``psflow data synth-ctr`` set of the preset's size is made in a
+(collapsed stacks: one line per stack, its sample count last). ``--extra``: more arguments
+for the example (``--device cuda``: GPU workers). The job is stopped after the window. Without ``--data``, a ``psflow data synth-ctr`` set of the preset's size is made in a
 temporary directory. The last line is one JSON object.
 """
 
@@ -95,6 +95,7 @@ def main() -> None:
     parser.add_argument("--out", default=".", help="where py-spy's files go")
     parser.add_argument("--rate", type=int, default=50, help="py-spy's samples a second")
     parser.add_argument("--socket", action="store_true", help="PSFLOW_SHM=0")
+    parser.add_argument("--extra", default="", help="the example's arguments, space-separated")
     args = parser.parse_args()
     p = PRESETS[args.preset]
     with tempfile.TemporaryDirectory(prefix="psflow-job-profile-") as tmp:
@@ -108,6 +109,7 @@ def main() -> None:
             "ps": args.ps,
             "workers": args.workers,
             "path": "socket" if args.socket else "shm",
+            "extra": args.extra,
             "window_s": args.window,
             "tasks": rows,
             "machine": machine(),
@@ -121,7 +123,7 @@ def profile(args: argparse.Namespace, p: dict[str, Any], data: str) -> dict[str,
     steps = 10**6  # stopped after the window
     env = dict(os.environ, PSFLOW_SHM="0" if args.socket else "1")
     launcher = subprocess.Popen(
-        job_command(p, data, Job(args.ps, args.workers), steps),
+        job_command(p, data, Job(args.ps, args.workers), steps, args.extra.split()),
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -177,9 +179,11 @@ def profile(args: argparse.Namespace, p: dict[str, Any], data: str) -> dict[str,
             if spy.returncode != 0:
                 print(f"py-spy exited with {spy.returncode}: {spy_err.decode()[-1000:]}")
     finally:
-        os.killpg(launcher.pid, signal.SIGTERM)
         try:
+            os.killpg(launcher.pid, signal.SIGTERM)
             launcher.wait(timeout=30)
+        except ProcessLookupError:
+            pass  # it ended by itself (a failed start is said above)
         except subprocess.TimeoutExpired:
             os.killpg(launcher.pid, signal.SIGKILL)
     rows: dict[str, Any] = {}

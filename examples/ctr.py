@@ -27,7 +27,7 @@ from torch import nn
 
 import psflow
 import psflow.nn as pnn
-from psflow.data.ctr import META_FILE, auc, ctr_batches
+from psflow.data.ctr import META_FILE, CTRBatch, auc, ctr_batches
 
 from dlrm import DLRM  # examples/dlrm.py, beside this script (as nanoGPT keeps model.py)
 
@@ -123,6 +123,10 @@ def main() -> None:
 
     device = torch.device(args.device)
     model.to(device)
+
+    def to_device(batch: CTRBatch) -> CTRBatch:  # to a GPU through pinned memory: no waiting
+        return batch.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else batch
+
     batches = ctr_batches(
         f"{args.data}/train-*",
         batch_size=args.batch_size,
@@ -146,10 +150,10 @@ def main() -> None:
     ) as sess:
         start, steps = time.perf_counter(), 0
         ahead = 2 if args.overlap else 1  # the push in flight brings the batch after next's rows
-        coming = [next(batches).to(device) for _ in range(ahead + 1)]
+        coming = [to_device(next(batches)) for _ in range(ahead + 1)]
         while not sess.should_stop():
             batch = coming.pop(0)
-            coming.append(next(batches).to(device))
+            coming.append(to_device(next(batches)))
             sess.zero_grad()
             logits = model(batch.dense, batch.categorical)
             loss = F.binary_cross_entropy_with_logits(logits, batch.label)

@@ -206,6 +206,11 @@ threads; ``0`` keeps IEEE subnormals (a worker's thread is then left as it is). 
 dense Adam ran 6-7x slower once the moments of idle units had decayed into the subnormal range
 (``benchmarks/results/profile.md``)."""
 
+PSFLOW_PINNED = "PSFLOW_PINNED"
+"""``1`` (default): a worker whose model is on a CUDA device moves rows, values and gradients
+through pinned host memory with copies it does not wait for, waiting for its device once a step
+(:mod:`psflow.worker.staging`); ``0``: plain copies, each waiting for the device."""
+
 PSFLOW_METRICS_PORT = "PSFLOW_METRICS_PORT"
 """Port on which the task serves its Prometheus metrics (:mod:`psflow.metrics`) at
 ``/metrics``; ``0``: one the OS picks (logged). Unset (outside ``psflow launch``, which picks one

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, as one command for a machine with one (the device tool's `run`,
-# ../.library/device): the CUDA tests (towers, stages, a worker on CUDA against 2 ps), then
-# examples/ctr.py with its 2 workers on the CPU and on CUDA, side by side on that machine.
+# ../.library/device): the CUDA tests (towers, stages, pinned copies, workers on CUDA against 2
+# ps), then examples/ctr.py with its 2 workers on the CPU, on CUDA, and on CUDA with plain copies
+# (PSFLOW_PINNED=0), side by side on that machine (issue 35 item 6: CUDA workers at least 2x the
+# CPU ones); then where a CUDA worker's time goes (benchmarks/job_profile.py, py-spy of worker:0
+# in a 2 x 2 job of DeepRec's DLRM shape; GPU_PROFILE= skips it).
 #
 # There, python3 has a CUDA build of torch and most of psflow's dependencies, but not pyzmq or
 # google-crc32c (nor, perhaps, cryptography 47 or later, which the sealed socket needs), and
@@ -14,8 +17,9 @@
 #       --platform manylinux2014_x86_64 --platform manylinux_2_34_x86_64 -d .whl pyzmq==27.3.0 \
 #       google-crc32c==1.9.0 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12
 #
-# and the device run carries it: command `bash scripts/gpu-check.sh`, carry [".whl"]. About 4
-# minutes on an H100 with the defaults; CTR_STEPS and CTR_EXAMPLES make it shorter or longer.
+# and py-spy (add py-spy==0.4.3 with --platform manylinux1_x86_64), and the device run carries
+# it: command `bash scripts/gpu-check.sh`, carry [".whl"]. About 6 minutes on an H100 with the
+# defaults; CTR_STEPS and CTR_EXAMPLES make it shorter or longer.
 # Logs go to $OUT (the device tool brings them back), else /tmp/gpu-check. PYTHON names another
 # interpreter (here: PYTHON=.venv/bin/python runs all but the CUDA parts, which fail or skip).
 set -uo pipefail
@@ -38,14 +42,25 @@ nvidia-smi -L
 
 echo "== CUDA tests =="
 "$py" -m pytest -q -p no:cacheprovider -rs tests/unit/test_towers.py tests/unit/test_stages.py \
+    tests/unit/test_staging.py tests/multiproc/test_gpu_worker.py \
     "tests/multiproc/test_tables.py::test_one_worker_matches_one_process_adagrad" \
     2>&1 | tee "$out/tests.log" | tail -15
 
 echo "== examples/ctr.py: 2 ps, 2 workers, ${steps} steps of 1,024 =="
 "$py" -m psflow.cli data synth-ctr /tmp/ctr --examples "$examples" --shards 4 >/dev/null
-for device in cpu cuda; do
-    "$py" -m psflow.cli launch --ps 2 --workers 2 examples/ctr.py --data /tmp/ctr \
-        --train_steps "$steps" --device "$device" --prefetch >"$out/ctr-$device.log" 2>&1
-    echo "$device (exit $?):"
-    grep -E "samples/s|RESULT" "$out/ctr-$device.log"
+n=0
+for run in cpu cuda cuda-plain cuda; do  # CUDA twice, around its plain copies: the noise
+    pinned=1
+    [ "$run" = cuda-plain ] && pinned=0
+    n=$((n + 1))
+    PSFLOW_PINNED=$pinned "$py" -m psflow.cli launch --ps 2 --workers 2 examples/ctr.py \
+        --data /tmp/ctr --train_steps "$steps" --device "${run%-plain}" --prefetch \
+        >"$out/ctr-$n-$run.log" 2>&1
+    echo "$run (exit $?):"
+    grep -E "samples/s|RESULT" "$out/ctr-$n-$run.log"
 done
+
+[ -z "${GPU_PROFILE-1}" ] && exit 0
+echo "== job_profile: 2 x 2, DLRM shape, CUDA workers =="
+"$py" benchmarks/job_profile.py --ps 2 --workers 2 --data /tmp/ctr --warmup 12 --window 8 \
+    --pyspy worker:0,ps:0 --extra="--device cuda" --out "$out" 2>&1 | tee "$out/profile.log"

@@ -61,6 +61,10 @@ class OptimizerConfig:
     ran 1.05-1.11x faster with them flushed; where in its step it met them was not measured.
     The last of a thread's open optimizers to ``close()`` gives it back the mode it had before
     the first; off, the mode is left alone."""
+    pinned: bool = field(default_factory=lambda: envvars.flag(envvars.PSFLOW_PINNED, True))
+    """Whether a model on a CUDA device moves its rows, values and gradients through pinned
+    host memory, the host waiting for the device once a step (:mod:`psflow.worker.staging`;
+    ``PSFLOW_PINNED``, else on); off, each is a plain copy that waits for the device."""
 
     def __post_init__(self) -> None:
         kinds: Mapping[str, type | tuple[type, ...]] = {
@@ -77,8 +81,9 @@ class OptimizerConfig:
                     f"OptimizerConfig.{name} must be a {_names(kind)}, got {value!r} (give "
                     f"plain values through OptimizerConfig.of(...) or the keywords)"
                 )
-        if not isinstance(self.flush_denormals, bool):
-            raise TypeError(f"flush_denormals must be a bool, got {self.flush_denormals!r}")
+        for flag in ("flush_denormals", "pinned"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         if self.ready_timeout <= 0:
             raise ValueError(f"ready_timeout must be > 0 seconds, got {self.ready_timeout}")
         if self.lr_schedule is not None:
@@ -102,6 +107,7 @@ class OptimizerConfig:
         transport: TransportConfig | None = None,
         ready_timeout: float | None = None,
         flush_denormals: bool | None = None,
+        pinned: bool | None = None,
     ) -> OptimizerConfig:
         """The settings as keywords, each turned into its object here (the one place they are
         spelled as keywords; a misspelt one is a ``TypeError`` naming it).
@@ -120,6 +126,7 @@ class OptimizerConfig:
             transport: default from the environment.
             ready_timeout: default ``PSFLOW_READY_TIMEOUT``, else 300.
             flush_denormals: default ``PSFLOW_FLUSH_DENORMALS``, else on.
+            pinned: default ``PSFLOW_PINNED``, else on.
         """
         if isinstance(optimizer, OptimizerSpec):
             if lr is not None:
@@ -137,6 +144,7 @@ class OptimizerConfig:
             "transport": transport,
             "ready_timeout": ready_timeout,
             "flush_denormals": flush_denormals,
+            "pinned": pinned,
         }
         return cls(
             optimizer=spec,

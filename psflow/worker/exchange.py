@@ -24,6 +24,7 @@ from psflow.worker.client import Replies, ShardedClient, Tensors, group_by_shard
 from psflow.worker.heartbeat import Heartbeat
 from psflow.worker.opt_state import State, place_optimizer_state
 from psflow.worker.placement import Piece, dense_parameters
+from psflow.worker.staging import Staging
 from psflow.worker.tables import TableClient
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class ParameterExchange:
         lr_schedule: the learning-rate schedule the chief sends the ps with the optimizer.
         optimizer_state: the optimizer's first state the chief sends the ps (checked:
             :func:`~psflow.worker.opt_state.check_optimizer_state`).
+        staging: the copies between the host and a model's GPU (default: plain copies).
 
     Example:
         >>> # ex = ParameterExchange(model, ctx, pieces=place(...), transport=TransportConfig())
@@ -60,8 +62,10 @@ class ParameterExchange:
         transport: TransportConfig,
         lr_schedule: ScheduleSpec | None = None,
         optimizer_state: State | None = None,
+        staging: Staging | None = None,
     ) -> None:
         self.ctx = ctx
+        self.staging = staging if staging is not None else Staging(pinned=False)
         self.lr_schedule = lr_schedule
         self.optimizer_state = optimizer_state or {}
         self.params: dict[str, nn.Parameter] = dense_parameters(model)
@@ -70,7 +74,7 @@ class ParameterExchange:
         if unknown:
             raise ValueError(f"the placement names parameters the model lacks: {unknown}")
         self.client = ShardedClient(ctx, transport)
-        self.tables = TableClient(model, self.client)
+        self.tables = TableClient(model, self.client, staging=self.staging)
         """The model's embedding tables (:mod:`psflow.nn`), attached: rows come from the ps."""
         self.global_step = 0
         """Shard 0's step in its last reply."""
@@ -186,8 +190,9 @@ class ParameterExchange:
                 if g.is_sparse:  # nn.Embedding(sparse=True): only the rows it touched
                     sparse.extend(_sparse_rows(var, g, part))
                     rows.setdefault(shard, []).append(var)
-                else:
-                    out.append((var, g if part is None else g[part[0] : part[1]]))
+                else:  # from a GPU: into pinned memory, read after the wait below
+                    g = g if part is None else g[part[0] : part[1]]
+                    out.append((var, self.staging.to_host(g)))
             if out and len(out) == len(plan):
                 layouts[shard] = self._grad_layouts[shard]
             if out or sparse:
@@ -198,6 +203,7 @@ class ParameterExchange:
                 grads.setdefault(shard, []).extend(tensors)
                 rows.setdefault(shard, []).extend(table_rows[shard])
                 layouts.pop(shard, None)  # the layout describes the dense gradients only
+        self.staging.wait()  # (the tables' gradients waited for all; without tables, here)
         if not grads:
             raise ValueError("no gradients to push: call loss.backward() before step()")
         return grads, layouts, rows
@@ -267,7 +273,7 @@ class ParameterExchange:
                     param.data = value
                 else:
                     with torch.no_grad():  # only here: a steady step copies nothing
-                        dst.copy_(value)
+                        self.staging.copy_into(dst, value)  # to a GPU: the host goes on
             if shard == 0:
                 self.global_step = int(header[Key.STEP])
                 lr = header.get(_LR)

@@ -24,6 +24,7 @@ from psflow.worker.exchange import ParameterExchange
 from psflow.worker.modes import Engine, Mode
 from psflow.worker.opt_state import State, check_optimizer_state
 from psflow.worker.placement import Piece, Placement, dense_parameters
+from psflow.worker.staging import Staging
 from psflow.worker.staleness import StalenessEngine
 from psflow.worker.sync import SyncEngine
 from psflow.worker.tables import tables_of
@@ -272,6 +273,7 @@ def _engine(
         transport=config.transport,
         lr_schedule=config.lr_schedule,
         optimizer_state=optimizer_state,
+        staging=Staging(pinned=config.pinned),
     )
     try:
         engine: ExchangeEngine

@@ -38,6 +38,7 @@ from psflow.protocol.messages import (
 from psflow.sparse import Partition, coalesce
 from psflow.transport import PeerError, PeerLostError, PeerTimeoutError
 from psflow.worker.client import ShardedClient, Tensors
+from psflow.worker.staging import Staging
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +49,26 @@ Split = dict[int, tuple[torch.Tensor, Any]]
 
 
 class _Grouped(NamedTuple):
-    """A batch's ids (flat) and their grouping by shard (:meth:`TableClient._group`)."""
+    """A batch's ids (flat) and their grouping by shard (:meth:`TableClient._group`), and the
+    device of the batch they came from."""
 
     ids: torch.Tensor
     unique: torch.Tensor
     positions: torch.Tensor
     split: Split
+    device: torch.device
+
+
+class _Prefetched(NamedTuple):
+    """Rows that came with a push for a coming batch (:meth:`TableClient.put_prefetched`)."""
+
+    grouped: _Grouped
+    parts: dict[int, torch.Tensor]
+    """Each shard's rows, where they came (its lane, until the next request to it); empty
+    once they went to the batch's device (``on_device``)."""
+    on_device: torch.Tensor | None
+    """The rows, shard after shard, on the batch's device: their copy there began as they
+    came (:class:`~psflow.worker.staging.Staging`)."""
 
 
 _ROW_WISE = {"SGD": "SGD", "Adagrad": "Adagrad", "Adam": "Adam", "SparseAdam": "Adam"}
@@ -134,10 +149,14 @@ class TableClient:
         model: holds the :mod:`psflow.nn` tables; each is attached here (its local weight is
             dropped: the table lives on the ps).
         client: the requests to the shards.
+        staging: the copies between the host and a model's GPU (default: plain copies).
     """
 
-    def __init__(self, model: nn.Module, client: ShardedClient) -> None:
+    def __init__(
+        self, model: nn.Module, client: ShardedClient, *, staging: Staging | None = None
+    ) -> None:
         self.client = client
+        self.staging = staging if staging is not None else Staging(pinned=False)
         self.modules = tables_of(model)
         self.specs: dict[str, TableSpec] = {}
         self.partitions: dict[str, Partition] = {}
@@ -173,13 +192,13 @@ class TableClient:
             )
             self._name_of[id(module)] = spec.name
         self._looked_up: list[tuple[str, torch.Tensor, torch.Tensor, Split]] = []
-        self._to_prefetch: dict[str, torch.Tensor] = {}
-        """Per table, a coming batch's ids, whose rows the next push brings back."""
+        self._to_prefetch: dict[str, tuple[torch.Tensor, torch.device]] = {}
+        """Per table, a coming batch's ids, whose rows the next push brings back, and the
+        batch's device."""
         self._sent_prefetch: dict[str, _Grouped] = {}
-        self._prefetched: dict[str, tuple[_Grouped, dict[int, torch.Tensor]]] = {}
-        """Per table, rows that came with the last push (each shard's, where it came: its
-        lane, until the next request to that shard moves it out): used by the forward that
-        asks for exactly those ids."""
+        self._prefetched: dict[str, _Prefetched] = {}
+        """Per table, rows that came with the last push: used by the forward that asks for
+        exactly those ids."""
         self.on_lost: Callable[[PeerError], None] | None = None
         """What a lookup that meets a lost ps (:class:`~psflow.transport.PeerLostError`, a
         timeout) calls before the table asks again: the training session's recovery, which
@@ -248,7 +267,8 @@ class TableClient:
         unique, positions, split, (values,) = self._rows_of(
             name, flat, views=False, eval=not table.training
         )
-        return self._looked(name, unique, values, split, ids.device), positions.to(ids.device)
+        looked = self._looked(name, unique, values, split, ids.device)
+        return looked, self.staging.to_device(positions, ids.device)
 
     def batch_parts(
         self, table: TableModule, ids: torch.Tensor
@@ -287,8 +307,13 @@ class TableClient:
         checked, then), else one request per shard. ``eval`` (the table in eval mode): ids a
         hashed table does not hold read zeros, and never rows prefetched for training."""
         hit = self._prefetched.pop(name, None)
-        if hit is not None and not eval and torch.equal(hit[0].ids, flat):
-            (_, unique, positions, split), parts = hit
+        if hit is not None and (eval or (views and hit.on_device is not None)):
+            hit = None  # rows gone to a GPU serve a forward there (``views``: the CPU's way)
+        if hit is not None and torch.equal(hit.grouped.ids, flat):
+            _, unique, positions, split, _ = hit.grouped
+            if hit.on_device is not None:  # there already, or on their way
+                return unique, positions, split, [hit.on_device]
+            parts = hit.parts
             if name in self.wire:  # cast back to the table's dtype: a copy of their own
                 return unique, positions, split, self._widened(name, split, parts, views)
             if views:  # each where it came; the caller gathers before any other request
@@ -406,7 +431,7 @@ class TableClient:
     ) -> torch.Tensor:
         """``values`` as the forward's leaf (on ``device``), remembered with its ids (in the
         leaf's order) and ``split`` for the next push."""
-        out = values.to(device) if device.type != "cpu" else values
+        out = self.staging.to_device(values, device)
         out.requires_grad_(True)
         self._looked_up.append((name, ids, out, split))
         return out
@@ -416,13 +441,16 @@ class TableClient:
     def gradients(self) -> tuple[dict[int, Tensors], dict[int, list[str]]]:
         """The row gradients of the lookups since the last step, summed per id and split by
         shard, as tensors to push (:func:`~psflow.protocol.messages.row_tensor_names`), and the
-        tables each shard's push carries. Forgets the lookups."""
+        tables each shard's push carries. Forgets the lookups. Every copy to the host that
+        :attr:`staging` began, these and any before, has ended when this returns."""
         looked_up, self._looked_up = self._looked_up, []
         per_table: dict[str, list[tuple[torch.Tensor, torch.Tensor, Split]]] = {}
         for name, ids, leaf, split in looked_up:
             if leaf.grad is None:
                 continue  # the loss did not use these rows
-            per_table.setdefault(name, []).append((ids, leaf.grad.detach().to("cpu"), split))
+            grads = self.staging.to_host(leaf.grad.detach())
+            per_table.setdefault(name, []).append((ids, grads, split))
+        self.staging.wait()  # one wait for the device, for every table's (and the dense ones)
         tensors: dict[int, Tensors] = {}
         tables: dict[int, list[str]] = {}
         for name, lookups in per_table.items():
@@ -492,7 +520,7 @@ class TableClient:
         the next push: its reply brings them, read right after that push is applied, and the
         forward that asks for exactly those ids uses them instead of a request of its own."""
         name, flat = self._name_and_ids(table, ids)
-        self._to_prefetch[name] = flat
+        self._to_prefetch[name] = (flat, ids.device)
 
     def take_prefetch(self) -> tuple[dict[int, Tensors], dict[int, list[str]]]:
         """The ids to send with the next push, as tensors per shard, and the tables per shard."""
@@ -500,9 +528,9 @@ class TableClient:
         self._sent_prefetch = {}
         tensors: dict[int, Tensors] = {}
         tables: dict[int, list[str]] = {}
-        for name, ids in asked.items():
+        for name, (ids, device) in asked.items():
             unique, positions, split = self._group(name, ids)
-            self._sent_prefetch[name] = _Grouped(ids, unique, positions, split)
+            self._sent_prefetch[name] = _Grouped(ids, unique, positions, split, device)
             ids_name = prefetch_tensor_names(name)[0]
             for s, (shard_ids, _) in split.items():
                 tensors.setdefault(s, []).append((ids_name, shard_ids))
@@ -510,9 +538,10 @@ class TableClient:
         return tensors, tables
 
     def put_prefetched(self, tensors: dict[int, Tensors]) -> dict[int, Tensors]:
-        """Takes the prefetched rows out of each shard's reply tensors (keeps them for the next
-        forward, where they came: a shard's lane until the next request to it, when they
-        are moved out); returns the rest."""
+        """Takes the prefetched rows out of each shard's reply tensors and returns the rest.
+        The rows are kept for the next forward where they came (a shard's lane, until the next
+        request to it moves them out), or, for a batch on a GPU, begin their copy there now:
+        under way while this worker reads its next batch (:class:`~psflow.worker.staging.Staging`)."""
         if not self._sent_prefetch:
             return tensors
         rows_of = {prefetch_tensor_names(n)[1]: n for n in self._sent_prefetch}
@@ -530,8 +559,16 @@ class TableClient:
         for name, grouped in self._sent_prefetch.items():
             parts = got.get(name, {})
             self._check_parts(name, grouped.split, parts)
-            self._prefetched[name] = (grouped, parts)
-        for s in {s for _, parts in self._prefetched.values() for s in parts}:
+            on_device = None
+            if self.staging.crosses(grouped.device):
+                rows = (
+                    self._widened(name, grouped.split, parts, views=False)[0]
+                    if name in self.wire
+                    else self._joined(name, grouped.split, parts)
+                )
+                on_device, parts = self.staging.to_device(rows, grouped.device), {}
+            self._prefetched[name] = _Prefetched(grouped, parts, on_device)
+        for s in {s for hit in self._prefetched.values() for s in hit.parts}:
             self.client.hold(s, functools.partial(self._move_out, s))
         self._sent_prefetch = {}
         return rest
@@ -539,9 +576,9 @@ class TableClient:
     def _move_out(self, shard: int) -> None:
         """Copies the prefetched rows that still lie in ``shard``'s lane into memory of their
         own (a request to it is about to overwrite them)."""
-        for _, parts in self._prefetched.values():
-            if shard in parts:
-                parts[shard] = parts[shard].clone()
+        for hit in self._prefetched.values():
+            if shard in hit.parts:
+                hit.parts[shard] = hit.parts[shard].clone()
 
     def row_dtypes(self, tables: dict[int, list[str]]) -> dict[int, dict[str, str]]:
         """Per shard, the dtypes that the rows of ``tables[shard]`` it is asked for travel in

@@ -881,7 +881,7 @@ def test_prefetched_rows_stay_in_the_lanes_until_a_request_would_overwrite_them(
         real_move = client._move_out
 
         def move_out(shard: int, real=real_move, client=client, moved=moved) -> None:  # type: ignore[no-untyped-def]
-            if any(shard in parts for _, parts in client._prefetched.values()):
+            if any(shard in hit.parts for hit in client._prefetched.values()):
                 moved.append(shard)
             real(shard)
 

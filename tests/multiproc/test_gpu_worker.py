@@ -1,0 +1,155 @@
+"""A worker whose model is on a GPU: rows, values and gradients cross between the host and
+the device through its staging (:mod:`psflow.worker.staging`), against 2 real ps.
+
+On the CPU, a staging whose copies behave as a GPU's do (begun, then waited for) checks where
+the worker begins them and where it waits; on a machine with CUDA, the worker trains there as
+it does on the CPU, pinned or not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from psflow.transport import TransportConfig
+from psflow.worker import DistributedOptimizer
+from psflow.worker.staging import Staging
+from psflow.worker.tables import TableClient
+
+from .support import local_cluster, stop, worker_ctx
+from .test_tables import VOCAB, Recommender, _ps, batch, loss_of, table_rows, tables
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+STEPS = 6
+
+
+class Deferred(Staging):
+    """Copies as a GPU's are, on the CPU: every device crosses; a copy to the host holds NaN
+    until :meth:`wait` (it was only begun), then what the tensor held when it was asked. Logs
+    what it is given: ``rows`` (2-D floats to the device), ``other`` (to the device),
+    ``value`` (into a device's tensor), ``to_host``, ``wait`` (when something was under way)."""
+
+    def __init__(self) -> None:
+        super().__init__(pinned=False)
+        self.log: list[str] = []
+        self._late: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._made: list[torch.Tensor] = []
+
+    def crosses(self, device: torch.device) -> bool:
+        return True
+
+    def to_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if any(t is out for out in self._made):
+            return t  # "on the device" already
+        self.log.append("rows" if t.dim() == 2 and t.is_floating_point() else "other")
+        out = t.clone()
+        self._made.append(out)
+        return out
+
+    def copy_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.log.append("value")
+        dst.copy_(src)
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        out = torch.full_like(t, float("nan"))
+        self._late.append((out, t.clone()))
+        self.log.append("to_host")
+        return out
+
+    def wait(self) -> None:
+        if self._late:
+            self.log.append("wait")
+        for out, held in self._late:
+            out.copy_(held)
+        self._late = []
+
+
+def _train(device: str, log: list[str], *, pinned: bool = True) -> tuple[list[torch.Tensor], int]:
+    """One worker against 2 ps, prefetching each next batch's rows: the items table's rows,
+    the dense head's values at the end, and the lookups the worker asked for."""
+    cluster = local_cluster(2, 1)
+    procs = _ps(cluster)
+    model = Recommender().to(device)
+    opt = DistributedOptimizer(
+        model,
+        worker_ctx(cluster),
+        optimizer="Adagrad",
+        lr=0.1,
+        pinned=pinned,
+        transport=TransportConfig(timeout=30),
+    )
+    client = tables(opt).client
+    asked: list[object] = []
+    real_lookup = client.lookup
+
+    def counting(ids, into=None, **how):  # type: ignore[no-untyped-def]
+        asked.append(ids)
+        return real_lookup(ids, into, **how)
+
+    client.lookup = counting  # type: ignore[method-assign]
+    try:
+        data = [tuple(t.to(device) for t in batch(step, 0, 8)) for step in range(STEPS)]
+        for step, (items, users, y) in enumerate(data):
+            log.append(f"forward {step}")
+            opt.zero_grad()
+            loss_of(model, items, users, y).backward()
+            if step + 1 < STEPS:
+                model.items.prefetch(data[step + 1][0])
+                model.users.prefetch(data[step + 1][1])
+            log.append(f"step {step}")
+            opt.step()
+        lookups = len(asked)
+        log.append("end")
+        opt.pull()
+        rows = table_rows(opt, "items", torch.arange(VOCAB))
+        head = [p.detach().cpu().clone() for p in model.head.parameters()]
+        return [rows, *head], lookups
+    finally:
+        opt.close()
+        for p in procs:
+            stop(p, timeout=5)
+
+
+def test_a_gpu_workers_copies_begin_early_and_are_waited_for_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With copies that behave as a GPU's (:class:`Deferred`), a worker that prefetches
+    trains exactly as with plain ones; the rows a push brings begin their copy to the device
+    within that step, not at the forward that uses them; a step's gradients, dense and rows,
+    are all begun before one wait, and none is sent before it (it would reach the ps as NaN)."""
+    # As on a GPU: the forward asks the source for the batch's rows whole, not in parts.
+    monkeypatch.delattr(TableClient, "batch_parts")
+    plain, asked_plain = _train("cpu", [])
+    deferred = Deferred()
+    monkeypatch.setattr("psflow.worker.optimizer.Staging", lambda pinned: deferred)
+    got, asked = _train("cpu", deferred.log)
+    for x, y in zip(got, plain, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert asked == asked_plain == 2, (asked, asked_plain)  # only the first forward asks
+    log = deferred.log
+    marks = [i for i, entry in enumerate(log) if entry.startswith(("forward", "step", "end"))]
+    segments = {log[i]: log[i + 1 : j] for i, j in zip(marks, [*marks[1:], len(log)], strict=True)}
+    for step in range(STEPS):
+        forward, pushed = segments[f"forward {step}"], segments[f"step {step}"]
+        # The first forward's rows come by lookup; later ones' came with the push before.
+        assert forward.count("rows") == (2 if step == 0 else 0), (step, forward)
+        assert "to_host" not in forward and "wait" not in forward, (step, forward)
+        # The head's weight and bias, each table's rows: begun, then one wait.
+        assert pushed.count("to_host") == 4 and pushed.count("wait") == 1, (step, pushed)
+        waited = pushed.index("wait")
+        assert "to_host" not in pushed[waited:], (step, pushed)
+        # The next batch's rows, both tables', begin for the device when the reply comes.
+        assert pushed[waited:].count("rows") == (2 if step + 1 < STEPS else 0), (step, pushed)
+
+
+@CUDA
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "plain"])
+def test_a_gpu_worker_trains_as_a_cpu_one(pinned: bool) -> None:
+    """A worker on CUDA that prefetches takes the steps a worker on the CPU takes (to the
+    float32 sums' rounding), and asks for rows only at its first forward, pinned or not."""
+    want, asked_cpu = _train("cpu", [])
+    got, asked = _train("cuda", [], pinned=pinned)
+    for x, y in zip(got, want, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    assert asked == asked_cpu == 2, (asked, asked_cpu)
