@@ -21,6 +21,8 @@
   above.
 - ``tables.py``: :class:`TableClient`, a model's :mod:`psflow.nn` embedding tables on the
   ps: rows pulled by id at forward time, row gradients pushed with the step.
+- ``staging.py``: :class:`~psflow.worker.staging.Staging`, a GPU model's copies to and from
+  the host through pinned memory, the host waiting for the device once a step.
 - ``towers.py``: :class:`Towers`, one batch split across several local devices.
 - ``stages.py``: :class:`Stages`, one model split across several local devices, run in
   micro-batches (GPipe).
