@@ -2,8 +2,8 @@
 # The checks that need a GPU, as one command for a machine with one (the device tool's `run`,
 # ../.library/device): the CUDA tests (towers, stages, pinned copies, workers on CUDA against 2
 # ps), then examples/ctr.py with its 2 workers on the CPU, on CUDA, and on CUDA with plain copies
-# (PSFLOW_PINNED=0), side by side on that machine (issue 35 item 6: CUDA workers at least 2x the
-# CPU ones); then where a CUDA worker's time goes (benchmarks/job_profile.py, py-spy of worker:0
+# (PSFLOW_PINNED=0), side by side on that machine, with the example's model and with DeepRec's
+# DLRM shape (issue 35 item 6: CUDA workers at least 2x the CPU ones); then where a CUDA worker's time goes (benchmarks/job_profile.py, py-spy of worker:0
 # in a 2 x 2 job of DeepRec's DLRM shape; GPU_PROFILE= skips it).
 #
 # There, python3 has a CUDA build of torch and most of psflow's dependencies, but not pyzmq or
@@ -18,7 +18,7 @@
 #       google-crc32c==1.9.0 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12
 #
 # and py-spy (add py-spy==0.4.3 with --platform manylinux1_x86_64), and the device run carries
-# it: command `bash scripts/gpu-check.sh`, carry [".whl"]. About 6 minutes on an H100 with the
+# it: command `bash scripts/gpu-check.sh`, carry [".whl"]. About 7 minutes on an H100 with the
 # defaults; CTR_STEPS and CTR_EXAMPLES make it shorter or longer.
 # Logs go to $OUT (the device tool brings them back), else /tmp/gpu-check. PYTHON names another
 # interpreter (here: PYTHON=.venv/bin/python runs all but the CUDA parts, which fail or skip).
@@ -46,18 +46,25 @@ echo "== CUDA tests =="
     "tests/multiproc/test_tables.py::test_one_worker_matches_one_process_adagrad" \
     2>&1 | tee "$out/tests.log" | tail -15
 
-echo "== examples/ctr.py: 2 ps, 2 workers, ${steps} steps of 1,024 =="
 "$py" -m psflow.cli data synth-ctr /tmp/ctr --examples "$examples" --shards 4 >/dev/null
+# The example's own model (the issue's filing: CUDA 1.18x the CPU), then DeepRec's DLRM shape.
+dlrm="--dim 16 --bottom 512,256,64 --top 512,256 --batch_size 512 --no-wide --min_count 0"
 n=0
-for run in cpu cuda cuda-plain cuda; do  # CUDA twice, around its plain copies: the noise
-    pinned=1
-    [ "$run" = cuda-plain ] && pinned=0
-    n=$((n + 1))
-    PSFLOW_PINNED=$pinned "$py" -m psflow.cli launch --ps 2 --workers 2 examples/ctr.py \
-        --data /tmp/ctr --train_steps "$steps" --device "${run%-plain}" --prefetch \
-        >"$out/ctr-$n-$run.log" 2>&1
-    echo "$run (exit $?):"
-    grep -E "samples/s|RESULT" "$out/ctr-$n-$run.log"
+for shape in example dlrm; do
+    echo "== examples/ctr.py, $shape: 2 ps, 2 workers, ${steps} steps =="
+    model=()
+    [ "$shape" = dlrm ] && read -ra model <<<"$dlrm"
+    for run in cpu cuda cuda-plain cuda; do  # CUDA twice, around its plain copies: the noise
+        pinned=1
+        [ "$run" = cuda-plain ] && pinned=0
+        n=$((n + 1))
+        log="$out/ctr-$n-$shape-$run.log"
+        PSFLOW_PINNED=$pinned "$py" -m psflow.cli launch --ps 2 --workers 2 examples/ctr.py \
+            --data /tmp/ctr --train_steps "$steps" --device "${run%-plain}" --prefetch \
+            "${model[@]}" >"$log" 2>&1
+        echo "$run (exit $?):"
+        grep -E "samples/s|RESULT" "$log"
+    done
 done
 
 [ -z "${GPU_PROFILE-1}" ] && exit 0
