@@ -8,11 +8,15 @@ from __future__ import annotations
 import importlib
 import shutil
 import sysconfig
+from collections.abc import Callable
 from types import ModuleType
+from typing import TypeVar
 
 import pytest
 
 from psflow import env as envvars
+
+T = TypeVar("T")
 
 COMPILED = {
     "psflow.sparse.kernels": ("KERNELS", "psflow/sparse/_kernels.c"),
@@ -43,3 +47,18 @@ def need_kernels() -> None:
     if shutil.which(compiler) is not None:
         pytest.fail(f"{compiler} is here, but {', '.join(missing)} was not built (setup.py)")
     pytest.skip(f"no C compiler ({compiler}): the install could not build {', '.join(missing)}")
+
+
+def kernels_then_torch(run: Callable[[], T]) -> tuple[T, T]:
+    """``run()`` with the sparse tables' row kernels, then again with torch's ops in their place
+    (in one test, to compare the two)."""
+    from psflow.sparse import kernels
+
+    results = []
+    for use in (kernels.KERNELS, None):
+        saved, kernels.KERNELS = kernels.KERNELS, use
+        try:
+            results.append(run())
+        finally:
+            kernels.KERNELS = saved
+    return results[0], results[1]

@@ -26,7 +26,7 @@ from psflow.data.tfrecord_writer import write_records
 from psflow.protocol import ROW_OPTIMIZERS, RowOptimizerSpec
 from psflow.sparse import Partition, RowOptimizer, kernels
 from psflow.transport import wire
-from tests.kernels import need_kernels
+from tests.kernels import kernels_then_torch, need_kernels
 
 pytestmark = pytest.mark.unit
 
@@ -174,18 +174,15 @@ def test_the_kernels_take_the_references_steps_at_every_width(
         ids = data.draw(st.lists(st.integers(0, rows - 1), min_size=1, max_size=rows, unique=True))
         g = data.draw(arrays(np.float32, (len(ids), dim), elements=GRADIENTS))
         steps.append((torch.tensor(ids), torch.tensor(g).to(dtype)))
-    results = []
-    for use in (kernels.KERNELS, None):
-        saved, kernels.KERNELS = kernels.KERNELS, use
-        try:
-            opt = RowOptimizer(spec)
-            w, state = w0.clone(), opt.new_state(rows, dim, dtype)
-            for ids, g in steps:
-                opt.apply(w, state, ids, g)
-            results.append((w, state))
-        finally:
-            kernels.KERNELS = saved
-    (wk, sk), (wt, st_) = results
+
+    def run() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        opt = RowOptimizer(spec)
+        w, state = w0.clone(), opt.new_state(rows, dim, dtype)
+        for ids, g in steps:
+            opt.apply(w, state, ids, g)
+        return w, state
+
+    (wk, sk), (wt, st_) = kernels_then_torch(run)
     tol = {"atol": 5e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 1e-12, "rtol": 0}
     torch.testing.assert_close(wk, wt, **tol)
     assert sk.keys() == st_.keys()

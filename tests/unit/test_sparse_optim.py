@@ -8,7 +8,7 @@ import torch
 
 from psflow.protocol import ROW_OPTIMIZERS, RowOptimizerSpec
 from psflow.sparse import RowOptimizer, kernels, optim
-from tests.kernels import need_kernels
+from tests.kernels import kernels_then_torch, need_kernels
 
 pytestmark = pytest.mark.unit
 
@@ -272,20 +272,17 @@ def test_kernels_agree_with_torch_on_a_large_table(name: str, dtype: torch.dtype
     rows, dim = 5000, 64
     spec = RowOptimizerSpec.of(name, lr=0.05)
     w0 = torch.randn(rows, dim, generator=gen, dtype=dtype)
-    results = []
-    for use in (kernels.KERNELS, None):
-        saved, kernels.KERNELS = kernels.KERNELS, use
-        try:
-            opt = RowOptimizer(spec)
-            w, state = w0.clone(), opt.new_state(rows, dim, dtype)
-            g = torch.Generator().manual_seed(12)
-            for _ in range(4):
-                ids = torch.randperm(rows, generator=g)[:1500]
-                opt.apply(w, state, ids, torch.randn(1500, dim, generator=g, dtype=dtype))
-            results.append((w, state))
-        finally:
-            kernels.KERNELS = saved
-    (wk, sk), (wt, st) = results
+
+    def run() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        opt = RowOptimizer(spec)
+        w, state = w0.clone(), opt.new_state(rows, dim, dtype)
+        g = torch.Generator().manual_seed(12)
+        for _ in range(4):
+            ids = torch.randperm(rows, generator=g)[:1500]
+            opt.apply(w, state, ids, torch.randn(1500, dim, generator=g, dtype=dtype))
+        return w, state
+
+    (wk, sk), (wt, st) = kernels_then_torch(run)
     # float32: torch's vectorised sqrt is not correctly rounded (it differs from numpy's in
     # about 1 element in 6), the kernels' is, as TensorFlow's; FTRL's difference of square
     # roots divided by lr makes that last bit a few 1e-6.
