@@ -1,6 +1,6 @@
 """Properties that hold for every input, searched by hypothesis: psflow's native kernels against
 their references (a batch's ids grouped by shard, rows gathered and scattered, the row-wise
-optimizers at every width), FarmHash and CRC32C against their references, and round trips of the
+optimizers at every width), a table's shards saved and loaded into any other number of them, FarmHash and CRC32C against their references, and round trips of the
 wire format and of TFRecord files read in any chunk size, on both paths of the compiled modules.
 
 The searches are derandomized (the same examples every run: a suite that passes once passes
@@ -23,8 +23,8 @@ from hypothesis.extra.numpy import arrays
 from psflow.data import hashing, native
 from psflow.data.tfrecord_reader import TFRecordReader
 from psflow.data.tfrecord_writer import write_records
-from psflow.protocol import ROW_OPTIMIZERS, RowOptimizerSpec
-from psflow.sparse import Partition, RowOptimizer, kernels
+from psflow.protocol import ROW_OPTIMIZERS, RowOptimizerSpec, TableSpec
+from psflow.sparse import Partition, RowOptimizer, kernels, make_rows
 from psflow.transport import wire
 from tests.kernels import kernels_then_torch, need_kernels
 
@@ -188,6 +188,72 @@ def test_the_kernels_take_the_references_steps_at_every_width(
     assert sk.keys() == st_.keys()
     for key in sk:
         torch.testing.assert_close(sk[key], st_[key], **tol)
+
+
+@SEARCH
+@given(
+    name=st.sampled_from(sorted(ROW_OPTIMIZERS)),
+    table=st.one_of(
+        st.just(("hashed", 0)), st.tuples(st.sampled_from(["mod", "div"]), st.integers(1, 60))
+    ),
+    before=st.integers(1, 6),
+    after=st.integers(1, 6),
+    data=st.data(),
+)
+def test_a_table_saved_from_any_number_of_shards_loads_into_any_other(
+    name: str, table: tuple[str, int], before: int, after: int, data: st.DataObject
+) -> None:
+    """Each shard's snapshot (rows, ids, optimizer state), every one loaded by each shard of
+    another count, as a restore re-shards a checkpoint: the same row for every id, and the same
+    rows after the same further steps (the state came along)."""
+    kind, n = table
+    spec = TableSpec(
+        name="t",
+        embedding_dim=data.draw(st.integers(1, 9)),
+        num_embeddings=None if kind == "hashed" else n,
+        partition="mod" if kind == "hashed" else kind,
+        dtype="float64",
+        optimizer=RowOptimizerSpec.of(name),
+    )
+    if kind == "hashed":  # any int64 ids, negative ones too
+        ids = torch.tensor(data.draw(st.lists(INT64, min_size=1, max_size=40, unique=True)))
+    else:
+        ids = torch.arange(n)
+    grads = [
+        (
+            torch.tensor(
+                data.draw(st.lists(st.sampled_from(ids.tolist()), min_size=1, unique=True))
+            ),
+            data.draw(st.integers(0, 2**31)),
+        )
+        for _ in range(2)
+    ]
+
+    def train(parts: list, step: int) -> None:
+        touched, seed = grads[step]
+        g = torch.randn(touched.numel(), spec.embedding_dim, dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(seed))  # fmt: skip
+        for s, (sub, at) in parts[0].partition.split(touched).items():
+            parts[s].apply(sub, g[at])
+
+    def rows(parts: list) -> torch.Tensor:
+        out = torch.empty(ids.numel(), spec.embedding_dim, dtype=torch.float64)
+        for s, (sub, at) in parts[0].partition.split(ids).items():
+            out[at] = parts[s].lookup(sub)
+        return out
+
+    old = [make_rows(spec, s, before) for s in range(before)]
+    train(old, 0)
+    snapshots = [part.snapshot() for part in old]
+    new = [make_rows(spec, s, after) for s in range(after)]
+    for part in new:
+        for snap in snapshots:
+            state = {k: v for k, v in snap.items() if k.startswith("opt/")}
+            part.load(snap["ids"], snap["values"], state)
+    assert torch.equal(rows(new), rows(old))
+    train(old, 1)
+    train(new, 1)
+    assert torch.equal(rows(new), rows(old))
 
 
 @SEARCH
