@@ -13,6 +13,7 @@ import itertools
 from pathlib import Path
 
 import google_crc32c
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -23,7 +24,7 @@ from hypothesis.extra.numpy import arrays
 from psflow.data import hashing, native
 from psflow.data.tfrecord_reader import TFRecordReader
 from psflow.data.tfrecord_writer import write_records
-from psflow.protocol import ROW_OPTIMIZERS, RowOptimizerSpec, TableSpec
+from psflow.protocol import ROW_OPTIMIZERS, Key, RowOptimizerSpec, TableSpec
 from psflow.sparse import Partition, RowOptimizer, kernels, make_rows
 from psflow.transport import wire
 from tests.kernels import kernels_then_torch, need_kernels
@@ -323,6 +324,47 @@ def test_the_wire_gives_back_every_byte(
             got.reshape(-1).view(torch.uint8).tolist()
             == sent.reshape(-1).view(torch.uint8).tolist()
         )
+
+
+# What msgpack can carry: a hostile header's values.
+PACKABLE = st.recursive(
+    st.none() | st.booleans() | INT64 | st.floats() | st.text(max_size=20) | st.binary(max_size=40),
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+FRAMING = {Key.TENSORS.value, Key.CHUNK.value, Key.INLINE.value}
+
+
+@SEARCH
+@given(
+    tensors=messages(),
+    changes=st.dictionaries(st.sampled_from(sorted(FRAMING)), PACKABLE, max_size=3),
+    cut=st.integers(0, 3),
+    extra=st.lists(st.binary(max_size=64), max_size=2),
+)
+def test_a_message_whose_framing_lies_is_refused_as_a_wire_error(
+    tensors: list[tuple[str, torch.Tensor]],
+    changes: dict[str, object],
+    cut: int,
+    extra: list[bytes],
+) -> None:
+    """A real message with its tensor list, chunk size or inline bytes replaced by anything
+    msgpack carries, frames dropped or added: decoded into exactly the bytes the header lists,
+    or refused as a :class:`~psflow.transport.wire.WireError`, never another error."""
+    frames = wire.encode({"op": "push", "id": 7}, tensors, chunk=64)
+    header = msgpack.unpackb(bytes(frames[0]), raw=False)
+    header.update(changes)
+    data = [bytes(f) for f in frames[1:]]
+    data = data[: max(0, len(data) - cut)] + extra
+    try:
+        decoded = wire.decode_header(msgpack.packb(header))
+        back = wire.decode_tensors(decoded, data, max_bytes=1 << 20)
+    except wire.WireError:
+        return
+    for (name, t), meta in zip(back, wire.tensor_metas(decoded), strict=True):
+        assert name == meta.name and t.dtype == meta.dtype and tuple(t.shape) == meta.shape
 
 
 @pytest.mark.usefixtures("path")
