@@ -24,6 +24,15 @@ when torch loads OpenMP: too late to set it from inside a script that has import
 ``PSFLOW_LOG_LEVEL``: psflow's own INFO lines (initialised, restored, saved, waiting for ...)
 show in every task without the script configuring logging."""
 
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+"""The GPUs a process may use (CUDA's). ``psflow launch --gpus-per-task`` reads the job's from it
+(else from ``nvidia-smi -L``) and sets each task's: a trainer's own GPUs, none for the others
+(:mod:`psflow.cluster.gpus`)."""
+
+CUDA_DEVICE_ORDER = "CUDA_DEVICE_ORDER"
+"""How CUDA numbers the GPUs: ``psflow launch --gpus-per-task`` sets ``PCI_BUS_ID`` (unless
+set) where it counted them with ``nvidia-smi``, so that its indices are CUDA's."""
+
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 """OpenMP's (and torch's) threads per process: ``psflow launch`` sets it for each task it starts,
 unless the user does (:func:`threads_per_task`, or the count of its cores under
@@ -247,6 +256,18 @@ def text(
     """
     raw = (os.environ if environ is None else environ).get(name)
     return default if raw is None or raw.strip() == "" else raw
+
+
+def entries(name: str, *, environ: Mapping[str, str] | None = None) -> list[str] | None:
+    """The comma-separated entries of the environment variable ``name`` (an empty value: none,
+    ``[]``, which differs from unset), or ``None`` when it is unset.
+
+    Args:
+        name: the variable.
+        environ: where to read it; default this process's environment.
+    """
+    raw = (os.environ if environ is None else environ).get(name)
+    return None if raw is None else [e.strip() for e in raw.split(",") if e.strip()]
 
 
 def flag(name: str, default: bool) -> bool:

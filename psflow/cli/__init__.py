@@ -169,6 +169,15 @@ def _add_launch(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "(torch,psflow): a task, and a restarted one, skips their import "
         "(default: PSFLOW_PRELOAD; none: each task a fresh python)",
     )
+    p.add_argument(
+        "--gpus-per-task",
+        type=float,
+        default=0.0,
+        help="GPUs of the chief's and each worker's own: a whole number, or a share of one "
+        "below 1 (0.5: two a GPU); locally through CUDA_VISIBLE_DEVICES, dealt from its value "
+        "or nvidia-smi's GPUs, the ps and evaluator seeing none; on Ray, their actors' "
+        "(default 0: CUDA_VISIBLE_DEVICES left alone, every task sees every GPU)",
+    )
     _add_launch_watching(p)
     r = p.add_argument_group("on Ray (--backend ray)")
     r.add_argument(
@@ -187,9 +196,6 @@ def _add_launch(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         help="placement group strategy: SPREAD (default) or PACK (STRICT_SPREAD, STRICT_PACK)",
     )
     r.add_argument("--cpus-per-task", type=float, default=1.0, help="CPUs of each task's actor")
-    r.add_argument(
-        "--gpus-per-task", type=float, default=0.0, help="GPUs of each worker's (and chief's) actor"
-    )
     r.add_argument(
         "--node-ip", help="this machine's address in the Ray cluster, where Ray cannot tell"
     )

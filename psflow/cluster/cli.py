@@ -43,6 +43,7 @@ def launch(args: argparse.Namespace) -> int:
         progress=args.progress,
         bind_cores=args.bind_cores,
         ps_threads=args.ps_threads,
+        trainer_gpus=args.gpus_per_task,
         preload=[m.strip() for m in (preload or "").split(",") if m.strip()],
     )
     if getattr(args, "backend", "local") == "ray":

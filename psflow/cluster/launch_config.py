@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from psflow import env as envvars
+from psflow.cluster.gpus import check_per_task
 from psflow.cluster.modes import MODES, Mode
 
 LAUNCH_MODES = MODES
@@ -105,6 +106,11 @@ class LaunchConfig:
     """Bind each task to cores of its own (:func:`~psflow.cluster.cores.core_sets`), as
     ``mpirun --bind-to core`` does: the scheduler then neither moves a task between cores nor
     puts two ps that answer the same step on one core while another idles."""
+    trainer_gpus: float = 0.0
+    """GPUs of the chief's and each worker's own (``--gpus-per-task``): a whole number, or a
+    share of one below 1 (``0.5``: two trainers a GPU), seen through ``CUDA_VISIBLE_DEVICES``
+    (:mod:`psflow.cluster.gpus`); the ps and evaluator tasks then see none. ``0``: no task's
+    ``CUDA_VISIBLE_DEVICES`` is touched."""
     preload: Sequence[str] = ()
     """Modules to import once in a fork server that starts every task by forking
     (:mod:`psflow.cluster.forkserver`; ``("torch", "psflow")``): a task, started or restarted,
@@ -131,6 +137,7 @@ class LaunchConfig:
             or self.ps_threads < 1
         ):
             raise ValueError(f"--ps-threads must be an integer >= 1, got {self.ps_threads!r}")
+        check_per_task(self.trainer_gpus)
         if isinstance(self.preload, str):
             raise TypeError(f"preload must be a sequence of module names, got {self.preload!r}")
         bad = [m for m in self.preload if not all(p.isidentifier() for p in m.split("."))]

@@ -23,7 +23,9 @@ without keys; a ``PSFLOW_KEYS_DIR`` of the user's own stands.
 Each task gets ``OMP_NUM_THREADS`` = this host's cores divided by its tasks (unless set);
 ``--bind-cores`` binds each task to cores of its own
 (:func:`~psflow.cluster.cores.core_sets`), its
-``OMP_NUM_THREADS`` then their count.
+``OMP_NUM_THREADS`` then their count. ``--gpus-per-task`` gives the chief and each worker GPUs
+of their own (:mod:`psflow.cluster.gpus`), through ``CUDA_VISIBLE_DEVICES``; the ps and
+evaluator tasks then see none.
 
 An evaluator task (``--evaluator``; outside the cluster in its ``TF_CONFIG``, as TensorFlow
 has it) scores checkpoints beside the job and exits by itself after the chief's final one; it
@@ -62,6 +64,7 @@ from psflow import metrics
 from psflow.cluster import jobs, shmfiles
 from psflow.cluster.cores import bind, core_sets, host_cpus, task_threads
 from psflow.cluster.forkserver import ForkedTask, ForkServer, die_with_parent
+from psflow.cluster.gpus import gpu_sets, host_gpus
 from psflow.cluster.launch_config import LAUNCH_MODES, LaunchConfig
 from psflow.cluster.ports import free_ports, local_cluster
 from psflow.cluster.progress import ProgressLine
@@ -100,6 +103,13 @@ class Launcher:
         )
         self.cores = core_sets(self.cluster.tasks(), host_cpus()) if config.bind_cores else {}
         """Task to the cores it is bound to (``--bind-cores``; empty: not bound)."""
+        self.gpus: dict[TaskSpec, list[str]] = {}
+        """Trainer to the GPUs it sees (``--gpus-per-task``; empty: every task sees them all)."""
+        self._gpus_counted = False  # by nvidia-smi: CUDA told to number them as it does
+        if config.trainer_gpus:
+            found, where = host_gpus({**os.environ, **config.env})
+            self.gpus = gpu_sets(self.cluster.tasks(), found, config.trainer_gpus, where)
+            self._gpus_counted = where == "nvidia-smi -L"
         self.procs: dict[TaskSpec, subprocess.Popen[bytes] | ForkedTask] = {}
         self._forks: ForkServer | None = None
         """The server that forks the tasks (``preload``), while it runs."""
@@ -128,6 +138,9 @@ class Launcher:
             self._forks = ForkServer(self.config.preload, self._task_env())
             self._forks.start()
         order = sorted(self.cluster.tasks(), key=lambda t: t.job != "ps")
+        if self.gpus:
+            dealt = ", ".join(f"{t} {','.join(g)}" for t, g in self.gpus.items())
+            self._say(f"GPUs (CUDA_VISIBLE_DEVICES): {dealt}; the other tasks see none")
         for task in order:
             self._spawn(task)
         self._announce_metrics()
@@ -149,6 +162,10 @@ class Launcher:
         env["PYTHONUNBUFFERED"] = "1"
         if self.keys_dir is not None:
             env[envvars.PSFLOW_KEYS_DIR] = self.keys_dir
+        if self.config.trainer_gpus:  # a trainer's own GPUs; none for the others
+            env[envvars.CUDA_VISIBLE_DEVICES] = ",".join(self.gpus.get(task, []))
+            if self._gpus_counted:
+                env.setdefault(envvars.CUDA_DEVICE_ORDER, "PCI_BUS_ID")
         argv = [self.config.script, *self.config.args]
         proc: subprocess.Popen[bytes] | ForkedTask
         if self._forks is not None:

@@ -86,3 +86,40 @@ def test_bind_cores_binds_each_task_to_the_cores_it_was_dealt(tmp_path: Path) ->
     tasks = [TaskSpec(job="ps", index=0), TaskSpec(job="ps", index=1), TaskSpec(job="worker")]
     for task, cores in core_sets(tasks, host_cpus()).items():
         assert f"[{task}] cores {task} {cores} {len(cores)}" in lines, lines
+
+
+DEVICES = """
+import os
+import psflow
+
+ctx, _ = psflow.resolve()
+print("gpus", ctx.task, repr(os.environ.get("CUDA_VISIBLE_DEVICES")))
+"""
+
+
+def test_gpus_per_task_gives_each_trainer_its_own_and_the_ps_none(tmp_path: Path) -> None:
+    """The job's GPUs are CUDA_VISIBLE_DEVICES's (here: made up, no GPU is touched): the
+    chief and each worker see their own, dealt in order, and the ps sees none; too few GPUs for
+    the trainers is an error before any task starts."""
+    script = tmp_path / "train.py"
+    script.write_text(DEVICES)
+    cmd = launch_cmd(script, ps=1, workers=2)
+    cmd[cmd.index(str(script)) : cmd.index(str(script))] = ["--chief", "--gpus-per-task", "1"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "3,5,7"}
+    proc = subprocess.run(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=100, env=env
+    )
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0, lines
+    for task, seen in (("chief:0", "3"), ("worker:0", "5"), ("worker:1", "7"), ("ps:0", "")):
+        assert f"[{task}] gpus {task} {seen!r}" in lines, lines
+    assert "psflow launch: GPUs (CUDA_VISIBLE_DEVICES): chief:0 3, worker:0 5, worker:1 7; " \
+        "the other tasks see none" in lines, lines  # fmt: skip
+
+    env["CUDA_VISIBLE_DEVICES"] = "3,5"
+    proc = subprocess.run(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=100, env=env
+    )
+    assert proc.returncode != 0
+    assert "needs 3 GPU(s); this host has 2 (CUDA_VISIBLE_DEVICES=3,5)" in proc.stdout
+    assert "[" not in proc.stdout, proc.stdout  # no task started
