@@ -65,9 +65,12 @@ class Deferred(Staging):
         self._late = []
 
 
-def _train(device: str, log: list[str], *, pinned: bool = True) -> tuple[list[torch.Tensor], int]:
-    """One worker against 2 ps, prefetching each next batch's rows: the items table's rows,
-    the dense head's values at the end, and the lookups the worker asked for."""
+def _train(
+    device: str, log: list[str], *, pinned: bool = True, overlap: bool = False
+) -> tuple[list[torch.Tensor], int]:
+    """One worker against 2 ps, prefetching each next batch's rows (with ``overlap``, each
+    push's reply taken at the next step, and no prefetch): the items table's rows, the dense
+    head's values at the end, and the lookups the worker asked for."""
     cluster = local_cluster(2, 1)
     procs = _ps(cluster)
     model = Recommender().to(device)
@@ -77,6 +80,7 @@ def _train(device: str, log: list[str], *, pinned: bool = True) -> tuple[list[to
         optimizer="Adagrad",
         lr=0.1,
         pinned=pinned,
+        overlap=overlap,
         transport=TransportConfig(timeout=30),
     )
     client = tables(opt).client
@@ -94,7 +98,7 @@ def _train(device: str, log: list[str], *, pinned: bool = True) -> tuple[list[to
             log.append(f"forward {step}")
             opt.zero_grad()
             loss_of(model, items, users, y).backward()
-            if step + 1 < STEPS:
+            if step + 1 < STEPS and not overlap:
                 model.items.prefetch(data[step + 1][0])
                 model.users.prefetch(data[step + 1][1])
             log.append(f"step {step}")
@@ -144,12 +148,14 @@ def test_a_gpu_workers_copies_begin_early_and_are_waited_for_once(
 
 
 @CUDA
+@pytest.mark.parametrize("overlap", [False, True], ids=["", "overlap"])
 @pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "plain"])
-def test_a_gpu_worker_trains_as_a_cpu_one(pinned: bool) -> None:
-    """A worker on CUDA that prefetches takes the steps a worker on the CPU takes (to the
-    float32 sums' rounding), and asks for rows only at its first forward, pinned or not."""
-    want, asked_cpu = _train("cpu", [])
-    got, asked = _train("cuda", [], pinned=pinned)
+def test_a_gpu_worker_trains_as_a_cpu_one(pinned: bool, overlap: bool) -> None:
+    """A worker on CUDA takes the steps a worker on the CPU takes (to the float32 sums'
+    rounding), pinned or not; prefetching, it asks for rows only at its first forward; with
+    ``overlap``, its values come in while it computes the next step."""
+    want, asked_cpu = _train("cpu", [], overlap=overlap)
+    got, asked = _train("cuda", [], pinned=pinned, overlap=overlap)
     for x, y in zip(got, want, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
-    assert asked == asked_cpu == 2, (asked, asked_cpu)
+    assert asked == asked_cpu == (2 * STEPS if overlap else 2), (asked, asked_cpu)
