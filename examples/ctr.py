@@ -5,6 +5,8 @@
     psflow launch --ps 2 --workers 2 --evaluator examples/ctr.py --data data/ctr --logdir runs/ctr \
         --save_checkpoint_steps 500
     python examples/ctr.py --data data/ctr --logdir runs/ctr   # alone: a cluster of one
+    psflow launch --ps 2 --workers 2 --gpus-per-task 1 examples/ctr.py --data data/ctr \
+        --prefetch --device cuda   # each worker on a GPU of its own (docs/cluster.md)
 
 DLRM (facebookresearch/dlrm) beside Wide & Deep's first-order term (``--wide``, FTRL), its
 tables ``psflow.nn.EmbeddingBag`` over hashed ids (value ``v`` of column ``c`` is row
