@@ -59,11 +59,13 @@ for shape in example dlrm; do
         [ "$run" = cuda-plain ] && pinned=0
         n=$((n + 1))
         log="$out/ctr-$n-$shape-$run.log"
-        PSFLOW_PINNED=$pinned "$py" -m psflow.cli launch --ps 2 --workers 2 examples/ctr.py \
-            --data /tmp/ctr --train_steps "$steps" --device "${run%-plain}" --prefetch \
-            "${model[@]}" >"$log" 2>&1
+        gpus=()  # CUDA: the GPU dealt by the launcher (nvidia-smi's), the ps seeing none
+        [ "$run" != cpu ] && gpus=(--gpus-per-task 0.5)
+        PSFLOW_PINNED=$pinned "$py" -m psflow.cli launch --ps 2 --workers 2 "${gpus[@]}" \
+            examples/ctr.py --data /tmp/ctr --train_steps "$steps" --device "${run%-plain}" \
+            --prefetch "${model[@]}" >"$log" 2>&1
         echo "$run (exit $?):"
-        grep -E "samples/s|RESULT" "$log"
+        grep -E "samples/s|RESULT|GPUs|error" "$log" | tail -8
     done
 done
 
