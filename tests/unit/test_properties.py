@@ -1,7 +1,9 @@
 """Properties that hold for every input, searched by hypothesis: psflow's native kernels against
 their references (a batch's ids grouped by shard, rows gathered and scattered, the row-wise
-optimizers at every width), a table's shards saved and loaded into any other number of them, FarmHash and CRC32C against their references, and round trips of the
-wire format and of TFRecord files read in any chunk size, on both paths of the compiled modules.
+optimizers at every width), a table's shards saved and loaded into any other number of them,
+FarmHash and CRC32C against their references, the wire format's round trip and its refusal of
+a message whose framing lies, and TFRecord files read in any chunk size, on both paths of the
+compiled modules where they have two.
 
 The searches are derandomized (the same examples every run: a suite that passes once passes
 again) and keep no example database in the checkout; a failure prints the smallest input found.
