@@ -18,9 +18,6 @@ from collections.abc import Mapping, Sequence
 from psflow import env as envvars
 from psflow.cluster.spec import TaskSpec
 
-TRAINERS = ("chief", "worker")
-"""The tasks that get GPUs (as on Ray, and as ``psflow render --gpus`` gives them)."""
-
 
 def check_per_task(per_task: float) -> None:
     """Raises ``ValueError`` unless ``per_task`` is ``0`` (no GPUs dealt), a whole number of
@@ -58,11 +55,12 @@ def host_gpus(environ: Mapping[str, str]) -> tuple[list[str], str]:
 
 
 def gpu_sets(
-    tasks: Sequence[TaskSpec], gpus: Sequence[str], per_task: float, where: str = ""
+    trainers: Sequence[TaskSpec], gpus: Sequence[str], per_task: float, where: str = ""
 ) -> dict[TaskSpec, list[str]]:
-    """The GPUs each trainer among ``tasks`` sees (the chief first, then the workers in order):
-    ``per_task`` of its own, or with a share below 1 one GPU for every ``1 / per_task`` of them,
-    in turn. Empty for ``per_task == 0``; the other tasks are not in it.
+    """The GPUs each of ``trainers`` sees, dealt in their order (``ClusterSpec.trainers``: the
+    chief, then the workers; as on Ray, and as ``psflow render --gpus`` gives them): ``per_task``
+    of its own, or with a share below 1 one GPU for every ``1 / per_task`` of them, in turn.
+    Empty for ``per_task == 0``.
 
     Example:
         >>> workers = [TaskSpec(job="worker", index=i) for i in range(3)]
@@ -76,7 +74,6 @@ def gpu_sets(
     check_per_task(per_task)
     if not per_task:
         return {}
-    trainers = sorted((t for t in tasks if t.job in TRAINERS), key=lambda t: (t.job, t.index))
     if per_task >= 1:
         k = int(per_task)
         need = len(trainers) * k

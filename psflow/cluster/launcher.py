@@ -107,9 +107,11 @@ class Launcher:
         """Trainer to the GPUs it sees (``--gpus-per-task``; empty: every task sees them all)."""
         self._gpus_counted = False  # by nvidia-smi: CUDA told to number them as it does
         if config.trainer_gpus:
-            found, where = host_gpus({**os.environ, **config.env})
-            self.gpus = gpu_sets(self.cluster.tasks(), found, config.trainer_gpus, where)
-            self._gpus_counted = where == "nvidia-smi -L"
+            environ = {**os.environ, **config.env}
+            found, where = host_gpus(environ)
+            self.gpus = gpu_sets(self.cluster.trainers, found, config.trainer_gpus, where)
+            given = envvars.entries(envvars.CUDA_VISIBLE_DEVICES, environ=environ)
+            self._gpus_counted = given is None
         self.procs: dict[TaskSpec, subprocess.Popen[bytes] | ForkedTask] = {}
         self._forks: ForkServer | None = None
         """The server that forks the tasks (``preload``), while it runs."""

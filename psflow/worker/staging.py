@@ -82,6 +82,8 @@ class Staging:
     def wait(self) -> None:
         """Returns once every copy :meth:`to_host` began has ended (at once when none is
         under way)."""
+        if not self._pending:
+            return
         pending, self._pending = self._pending, set()
         for device in pending:
             torch.cuda.current_stream(device).synchronize()

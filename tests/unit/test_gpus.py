@@ -12,12 +12,11 @@ import pytest
 import psflow.cli
 from psflow.cluster import gpus as gpus_module
 from psflow.cluster.gpus import check_per_task, gpu_sets, host_gpus
+from psflow.cluster.ports import local_cluster
 from psflow.cluster.spec import TaskSpec
 
 pytestmark = pytest.mark.unit
 
-PS = TaskSpec(job="ps", index=0)
-EVAL = TaskSpec(job="evaluator", index=0)
 CHIEF = TaskSpec(job="chief", index=0)
 
 
@@ -26,7 +25,7 @@ def workers(n: int) -> list[TaskSpec]:
 
 
 def test_each_trainer_gets_gpus_of_its_own_the_chief_first() -> None:
-    tasks = [PS, *workers(2), CHIEF, EVAL]
+    tasks = local_cluster(1, 2, chief=True, evaluators=1).trainers
     got = gpu_sets(tasks, ["0", "1", "2", "3", "4", "5"], 2)
     assert got == {CHIEF: ["0", "1"], workers(1)[0]: ["2", "3"], workers(2)[1]: ["4", "5"]}
     assert gpu_sets(tasks, ["GPU-a", "GPU-b", "GPU-c"], 1) == {
@@ -50,7 +49,7 @@ def test_a_share_of_a_gpu_puts_that_many_trainers_on_each(share: float, each: li
 
 
 def test_no_gpus_asked_deals_none() -> None:
-    assert gpu_sets([PS, *workers(3)], [], 0) == {}
+    assert gpu_sets(workers(3), [], 0) == {}
 
 
 @pytest.mark.parametrize(
