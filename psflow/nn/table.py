@@ -42,8 +42,9 @@ class RowSource(Protocol):
     taking the batch's ids as they are and giving its rows in its own order (see
     :func:`batch_rows`); the module then asks that instead. And ``batch_parts(table, ids)``
     (the worker's :meth:`~psflow.worker.tables.TableClient.batch_parts`), for a module that
-    gathers the rows at once: the rows left where they came in, in parts; its ids are not yet
-    checked for range (the source does, :meth:`TableModule.check_range`, as it groups them).
+    gathers the rows at once: the rows left where they came in, in parts. Either is given ids
+    not yet checked for range: the source checks them (:meth:`TableModule.check_range`) as it
+    groups them.
     """
 
     def rows(self, table: TableModule, ids: torch.Tensor) -> torch.Tensor:
@@ -70,8 +71,10 @@ def batch_rows(
     A source whose rows come from several places (the worker's, from each ps) may define
     ``batch_rows(table, ids)`` itself and give the rows in its own order, grouped by where they
     came from: no copy into sorted order on the way in, and each place's gradients a slice of
-    the leaf's on the way out. Any other source is asked :meth:`RowSource.rows` for the
-    batch's unique ids, in sorted order.
+    the leaf's on the way out. Such a source is given the ids unchecked for range and checks
+    them itself (:meth:`TableModule.check_range`) as it groups them: on an accelerator, where it
+    reads them back anyway, that spares the forward a wait for the device. Any other source is
+    asked :meth:`RowSource.rows` for the batch's unique ids, in sorted order, checked.
     """
     own = getattr(source, "batch_rows", None)
     if own is not None:
@@ -300,7 +303,9 @@ class TableModule(FrozenTable):
         says which row each id is, and the padding position is the row of ``padding_idx`` if
         the batch uses it. ``F.embedding(positions, rows)`` is then ``F.embedding(ids, weight)``.
         """
-        flat = self._batch_ids(ids)
+        # A source that groups the ids itself checks their range (see ``batch_rows``).
+        grouping = getattr(self._source, "batch_rows", None) is not None
+        flat = self._batch_ids(ids, check_range=not grouping)
         if not flat.numel():  # nothing to ask for
             rows = torch.zeros(
                 0, self.embedding_dim, dtype=self._dtype, device=ids.device, requires_grad=True
@@ -312,7 +317,10 @@ class TableModule(FrozenTable):
                 break
             except RowSourceReplaced:
                 continue  # asked again, of the source attached now
-        unique = int(positions.max()) + 1
+        # On CPU only: on an accelerator, reading the positions' largest back would wait for
+        # the device every forward; there a position past the rows meets torch's own
+        # (asynchronous) index check in the lookup.
+        unique = int(positions.max()) + 1 if positions.device.type == "cpu" else rows.shape[0]
         if rows.shape != (unique, self.embedding_dim):
             raise RuntimeError(
                 f"{self._label()}: the row source gave rows of shape {list(rows.shape)} for "

@@ -259,13 +259,14 @@ class TableClient:
     def batch_rows(
         self, table: TableModule, ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows of a batch's ``ids`` (1-D, in range, repeats allowed) as they came from
-        the shards: ``(rows, positions)``, the unique ids' rows grouped by shard (a leaf whose
-        gradient :meth:`gradients` pushes at the next step, each shard's a slice of it) and
-        which row each id is (see :func:`psflow.nn.table.batch_rows`)."""
+        """The rows of a batch's ``ids`` (1-D, repeats allowed) as they came from the shards:
+        ``(rows, positions)``, the unique ids' rows grouped by shard (a leaf whose gradient
+        :meth:`gradients` pushes at the next step, each shard's a slice of it) and which row
+        each id is (see :func:`psflow.nn.table.batch_rows`). The ids' range is checked here, on
+        the host, as they are grouped."""
         name, flat = self._name_and_ids(table, ids)
         unique, positions, split, (values,) = self._rows_of(
-            name, flat, views=False, eval=not table.training
+            name, flat, views=False, check=table, eval=not table.training
         )
         looked = self._looked(name, unique, values, split, ids.device)
         return looked, self.staging.to_device(positions, ids.device)
@@ -419,12 +420,12 @@ class TableClient:
                     f"ps:{s} answered a lookup of {name!r} with {len(shard_tensors)} tensors"
                 )
             parts[s] = shard_tensors[0][1]
+        self._check_parts(name, split, parts)
         if values is None:
-            self._check_parts(name, split, parts)
             if wire is not None:
                 return self._widened(name, split, parts, views)
             return [parts[s] for s in split]
-        return [self._joined(name, split, parts, values)]
+        return [self._joined(split, parts, values)]
 
     def _looked(
         self, name: str, ids: torch.Tensor, values: torch.Tensor, split: Split, device: torch.device
@@ -473,18 +474,13 @@ class TableClient:
 
     def _joined(
         self,
-        name: str,
         split: Split,
         parts: dict[int, torch.Tensor],
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Each shard's rows of its share of the ids (``split``) in one tensor, shard after
-        shard: ``out`` (rows, dim) when given, where rows received into their place stay.
-
-        Raises:
-            ValueError: when a shard is missing or sent rows of the wrong shape or dtype.
-        """
-        self._check_parts(name, split, parts)
+        """Each shard's rows of its share of the ids (``split``), checked
+        (:meth:`_check_parts`), in one tensor, shard after shard: ``out`` (rows, dim) when
+        given, where rows received into their place stay."""
         if out is None:
             if len(parts) == 1:
                 return next(iter(parts.values()))
@@ -564,7 +560,7 @@ class TableClient:
                 rows = (
                     self._widened(name, grouped.split, parts, views=False)[0]
                     if name in self.wire
-                    else self._joined(name, grouped.split, parts)
+                    else self._joined(grouped.split, parts)
                 )
                 on_device, parts = self.staging.to_device(rows, grouped.device), {}
             self._prefetched[name] = _Prefetched(grouped, parts, on_device)

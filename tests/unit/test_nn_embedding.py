@@ -57,11 +57,14 @@ class DenseSource:
 
 class GroupedSource(DenseSource):
     """Gives a batch's rows as the worker's source does over 2 ps with ``mod``
-    (``batch_rows``): the unique ids' rows, even ids first, then odd ones."""
+    (``batch_rows``): the unique ids' rows, even ids first, then odd ones. Checks the ids'
+    range itself, as such a source must (the table leaves it to the source)."""
 
     def batch_rows(
         self, table: TableModule, ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.checked = getattr(self, "checked", 0) + 1
+        table.check_range(*torch.aminmax(ids))
         unique, positions = torch.unique(ids, return_inverse=True)
         order = torch.argsort(unique % 2, stable=True)
         where = torch.empty_like(order)
@@ -438,9 +441,13 @@ def test_from_pretrained_matches_torch() -> None:
     assert not bag.weight.requires_grad
 
 
-@pytest.mark.parametrize("attached", [False, True], ids=["local", "attached"])
+@pytest.mark.parametrize(
+    "attached", [False, True, "grouped", "parts"], ids=["local", "attached", "grouped", "parts"]
+)
 @pytest.mark.parametrize("bad", [N, N + 100, -1])
-def test_an_id_out_of_range_names_the_table_and_the_id(attached: bool, bad: int) -> None:
+def test_an_id_out_of_range_names_the_table_and_the_id(attached: bool | str, bad: int) -> None:
+    """Refused before any request: by the table, or by a source that groups the ids itself
+    (``batch_rows``, ``batch_parts``), which the table leaves the check to."""
     for module in (Embedding(N, DIM), EmbeddingBag(N, DIM)):
         module.spec("users")
         source = attach_or_not(module, attached)
@@ -448,7 +455,9 @@ def test_an_id_out_of_range_names_the_table_and_the_id(attached: bool, bad: int)
         with pytest.raises(IndexError, match=rf"table 'users'.*id {bad}\b"):
             module(ids)
         if source is not None:
-            assert source.asked == []  # refused before any request
+            assert source.asked == []
+            # A grouping source was given the ids unchecked, and refused them itself.
+            assert getattr(source, "checked", 0) == (attached in ("grouped", "parts"))
 
 
 def test_ids_of_a_float_dtype_are_refused() -> None:
