@@ -380,7 +380,7 @@ class TableModule(FrozenTable):
         fetch = getattr(self._source, "prefetch", None)
         if fetch is None:
             return
-        flat = self._batch_ids(ids)
+        flat = self._batch_ids(ids, check_range=False)  # the source checks (see batch_rows)
         if flat.numel():
             fetch(self, flat)
 

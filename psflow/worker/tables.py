@@ -514,8 +514,11 @@ class TableClient:
     def prefetch(self, table: TableModule, ids: torch.Tensor) -> None:
         """Asks for the rows of a coming batch's ``ids`` (as its forward will give them) with
         the next push: its reply brings them, read right after that push is applied, and the
-        forward that asks for exactly those ids uses them instead of a request of its own."""
+        forward that asks for exactly those ids uses them instead of a request of its own.
+        Their range is checked here, on the host (that forward's are then not checked again)."""
         name, flat = self._name_and_ids(table, ids)
+        if flat.numel():
+            table.check_range(*torch.aminmax(flat))
         self._to_prefetch[name] = (flat, ids.device)
 
     def take_prefetch(self) -> tuple[dict[int, Tensors], dict[int, list[str]]]:

@@ -189,7 +189,8 @@ def test_a_table_on_the_jobs_optimizer_follows_its_schedule(two_ps: ClusterSpec)
 def test_an_id_out_of_range_is_named_by_the_worker_before_any_request(
     two_ps: ClusterSpec, bad: int
 ) -> None:
-    """Checked as the worker groups the batch's ids (one pass with their grouping)."""
+    """Checked as the worker groups the batch's ids (one pass with their grouping), and as a
+    coming batch's are asked for with the next step (``prefetch``)."""
     table = pnn.Embedding(VOCAB, DIM, seed=1)
     opt = DistributedOptimizer(table, worker_ctx(two_ps), lr=0.1)
     try:
@@ -199,7 +200,9 @@ def test_an_id_out_of_range_is_named_by_the_worker_before_any_request(
         client.send = lambda *a, **k: (asked.append(a), sent(*a, **k))[1]  # type: ignore[method-assign]
         with pytest.raises(IndexError, match=rf"table .*id {bad} is out of range.*\[0, {VOCAB}\)"):
             table(torch.tensor([[1, 2], [bad, 3]]))
-        assert asked == []
+        with pytest.raises(IndexError, match=rf"table .*id {bad} is out of range"):
+            table.prefetch(torch.tensor([[1, 2], [bad, 3]]))
+        assert asked == [] and not tables(opt)._to_prefetch
         assert table(torch.tensor([1, VOCAB - 1])).shape == (2, DIM)  # and it goes on
     finally:
         opt.close()
