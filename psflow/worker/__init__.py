@@ -20,7 +20,11 @@
 - ``optimizer.py``: :class:`DistributedOptimizer`, the training API: a composition of the
   above.
 - ``tables.py``: :class:`TableClient`, a model's :mod:`psflow.nn` embedding tables on the
-  ps: rows pulled by id at forward time, row gradients pushed with the step.
+  ps: rows pulled by id at forward time, row gradients pushed with the step;
+  ``row_layout.py``: :class:`~psflow.worker.row_layout.TableLayout`, the tables as requests
+  see them (ids grouped by shard, the rows that come back checked and joined);
+  ``prefetch.py``: :class:`~psflow.worker.prefetch.RowPrefetch`, a coming batch's rows
+  riding the step.
 - ``staging.py``: :class:`~psflow.worker.staging.Staging`, a GPU model's copies to and from
   the host through pinned memory, the host waiting for the device once a step.
 - ``towers.py``: :class:`Towers`, one batch split across several local devices.

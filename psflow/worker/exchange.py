@@ -322,7 +322,7 @@ class ParameterExchange:
                     self._move_out_of(lane.reply)
         prefetch: dict[int, list[str]] = {}
         if self.tables:
-            ids, prefetch = self.tables.take_prefetch()
+            ids, prefetch = self.tables.prefetched.take()
             if ids:
                 grads = {s: list(t) for s, t in grads.items()}
                 for s, tensors in ids.items():
@@ -332,7 +332,7 @@ class ParameterExchange:
 
         def took(replies: Replies) -> int:
             if prefetch:
-                rest = self.tables.put_prefetched({s: t for s, (_, t) in replies.items()})
+                rest = self.tables.prefetched.put({s: t for s, (_, t) in replies.items()})
                 replies = {s: (h, rest[s]) for s, (h, _) in replies.items()}
             before = self.global_step
             # With overlap the next push's reply is written while the next step computes: a
@@ -353,8 +353,8 @@ class ParameterExchange:
             global_step=self.global_step,
             rows=rows,
             prefetch=prefetch,
-            row_dtypes=self.tables.row_dtypes(prefetch) if prefetch else None,
-            # The rows stay where they came until used (TableClient.put_prefetched).
+            row_dtypes=self.tables.layout.row_dtypes(prefetch) if prefetch else None,
+            # The rows stay where they came until used (RowPrefetch.put).
             request_views=bool(prefetch),
             deferred=took if overlap else None,
         )

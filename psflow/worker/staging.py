@@ -11,7 +11,7 @@ device take turns, and each of the step's tensors is one more turn. Through :cla
   allocator, which keeps a block until every copy reading it has run), then to the device
   without the host waiting: the kernels queued after the copy wait for it, the host goes on to
   its next request. The rows a push brings for the next batch start for the device as they
-  arrive (:meth:`~psflow.worker.tables.TableClient.put_prefetched`), while the host reads the
+  arrive (:meth:`~psflow.worker.prefetch.RowPrefetch.put`), while the host reads the
   next batch;
 - **to the host**, each gradient is copied into pinned memory without waiting, and the host
   waits once for them all (:meth:`Staging.wait`) before any of them is read or sent: one turn a

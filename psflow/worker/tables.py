@@ -12,15 +12,17 @@ row-wise optimizer in the same update.
 A table whose config names a narrower ``wire_dtype`` (:attr:`psflow.nn.TableConfig.wire_dtype`)
 asks for its rows in it (:attr:`~psflow.protocol.Key.ROW_DTYPES`) and casts them back to the
 table's dtype as they arrive; its row gradients go in it too, refused here if one does not fit.
+
+Where each table's rows are (by shard, of what shape and dtype) is :mod:`psflow.worker.row_layout`'s;
+a coming batch's rows that ride a push are :mod:`psflow.worker.prefetch`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,43 +34,16 @@ from psflow.protocol.messages import (
     initial_ids_tensor_name,
     initial_rows_tensor_name,
     initial_state_tensor_name,
-    prefetch_tensor_names,
     row_tensor_names,
 )
-from psflow.sparse import Partition, coalesce
+from psflow.sparse import coalesce
 from psflow.transport import PeerError, PeerLostError, PeerTimeoutError
 from psflow.worker.client import ShardedClient, Tensors
+from psflow.worker.prefetch import RowPrefetch
+from psflow.worker.row_layout import Split, TableLayout
 from psflow.worker.staging import Staging
 
 log = logging.getLogger(__name__)
-
-
-Split = dict[int, tuple[torch.Tensor, Any]]
-"""Ids by shard: each shard's ids and where they are among all: their positions
-(``Partition.split``), or a slice when the rows are grouped by shard (:meth:`TableClient._group`)."""
-
-
-class _Grouped(NamedTuple):
-    """A batch's ids (flat) and their grouping by shard (:meth:`TableClient._group`), and the
-    device of the batch they came from."""
-
-    ids: torch.Tensor
-    unique: torch.Tensor
-    positions: torch.Tensor
-    split: Split
-    device: torch.device
-
-
-class _Prefetched(NamedTuple):
-    """Rows that came with a push for a coming batch (:meth:`TableClient.put_prefetched`)."""
-
-    grouped: _Grouped
-    parts: dict[int, torch.Tensor]
-    """Each shard's rows, where they came (its lane, until the next request to it); empty
-    once they went to the batch's device (``on_device``)."""
-    on_device: torch.Tensor | None
-    """The rows, shard after shard, on the batch's device: their copy there began as they
-    came (:class:`~psflow.worker.staging.Staging`)."""
 
 
 _ROW_WISE = {"SGD": "SGD", "Adagrad": "Adagrad", "Adam": "Adam", "SparseAdam": "Adam"}
@@ -158,12 +133,9 @@ class TableClient:
         self.client = client
         self.staging = staging if staging is not None else Staging(pinned=False)
         self.modules = tables_of(model)
-        self.specs: dict[str, TableSpec] = {}
-        self.partitions: dict[str, Partition] = {}
+        self.layout = TableLayout(client.num_shards)
+        """The tables by name: spec, partition over the shards, the dtype their rows travel in."""
         self._name_of: dict[int, str] = {}
-        self.wire: dict[str, str] = {}
-        """Per table whose rows travel narrower than the table holds them, that dtype's name
-        (``bfloat16``): its lookups ask for it, its gradients go in it."""
         self.initial_state: dict[str, dict[str, torch.Tensor]] = {}
         """Per table in :attr:`initial`, the row-wise optimizer state given with its rows
         (``from_pretrained(optimizer_state=...)``), sent with them; empty for most."""
@@ -183,22 +155,11 @@ class TableClient:
                 self.initial_state[spec.name] = held.state
                 if held.ids is not None:
                     self.initial_ids[spec.name] = held.ids
-            self.specs[spec.name] = spec
-            wire = module.config.wire_name(getattr(torch, spec.dtype))
-            if wire is not None:
-                self.wire[spec.name] = wire
-            self.partitions[spec.name] = Partition(
-                spec.partition, spec.num_embeddings, client.num_shards
-            )
+            self.layout.add(spec, module.config.wire_name(getattr(torch, spec.dtype)))
             self._name_of[id(module)] = spec.name
         self._looked_up: list[tuple[str, torch.Tensor, torch.Tensor, Split]] = []
-        self._to_prefetch: dict[str, tuple[torch.Tensor, torch.device]] = {}
-        """Per table, a coming batch's ids, whose rows the next push brings back, and the
-        batch's device."""
-        self._sent_prefetch: dict[str, _Grouped] = {}
-        self._prefetched: dict[str, _Prefetched] = {}
-        """Per table, rows that came with the last push: used by the forward that asks for
-        exactly those ids."""
+        self.prefetched = RowPrefetch(self.layout, client, self.staging)
+        """The rows of coming batches, asked for with a push (:meth:`prefetch`)."""
         self.on_lost: Callable[[PeerError], None] | None = None
         """What a lookup that meets a lost ps (:class:`~psflow.transport.PeerLostError`, a
         timeout) calls before the table asks again: the training session's recovery, which
@@ -217,10 +178,10 @@ class TableClient:
         for name, held in self.initial.items():
             given = self.initial_ids.get(name)
             if given is None:  # a fixed table: all the shard's rows, in its storage order
-                at = self.partitions[name].ids_on(shard).to(held.device)
+                at = self.layout.partitions[name].ids_on(shard).to(held.device)
             else:  # a hashed one: the rows of the ids on the shard (maybe none), and the ids
                 shard_ids, at = (
-                    self.partitions[name]
+                    self.layout.partitions[name]
                     .split(given)
                     .get(shard, (given[:0], torch.empty(0, dtype=torch.int64)))
                 )
@@ -284,7 +245,7 @@ class TableClient:
         unique, positions, split, parts = self._rows_of(
             name, flat, views=True, check=table, eval=not table.training
         )
-        spec = self.specs[name]
+        spec = self.layout.specs[name]
         leaf = torch.empty((unique.numel(), spec.embedding_dim), dtype=getattr(torch, spec.dtype))
         return self._looked(name, unique, leaf, split, ids.device), parts, positions
 
@@ -303,80 +264,24 @@ class TableClient:
         check: TableModule | None = None,
         eval: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, Split, list[torch.Tensor]]:
-        """A batch's ids grouped (see :meth:`_group`) and their rows (see :meth:`_fetch`):
-        those that came with the last push when it asked for exactly these ids (grouped, and
-        checked, then), else one request per shard. ``eval`` (the table in eval mode): ids a
-        hashed table does not hold read zeros, and never rows prefetched for training."""
-        hit = self._prefetched.pop(name, None)
-        if hit is not None and (eval or (views and hit.on_device is not None)):
-            hit = None  # rows gone to a GPU serve a forward there (``views``: the CPU's way)
-        if hit is not None and torch.equal(hit.grouped.ids, flat):
+        """A batch's ids grouped (see :meth:`TableLayout.group`) and their rows (see
+        :meth:`_fetch`): those that came with the last push when it asked for exactly these ids
+        (grouped, and checked, then: :meth:`RowPrefetch.hit`), else one request per shard.
+        ``eval`` (the table in eval mode): ids a hashed table does not hold read zeros, and
+        never rows prefetched for training."""
+        hit = self.prefetched.hit(name, flat, views=views, eval=eval)
+        if hit is not None:
             _, unique, positions, split, _ = hit.grouped
             if hit.on_device is not None:  # there already, or on their way
                 return unique, positions, split, [hit.on_device]
             parts = hit.parts
-            if name in self.wire:  # cast back to the table's dtype: a copy of their own
-                return unique, positions, split, self._widened(name, split, parts, views)
+            if name in self.layout.wire:  # cast back to the table's dtype: a copy of their own
+                return unique, positions, split, self.layout.widened(name, split, parts, views)
             if views:  # each where it came; the caller gathers before any other request
                 return unique, positions, split, [parts[s] for s in split]
             return unique, positions, split, [torch.cat([parts[s] for s in split])]
-        unique, positions, split = self._group(name, flat, check)
+        unique, positions, split = self.layout.group(name, flat, check)
         return unique, positions, split, self._fetch(name, unique, split, views=views, eval=eval)
-
-    def _widened(
-        self, name: str, split: Split, parts: dict[int, torch.Tensor], views: bool
-    ) -> list[torch.Tensor]:
-        """Rows that came narrower than the table holds them (:attr:`wire`), each shard's
-        part cast back to its dtype as it is copied out of where it came: a part each with
-        ``views``, else one tensor of them all, shard after shard."""
-        dtype = getattr(torch, self.specs[name].dtype)
-        if views:
-            return [parts[s].to(dtype) for s in split]
-        rows = sum(parts[s].shape[0] for s in split)
-        out = torch.empty((rows, self.specs[name].embedding_dim), dtype=dtype)
-        start = 0
-        for s in split:
-            n = parts[s].shape[0]
-            out[start : start + n].copy_(parts[s])
-            start += n
-        return [out]
-
-    def _group(
-        self, name: str, ids: torch.Tensor, check: TableModule | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, Split]:
-        """``ids``' unique ids grouped by shard, where each id is among them, and each shard's
-        share as a slice of them: one pass of :func:`psflow.sparse.kernels.group_ids`, or
-        ``torch.unique`` and :meth:`Partition.split`. With ``check`` (the table), their range
-        is checked too (:meth:`TableModule.check_range`), in the same pass."""
-        partition = self.partitions[name]
-        limit = self.specs[name].num_embeddings if check is not None else None
-        grouped = kernels.group_ids(ids, partition, limit)
-        if isinstance(grouped, int):  # outside the table
-            assert check is not None
-            check.check_range(grouped, grouped)
-            raise AssertionError(f"id {grouped} is in range")  # check_range raised
-        if grouped is not None:
-            unique, positions, counts = grouped
-        else:
-            if check is not None and ids.numel():
-                check.check_range(*torch.aminmax(ids))
-            unique, positions = torch.unique(ids, return_inverse=True)
-            split = partition.split(unique)
-            if len(split) > 1:  # shard after shard: where each unique id went
-                order = torch.cat([at for _, at in split.values()])
-                where = torch.empty_like(order)
-                where[order] = torch.arange(order.numel())
-                unique, positions = unique[order], where[positions]
-            counts = [0] * partition.num_shards
-            for s, (shard_ids, _) in split.items():
-                counts[s] = shard_ids.numel()
-        out: Split = {}
-        start = 0
-        for s, count in enumerate(counts):
-            if count:
-                out[s] = (unique[start : start + count], slice(start, start + count))
-                start += count
-        return unique, positions, out
 
     def _fetch(
         self,
@@ -391,10 +296,11 @@ class TableClient:
         parts whose concatenation they are: one request per shard, all in flight at once, each
         shard's rows received into their place in one tensor, or with ``views`` left where
         they came in (views of its lane, valid until the next request to it), a part each."""
-        spec = self.specs[name]
+        layout = self.layout
+        spec = layout.specs[name]
         values = None
         into = None
-        wire = self.wire.get(name)
+        wire = layout.wire.get(name)
         if not views and wire is None:
             dtype = getattr(torch, spec.dtype)
             values = torch.empty((unique.numel(), spec.embedding_dim), dtype=dtype)
@@ -420,12 +326,12 @@ class TableClient:
                     f"ps:{s} answered a lookup of {name!r} with {len(shard_tensors)} tensors"
                 )
             parts[s] = shard_tensors[0][1]
-        self._check_parts(name, split, parts)
+        layout.check_parts(name, split, parts)
         if values is None:
             if wire is not None:
-                return self._widened(name, split, parts, views)
+                return layout.widened(name, split, parts, views)
             return [parts[s] for s in split]
-        return [self._joined(split, parts, values)]
+        return [layout.joined(split, parts, values)]
 
     def _looked(
         self, name: str, ids: torch.Tensor, values: torch.Tensor, split: Split, device: torch.device
@@ -461,8 +367,8 @@ class TableClient:
                 ids, grads = coalesce(
                     torch.cat([x[0] for x in lookups]), torch.cat([x[1] for x in lookups])
                 )
-                split = self.partitions[name].split(ids)
-            wire = self.wire.get(name)
+                split = self.layout.partitions[name].split(ids)
+            wire = self.layout.wire.get(name)
             if wire is not None:
                 grads = narrowed(name, grads, wire)
             ids_name, grads_name = row_tensor_names(name)
@@ -471,39 +377,6 @@ class TableClient:
                 tensors.setdefault(s, []).extend([(ids_name, shard_ids), (grads_name, grads[at])])
                 tables.setdefault(s, []).append(name)
         return tensors, tables
-
-    def _joined(
-        self,
-        split: Split,
-        parts: dict[int, torch.Tensor],
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Each shard's rows of its share of the ids (``split``), checked
-        (:meth:`_check_parts`), in one tensor, shard after shard: ``out`` (rows, dim) when
-        given, where rows received into their place stay."""
-        if out is None:
-            if len(parts) == 1:
-                return next(iter(parts.values()))
-            return torch.cat([parts[s] for s in split])
-        for s, (_, at) in split.items():
-            if not isinstance(at, slice) or parts[s].data_ptr() != out[at].data_ptr():
-                out[at] = parts[s]  # came by socket
-        return out
-
-    def _check_parts(self, name: str, split: Split, parts: dict[int, torch.Tensor]) -> None:
-        """Raises ``ValueError`` when a shard of ``split`` is missing from ``parts`` or sent
-        rows of the wrong shape or dtype."""
-        spec = self.specs[name]
-        dtype = getattr(torch, self.wire.get(name, spec.dtype))
-        if set(parts) != set(split):
-            raise ValueError(f"rows of {name!r} came from ps {sorted(parts)}, not {sorted(split)}")
-        for s, (shard_ids, _) in split.items():
-            values = parts[s]
-            if values.shape != (shard_ids.shape[0], spec.embedding_dim) or values.dtype != dtype:
-                raise ValueError(
-                    f"ps:{s} sent rows of {name!r} shaped {list(values.shape)} "
-                    f"{values.dtype}; expected [{shard_ids.shape[0]}, {spec.embedding_dim}] {dtype}"
-                )
 
     def clear(self) -> None:
         """Forgets the lookups since the last step (``zero_grad``)."""
@@ -514,80 +387,12 @@ class TableClient:
     def prefetch(self, table: TableModule, ids: torch.Tensor) -> None:
         """Asks for the rows of a coming batch's ``ids`` (as its forward will give them) with
         the next push: its reply brings them, read right after that push is applied, and the
-        forward that asks for exactly those ids uses them instead of a request of its own.
-        Their range is checked here, on the host (that forward's are then not checked again)."""
+        forward that asks for exactly those ids uses them instead of a request of its own
+        (:class:`~psflow.worker.prefetch.RowPrefetch`). Their range is checked here, on the host (that forward's are then not checked again)."""
         name, flat = self._name_and_ids(table, ids)
         if flat.numel():
             table.check_range(*torch.aminmax(flat))
-        self._to_prefetch[name] = (flat, ids.device)
-
-    def take_prefetch(self) -> tuple[dict[int, Tensors], dict[int, list[str]]]:
-        """The ids to send with the next push, as tensors per shard, and the tables per shard."""
-        asked, self._to_prefetch = self._to_prefetch, {}
-        self._sent_prefetch = {}
-        tensors: dict[int, Tensors] = {}
-        tables: dict[int, list[str]] = {}
-        for name, (ids, device) in asked.items():
-            unique, positions, split = self._group(name, ids)
-            self._sent_prefetch[name] = _Grouped(ids, unique, positions, split, device)
-            ids_name = prefetch_tensor_names(name)[0]
-            for s, (shard_ids, _) in split.items():
-                tensors.setdefault(s, []).append((ids_name, shard_ids))
-                tables.setdefault(s, []).append(name)
-        return tensors, tables
-
-    def put_prefetched(self, tensors: dict[int, Tensors]) -> dict[int, Tensors]:
-        """Takes the prefetched rows out of each shard's reply tensors and returns the rest.
-        The rows are kept for the next forward where they came (a shard's lane, until the next
-        request to it moves them out), or, for a batch on a GPU, begin their copy there now:
-        under way while this worker reads its next batch (:class:`~psflow.worker.staging.Staging`)."""
-        if not self._sent_prefetch:
-            return tensors
-        rows_of = {prefetch_tensor_names(n)[1]: n for n in self._sent_prefetch}
-        got: dict[str, dict[int, torch.Tensor]] = {}
-        rest: dict[int, Tensors] = {}
-        for s, shard_tensors in tensors.items():
-            kept = []
-            for tensor_name, value in shard_tensors:
-                table = rows_of.get(tensor_name)
-                if table is None:
-                    kept.append((tensor_name, value))
-                else:
-                    got.setdefault(table, {})[s] = value
-            rest[s] = kept
-        for name, grouped in self._sent_prefetch.items():
-            parts = got.get(name, {})
-            self._check_parts(name, grouped.split, parts)
-            on_device = None
-            if self.staging.crosses(grouped.device):
-                rows = (
-                    self._widened(name, grouped.split, parts, views=False)[0]
-                    if name in self.wire
-                    else self._joined(grouped.split, parts)
-                )
-                on_device, parts = self.staging.to_device(rows, grouped.device), {}
-            self._prefetched[name] = _Prefetched(grouped, parts, on_device)
-        for s in {s for hit in self._prefetched.values() for s in hit.parts}:
-            self.client.hold(s, functools.partial(self._move_out, s))
-        self._sent_prefetch = {}
-        return rest
-
-    def _move_out(self, shard: int) -> None:
-        """Copies the prefetched rows that still lie in ``shard``'s lane into memory of their
-        own (a request to it is about to overwrite them)."""
-        for hit in self._prefetched.values():
-            if shard in hit.parts:
-                hit.parts[shard] = hit.parts[shard].clone()
-
-    def row_dtypes(self, tables: dict[int, list[str]]) -> dict[int, dict[str, str]]:
-        """Per shard, the dtypes that the rows of ``tables[shard]`` it is asked for travel in
-        (:attr:`~psflow.protocol.Key.ROW_DTYPES`), for the tables of :attr:`wire` among them."""
-        out = {}
-        for s, names in tables.items():
-            narrow = {n: self.wire[n] for n in names if n in self.wire}
-            if narrow:
-                out[s] = narrow
-        return out
+        self.prefetched.ask(name, flat, ids.device)
 
     def status(self) -> dict[int, Mapping[str, Any]]:
         """Each shard's counters per table: rows held, bytes, admissions, evictions."""

@@ -71,7 +71,7 @@ def client_of(opt: DistributedOptimizer) -> TableClient:
 
 def held_rows(client: TableClient, name: str, ids: torch.Tensor) -> torch.Tensor:
     """The ps's rows of ``ids`` as it holds them (a lookup that asks no narrower dtype)."""
-    split = client.partitions[name].split(ids)
+    split = client.layout.partitions[name].split(ids)
     replies = client.client.lookup({s: [(name, shard_ids)] for s, (shard_ids, _) in split.items()})
     out = torch.empty((ids.numel(), DIM))
     for s, (_, at) in split.items():
@@ -96,7 +96,7 @@ def test_rows_come_cast_and_the_ps_applies_the_gradient_cast_up(
     try:
         client = client_of(opt)
         name = str(wire).removeprefix("torch.")
-        assert client.wire == {"items": name, "users": name}
+        assert client.layout.wire == {"items": name, "users": name}
         all_items = torch.arange(VOCAB)
         ref = {
             "items": held_rows(client, "items", all_items),

@@ -202,7 +202,7 @@ def test_an_id_out_of_range_is_named_by_the_worker_before_any_request(
             table(torch.tensor([[1, 2], [bad, 3]]))
         with pytest.raises(IndexError, match=rf"table .*id {bad} is out of range"):
             table.prefetch(torch.tensor([[1, 2], [bad, 3]]))
-        assert asked == [] and not tables(opt)._to_prefetch
+        assert asked == [] and not tables(opt).prefetched.asked
         assert table(torch.tensor([1, VOCAB - 1])).shape == (2, DIM)  # and it goes on
     finally:
         opt.close()
@@ -880,15 +880,15 @@ def test_prefetched_rows_stay_in_the_lanes_until_a_request_would_overwrite_them(
         torch.nn.init.constant_(model["head"].bias, 0.1)
         opt = DistributedOptimizer(model, worker_ctx(cluster), optimizer="SGD", lr=0.01)
         moved: list[int] = []  # the shards whose lanes held rows that were moved out
-        client = tables(opt)
-        real_move = client._move_out
+        prefetched = tables(opt).prefetched
+        real_move = prefetched._move_out
 
-        def move_out(shard: int, real=real_move, client=client, moved=moved) -> None:  # type: ignore[no-untyped-def]
-            if any(shard in hit.parts for hit in client._prefetched.values()):
+        def move_out(shard: int, real=real_move, prefetched=prefetched, moved=moved) -> None:  # type: ignore[no-untyped-def]
+            if any(shard in hit.parts for hit in prefetched.kept.values()):
                 moved.append(shard)
             real(shard)
 
-        client._move_out = move_out  # type: ignore[method-assign]
+        prefetched._move_out = move_out  # type: ignore[method-assign]
         try:
             for step, ids in enumerate(data):
                 opt.zero_grad()
@@ -903,7 +903,9 @@ def test_prefetched_rows_stay_in_the_lanes_until_a_request_would_overwrite_them(
                     model["a"].prefetch(data[step + 1][0])
                 opt.step()
             opt.pull()
-            got = [table_rows(opt, name, torch.arange(rows)) for name in sorted(client.modules)]
+            got = [
+                table_rows(opt, name, torch.arange(rows)) for name in sorted(tables(opt).modules)
+            ]
             results.append(([*got, model["head"].weight.detach().clone()], moved))
         finally:
             opt.close()
