@@ -5,8 +5,10 @@
   in order and refuses one out of order or of another base.
 - ``server.py``: :class:`~psflow.serve.server.ModelServer`, an HTTP model server that serves
   the newest export and applies each new one between requests (``python -m psflow.serve``,
-  ``__main__.py``); ``served.py``: one export's tables as lookups and its dense values, fixed,
-  and the request :class:`~psflow.serve.served.Feature`; ``dense.py``:
+  ``__main__.py``); ``httpd.py``: its HTTP layer (the routes, a thread per connection up to a
+  limit); ``request.py``: a request's features and numbers, checked, and
+  :class:`~psflow.serve.request.BadRequest`; ``served.py``: one export's tables as lookups and
+  its dense values, fixed, and the request :class:`~psflow.serve.served.Feature`; ``dense.py``:
   :func:`~psflow.serve.dense.export_dense`, a model's dense part as ONNX whose parameters are
   inputs; ``metrics.py``: the server's ``GET /metrics``. These import onnxruntime (the server
   only): import them by their module.

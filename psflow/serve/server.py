@@ -35,6 +35,10 @@ HTTP (JSON, ``Content-Length`` bodies):
 - ``GET /metrics``: Prometheus' text format (:mod:`psflow.serve.metrics`): requests by status,
   their latency, examples, the export served, exports served and refused.
 
+:mod:`psflow.serve.httpd` answers these (a thread per connection, at most
+:attr:`ServerConfig.max_connections`); :mod:`psflow.serve.request` checks a request's features
+and numbers (:class:`BadRequest` says why one is refused).
+
 Example:
     >>> # server = ModelServer(ServerConfig(export_dir="exports/ctr", onnx_path="head.onnx",
     >>> #     features={"users": Feature(table="users", mode="sum")})).start()
@@ -43,28 +47,25 @@ Example:
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import numpy as np
-import torch
 
 from psflow.serve.delta import ExportedModel, ExportError
+from psflow.serve.httpd import HTTPServer, listen
 from psflow.serve.metrics import ServerMetrics
+from psflow.serve.request import BadRequest, feature_ids, numeric_feeds
 from psflow.serve.served import ONNX_TYPES, Feature, Served
 
 __all__ = ["BadRequest", "Feature", "ModelServer", "ServerConfig"]
 
 log = logging.getLogger(__name__)
-
-_INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
 @dataclass(kw_only=True)
@@ -120,14 +121,6 @@ class ServerConfig:
             raise ValueError(f"ServerConfig: port must be in 0..65535, got {self.port}")
 
 
-class BadRequest(ValueError):
-    """A request that is refused (its status and one line saying why)."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 class ModelServer:
     """Serves the newest export of a job over HTTP, following the exports as they land.
 
@@ -173,6 +166,8 @@ class ModelServer:
                 )
         self._graph_inputs = {k: v for k, v in self.inputs.items() if k not in config.numeric}
         """What an export must feed: the features' rows and the dense parameters."""
+        self._numeric_types = {name: ONNX_TYPES[self.inputs[name][1]] for name in config.numeric}
+        """The dtype each numeric input is fed as."""
         self.output_names = [o.name for o in self.session.get_outputs()]
         self._model = ExportedModel()  # the poller's alone
         self._tried: int | None = None
@@ -188,7 +183,7 @@ class ModelServer:
         """What ``GET /metrics`` answers."""
         self.last_error: str | None = None
         """Why the last export was refused; ``None`` once one is served again."""
-        self._http: _HTTPServer | None = None
+        self._http: HTTPServer | None = None
         self._threads: list[threading.Thread] = []
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -197,14 +192,12 @@ class ModelServer:
         """Applies what the export directory holds now, then listens and follows it.
         Returns self; :attr:`url` is where it listens."""
         self.poll()
-        server = self
-
-        class Handler(_Handler):
-            owner = server
-            timeout = server.config.request_timeout
-
-        self._http = _HTTPServer(
-            (self.config.host, self.config.port), Handler, self.config.max_connections
+        self._http = listen(
+            self,
+            (self.config.host, self.config.port),
+            max_connections=self.config.max_connections,
+            request_timeout=self.config.request_timeout,
+            max_body_bytes=self.config.max_body_bytes,
         )
         self._threads = [
             threading.Thread(target=self._http.serve_forever, name="psflow-serve-http"),
@@ -320,10 +313,10 @@ class ModelServer:
         served = self._served  # one export for the whole request
         if served is None:
             raise BadRequest(f"no export served yet from {self.config.export_dir}", 503)
-        ids = self._parse(features)
+        ids = feature_ids(features, self.config.features, self.config.max_batch)
         feeds: dict[str, np.ndarray] = dict(served.feeds)
         batch = len(ids[next(iter(self.config.features))][1])
-        feeds.update(self._parse_numeric(numeric, batch))
+        feeds.update(numeric_feeds(numeric, self.config.numeric, self._numeric_types, batch))
         for name, feature in self.config.features.items():
             flat, offsets = ids[name]
             try:
@@ -332,76 +325,6 @@ class ModelServer:
                 raise BadRequest(str(e)) from None
         outputs = self.session.run(self.output_names, feeds)
         return served, dict(zip(self.output_names, outputs, strict=True))
-
-    def _parse(self, features: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        if not isinstance(features, dict):
-            raise BadRequest("'features' must be an object: feature name to a list of bags")
-        unknown = sorted(set(features) - set(self.config.features))
-        if unknown:
-            raise BadRequest(f"unknown feature(s) {unknown}; this model takes "
-                             f"{sorted(self.config.features)}")  # fmt: skip
-        out = {}
-        batch = None
-        for name in self.config.features:
-            bags = features.get(name)
-            if not isinstance(bags, list):
-                raise BadRequest(f"feature {name!r}: expected a list of bags of ids, got "
-                                 f"{type(bags).__name__}")  # fmt: skip
-            if batch is None:
-                batch = len(bags)
-                if not 1 <= batch <= self.config.max_batch:
-                    raise BadRequest(f"a request holds 1..{self.config.max_batch} examples, "
-                                     f"got {batch}")  # fmt: skip
-            elif len(bags) != batch:
-                raise BadRequest(f"feature {name!r} has {len(bags)} examples, "
-                                 f"the others {batch}")  # fmt: skip
-            lengths, flat = [0], []
-            for i, bag in enumerate(bags):
-                if not isinstance(bag, list):
-                    raise BadRequest(f"feature {name!r}, example {i}: expected a list of ids")
-                for v in bag:
-                    if type(v) is not int or not _INT64[0] <= v <= _INT64[1]:
-                        raise BadRequest(f"feature {name!r}, example {i}: {repr(v)[:40]} is "
-                                         "not an int64 id")  # fmt: skip
-                flat.extend(bag)
-                lengths.append(len(bag))
-            offsets = torch.tensor(lengths[:-1], dtype=torch.int64).cumsum(0)
-            out[name] = (torch.tensor(flat, dtype=torch.int64), offsets)
-        return out
-
-    def _parse_numeric(self, numeric: Any, batch: int) -> dict[str, np.ndarray]:
-        wanted = self.config.numeric
-        if numeric is None:
-            numeric = {}
-        if not isinstance(numeric, dict):
-            raise BadRequest("'numeric' must be an object: input name to a list of rows")
-        unknown = sorted(set(numeric) - set(wanted))
-        missing = sorted(set(wanted) - set(numeric))
-        if unknown or missing:
-            raise BadRequest(f"numeric inputs: unknown {unknown}, missing {missing}; this model "
-                             f"takes {sorted(wanted)}")  # fmt: skip
-        out = {}
-        for name, width in wanted.items():
-            rows = numeric[name]
-            if not isinstance(rows, list) or len(rows) != batch:
-                got = len(rows) if isinstance(rows, list) else type(rows).__name__
-                raise BadRequest(f"numeric input {name!r}: expected {batch} rows (the "
-                                 f"features' examples), got {got}")  # fmt: skip
-            for i, row in enumerate(rows):
-                if (
-                    not isinstance(row, list)
-                    or len(row) != width
-                    or not all(type(v) in (int, float) for v in row)
-                ):
-                    raise BadRequest(f"numeric input {name!r}, example {i}: expected {width} "
-                                     f"numbers, got {repr(row)[:60]}")  # fmt: skip
-            with np.errstate(over="ignore"):  # refused just below, by name
-                array = np.asarray(rows, dtype=ONNX_TYPES[self.inputs[name][1]])
-            if not np.isfinite(array).all():
-                raise BadRequest(f"numeric input {name!r}: a value is not finite (or out of "
-                                 f"the input's range)")  # fmt: skip
-            out[name] = array
-        return out
 
     def status(self) -> dict[str, Any]:
         """What ``GET /status`` answers."""
@@ -415,133 +338,3 @@ class ModelServer:
             "served_total": self.served_total,
             "last_error": self.last_error,
         }
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    """A thread per connection, ``max_connections`` at most: one more is answered 503 and
-    closed at once, so a flood of connections cannot exhaust the host's threads."""
-
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 128
-
-    def __init__(self, address: tuple[str, int], handler: type[_Handler], limit: int) -> None:
-        super().__init__(address, handler)
-        self.limit = limit
-        self.open = 0
-        """Connections being served now."""
-        self.changed = threading.Condition()
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        with self.changed:
-            full = self.open >= self.limit
-            self.open += not full
-        if full:
-            body = json.dumps({"error": f"busy: {self.limit} connections open, the most "
-                               "this server takes (max_connections)"}).encode()  # fmt: skip
-            try:
-                request.settimeout(1.0)
-                request.sendall(
-                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                    b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
-                )
-            except OSError:
-                pass  # the client went away: nothing to tell it
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            self.finish_request(request, client_address)
-        except Exception:
-            self.handle_error(request, client_address)
-        finally:
-            with self.changed:  # before the close: a client that saw it closed finds a slot
-                self.open -= 1
-                self.changed.notify_all()
-            self.shutdown_request(request)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    owner: ModelServer
-    protocol_version = "HTTP/1.1"  # keep-alive: a client sends request after request
-    # The headers and the body go out as two writes: with Nagle's algorithm the body waits
-    # for the client's delayed ACK of the headers (40 ms a request).
-    disable_nagle_algorithm = True
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s %s", self.address_string(), format % args)
-
-    def _answer(self, status: int, body: Mapping[str, Any]) -> None:
-        self._send(status, json.dumps(body).encode(), "application/json")
-
-    def _send(self, status: int, data: bytes, kind: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self) -> None:
-        if self.path == "/status":
-            self._answer(200, self.owner.status())
-        elif self.path == "/metrics":
-            served = self.owner.served
-            text = self.owner.metrics.text(
-                None if served is None else served.seq,
-                None if served is None else served.step,
-                self.owner.served_total,
-            )
-            self._send(200, text.encode(), "text/plain; version=0.0.4")
-        elif self.path == "/healthz":
-            up = self.owner.served is not None
-            self._answer(200 if up else 503, {"ok": up})
-        else:
-            self._answer(
-                404, {"error": f"no {self.path}: GET /status, /healthz, /metrics; POST /predict"}
-            )
-
-    def do_POST(self) -> None:
-        if self.path != "/predict":
-            self._answer(404, {"error": f"no {self.path}: POST /predict"})
-            return
-        start = time.perf_counter()
-        try:
-            body = self._body()
-            served, outputs = self.owner.predict(body.get("features"), body.get("numeric"))
-        except BadRequest as e:
-            if e.status == 413:
-                self.close_connection = True  # its body was not read
-            self._answer(e.status, {"error": str(e)})
-            self.owner.metrics.request(e.status, time.perf_counter() - start)
-            return
-        except Exception as e:  # the server keeps serving; the client learns what failed
-            log.exception("predict failed")
-            self._answer(500, {"error": f"{type(e).__name__}: {e}".splitlines()[0]})
-            self.owner.metrics.request(500, time.perf_counter() - start)
-            return
-        answer = {k: v.tolist() for k, v in outputs.items()}
-        self._answer(200, {"export": served.seq, "step": served.step, "outputs": answer})
-        examples = len(next(iter(answer.values()), []))
-        self.owner.metrics.request(200, time.perf_counter() - start, examples)
-
-    def _body(self) -> dict[str, Any]:
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            self.close_connection = True
-            raise BadRequest("a request needs a Content-Length", 411)
-        size = int(length)
-        if size > self.owner.config.max_body_bytes:
-            raise BadRequest(f"request of {size} bytes; at most "
-                             f"{self.owner.config.max_body_bytes}", 413)  # fmt: skip
-        raw = self.rfile.read(size)
-        try:
-            body = json.loads(raw)
-        except ValueError as e:
-            raise BadRequest(f"the body is not JSON: {e}") from None
-        except RecursionError:
-            raise BadRequest("the body is JSON nested too deep") from None
-        if not isinstance(body, dict) or "features" not in body:
-            raise BadRequest('the body must be {"features": {name: [[id, ...], ...]}}')
-        return body
