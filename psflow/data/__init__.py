@@ -38,7 +38,9 @@ No TensorFlow at run time. Where things live:
 - ``fs.py``: :func:`expand_paths` (local paths, fsspec URLs, globs)
 - ``kafka.py``: :class:`KafkaReader`, :class:`KafkaConfig`, :func:`merge_states`: a Kafka topic,
   each worker its share of the partitions, its position (each partition's next offset) saved
-  and restored as plain data (confluent-kafka imported when a reader is made: ``psflow[kafka]``)
+  and restored as plain data (confluent-kafka imported when a reader is made: ``psflow[kafka]``);
+  from its modules: ``kafka_offsets.py`` (that position as plain data: checked, merged, the
+  stops of a replay) and ``kafka_wait.py`` (waiting for a broker that went away)
 - ``stream.py``: :class:`FileStreamReader`, :class:`FileStreamConfig`,
   :func:`merge_file_states`: a glob watched for TFRecord files that land while it is read, each
   file once, its position (files read, the record reached) saved and restored as plain data

@@ -25,24 +25,26 @@ its position when the broker is back; past ``max_wait_s`` (if set) it raises ``T
 naming the broker. Every call to the client has a timeout.
 
 The client is confluent-kafka (librdkafka), ``pip install psflow[kafka]``, imported when a
-reader is made.
+reader is made. The position's plain data (checked, merged) is :mod:`psflow.data.kafka_offsets`'s,
+the waits for a broker :mod:`psflow.data.kafka_wait`'s; this module is the one to import from.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 from psflow.data.batches import ExampleStream, parse_batch
 from psflow.data.features import FeatureSpec
+from psflow.data.kafka_offsets import SOURCE, checked_state, checked_stops, merge_states, short_of
+from psflow.data.kafka_wait import BrokerWait
+
+__all__ = ["SOURCE", "BadRecordError", "KafkaConfig", "KafkaReader", "StreamRecord", "merge_states"]
 
 log = logging.getLogger(__name__)
-
-SOURCE = "kafka"
-"""The ``source`` of a Kafka reader's state."""
 
 
 @dataclass(kw_only=True)
@@ -125,51 +127,6 @@ class BadRecordError(ValueError):
         self.topic, self.partition, self.offset = topic, partition, offset
 
 
-def merge_states(states: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """The states of the readers sharing one topic as one (each partition's offset from the
-    reader that holds it), which any number of readers can :meth:`~KafkaReader.restore` from."""
-    topic: str | None = None
-    offsets: dict[str, int] = {}
-    for state in states:
-        checked = _checked_state(state, topic)
-        topic = checked["topic"]
-        for p, off in checked["offsets"].items():
-            if str(p) in offsets:
-                raise ValueError(f"kafka states: partition {p} of {topic!r} is in two of them")
-            offsets[str(p)] = off
-    if topic is None:
-        raise ValueError("kafka states: none given")
-    return {"source": SOURCE, "topic": topic, "offsets": offsets}
-
-
-def _checked_state(state: Mapping[str, Any], topic: str | None) -> dict[str, Any]:
-    if not isinstance(state, Mapping) or state.get("source") != SOURCE:
-        raise ValueError(f"not a kafka reader's state: {state!r:.200}")
-    name = state.get("topic")
-    if not isinstance(name, str) or (topic is not None and name != topic):
-        raise ValueError(f"kafka state: topic {name!r}, expected {topic!r}")
-    offsets = state.get("offsets")
-    if not isinstance(offsets, Mapping):
-        raise ValueError(
-            f"kafka state of {name!r}: offsets must be a mapping, got {offsets!r:.200}"
-        )
-    out: dict[int, int] = {}
-    for p, off in offsets.items():
-        try:
-            part = int(p)
-        except (TypeError, ValueError):
-            raise ValueError(f"kafka state of {name!r}: partition {p!r} is not a number") from None
-        if isinstance(off, bool) or not isinstance(off, int) or off < 0 or part < 0:
-            raise ValueError(f"kafka state of {name!r}: partition {p!r} offset {off!r} is invalid")
-        out[part] = off
-    return {"topic": name, "offsets": out}
-
-
-def _before(partition: int | None, offset: int | None, stop: Mapping[int, int]) -> bool:
-    """Whether a record is short of ``stop`` (each partition's offset to stop before)."""
-    return partition is not None and offset is not None and offset < stop.get(partition, 0)
-
-
 class KafkaReader(ExampleStream):
     """Reads this worker's share of a Kafka topic's partitions, at an exact position.
 
@@ -200,11 +157,14 @@ class KafkaReader(ExampleStream):
         self.config = config
         self.parser = parser
         self.stats = {"records": 0, "bad_records": 0, "broker_waits": 0}
-        self.waiting_for: str | None = None
-        """Whom the reader is waiting for now (the client's last error), ``None`` if no one."""
-        self._error: str | None = None
-        self._wait_since: float | None = None
-        self._logged_at = 0.0
+        self._wait = BrokerWait(
+            config.topic,
+            poll_timeout_s=config.poll_timeout_s,
+            wait_log_s=config.wait_log_s,
+            max_wait_s=config.max_wait_s,
+            stats=self.stats,
+            where=self._where,
+        )
         self._probed_at = 0.0
         settings = {
             "bootstrap.servers": config.brokers,
@@ -217,7 +177,7 @@ class KafkaReader(ExampleStream):
             "socket.timeout.ms": int(config.request_timeout_s * 1000),
             "reconnect.backoff.ms": 100,
             "reconnect.backoff.max.ms": 2000,
-            "error_cb": self._on_error,
+            "error_cb": self._wait.on_error,
             "logger": logging.getLogger(f"{__name__}.client"),
             **config.client,
         }
@@ -250,8 +210,8 @@ class KafkaReader(ExampleStream):
                 reason = f"topic {cfg.topic!r}: {topic.error if topic else 'not on the broker'}"
             except self._ck.KafkaException as e:
                 reason = f"brokers {cfg.brokers}: {e}"
-            self._waiting(reason)
-        self._done_waiting()
+            self._wait.waiting(reason)
+        self._wait.done()
         every = sorted(topic.partitions)
         if cfg.num_workers > len(every):
             raise ValueError(
@@ -274,9 +234,9 @@ class KafkaReader(ExampleStream):
                     )
                     break
                 except self._ck.KafkaException as e:
-                    self._waiting(f"topic {cfg.topic!r} partition {p}'s offsets: {e}")
+                    self._wait.waiting(f"topic {cfg.topic!r} partition {p}'s offsets: {e}")
             self._next[p] = low if cfg.start == "earliest" else high
-        self._done_waiting()
+        self._wait.done()
 
     def _assign(self) -> None:
         """Fetches from each partition's position on; with a stop ahead, only from those
@@ -304,7 +264,7 @@ class KafkaReader(ExampleStream):
         Raises:
             ValueError: for a state that is not a Kafka reader's, or of another topic.
         """
-        checked = _checked_state(state, self.config.topic)
+        checked = checked_state(state, self.config.topic)
         missing = [p for p in self.partitions if p not in checked["offsets"]]
         for p in self.partitions:
             if p in checked["offsets"]:
@@ -322,25 +282,7 @@ class KafkaReader(ExampleStream):
             ValueError: for a state that is not this reader's, lacks one of its partitions, or
                 is behind the position before it.
         """
-        stops: list[dict[int, int]] = []
-        at = dict(self._next)
-        for state in states:
-            offsets = _checked_state(state, self.config.topic)["offsets"]
-            missing = [p for p in self.partitions if p not in offsets]
-            if missing:
-                raise ValueError(
-                    f"kafka stop of {self.config.topic!r}: no offset for partition(s) {missing} "
-                    "of this reader's share"
-                )
-            behind = [p for p in self.partitions if offsets[p] < at[p]]
-            if behind:
-                raise ValueError(
-                    f"kafka stop of {self.config.topic!r}: partition {behind[0]} at offset "
-                    f"{offsets[behind[0]]}, behind {at[behind[0]]} where the reader will be"
-                )
-            at = {p: offsets[p] for p in self.partitions}
-            stops.append(at)
-        self._stops = stops
+        self._stops = checked_stops(states, self.config.topic, self.partitions, self._next)
         self._passed_stops()
         self._assign()
 
@@ -445,23 +387,23 @@ class KafkaReader(ExampleStream):
                     "config.start"
                 )
             elif err.code() == self._ck.KafkaError.UNKNOWN_TOPIC_OR_PART:
-                self._error = f"topic {self.config.topic!r}: {err.str()}"
+                self._wait.error = f"topic {self.config.topic!r}: {err.str()}"
             elif err.fatal():
                 raise RuntimeError(f"kafka topic {self.config.topic!r}: {err.str()}")
             else:
-                self._error = err.str()
+                self._wait.error = err.str()
         if self._stops:  # none past the stop; its partition is sought back before the next read
             stop = self._stops[0]
-            kept = [m for m in out if _before(m.partition(), m.offset(), stop)]
+            kept = [m for m in out if short_of(m.partition(), m.offset(), stop)]
             self._reseek |= len(kept) < len(out)
             out = kept
         # Records may come from what the client fetched before the broker went: only a broker
         # that answers ends a wait.
-        if self._error is not None:
+        if self._wait.error is not None:
             if not out:
-                self._waiting(self._error, sleep=False)
-            if self._wait_since is not None and self._broker_answers():
-                self._done_waiting()
+                self._wait.waiting(self._wait.error, sleep=False)
+            if self._wait.since is not None and self._broker_answers():
+                self._wait.done()
         return out
 
     def _broker_answers(self) -> bool:
@@ -480,44 +422,15 @@ class KafkaReader(ExampleStream):
 
     # -- waiting for a broker ----------------------------------------------------------------
 
-    def _on_error(self, err: Any) -> None:
-        """The client's error callback (served inside its calls): a broker not answering."""
-        self._error = err.str()
+    @property
+    def waiting_for(self) -> str | None:
+        """Whom the reader is waiting for now (the client's last error), ``None`` if no one."""
+        return self._wait.waiting_for
 
-    def _waiting(self, reason: str, *, sleep: bool = True) -> None:
-        """Notes that the reader waits for ``reason``; logs it every ``wait_log_s``; raises
-        past ``max_wait_s``."""
-        cfg = self.config
-        now = time.monotonic()
-        if self._wait_since is None:
-            self._wait_since = now
-            self._logged_at = 0.0
-            self.stats["broker_waits"] += 1
-        self.waiting_for = reason
-        waited = now - self._wait_since
-        if now - self._logged_at >= cfg.wait_log_s:
-            self._logged_at = now
-            log.warning(
-                "kafka topic %r: waiting for %s (%.1f s so far; partitions %s at offsets %s)",
-                cfg.topic, reason, waited, self.partitions if hasattr(self, "partitions") else
-                "not known yet", getattr(self, "_next", {}),
-            )  # fmt: skip
-        if cfg.max_wait_s is not None and waited > cfg.max_wait_s:
-            raise TimeoutError(
-                f"kafka topic {cfg.topic!r}: waited {waited:.1f} s (max_wait_s) for {reason}"
-            )
-        if sleep:
-            time.sleep(min(cfg.poll_timeout_s, 0.5))  # between requests that failed at once
-
-    def _done_waiting(self) -> None:
-        if self._wait_since is not None:
-            log.warning(
-                "kafka topic %r: going on after waiting %.1f s for %s",
-                self.config.topic, time.monotonic() - self._wait_since, self.waiting_for,
-            )  # fmt: skip
-        self._wait_since = None
-        self.waiting_for = None
-        self._error = None
+    def _where(self) -> str:
+        """The share and its offsets, for a wait's log (not known before the broker names them)."""
+        partitions = self.partitions if hasattr(self, "partitions") else "not known yet"
+        return f"partitions {partitions} at offsets {getattr(self, '_next', {})}"
 
     def close(self) -> None:
         """Leaves the broker (commits nothing: the position is :meth:`state`'s)."""
