@@ -20,7 +20,10 @@ Pure torch, no sockets: the ps holds a :class:`Rows` per table it serves, and a 
 - ``rows.py``: :class:`Rows`, one shard's part of one table (the interface, shared checks).
 - ``fixed.py``: :class:`FixedRows` (dense, a range of ids).
 - ``hashed.py``: :class:`HashedRows` (any int64 id, rows made on first update, admission and
-  eviction).
+  eviction); ``growth.py``: :class:`~psflow.sparse.growth.Columns`, its tensors grown together
+  (in place, in a reservation, past a size); ``evict.py``:
+  :class:`~psflow.sparse.evict.EvictionPool`, the least recently updated rows a full one
+  evicts next.
 - ``make.py``: :func:`make_rows`, the one a :class:`~psflow.protocol.TableSpec` needs.
 - ``snapshot.py``: :class:`~psflow.sparse.snapshot.RowSnapshot`, a table's rows at one moment
   (a checkpoint's), taken without a pause.

@@ -19,6 +19,8 @@ import psflow.sparse.kernels as kernels
 from psflow import allocator
 from psflow.protocol import RowOptimizerSpec, TableSpec
 from psflow.sparse.admission import Admission
+from psflow.sparse.evict import EvictionPool
+from psflow.sparse.growth import Columns
 from psflow.sparse.idmap import IdMap
 from psflow.sparse.init import initial_rows
 from psflow.sparse.mapped import MappedIds
@@ -27,12 +29,6 @@ from psflow.sparse.snapshot import STATE_PREFIX, RowSnapshot
 
 INITIAL_CAPACITY = 1024
 """Rows a hashed shard makes room for at first; it doubles as rows come (up to ``max_rows``)."""
-
-EVICT_POOL = 64
-"""A shard that evicts for ``max_rows`` finds the least recently updated rows by a scan of them
-all, and keeps this many times what it needed, in order, for the pushes after
-(:meth:`HashedRows._least_recent`): a scan each push cost time in the rows held (a full
-4M-row table: 7.4 ms of a push of 4,096 new ids)."""
 
 EVICTED_COMPACT_FROM = 1 << 16
 """Evicted ids noted for an export's tombstones are compacted from this many on
@@ -110,11 +106,10 @@ class HashedRows(Rows):
         self.last_update = torch.zeros(capacity, dtype=torch.int64)
         if self.ttl is not None:
             self.updated_at = torch.zeros(capacity, dtype=torch.float64)
-        self._areas: dict[str, allocator.Reservation] = {}
-        """Each tensor's reservation, by name, once it has one (:meth:`_grown`)."""
-        self._pool: torch.Tensor | None = None
-        """With ``max_rows``: the rows next to evict, from :meth:`_least_recent`'s last scan."""
-        self._pool_at = 0
+        self._columns = Columns()
+        """The tensors above grown together (:meth:`_grow`)."""
+        self._evict = EvictionPool()
+        """With ``max_rows``: the rows next to evict."""
         self.counts = {
             "admitted": 0,
             "not_admitted": 0,
@@ -133,7 +128,7 @@ class HashedRows(Rows):
         requires), and the pages of slots never taken stay untouched (a table that just
         doubled its capacity does not fill the new half). A tensor past
         :data:`~psflow.allocator.RESERVE_FROM_BYTES` grows in place in a reservation
-        (:meth:`_grown`)."""
+        (:class:`~psflow.sparse.growth.Columns`)."""
         columns = {
             "values": self.values,
             "slot_ids": self.slot_ids,
@@ -142,15 +137,9 @@ class HashedRows(Rows):
         columns |= {STATE_PREFIX + k: v for k, v in self.state.items()}
         if self.updated_at is not None:
             columns["updated_at"] = self.updated_at
-        row_bytes = sum(t[:1].nbytes for t in columns.values())
-        reserve = 0  # every tensor reserves the same rows, or none does
-        if capacity * row_bytes >= allocator.RESERVE_FROM_BYTES:
-            # As many rows as the host's memory could hold (or max_rows): each table then
-            # reserves about the memory there is, and no more.
-            reserve = max(2 * capacity, allocator.physical_memory() // row_bytes)
-            if self.max_rows is not None:
-                reserve = min(reserve, self.max_rows)
-        grown = {name: self._grown(name, t, capacity, reserve) for name, t in columns.items()}
+        grown = self._columns.grown(
+            columns, self._n, capacity, self.max_rows, zeroed=("last_update", "updated_at")
+        )
         self.values, self.slot_ids = grown["values"], grown["slot_ids"]
         self.last_update, self.updated_at = grown["last_update"], grown.get("updated_at")
         self.state = {k: grown[STATE_PREFIX + k] for k in self.state}
@@ -159,65 +148,9 @@ class HashedRows(Rows):
             changed[: self._n] = self._changed[: self._n]
             self._changed = changed
 
-    def _grown(self, name: str, old: torch.Tensor, capacity: int, reserve: int) -> torch.Tensor:
-        """``old`` (the tensor ``name``) grown to ``capacity`` rows, its first ``self._n``
-        kept. In its :class:`~psflow.allocator.Reservation` when it has one, or can take one of
-        ``reserve`` rows (0: none), nothing moves: the new rows are fresh pages, zeros.
-        Otherwise it is copied to new storage, as a growth always was."""
-        n = self._n
-        area = self._areas.get(name)
-        if area is not None and capacity > area.rows:  # past the host's memory
-            del self._areas[name]
-            area = None
-        if area is None and reserve >= capacity:
-            area = allocator.reserve(tuple(old.shape[1:]), old.dtype, reserve)
-            if area is not None:
-                self._areas[name] = area
-        if area is not None:
-            out = area.first(capacity)
-            if not area.holds(old):
-                out[:n] = old[:n]
-            return out
-        out = allocator.table_empty((capacity, *old.shape[1:]), old.dtype)
-        out[:n] = old[:n]
-        if name in ("last_update", "updated_at"):
-            out[n:].zero_()
-        return out
-
     @property
     def capacity(self) -> int:
         return self.values.shape[0]
-
-    def _least_recent(self, count: int) -> torch.Tensor:
-        """The slots of the ``count`` least recently updated rows (the push that asks has
-        marked its own rows recent first), taken in order from the eviction pool: the
-        ``EVICT_POOL`` times ``count`` least recent rows of a scan of them all, kept as (slot,
-        update count, id). A row left out of the pool was newer than all of it then, and
-        every update since is newer still; a pooled row updated or gone since is skipped. So
-        the pool yields what a scan each time would, until it runs out and is scanned anew
-        (rows moved, :meth:`_remove_slots`, empty it)."""
-        n, need = self._n, count
-        taken: list[torch.Tensor] = []
-        while need:
-            pool = self._pool
-            if pool is None or self._pool_at >= pool.shape[1]:
-                k = min(n, EVICT_POOL * count)
-                ticks, slots = kernels.least_recent(self.last_update[:n], k)
-                if taken:  # those taken from the last pool are held still: not twice
-                    again = torch.zeros(n, dtype=torch.bool).index_fill_(0, torch.cat(taken), True)
-                    keep = again.index_select(0, slots).logical_not_()
-                    ticks, slots = ticks[keep], slots[keep]
-                pool = self._pool = torch.stack(
-                    [slots, ticks, self.slot_ids.index_select(0, slots)]
-                )
-                self._pool_at = 0
-            slots, ticks, ids = pool[:, self._pool_at : self._pool_at + need]
-            self._pool_at += slots.numel()
-            ok = (slots < n).logical_and_(self.last_update.index_select(0, slots) == ticks)
-            ok.logical_and_(self.slot_ids.index_select(0, slots) == ids)
-            taken.append(slots[ok])
-            need -= int(taken[-1].numel())
-        return taken[0] if len(taken) == 1 else torch.cat(taken)
 
     def _slots(self, ids: torch.Tensor) -> torch.Tensor:
         """Each id's slot, -1 for ids not held."""
@@ -232,7 +165,7 @@ class HashedRows(Rows):
         assert evict <= n
         parts = []
         if evict:
-            old = self._least_recent(evict)
+            old = self._evict.take(evict, n, self.last_update, self.slot_ids)
             gone = self.slot_ids.index_select(0, old)
             self._index.remove(gone)
             self._note_evicted(gone)
@@ -320,7 +253,7 @@ class HashedRows(Rows):
         ids = self.slot_ids.index_select(0, gone)
         self._index.remove(ids)
         self._note_evicted(ids)
-        self._pool = None  # rows move to other slots
+        self._evict.clear()  # rows move to other slots
         n = self._n
         m = n - gone.numel()
         tail = torch.ones(n - m, dtype=torch.bool)
