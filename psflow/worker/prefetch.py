@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from psflow.nn import TableModule
 from psflow.protocol.messages import prefetch_tensor_names
 from psflow.worker.client import ShardedClient, Tensors
 from psflow.worker.row_layout import Grouped, TableLayout
@@ -47,26 +48,46 @@ class RowPrefetch:
         self.layout = layout
         self.client = client
         self.staging = staging
-        self.asked: dict[str, tuple[torch.Tensor, torch.device]] = {}
-        """Per table, a coming batch's ids, whose rows the next push brings back, and the
-        batch's device."""
+        self.asked: dict[str, tuple[torch.Tensor, torch.device, TableModule | None]] = {}
+        """Per table, a coming batch's ids, whose rows the next push brings back, the batch's
+        device, and the table whose range they are still to be checked against (ids whose
+        copy from a GPU was only begun), else ``None``."""
         self._sent: dict[str, Grouped] = {}
         self.kept: dict[str, Prefetched] = {}
         """Per table, rows that came with the last push: used by the forward that asks for
         exactly those ids."""
 
-    def ask(self, name: str, ids: torch.Tensor, device: torch.device) -> None:
-        """Asks for the rows of a coming batch's ``ids`` (flat, on the host, checked) of table
-        ``name`` with the next push; ``device``: the batch's."""
-        self.asked[name] = (ids, device)
+    def ask(
+        self,
+        name: str,
+        ids: torch.Tensor,
+        device: torch.device,
+        *,
+        check: TableModule | None = None,
+    ) -> None:
+        """Asks for the rows of a coming batch's ``ids`` (flat, on the host) of table ``name``
+        with the next push; ``device``: the batch's. ``check``: the table, when the ids are
+        not checked yet (their copy from the device only begun, :meth:`Staging.to_host`):
+        :meth:`take` checks them."""
+        self.asked[name] = (ids, device, check)
 
     def take(self) -> tuple[dict[int, Tensors], dict[int, list[str]]]:
-        """The ids to send with the next push, as tensors per shard, and the tables per shard."""
+        """The ids to send with the next push, as tensors per shard, and the tables per shard.
+
+        Raises:
+            IndexError: naming the table and the id, for an id out of its range (nothing of
+                the push is sent then).
+        """
         asked, self.asked = self.asked, {}
         self._sent = {}
+        if any(check is not None for _, _, check in asked.values()):
+            self.staging.wait()  # (the step's gradients waited for them already)
+            for ids, _, check in asked.values():
+                if check is not None and ids.numel():
+                    check.check_range(*torch.aminmax(ids))
         tensors: dict[int, Tensors] = {}
         tables: dict[int, list[str]] = {}
-        for name, (ids, device) in asked.items():
+        for name, (ids, device, _) in asked.items():
             unique, positions, split = self.layout.group(name, ids)
             self._sent[name] = Grouped(ids, unique, positions, split, device)
             ids_name = prefetch_tensor_names(name)[0]

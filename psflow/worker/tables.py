@@ -250,10 +250,13 @@ class TableClient:
         return self._looked(name, unique, leaf, split, ids.device), parts, positions
 
     def _name_and_ids(self, table: TableModule, ids: torch.Tensor) -> tuple[str, torch.Tensor]:
+        return self._name(table), ids.detach().to("cpu", torch.int64)
+
+    def _name(self, table: TableModule) -> str:
         name = self._name_of.get(id(table))
         if name is None:
             raise ValueError(f"{type(table).__name__} is not one of this model's tables")
-        return name, ids.detach().to("cpu", torch.int64)
+        return name
 
     def _rows_of(
         self,
@@ -388,7 +391,14 @@ class TableClient:
         """Asks for the rows of a coming batch's ``ids`` (as its forward will give them) with
         the next push: its reply brings them, read right after that push is applied, and the
         forward that asks for exactly those ids uses them instead of a request of its own
-        (:class:`~psflow.worker.prefetch.RowPrefetch`). Their range is checked here, on the host (that forward's are then not checked again)."""
+        (:class:`~psflow.worker.prefetch.RowPrefetch`). Their range is checked on the host
+        (that forward's are then not checked again): here, or for ids on a GPU, as the step
+        takes them, their copy to the host begun here and waited for with the step's
+        gradients (no wait for the device of its own)."""
+        if self.staging.crosses(ids.device):
+            host = self.staging.to_host(ids.detach().reshape(-1).to(torch.int64))
+            self.prefetched.ask(self._name(table), host, ids.device, check=table)
+            return
         name, flat = self._name_and_ids(table, ids)
         if flat.numel():
             table.check_range(*torch.aminmax(flat))

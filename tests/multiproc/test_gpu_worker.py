@@ -26,7 +26,8 @@ STEPS = 6
 
 class Deferred(Staging):
     """Copies as a GPU's are, on the CPU: every device crosses; a copy to the host holds NaN
-    until :meth:`wait` (it was only begun), then what the tensor held when it was asked. Logs
+    (integers: the most negative) until :meth:`wait` (it was only begun), then what the tensor
+    held when it was asked. Logs
     what it is given: ``rows`` (2-D floats to the device), ``other`` (to the device),
     ``value`` (into a device's tensor), ``to_host``, ``wait`` (when something was under way)."""
 
@@ -52,7 +53,8 @@ class Deferred(Staging):
         dst.copy_(src)
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
-        out = torch.full_like(t, float("nan"))
+        unset = float("nan") if t.is_floating_point() else torch.iinfo(t.dtype).min
+        out = torch.full_like(t, unset)
         self._late.append((out, t.clone()))
         self.log.append("to_host")
         return out
@@ -98,6 +100,7 @@ def _train(
             log.append(f"forward {step}")
             opt.zero_grad()
             loss_of(model, items, users, y).backward()
+            log.append(f"prefetch {step}")
             if step + 1 < STEPS and not overlap:
                 model.items.prefetch(data[step + 1][0])
                 model.users.prefetch(data[step + 1][1])
@@ -121,7 +124,9 @@ def test_a_gpu_workers_copies_begin_early_and_are_waited_for_once(
     """With copies that behave as a GPU's (:class:`Deferred`), a worker that prefetches
     trains exactly as with plain ones; the rows a push brings begin their copy to the device
     within that step, not at the forward that uses them; a step's gradients, dense and rows,
-    are all begun before one wait, and none is sent before it (it would reach the ps as NaN)."""
+    are all begun before one wait, and none is sent before it (it would reach the ps as NaN);
+    the next batch's ids begin their copy to the host when they are prefetched, and are read
+    after that same wait (before it they are the most negative int64: no table's)."""
     # As on a GPU: the forward asks the source for the batch's rows whole, not in parts.
     monkeypatch.delattr(TableClient, "batch_parts")
     plain, asked_plain = _train("cpu", [])
@@ -132,19 +137,72 @@ def test_a_gpu_workers_copies_begin_early_and_are_waited_for_once(
         torch.testing.assert_close(x, y, rtol=0, atol=0)
     assert asked == asked_plain == 2, (asked, asked_plain)  # only the first forward asks
     log = deferred.log
-    marks = [i for i, entry in enumerate(log) if entry.startswith(("forward", "step", "end"))]
+    marks = [
+        i for i, entry in enumerate(log) if entry.startswith(("forward", "prefetch", "step", "end"))
+    ]
     segments = {log[i]: log[i + 1 : j] for i, j in zip(marks, [*marks[1:], len(log)], strict=True)}
     for step in range(STEPS):
         forward, pushed = segments[f"forward {step}"], segments[f"step {step}"]
+        prefetched = segments[f"prefetch {step}"]
         # The first forward's rows come by lookup; later ones' came with the push before.
         assert forward.count("rows") == (2 if step == 0 else 0), (step, forward)
         assert "to_host" not in forward and "wait" not in forward, (step, forward)
+        # Both tables' next ids begin for the host, and nothing waits for them there.
+        coming = 2 if step + 1 < STEPS else 0
+        assert prefetched == ["to_host"] * coming, (step, prefetched)
         # The head's weight and bias, each table's rows: begun, then one wait.
         assert pushed.count("to_host") == 4 and pushed.count("wait") == 1, (step, pushed)
         waited = pushed.index("wait")
         assert "to_host" not in pushed[waited:], (step, pushed)
         # The next batch's rows, both tables', begin for the device when the reply comes.
-        assert pushed[waited:].count("rows") == (2 if step + 1 < STEPS else 0), (step, pushed)
+        assert pushed[waited:].count("rows") == coming, (step, pushed)
+
+
+def test_a_bad_id_prefetched_from_a_gpu_is_refused_at_the_step_before_anything_is_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prefetch from a GPU only begins its ids' copy to the host (:class:`Deferred`): an id
+    out of the table's range is refused as the step takes them, an ``IndexError`` naming the
+    table and the id, before the step sends anything; the worker then goes on."""
+    deferred = Deferred()
+    monkeypatch.setattr("psflow.worker.optimizer.Staging", lambda pinned: deferred)
+    cluster = local_cluster(2, 1)
+    procs = _ps(cluster)
+    model = Recommender()
+    opt = DistributedOptimizer(
+        model,
+        worker_ctx(cluster),
+        optimizer="Adagrad",
+        lr=0.1,
+        transport=TransportConfig(timeout=30),
+    )
+    try:
+        client = tables(opt).client
+        pushes: list[object] = []
+        real_push = client.push
+
+        def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+            pushes.append(args)
+            return real_push(*args, **kwargs)
+
+        client.push = counting  # type: ignore[method-assign]
+        items, users, y = batch(0, 0, 8)
+        opt.zero_grad()
+        loss_of(model, items, users, y).backward()
+        model.items.prefetch(torch.tensor([[1, 2], [VOCAB + 3, 4]]))  # its copy only begun
+        assert deferred.log[-1] == "to_host"
+        with pytest.raises(IndexError, match=rf"table 'items'.*id {VOCAB + 3} is out of range"):
+            opt.step()
+        assert pushes == []
+        opt.zero_grad()
+        loss_of(model, items, users, y).backward()
+        model.items.prefetch(items)
+        opt.step()
+        assert len(pushes) == 1
+    finally:
+        opt.close()
+        for p in procs:
+            stop(p, timeout=5)
 
 
 @CUDA
