@@ -13,8 +13,9 @@ A table whose config names a narrower ``wire_dtype`` (:attr:`psflow.nn.TableConf
 asks for its rows in it (:attr:`~psflow.protocol.Key.ROW_DTYPES`) and casts them back to the
 table's dtype as they arrive; its row gradients go in it too, refused here if one does not fit.
 
-Where each table's rows are (by shard, of what shape and dtype) is :mod:`psflow.worker.row_layout`'s;
-a coming batch's rows that ride a push are :mod:`psflow.worker.prefetch`'s.
+Where each table's rows are (by shard, of what shape and dtype) is
+:mod:`psflow.worker.row_layout`'s; a coming batch's rows that ride a push are
+:mod:`psflow.worker.prefetch`'s.
 """
 
 from __future__ import annotations
