@@ -85,12 +85,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add("--export_dir", default=None, help="incremental exports for serving (needs ps)")
     add("--export_every", type=float, default=None, help="seconds between exports (300)")
     add("--seed", type=int, default=0)
+    # A GPU's first steps load its kernels and libraries: a rate that counts them understates it.
+    add("--warmup_steps", type=int, default=0, help="steps the printed rate leaves out")
     add("--prefetch", action="store_true", help="the next batch's rows ride each step")
     # The push's round trip hidden behind the next step's forward and backward (asynchronous
     # training: each gradient one step staler); the rows ride two batches ahead then.
     add("--overlap", action="store_true", help="each push's reply taken at the next step")
     add("--wire_dtype", choices=["float32", "bfloat16", "float16"], help="rows between worker/ps")
     args = p.parse_args(argv)
+    if args.warmup_steps < 0:
+        p.error(f"--warmup_steps must be >= 0, got {args.warmup_steps}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {args.device}: this torch sees no CUDA device")
     return args
@@ -150,7 +154,7 @@ def main() -> None:
         export_every=args.export_every,
         last_step=args.train_steps,
     ) as sess:
-        start, steps = time.perf_counter(), 0
+        start, steps, timed = time.perf_counter(), 0, 0  # timed: the steps the rate counts
         ahead = 2 if args.overlap else 1  # the push in flight brings the batch after next's rows
         coming = [to_device(next(batches)) for _ in range(ahead + 1)]
         while not sess.should_stop():
@@ -164,8 +168,11 @@ def main() -> None:
                 model.prefetch(coming[ahead - 1].categorical)
             sess.step(loss=loss, examples=len(batch.label))
             steps += 1
-        rate = steps * args.batch_size / (time.perf_counter() - start)
-        print(f"{steps} steps, {rate:,.0f} samples/s (this worker)", flush=True)
+            timed += 1
+            if steps == args.warmup_steps:  # the rate from here on
+                start, timed = time.perf_counter(), 0
+        rate = timed * args.batch_size / (time.perf_counter() - start)
+        print(f"{timed} steps, {rate:,.0f} samples/s (this worker)", flush=True)
         if sess.is_chief:  # the one who evaluates, logs and prints the result
             sess.pull()  # the model as the job holds it now (the ps's, or this process's)
             scores = evaluate(model, test, device)

@@ -37,7 +37,10 @@ fi
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 lscpu | grep -E "^Model name|^CPU\(s\)|^Thread|^NUMA node\(s\)" | tee "$out/machine.log"
 "$py" -c "import torch; print('torch', torch.__version__, 'threads', torch.get_num_threads())"
-"$py" setup.py -q build_ext --inplace >"$out/build.log" 2>&1 || echo "C kernels not built"
+"$py" setup.py -q build_ext --inplace >"$out/build.log" 2>&1 || {
+    echo "C kernels not built: every figure below is torch's ops'; build.log's end:"
+    tail -5 "$out/build.log"
+}
 "$py" -m psflow.cli data synth-ctr /tmp/ctr --examples "${EXAMPLES:-500000}" \
     --test-examples 1000 >/dev/null || exit 1
 

@@ -53,7 +53,9 @@ class Staging:
     def to_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
         """``t`` (on the host) on ``device``: ``t`` itself where it already is. The copy may
         still be under way when this returns: what the device runs next waits for it, the
-        host does not, and ``t`` may change at once (the device reads a pinned copy of it)."""
+        host does not, and ``t`` may change at once (the device reads a pinned copy of it),
+        unless ``t`` is pinned itself: the device then reads ``t``, which must not change
+        until the copy has run (the worker gives none today)."""
         if t.device == device:
             return t
         if not self.crosses(device):

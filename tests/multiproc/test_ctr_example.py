@@ -41,11 +41,12 @@ def _result(stdout: str) -> dict[str, object]:
 
 def test_alone_it_learns_checkpoints_and_logs_its_score(data: Path, tmp_path: Path) -> None:
     args = ["--data", str(data), "--train_steps", "150", "--batch_size", "128"]
-    args += ["--logdir", str(tmp_path)]
+    args += ["--logdir", str(tmp_path), "--warmup_steps", "50"]
     proc = run_forked([str(EXAMPLE), *args], timeout=200)  # python EXAMPLE ..., forked
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = _result(proc.stdout)
     assert result["global_step"] == 150
+    assert "100 steps, " in proc.stdout  # the rate's: the first 50 left out
     best = json.loads((data / "_synth_ctr.json").read_text())["best_auc"]
     assert result["best_auc"] == best
     assert 0.55 < float(result["test_auc"]) <= 1.0, result  # type: ignore[arg-type]
