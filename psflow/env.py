@@ -178,9 +178,10 @@ memory (:mod:`psflow.transport.shm`); ``0`` sends everything through the socket.
 
 PSFLOW_SEALED = "PSFLOW_SEALED"
 """``1`` (default): with CurveZMQ keys, a client that reaches a ps only by socket moves its
-requests (once one of them or a reply carried 64 KiB of tensors) to the ps's sealed socket, each message sealed with AES-256-GCM under keys handed over
-through CurveZMQ (:mod:`psflow.transport.seal`: a sixth of CurveZMQ's cipher's CPU); ``0``
-keeps every byte inside CurveZMQ (a ps then opens no second port)."""
+requests (once one of them or a reply carried 64 KiB of tensors) to the ps's sealed socket,
+each message sealed with AES-256-GCM under keys handed over through CurveZMQ
+(:mod:`psflow.transport.seal`: a sixth of CurveZMQ's cipher's CPU); ``0`` keeps every byte
+inside CurveZMQ (a ps then opens no second port)."""
 
 PSFLOW_SPIN_US = "PSFLOW_SPIN_US"
 """Microseconds (default 2000) that a side of a shared-memory lane looks for the next message

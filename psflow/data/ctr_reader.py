@@ -36,19 +36,12 @@ class CTRBatch(NamedTuple):
     def to(self, device: torch.device | str | None, *, non_blocking: bool = False) -> CTRBatch:
         """The batch on ``device`` (the same tensors where they already are); from pinned
         memory (:meth:`pin_memory`) with ``non_blocking``, without the host waiting."""
-        return CTRBatch(
-            *(
-                t.to(device, non_blocking=non_blocking)
-                for t in (self.dense, self.categorical, self.label)
-            )
-        )
+        return CTRBatch(*(t.to(device, non_blocking=non_blocking) for t in self))
 
     def pin_memory(self) -> CTRBatch:
         """The batch in pinned host memory (needs CUDA), as ``DataLoader(pin_memory=True)``
         gives it: its copy to a GPU with ``non_blocking`` does not make the host wait."""
-        return CTRBatch(
-            self.dense.pin_memory(), self.categorical.pin_memory(), self.label.pin_memory()
-        )
+        return CTRBatch(*(t.pin_memory() for t in self))
 
 
 TF_MODELS_DENSE = tuple(f"dense-feature-{i}" for i in range(1, 14))

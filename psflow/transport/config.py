@@ -65,9 +65,10 @@ class TransportConfig:
     io_threads: int = field(default_factory=lambda: envvars.count(envvars.PSFLOW_IO_THREADS, 1))
     """ZeroMQ I/O threads of the process's context (``PSFLOW_IO_THREADS``, default 1): with
     CurveZMQ keys they encrypt and decrypt every byte inside CurveZMQ (not a sealed socket's
-    messages, which the threads that send them seal), a ps's for all its workers' connections, which ZeroMQ shares out among them by load as they connect. Set where
-    psflow makes the process's first ZeroMQ socket (:func:`context`); later, ZeroMQ keeps the
-    threads it started."""
+    messages, which the threads that send them seal), a ps's for all its workers'
+    connections, which ZeroMQ shares out among them by load as they connect. Set where psflow
+    makes the process's first ZeroMQ socket (:func:`context`); later, ZeroMQ keeps the threads
+    it started."""
     wait_log_seconds: float = field(
         default_factory=lambda: envvars.seconds(envvars.PSFLOW_WAIT_LOG_SECONDS, 10.0)
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from psflow.cluster.spec import ClusterSpec
 from psflow.transport import TransportConfig
 from psflow.worker import DistributedOptimizer
 from psflow.worker.staging import Staging
@@ -67,6 +68,18 @@ class Deferred(Staging):
         self._late = []
 
 
+def _worker(model: Recommender, cluster: ClusterSpec, **how: bool) -> DistributedOptimizer:
+    """The worker of a job of 2 ps and 1 worker, training ``model`` with Adagrad."""
+    return DistributedOptimizer(
+        model,
+        worker_ctx(cluster),
+        optimizer="Adagrad",
+        lr=0.1,
+        transport=TransportConfig(timeout=30),
+        **how,
+    )
+
+
 def _train(
     device: str, log: list[str], *, pinned: bool = True, overlap: bool = False
 ) -> tuple[list[torch.Tensor], int]:
@@ -76,15 +89,7 @@ def _train(
     cluster = local_cluster(2, 1)
     procs = _ps(cluster)
     model = Recommender().to(device)
-    opt = DistributedOptimizer(
-        model,
-        worker_ctx(cluster),
-        optimizer="Adagrad",
-        lr=0.1,
-        pinned=pinned,
-        overlap=overlap,
-        transport=TransportConfig(timeout=30),
-    )
+    opt = _worker(model, cluster, pinned=pinned, overlap=overlap)
     client = tables(opt).client
     asked: list[object] = []
     real_lookup = client.lookup
@@ -169,13 +174,7 @@ def test_a_bad_id_prefetched_from_a_gpu_is_refused_at_the_step_before_anything_i
     cluster = local_cluster(2, 1)
     procs = _ps(cluster)
     model = Recommender()
-    opt = DistributedOptimizer(
-        model,
-        worker_ctx(cluster),
-        optimizer="Adagrad",
-        lr=0.1,
-        transport=TransportConfig(timeout=30),
-    )
+    opt = _worker(model, cluster)
     try:
         client = tables(opt).client
         pushes: list[object] = []
