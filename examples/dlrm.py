@@ -51,9 +51,12 @@ class DLRM(nn.Module):
         self.wide = None if wide is None else bag(1, init_std=0.0, seed=2, optimizer=wide)
         pairs = 27 * 26 // 2
         self.top = nn.Sequential(mlp([dim + pairs, *top]), nn.Linear(top[-1], 1))
-        self.register_buffer("columns", torch.arange(26, dtype=torch.int64) << COLUMN_BITS)
+        # Not persistent: constants of the shape, never trained, so that the parameters a
+        # checkpoint exports load with load_state_dict's default strict=True.
+        columns = torch.arange(26, dtype=torch.int64) << COLUMN_BITS
+        self.register_buffer("columns", columns, persistent=False)
         rows, cols = torch.tril_indices(27, 27, offset=-1)
-        self.register_buffer("lower", rows * 27 + cols)
+        self.register_buffer("lower", rows * 27 + cols, persistent=False)
 
     def table_ids(self, categorical: torch.Tensor) -> torch.Tensor:
         """The tables' ids of a batch's categorical features, ``[B, 26]``."""

@@ -77,7 +77,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def render(args: argparse.Namespace) -> int:
     """Renders the job and writes it to stdout or ``--output-dir``."""
-    config = JobConfig.merged(file=args.job_file, overrides=_overrides(args))
+    config = JobConfig.merged(
+        file=args.job_file, overrides=_overrides(args), absolute_host_dirs=args.target == "compose"
+    )
     rendered = render_manifests(config, args.target, template_dir=args.template_dir)
     if args.output_dir:
         path = rendered.write(args.output_dir)

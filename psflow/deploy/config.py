@@ -8,6 +8,7 @@ applies it.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -276,12 +277,19 @@ class JobConfig:
 
     @classmethod
     def merged(
-        cls, *, file: str | Path | None = None, overrides: Mapping[str, Any] | None = None
+        cls,
+        *,
+        file: str | Path | None = None,
+        overrides: Mapping[str, Any] | None = None,
+        absolute_host_dirs: bool = False,
     ) -> JobConfig:
         """The config from a YAML job file (if any) overridden by ``overrides`` (the flags).
 
         ``None`` values in ``overrides`` mean "not given" and leave the file's value. What to
-        run (``script`` with ``args``, or ``command``) is replaced as a whole.
+        run (``script`` with ``args``, or ``command``) is replaced as a whole. With
+        ``absolute_host_dirs`` (compose: it would take a relative one from the compose file's
+        own directory), a relative host directory (:data:`HOST_DIRS`) is made absolute from
+        the job file's directory, or for a flag from the current one.
 
         Example:
             >>> JobConfig.merged(overrides={"name": "a", "image": "i", "script": "t.py"}).ps
@@ -289,6 +297,11 @@ class JobConfig:
         """
         data: dict[str, Any] = load_job_file(file) if file is not None else {}
         given = {k: v for k, v in (overrides or {}).items() if v is not None}
+        bases = [(data, Path(file).parent if file is not None else Path()), (given, Path())]
+        for values, base in bases if absolute_host_dirs else ():
+            for key in HOST_DIRS:
+                if isinstance(values.get(key), str) and values[key]:
+                    values[key] = os.path.abspath(base / values[key])
         if "script" in given or "command" in given:
             # What to run is one option: a script given by flag replaces the file's command.
             for key in ("script", "args", "command"):
@@ -301,6 +314,9 @@ class JobConfig:
                 )
         return cls(**data)
 
+
+HOST_DIRS = ("logdir_host_dir", "keys_host_dir", "data_host_dir")
+"""The fields naming a directory of the host a compose or Marathon task mounts."""
 
 FIELDS = tuple(f.name for f in dataclasses.fields(JobConfig))
 """Every key a job file may hold."""

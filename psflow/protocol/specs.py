@@ -33,8 +33,9 @@ class OptimizerSpec:
 
     name: str = "SGD"
     """The class name in ``torch.optim`` (``SGD``, ``Adam``, ``Adagrad``, ...)."""
-    kwargs: Mapping[str, Any] = field(default_factory=lambda: {"lr": 0.01})
-    """Its keyword arguments: numbers, strings, booleans, or lists of them."""
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Its keyword arguments: numbers, strings, booleans, or lists of them. One not given is
+    the class's own default (``lr``: torch's SGD and Adam take 1e-3)."""
 
     def __post_init__(self) -> None:
         cls = getattr(torch.optim, self.name, None) if isinstance(self.name, str) else None
@@ -57,7 +58,8 @@ class OptimizerSpec:
 
     @classmethod
     def of(cls, optimizer: str | OptimizerSpec, **kwargs: Any) -> OptimizerSpec:
-        """``optimizer`` itself, or the class it names with ``kwargs`` (default ``lr=0.01``).
+        """``optimizer`` itself, or the class it names with ``kwargs`` (those not given: the
+        class's own defaults, as ``torch.optim`` gives them).
 
         Raises:
             ValueError: for an unknown class, an argument it does not take, or arguments
@@ -67,7 +69,7 @@ class OptimizerSpec:
             if kwargs:
                 raise ValueError(f"give {sorted(kwargs)} in the OptimizerSpec, not beside it")
             return optimizer
-        return cls(name=optimizer, kwargs=kwargs or {"lr": 0.01})
+        return cls(name=optimizer, kwargs=kwargs)
 
     @property
     def lr(self) -> float | None:

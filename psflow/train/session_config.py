@@ -181,8 +181,10 @@ class SessionConfig:
                 where an optimizer's own arguments go).
         """
         parts: dict[str, dict[str, Any]] = {name: {} for name in (*_NESTED, "session")}
+        given = settings.get("optimizer")
         for key, value in settings.items():
-            parts[_OWNER.get(key) or unknown_setting(key, _OWNER, "the session")][key] = value
+            owner = _OWNER.get(key) or unknown_setting(key, _OWNER, "the session", given)
+            parts[owner][key] = value
         return cls(
             training=OptimizerConfig.of(**parts["training"]),
             checkpoint=CheckpointConfig(**parts["checkpoint"]),

@@ -11,6 +11,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+import torch
+
 from psflow import env as envvars
 from psflow.cluster.spec import TaskContext
 from psflow.protocol import OptimizerSpec, ScheduleSpec
@@ -171,20 +173,30 @@ def _names(kind: type | tuple[type, ...]) -> str:
     return " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
 
 
-def unknown_setting(key: str, known: Collection[str], owner: str) -> NoReturn:
+def unknown_setting(
+    key: str, known: Collection[str], owner: str, optimizer: object = None
+) -> NoReturn:
     """Refuses the keyword ``key``, which no setting of ``owner`` (among ``known``) is called:
-    with the closest name, or where an optimizer's own arguments go.
+    with the closest name, or where an optimizer's own arguments go (in the spec of
+    ``optimizer``, the one given beside it, if any).
 
     Raises:
         ValueError: always.
     """
     close = difflib.get_close_matches(key, known, n=1)
-    hint = (
-        f"; did you mean {close[0]!r}?"
-        if close
-        else "; an argument of the optimizer other than lr goes in its spec: "
-        f"optimizer=psflow.OptimizerSpec.of('SGD', lr=0.1, {key}=...)"
-    )
+    name = optimizer.name if isinstance(optimizer, OptimizerSpec) else optimizer
+    name = name if isinstance(name, str) and hasattr(torch.optim, name) else "SGD"
+    takes = set(inspect.signature(getattr(torch.optim, name)).parameters) - {"params"}
+    theirs = [key] if key in takes else difflib.get_close_matches(key, takes, n=1)
+    if close:
+        hint = f"; did you mean {close[0]!r}?"
+    elif theirs:
+        hint = (
+            "; an argument of the optimizer other than lr goes in its spec: "
+            f"optimizer=psflow.OptimizerSpec.of({name!r}, lr=..., {theirs[0]}=...)"
+        )
+    else:
+        hint = f"; nor is it an argument of torch.optim.{name}"
     raise ValueError(
         f"unexpected keyword argument {key!r}: no setting of {owner} has that name{hint} "
         f"(the settings: {', '.join(sorted(known))})"

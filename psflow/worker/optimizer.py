@@ -81,7 +81,7 @@ class DistributedOptimizer:
         if config is not None and settings:
             raise ValueError(f"give either config= or {sorted(settings)}, not both")
         for key in settings.keys() - SETTINGS:
-            unknown_setting(key, SETTINGS, "DistributedOptimizer")
+            unknown_setting(key, SETTINGS, "DistributedOptimizer", settings.get("optimizer"))
         config = config if config is not None else OptimizerConfig.of(**settings)
         if ctx is None:
             ctx, _ = resolve()

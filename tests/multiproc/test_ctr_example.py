@@ -58,6 +58,32 @@ def test_alone_it_learns_checkpoints_and_logs_its_score(data: Path, tmp_path: Pa
     [score] = acc.Scalars("eval/auc")
     assert score.step == 150 and abs(score.value - float(result["test_auc"])) < 1e-4  # type: ignore[arg-type]
     assert [e.step for e in acc.Scalars("eval/loss")] == [150]
+    # The checkpoint exported loads into the example's own model, strictly (its buffers are
+    # constants of the shape, not saved), and scores in one process what the chief scored.
+    out = tmp_path / "model.safetensors"
+    made = run_forked(
+        ["-c", CLI_MAIN, "checkpoint", "export", str(tmp_path), str(out)], timeout=120
+    )
+    assert made.returncode == 0, made.stderr[-3000:]
+    scored = run_forked(["-c", _SCORE, str(data), str(out), str(EXAMPLE.parent)], timeout=120)
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    assert round(float(scored.stdout.split()[-1]), 4) == result["test_auc"], scored.stdout
+
+
+_SCORE = """
+import sys
+sys.path.insert(0, sys.argv[3])
+from safetensors.torch import load_file
+import psflow.nn as pnn
+from ctr import evaluate, parse
+from dlrm import DLRM
+args = parse(["--data", sys.argv[1]])
+table = pnn.RowOptimizerSpec.of("Adagrad", lr=args.table_lr)
+sizes = [[int(s) for s in f.split(",")] for f in (args.bottom, args.top)]
+model = DLRM(args.dim, *sizes, table, pnn.RowOptimizerSpec.of("Ftrl"), args.min_count)
+model.load_state_dict(load_file(sys.argv[2]))
+print(evaluate(model, sys.argv[1] + "/test-*")["auc"])
+"""
 
 
 def test_launched_on_two_ps_it_trains_checkpoints_and_is_evaluated(

@@ -69,6 +69,31 @@ def test_job_file_then_flags(
     assert group["apps"][0]["container"]["docker"]["image"] == "img:2"
 
 
+def test_compose_host_directories_are_made_absolute_where_they_were_given(
+    main: Callable[[list[str]], int],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Compose would take a relative bind source from the compose file's own directory (deploy/),
+    # not from where the user typed it: a flag's is the current directory's, a job file's its own.
+    (tmp_path / "jobs").mkdir()
+    job_file = tmp_path / "jobs" / "job.yaml"
+    job_file.write_text("name: a\nimage: i\nkeys_host_dir: ./keys\nlogdir_host_dir: /abs/logs\n")
+    monkeypatch.chdir(tmp_path)
+    argv = ["render", "compose", "--job-file", str(job_file), "--data-host-dir", "data", "t.py"]
+    assert main(argv) == 0
+    ps = yaml.safe_load(capsys.readouterr().out)["services"]["a-ps-0"]
+    sources = {v["target"]: v["source"] for v in ps["volumes"]}
+    assert sources["/etc/psflow/keys"] == str(tmp_path / "jobs" / "keys")
+    assert sources["/data"] == str(tmp_path / "data")
+    assert sources["/logs"] == "/abs/logs"
+    # Marathon's agents are other hosts: a relative directory there is still refused.
+    job_file.write_text("name: a\nimage: i\nkeys_host_dir: ./keys\n")
+    assert main(["render", "marathon", "--job-file", str(job_file), "t.py"]) == 2
+    assert "marathon needs an absolute keys_host_dir, got './keys'" in capsys.readouterr().err
+
+
 def test_output_dir_and_command(
     main: Callable[[list[str]], int], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

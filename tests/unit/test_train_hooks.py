@@ -165,6 +165,40 @@ def test_session_config_defaults_follow_tensorflow() -> None:
     )
 
 
+def test_an_optimizer_named_without_lr_takes_the_torch_class_default() -> None:
+    # As docs/api.md says: "the optimizer's". Adam's 1e-3, never a psflow-wide 0.01.
+    for name in ("SGD", "Adam", "Adagrad"):
+        spec = SessionConfig.of(optimizer=name).training.optimizer
+        built = spec.build([torch.zeros(2, requires_grad=True)])
+        assert (
+            spec.lr
+            == built.defaults["lr"]
+            == getattr(torch.optim, name)([torch.zeros(1)]).defaults["lr"]
+        )
+    assert SessionConfig.of(optimizer="Adam", lr=0.05).training.optimizer.lr == 0.05
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "hint"),
+    [
+        (
+            {"optimizer": "Adam", "betaz": (0.9, 0.99)},
+            "OptimizerSpec.of('Adam', lr=..., betas=...)",
+        ),
+        ({"optimizer": "SGD", "momentum": 0.9}, "OptimizerSpec.of('SGD', lr=..., momentum=...)"),
+        ({"momentum": 0.9}, "OptimizerSpec.of('SGD', lr=..., momentum=...)"),
+        ({"optimizer": "Adam", "momentum": 0.9}, "nor is it an argument of torch.optim.Adam"),
+        ({"lrr": 0.1}, "did you mean 'lr'?"),
+    ],
+)
+def test_an_optimizer_argument_beside_the_name_is_sent_to_that_optimizer_spec(
+    kwargs: dict[str, Any], hint: str
+) -> None:
+    with pytest.raises(ValueError, match="no setting of the session") as e:
+        SessionConfig.of(**kwargs)
+    assert hint in str(e.value)
+
+
 def test_summaries_are_readable_by_tensorboard(tmp_path: Path) -> None:
     sess = FakeSession()
     hook = SummaryHook(str(tmp_path), every_n_steps=10, histogram_steps=20, learning_rate=0.1)
