@@ -145,8 +145,11 @@ class ShardStore:
         self.grad_buffers = GradBuffers(self.variables)
         # A shard may hold no dense variable (only table rows, or more shards than
         # variables): torch.optim refuses an empty parameter list, so it gets a placeholder
-        # that never has a gradient (and so never any state).
+        # that never has a gradient, and no state (Adagrad makes its own when built): a
+        # snapshot lists the state of the shard's variables only.
         optimizer = build_optimizer(spec, list(self.variables.values()) or [torch.zeros(0)])
+        if not self.variables:
+            optimizer.state.clear()
         self.schedule = schedule.build(optimizer) if schedule is not None else None
         if self.schedule is not None:
             self.schedule.advance(step)

@@ -171,9 +171,10 @@ class SyncAggregator:
             torch.add(gs[0], gs[1], out=acc) if len(gs) > 1 else acc.copy_(gs[0])
             for g in gs[2:]:
                 acc.add_(g)
-            # Averaged over the workers that sent this variable (a worker may send no
-            # gradient for a variable its loss did not touch).
-            acc.div_(len(gs))
+            # Averaged over the chosen workers, as one process's gradient of their joint batch:
+            # a worker whose loss did not touch this variable sends no gradient for it, and
+            # contributed zero (as DDP averages an unused parameter's over every rank).
+            acc.div_(len(chosen))
             averaged.append((name, acc))
         # A table's row gradients: summed per id over the chosen workers, divided by their
         # number (a worker whose batch missed a row contributed zero to it).

@@ -21,9 +21,13 @@ Where each table's rows are (by shard, of what shape and dtype) is
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+import itertools
 import logging
+import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import nn
@@ -51,12 +55,26 @@ _ROW_WISE = {"SGD": "SGD", "Adagrad": "Adagrad", "Adam": "Adam", "SparseAdam": "
 """The row-wise optimizer a table takes when it names none: the dense optimizer's own."""
 
 
+_ROW_SETTINGS = {
+    "SGD": {"lr"},
+    "Adagrad": {"lr", "initial_accumulator_value", "eps"},
+    "Adam": {"lr", "betas", "eps"},
+}
+"""The dense optimizer's settings its row-wise form takes; any other, given a value other than
+torch's default (momentum, weight decay, maximize, ...), has no row-wise form and is refused
+rather than dropped."""
+
+_HOW = {"foreach", "fused", "capturable", "differentiable"}
+"""Settings of how torch computes an update, not of what it is: they do not apply to rows."""
+
+
 def row_optimizer_for(spec: OptimizerSpec) -> RowOptimizerSpec:
     """The row-wise form of the job's dense optimizer, with its settings (torch's defaults
     where it gives none, as ``torch.optim`` would apply to an ``nn.Embedding(sparse=True)``).
 
     Raises:
-        ValueError: when the optimizer has no row-wise form (give the table an ``optimizer``).
+        ValueError: when the optimizer, or one of its settings (momentum, weight decay, ...),
+            has no row-wise form (give the table an ``optimizer``).
     """
     name = _ROW_WISE.get(spec.name)
     if name is None:
@@ -65,6 +83,19 @@ def row_optimizer_for(spec: OptimizerSpec) -> RowOptimizerSpec:
             "(psflow.nn.Embedding(..., optimizer='Adagrad'); SGD, Adagrad, Adam or Ftrl)"
         )
     given = dict(spec.kwargs)
+    defaults = inspect.signature(getattr(torch.optim, spec.name)).parameters
+    lost = {
+        key: value
+        for key, value in given.items()
+        if key not in _ROW_SETTINGS[name] and key not in _HOW and value != defaults[key].default
+    }
+    if lost:
+        settings = ", ".join(f"{k}={v!r}" for k, v in lost.items())
+        raise ValueError(
+            f"embedding tables have no row-wise form of {spec.name}'s {settings}: give each "
+            "table an optimizer of its own (psflow.nn.Embedding(..., optimizer=psflow.nn."
+            f"RowOptimizerSpec.of({name!r}, lr=...)), which takes {sorted(_ROW_SETTINGS[name])})"
+        )
     kwargs: dict[str, Any] = {"lr": spec.lr if spec.lr is not None else 0.01}
     if name == "Adagrad":
         kwargs["initial_accumulator_value"] = given.get("initial_accumulator_value", 0.0)
@@ -158,7 +189,7 @@ class TableClient:
                     self.initial_ids[spec.name] = held.ids
             self.layout.add(spec, module.config.wire_name(getattr(torch, spec.dtype)))
             self._name_of[id(module)] = spec.name
-        self._looked_up: list[tuple[str, torch.Tensor, torch.Tensor, Split]] = []
+        self._looked_up: Lookups[tuple[str, torch.Tensor, Split]] = Lookups()
         self.prefetched = RowPrefetch(self.layout, client, self.staging)
         """The rows of coming batches, asked for with a push (:meth:`prefetch`)."""
         self.on_lost: Callable[[PeerError], None] | None = None
@@ -344,7 +375,7 @@ class TableClient:
         leaf's order) and ``split`` for the next push."""
         out = self.staging.to_device(values, device)
         out.requires_grad_(True)
-        self._looked_up.append((name, ids, out, split))
+        self._looked_up.add((name, ids, split), out)
         return out
 
     # -- step: row gradients ----------------------------------------------------------------
@@ -352,13 +383,12 @@ class TableClient:
     def gradients(self) -> tuple[dict[int, Tensors], dict[int, list[str]]]:
         """The row gradients of the lookups since the last step, summed per id and split by
         shard, as tensors to push (:func:`~psflow.protocol.messages.row_tensor_names`), and the
-        tables each shard's push carries. Forgets the lookups. Every copy to the host that
+        tables each shard's push carries. Forgets the lookups (those whose rows got no
+        gradient are not pushed: :meth:`Lookups.take`). Every copy to the host that
         :attr:`staging` began, these and any before, has ended when this returns."""
-        looked_up, self._looked_up = self._looked_up, []
         per_table: dict[str, list[tuple[torch.Tensor, torch.Tensor, Split]]] = {}
-        for name, ids, leaf, split in looked_up:
-            if leaf.grad is None:
-                continue  # the loss did not use these rows
+        for (name, ids, split), leaf in self._looked_up.take():
+            assert leaf.grad is not None  # (take gives only those)
             grads = self.staging.to_host(leaf.grad.detach())
             per_table.setdefault(name, []).append((ids, grads, split))
         self.staging.wait()  # one wait for the device, for every table's (and the dense ones)
@@ -382,9 +412,15 @@ class TableClient:
                 tables.setdefault(s, []).append(name)
         return tensors, tables
 
+    def zero_grad(self) -> None:
+        """Clears the row gradients of the lookups since the last step and keeps the lookups,
+        as ``torch.optim.Optimizer.zero_grad`` clears gradients and not the graph: a backward
+        after it still reaches the next push (:meth:`Lookups.zero_grad`)."""
+        self._looked_up.zero_grad()
+
     def clear(self) -> None:
-        """Forgets the lookups since the last step (``zero_grad``)."""
-        self._looked_up = []
+        """Forgets the lookups since the last step: none of them is pushed."""
+        self._looked_up.clear()
 
     # -- prefetch: the next batch's rows ride the step ----------------------------------------
 
@@ -408,3 +444,73 @@ class TableClient:
     def status(self) -> dict[int, Mapping[str, Any]]:
         """Each shard's counters per table: rows held, bytes, admissions, evictions."""
         return self.client.table_status()
+
+
+L = TypeVar("L")
+
+
+class Lookups(Generic[L]):
+    """The lookups made since the last step, each what it looked up (``about``: its table and
+    ids) and its leaf, the rows on which autograd leaves their gradient; a table's
+    :class:`~psflow.nn.RowSource` keeps them for the step to take (:meth:`take`).
+
+    ``zero_grad()`` clears gradients, not the graph, as in torch, where ``out = model(x);
+    opt.zero_grad(); loss.backward(); opt.step()`` applies that backward's gradients:
+    :meth:`zero_grad` sets each leaf's gradient to ``None`` and keeps its lookup for a
+    backward still to come. A kept lookup is held by a weak reference until a gradient reaches
+    its leaf (a hook on the leaf holds it again then); one that gets none (a forward with no
+    backward, scoring in training mode) goes with its graph, so that a loop with no step does
+    not pile them up. A step forgets every lookup, and pushes only those with a gradient.
+    """
+
+    def __init__(self) -> None:
+        self._held: list[tuple[L, torch.Tensor]] = []
+        self._zeroed: dict[int, tuple[L, weakref.ref[torch.Tensor]]] = {}
+        self._keys = itertools.count()
+
+    def __len__(self) -> int:
+        """The lookups still kept: held, or zeroed with a graph that may still reach them."""
+        return len(self._held) + sum(1 for _, leaf in self._zeroed.values() if leaf() is not None)
+
+    def add(self, about: L, leaf: torch.Tensor) -> None:
+        """Keeps a forward's lookup: ``leaf``, a tensor that requires grad, holds its rows."""
+        self._held.append((about, leaf))
+
+    def take(self) -> list[tuple[L, torch.Tensor]]:
+        """The lookups whose leaves have a gradient (the step's), in the order they were held;
+        forgets every lookup."""
+        held, self._held = self._held, []
+        self._zeroed.clear()
+        return [(about, leaf) for about, leaf in held if leaf.grad is not None]
+
+    def zero_grad(self) -> None:
+        """Sets the gradient of every lookup's leaf to ``None`` (never zeroed in place: a push
+        in flight may still be sending the last step's) and keeps the lookups, weakly, until a
+        gradient reaches them again (see the class docstring)."""
+        me = weakref.ref(self)
+        for about, leaf in self._held:
+            leaf.grad = None
+            key = next(self._keys)
+            self._zeroed[key] = (about, weakref.ref(leaf))
+            leaf.register_post_accumulate_grad_hook(functools.partial(_regained, me, key))
+        self._held = []
+        self._zeroed = {k: z for k, z in self._zeroed.items() if z[1]() is not None}
+
+    def clear(self) -> None:
+        """Forgets every lookup."""
+        self._held = []
+        self._zeroed.clear()
+
+    def _regained(self, key: int, leaf: torch.Tensor) -> None:
+        zeroed = self._zeroed.pop(key, None)
+        if zeroed is not None:  # else taken by a step, or cleared, since
+            self._held.append((zeroed[0], leaf))
+
+
+def _regained(lookups: weakref.ref[Lookups[Any]], key: int, leaf: torch.Tensor) -> None:
+    """The hook on a zeroed lookup's leaf (:meth:`Lookups.zero_grad`): a gradient reached it,
+    so its lookup is held again for the step. The hook holds its :class:`Lookups` weakly: a
+    leaf the lookups hold must not keep them alive."""
+    held = lookups()
+    if held is not None:
+        held._regained(key, leaf)

@@ -227,3 +227,39 @@ def test_a_checkpoint_whose_optimizer_state_the_job_cannot_take_restores_its_val
     saved = load_checkpoint(url)
     assert saved is not None and saved.name == "ckpt-4"
     assert "max_exp_avg_sq" in saved.opt_tensors["weight"]
+
+
+@pytest.mark.parametrize("name", ["Adagrad", "Adam"])
+def test_a_ps_with_no_dense_variable_saves_and_restores_with_any_optimizer(
+    tmp_path: Path, name: str
+) -> None:
+    """Two ps for one dense tensor: ps:1 holds none, only the optimizer's placeholder, which
+    Adagrad gives state when it is built (the save failed: ``IndexError`` on ps:1). Saved,
+    restored into a second job, and stepped on: the value and state go on as one process's."""
+    cluster = local_cluster(2, 1)
+    url = str(tmp_path / "run")
+    spec = OptimizerSpec.of(name, lr=0.1)
+    reference = torch.nn.Parameter(torch.ones(3))
+    ref_opt = spec.build([reference])
+    for run in range(2):
+        ps = [start_ps(cluster, i) for i in range(2)]
+        try:
+            model = torch.nn.Module()
+            model.w = torch.nn.Parameter(torch.ones(3))
+            with quiet_session(model, cluster, url, optimizer=spec) as sess:
+                assert sess.global_step == run
+                sess.zero_grad()
+                loss = (model.w * torch.arange(3.0)).sum()
+                loss.backward()
+                sess.step(loss=loss)
+                sess.save()
+            ref_opt.zero_grad()
+            (reference * torch.arange(3.0)).sum().backward()
+            ref_opt.step()
+            assert torch.equal(model.w.detach(), reference.detach()), (run, model.w, reference)
+            for p in ps:
+                code, err = stop(p)
+                assert code == 0, err[-3000:]
+        finally:
+            for p in ps:
+                stop(p, timeout=1)

@@ -54,6 +54,36 @@ def test_sync_equals_one_process_on_the_full_batch(kind: str, shards: int) -> No
             stop(p, timeout=1)
 
 
+def test_a_variable_one_worker_did_not_touch_gets_the_joint_batchs_gradient() -> None:
+    """Worker 1's loss does not use ``p``, so it sends no gradient for it: one process on the
+    two workers' joint batch would give ``p`` half of worker 0's gradient, not all of it (as
+    DDP averages an unused parameter's over every rank)."""
+    cluster = local_cluster(1, 2)
+    ps = start_ps(cluster)
+
+    def body(index: int) -> torch.nn.Module:
+        model = torch.nn.Module()
+        model.a = torch.nn.Parameter(torch.ones(1))
+        model.p = torch.nn.Parameter(torch.ones(1))
+        ctx = worker_ctx(cluster, index)
+        with psflow.DistributedOptimizer(model, ctx, mode="sync", lr=LR, sync_timeout=20) as opt:
+            while opt.global_step < 3:
+                opt.zero_grad()
+                loss = model.a.sum() + (2 * model.p.sum() if index == 0 else 0)
+                loss.backward()
+                opt.step()
+        return model
+
+    try:
+        models = run_threads([lambda i=i: body(i) for i in range(2)])
+        for m in models:  # 3 steps of lr 0.1: a's gradient 1 from each, p's (2 + 0) / 2
+            assert m.a.item() == pytest.approx(0.7) and m.p.item() == pytest.approx(0.7), (m.a, m.p)
+        code, err = stop(ps)
+        assert code == 0, err
+    finally:
+        stop(ps, timeout=1)
+
+
 def test_backup_worker_two_shards_apply_the_same_chosen_gradients() -> None:
     """3 workers, 2 aggregated: each step's chosen set is decided by ps:0 and applied by both."""
     workers, size, steps = 3, 3, 30
