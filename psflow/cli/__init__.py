@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from psflow import __version__
 from psflow import env as envvars
-from psflow.cli.common import DEBUG_HELP, command, runs
+from psflow.cli.common import DEBUG_HELP, command, group, positive_seconds, runs
 from psflow.cli.data import add_data
 from psflow.cli.render import add_render
 from psflow.cluster.launcher import LAUNCH_MODES
@@ -121,7 +121,7 @@ def _add_launch(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     p.add_argument(
         "--ps-exit-timeout",
-        type=float,
+        type=positive_seconds,
         default=None,
         help="seconds the ps tasks may take to exit after the workers finish (default: "
         "PSFLOW_WORKER_TIMEOUT + 30, so 60: a ps waits one worker timeout for a worker that "
@@ -129,7 +129,7 @@ def _add_launch(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     p.add_argument(
         "--grace",
-        type=float,
+        type=positive_seconds,
         default=30.0,
         help="seconds the tasks get between SIGTERM and SIGKILL when the job is stopped "
         "(Ctrl-C, SIGTERM, a failed task; a second Ctrl-C kills at once); default 30",
@@ -200,7 +200,8 @@ def _add_launch(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "--node-ip", help="this machine's address in the Ray cluster, where Ray cannot tell"
     )
     p.add_argument("script", help="the training script")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    rest = p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    rest.required = False  # argparse marks a REMAINDER required: a script may take none
     p.set_defaults(func=runs("psflow.cluster.cli", "launch"))
 
 
@@ -251,7 +252,7 @@ def _add_top(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _add_keys(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    keys = subparsers.add_parser("keys", help="CurveZMQ keys that encrypt and authenticate a job")
+    keys = group(subparsers, "keys", help="CurveZMQ keys that encrypt and authenticate a job")
     sub = keys.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
     gen = command(sub, "generate", help="write a server and a client key pair into DIR")
     gen.add_argument("dir", help="directory to create (give it to tasks as PSFLOW_KEYS_DIR)")
@@ -263,7 +264,7 @@ def _add_keys(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 
 def _add_checkpoint(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser("checkpoint", help="inspect or export a checkpoint")
+    parser = group(subparsers, "checkpoint", help="inspect or export a checkpoint")
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     inspect = command(sub, "inspect", help="step, variables, shapes and shards")
     inspect.add_argument(

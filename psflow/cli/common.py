@@ -25,6 +25,27 @@ def command(
     return parser
 
 
+def group(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser], name: str, *, help: str
+) -> argparse.ArgumentParser:
+    """A subcommand of actions (``psflow data ACTION``) that takes ``--debug`` before the
+    action too."""
+    parser = subparsers.add_parser(name, help=help)
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+    return parser
+
+
+def positive_seconds(text: str) -> float:
+    """A flag's seconds, more than 0 (argparse names the flag when this refuses)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
 def runs(module: str, name: str) -> Callable[[argparse.Namespace], int]:
     """The command ``module.name``, imported only when it runs: registering a subcommand must
     not load torch or ZeroMQ (``psflow --help`` would wait for them)."""

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from psflow.cli.common import command, runs
+from psflow.cli.common import command, group, runs
 
 
 def add_data(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    data = subparsers.add_parser(
-        "data", help="TFRecord files: inspect, convert, synth-ctr, criteo, text"
+    data = group(
+        subparsers, "data", help="TFRecord files: inspect, convert, synth-ctr, criteo, text"
     )
     sub = data.add_subparsers(dest="data_command", metavar="ACTION", required=True)
 

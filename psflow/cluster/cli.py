@@ -18,6 +18,8 @@ def launch(args: argparse.Namespace) -> int:
     # Checked here, once: otherwise every task would fail alike with Python's own message.
     if not os.path.exists(args.script):
         raise FileNotFoundError(errno.ENOENT, "no such training script", args.script)
+    if os.path.isdir(args.script):
+        raise IsADirectoryError(errno.EISDIR, "a directory, not a training script", args.script)
     local = getattr(args, "backend", "local") == "local"
     preload = getattr(args, "preload", None)
     if preload and not local:

@@ -45,9 +45,11 @@ import socket
 import subprocess
 import sys
 import threading
+import traceback
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
+from psflow import env as envvars
 from psflow.cluster.cores import bind
 
 __all__ = ["ForkServer", "ForkedTask", "die_with_parent"]
@@ -127,8 +129,9 @@ class ForkServer:
         """The server exited (or its socket broke): its tasks died with it."""
 
     def start(self, timeout: float = 600.0) -> None:
-        """Starts the server and returns once it imported the modules (``RuntimeError`` when it
-        could not: its traceback is on this process's stderr)."""
+        """Starts the server and returns once it imported the modules (``RuntimeError`` naming
+        the module and its error when it could not; with ``PSFLOW_LOG_LEVEL=DEBUG`` the
+        server's traceback is on this process's stderr too)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         code = "from psflow.cluster.forkserver import serve; serve()"
         argv = [sys.executable, "-c", code, str(theirs.fileno()), ",".join(self.modules)]
@@ -251,7 +254,13 @@ def serve() -> None:
     sock = socket.socket(fileno=fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher stops the job, and then this
     for name in modules:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # the launcher's one line says it; the traceback only to debug
+            if (envvars.text(envvars.PSFLOW_LOG_LEVEL) or "").strip().upper() == "DEBUG":
+                traceback.print_exc()
+            _send(sock, {"error": f"importing {name}: {type(e).__name__}: {e}"})
+            return
     # Python threads only: native pools (OpenBLAS's, started as numpy loads) handle a fork
     # themselves (pthread_atfork).
     if threading.active_count() > 1:

@@ -145,8 +145,13 @@ class LaunchConfig:
             raise ValueError(f"--preload takes module names (torch,psflow), got {bad}")
         if self.evaluators not in (0, 1):
             raise ValueError(f"evaluators must be 0 or 1, got {self.evaluators}")
-        if self.ps_exit_seconds <= 0 or self.grace <= 0 or self.eval_exit_timeout <= 0:
-            raise ValueError("ps_exit_timeout, grace and eval_exit_timeout must be > 0 seconds")
+        for what, seconds in (
+            ("ps_exit_timeout", self.ps_exit_seconds),
+            ("grace", self.grace),
+            ("eval_exit_timeout", self.eval_exit_timeout),
+        ):
+            if not seconds > 0:
+                raise ValueError(f"{what} must be > 0 seconds, got {seconds}")
 
     @property
     def ps_exit_seconds(self) -> float:

@@ -22,5 +22,5 @@ class Mode(StrEnum):
     """No ps: torch.distributed averages the gradients and every worker applies them."""
 
 
-MODES: tuple[str, ...] = tuple(Mode)
+MODES: tuple[str, ...] = tuple(m.value for m in Mode)
 """The modes' names, in :class:`Mode`'s order."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -137,7 +138,33 @@ def _resolve(
         args, rest = parser.parse_known_args(argv)
     except argparse.ArgumentError as e:
         raise ValueError(str(e)) from None
+    hint = _misspelt(rest, [o for a in parser._actions for o in a.option_strings])
+    try:
+        return _context(args, environ), rest
+    except _NoClusterError:
+        if not hint and args.job_name is None and args.task_index is None:
+            raise
+        # A task named, or a cluster flag misspelt: an error, never a cluster of one.
+        raise ValueError(f"{_NO_CLUSTER}{hint}") from None
+    except ValueError as e:
+        if not hint:
+            raise
+        raise ValueError(f"{e}{hint}") from None
 
+
+def _misspelt(rest: Sequence[str], flags: Sequence[str]) -> str:
+    """A hint for the first argument left to the script that looks like a misspelt cluster
+    flag (``--ps_host`` for ``--ps_hosts``), or ``""``."""
+    for arg in rest:
+        name = arg.split("=", 1)[0]
+        if name.startswith("--"):
+            close = difflib.get_close_matches(name, flags, n=1, cutoff=0.8)
+            if close:
+                return f" (did you mean {close[0]}, not {name}?)"
+    return ""
+
+
+def _context(args: argparse.Namespace, environ: Mapping[str, str] | None) -> TaskContext:
     cluster: ClusterSpec | None = None
     task: TaskSpec | None = None
     source = ""
@@ -174,7 +201,7 @@ def _resolve(
     if task.job == "evaluator" and "evaluator" not in cluster.jobs:
         cluster = ClusterSpec(jobs=cluster.jobs, evaluators=max(cluster.evaluators, task.index + 1))
     try:
-        return TaskContext(cluster=cluster, task=task), rest
+        return TaskContext(cluster=cluster, task=task)
     except ValueError as e:
         if source == task_source:
             raise

@@ -78,6 +78,8 @@ def top(args: argparse.Namespace) -> int:
     targets, title = targets_of(args)
     view = JobView(targets)
     console = Console()
+    if not console.is_terminal:  # a pipe or a log: the table's own width, not rich's 80 columns
+        console = Console(width=1000)
     try:
         if args.once:
             view.poll()

@@ -253,3 +253,9 @@ def test_top_renders_the_live_job(job: Job) -> None:
     screen = job.screen("job:top")
     assert "watched_train.py" in screen
     assert "MEM" in screen and "STEP/S" in screen
+    # Into a pipe (a log), the view at its own width: rich would cut each line to 80 columns.
+    env = {k: v for k, v in {**os.environ, **job.env}.items() if k != "COLUMNS"}
+    once = subprocess.run([*top, "--once"], env=env, capture_output=True, text=True, timeout=60)
+    assert once.returncode == 0, once.stderr
+    assert "…" not in once.stdout and "MEM" in once.stdout and "STEP/S" in once.stdout, once.stdout
+    assert max(len(ln) for ln in once.stdout.splitlines()) > 80, once.stdout

@@ -7,6 +7,7 @@ An ordinary mistake is one line on stderr and exit status 2; ``--debug`` or
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -110,6 +111,8 @@ def test_data_inspect_mistakes_are_one_line(
         psflow.cli.main(["data", "inspect", path, "--debug"])
     with pytest.raises(FileNotFoundError, match=message):
         psflow.cli.main(["--debug", "data", "inspect", path])
+    with pytest.raises(FileNotFoundError, match=message):  # between the group and the action
+        psflow.cli.main(["data", "--debug", "inspect", path])
     monkeypatch.setenv("PSFLOW_LOG_LEVEL", "DEBUG")
     with pytest.raises(FileNotFoundError, match=message):
         psflow.cli.main(["data", "inspect", path])
@@ -127,6 +130,9 @@ def test_other_commands_mistakes_are_one_line(tmp_path: Path) -> None:
         psflow_cmd("launch", str(tmp_path / "trian.py")),
         "psflow launch",
         "trian.py: no such training script",
+    )
+    assert_one_line_error(
+        psflow_cmd("launch", str(tmp_path)), "psflow launch", "a directory, not a training script"
     )
     assert_one_line_error(
         psflow_cmd("checkpoint", "inspect", str(tmp_path)),
@@ -173,6 +179,39 @@ def test_a_scripts_resolve_mistake_is_one_line(
     debug = run(str(script), *argv, env={**env, "PSFLOW_LOG_LEVEL": "DEBUG"})
     assert_traceback(debug, "ValueError")
     assert message in debug.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (  # the flags' cluster has no ps: the misspelt flag is named
+            ["--ps_host", "a:1", "--worker_hosts", "b:1", "--job_name", "ps"],
+            "names job 'ps', which this cluster does not have (did you mean --ps_hosts, not "
+            "--ps_host?)",
+        ),
+        (["--job_name", "worker"], "no cluster given"),  # a task named: never a cluster of one
+        (["--worker_host=b:1", "--job_name", "worker"], "did you mean --worker_hosts"),
+    ],
+)
+def test_a_misspelt_cluster_flag_is_named_and_never_runs_alone(
+    argv: list[str], message: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        psflow.resolve_or_alone(argv, {})
+    ctx, rest = psflow.resolve_or_alone(["--lr", "0.1", "--job", "x"], {})  # the script's own
+    assert ctx.is_alone and rest == ["--lr", "0.1", "--job", "x"]
+
+
+def test_launch_flags_say_which_value_is_wrong() -> None:
+    for argv, message in (  # argparse's: its usage, then the one line
+        (["--grace", "-5", "t.py"], "argument --grace: must be > 0 seconds, got -5"),
+        (["--mode", "synch", "t.py"], "argument --mode: invalid choice: 'synch' (choose from "
+                                      "'async', 'sync', 'allreduce')"),
+        ([], "the following arguments are required: script"),  # the script's own: optional
+    ):  # fmt: skip
+        proc = psflow_cmd("launch", *argv)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.strip().splitlines()[-1] == f"psflow launch: error: {message}"
 
 
 def test_a_script_gets_its_own_flags(tmp_path: Path) -> None:
