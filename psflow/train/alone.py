@@ -38,7 +38,7 @@ from psflow.worker.exchange import clear_grads
 from psflow.worker.modes import Engine, Mode, ModeConfig
 from psflow.worker.opt_state import State, load_optimizer_state
 from psflow.worker.placement import Piece, dense_parameters
-from psflow.worker.tables import TableModule, tables_of
+from psflow.worker.tables import Lookups, TableModule, tables_of
 
 
 class LocalTables:
@@ -46,7 +46,8 @@ class LocalTables:
 
     Each forward's rows come from the table's row store as a leaf tensor; :meth:`gradients`
     gives what autograd left on them, summed per id, for the step to apply (as a worker's
-    :class:`~psflow.worker.tables.TableClient` pushes them).
+    :class:`~psflow.worker.tables.TableClient` pushes them; :meth:`zero_grad` clears them and
+    keeps the lookups, as it does: :class:`~psflow.worker.tables.Lookups`).
     """
 
     def __init__(self, model: nn.Module, specs: Sequence[TableSpec]) -> None:
@@ -60,7 +61,7 @@ class LocalTables:
                 first[name] = FirstRows(held.rows.detach().cpu(), state, held.ids)
         set_initial_rows(self.tables, first)
         self._name_of = {id(m): name for name, m in self.modules.items()}
-        self._looked_up: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        self._looked_up: Lookups[tuple[str, torch.Tensor]] = Lookups()
         for module in self.modules.values():
             module.attach(self)
 
@@ -75,17 +76,16 @@ class LocalTables:
         rows = self.tables[name].lookup(flat, absent_zeros=not table.training)
         leaf = rows.to(ids.device).requires_grad_(True)
         if torch.is_grad_enabled():
-            self._looked_up.append((name, flat, leaf))
+            self._looked_up.add((name, flat), leaf)
         return leaf
 
     def gradients(self) -> RowGrads:
         """Per table, the ids looked up since the last step and their gradients, one row per
-        id. Forgets the lookups."""
-        looked_up, self._looked_up = self._looked_up, []
+        id. Forgets the lookups (those whose rows got no gradient are left out)."""
         per_table: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for name, ids, leaf in looked_up:
-            if leaf.grad is not None:  # else the loss did not use these rows
-                per_table.setdefault(name, []).append((ids, leaf.grad.detach().to("cpu")))
+        for (name, ids), leaf in self._looked_up.take():
+            assert leaf.grad is not None  # (take gives only those)
+            per_table.setdefault(name, []).append((ids, leaf.grad.detach().to("cpu")))
         out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, parts in per_table.items():
             if len(parts) == 1:
@@ -96,9 +96,14 @@ class LocalTables:
                 )
         return out
 
+    def zero_grad(self) -> None:
+        """Clears the row gradients of the lookups since the last step and keeps the lookups
+        (a backward after ``zero_grad()`` still reaches the step, as in torch)."""
+        self._looked_up.zero_grad()
+
     def clear(self) -> None:
-        """Forgets the lookups since the last step (``zero_grad``)."""
-        self._looked_up = []
+        """Forgets the lookups since the last step: none of them is applied."""
+        self._looked_up.clear()
 
 
 class LocalEngine(Engine):
@@ -186,7 +191,7 @@ class LocalEngine(Engine):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         clear_grads(self.model.parameters(), set_to_none)
-        self.tables.clear()
+        self.tables.zero_grad()  # the rows' gradients, not the lookups: a backward may follow
 
     def close(self, *, finished: bool) -> None:
         """Nothing to release: no peer to tell."""

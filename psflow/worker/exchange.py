@@ -209,13 +209,15 @@ class ParameterExchange:
         return grads, layouts, rows
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears the gradients of the placed parameters, like ``torch.optim.Optimizer``
-        (and forgets the tables' lookups since the last step). Zeroed in place, they may be
-        the bytes of a push still in flight (``overlap``: a socket sends them from their own
-        memory): its reply is taken first."""
+        """Clears the gradients of the placed parameters, like ``torch.optim.Optimizer``, and
+        the tables' row gradients since the last step, whose lookups are kept: as in torch, a
+        backward after ``zero_grad()`` (``out = model(x); zero_grad(); loss.backward()``) is
+        what the next step pushes (:meth:`TableClient.zero_grad`). Zeroed in place, the
+        parameters' gradients may be the bytes of a push still in flight (``overlap``: a
+        socket sends them from their own memory): its reply is taken first."""
         if not set_to_none:
             self.client.settle()
-        self.tables.clear()
+        self.tables.zero_grad()
         clear_grads(self.params.values(), set_to_none)  # what we train: no walk over submodules
 
     # -- values -----------------------------------------------------------------------------
