@@ -283,6 +283,7 @@ class EmbeddingBag(TableModule):
                 "cannot export embedding_bag with one: use torch.onnx.export(..., "
                 "dynamo=True), the default"
             )
+        self._check_last_offset(input, offsets)
         mode = self.mode
         checked = mode == "sqrtn" or (mode == "mean" and per_sample_weights is not None)
         if checked:  # TensorFlow's combiner: torch's "sum", each weight over its bag's norm
@@ -421,6 +422,26 @@ class EmbeddingBag(TableModule):
             0, bag, w.square() if sqrtn else w
         )
         return _divided(w, (norm.sqrt() if sqrtn else norm)[bag])
+
+    def _check_last_offset(self, input: torch.Tensor, offsets: torch.Tensor | None) -> None:
+        """With ``include_last_offset``, refuses a last offset that is not the number of ids
+        (torch's contract), in every path, before any row is asked for. Short of the ids,
+        torch takes them without a word and its numbers disagree: its forward leaves the ids
+        after the last offset out, or adds them to the last bag with a ``padding_idx``, and its
+        CPU backward without one gives their rows uninitialised memory. Past the ids, torch's
+        CPU kernel refuses too (a RuntimeError). Not when traced (a value-dependent check is
+        not recorded). On an accelerator the check reads the last offset back (a wait)."""
+        if not self.include_last_offset or input.dim() != 1 or traced():
+            return
+        if offsets is None or offsets.dim() != 1 or not len(offsets):
+            return  # torch's own checks (and _check_bags) say what is wrong
+        last, n = int(offsets[-1]), input.numel()
+        if last != n:
+            raise ValueError(
+                f"{self._label()}: with include_last_offset=True the last offset closes the "
+                f"last bag and must be the number of ids: got offsets[-1] = {last} for "
+                f"{n} ids ({'short of them' if last < n else 'past them'})"
+            )
 
     def _check_bags(
         self,

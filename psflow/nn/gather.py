@@ -63,8 +63,11 @@ class BagRows(torch.autograd.Function):
     another order (the last bits).
 
     ``sizes`` are the bags' sizes in order and ``covered`` their sum (:func:`bag_sizes`): bag
-    ``b`` holds the ids from the end of bag ``b - 1``; ids after the last bag are in none
-    (torch's forward leaves them out too)."""
+    ``b`` holds the ids from the end of bag ``b - 1``, and the gradient goes to the first
+    ``covered`` ids only. :class:`~psflow.nn.EmbeddingBag` gives every id (``covered`` is their
+    number): with ``include_last_offset`` it refuses a last offset short of the ids, whose
+    ids after it torch's forward leaves out without a ``padding_idx`` but adds to the last bag
+    with one (and its CPU backward gives them uninitialised memory without one)."""
 
     @staticmethod
     def forward(
@@ -135,7 +138,8 @@ def bag_sizes(
     1-D: by ``offsets``, the last bag to the end unless ``include_last_offset``) and how many
     ids they hold, or ``None`` where the offsets are not ones its forward takes as bags in
     order (not starting at 0, decreasing, past the ids): torch's own path then says so, or does
-    what it does."""
+    what it does. (:class:`~psflow.nn.EmbeddingBag` has refused an ``include_last_offset``
+    last offset other than the number of ids before.)"""
     device = positions.device
     if positions.dim() == 2:
         bags, size = positions.shape

@@ -4,17 +4,20 @@
   :class:`~psflow.nn.config.TableConfig`, and the rows it holds itself (a fixed table's weight
   and the optimizer state given with it; a hashed table's rows given by id, or made and trained
   here), as :meth:`~TableState.held` gives them to a job and a state dict saves them.
-- :class:`FusedRows`: a hashed table's rows kept on this process, updated in the backward pass.
+- :class:`FusedRows`: a hashed table's rows kept on this process, updated once per backward
+  pass.
 - :class:`Held`: what :meth:`~TableState.held` gives.
 """
 
 from __future__ import annotations
 
+import threading
 from functools import partial
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.autograd import Variable
 
 from psflow.nn.config import TableConfig
 from psflow.protocol import RowOptimizerSpec
@@ -35,26 +38,59 @@ class Held(NamedTuple):
 class FusedRows:
     """The row source of a hashed table kept on this process.
 
-    Rows come from a :class:`psflow.sparse.Rows`; a hook on them applies the table's row-wise
-    optimizer as soon as their gradient is known, so that no optimizer step and no dense
-    gradient are needed (TorchRec's fused backward and optimizer). A table with no optimizer
-    named looks rows up (with gradients off: a model loaded to serve) but cannot train here:
-    the module refuses to before asking (:meth:`~psflow.nn.table.TableModule._row_source`).
+    Rows come from a :class:`psflow.sparse.Rows`; the table's row-wise optimizer is applied in
+    the backward pass, so that no optimizer step and no dense gradient are needed (TorchRec's
+    fused backward and optimizer). One update per backward pass: a hook on each lookup's rows
+    keeps their gradient, and once the whole pass is done (a callback of autograd's engine)
+    each id used is updated once, with the gradients of all the pass's lookups summed in the
+    order they came (a table looked up twice in one loss is updated as one lookup of both, as a
+    ps updates it at a step). Two backward passes, two updates, each of its own lookups' rows as
+    they came in; a pass that fails applies nothing. A table with no optimizer named looks rows
+    up (with gradients off: a model loaded to serve) but cannot train here: the module refuses
+    to before asking (:meth:`~psflow.nn.table.TableModule._row_source`).
     """
 
     def __init__(self, rows: Rows) -> None:
         self.store = rows
+        self._lock = threading.Lock()
+        self._pending: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        """The gradients come so far in each backward pass (by autograd's graph task id)."""
 
     def rows(self, table: object, ids: torch.Tensor) -> torch.Tensor:
         on_cpu = ids.cpu()
         values = self.store.lookup(on_cpu).to(ids.device).requires_grad_(True)
         if torch.is_grad_enabled():
-            values.register_hook(partial(self._apply, on_cpu))
+            values.register_hook(partial(self._keep, on_cpu))
         return values
 
-    def _apply(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+    def _keep(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        """A lookup's gradient (a hook on its rows, in a backward pass): kept for the pass's
+        one update, which the pass's first gradient asks to follow the pass."""
+        task = torch._C._current_graph_task_id()
+        with self._lock:
+            kept = self._pending.get(task)
+            first = kept is None
+            if kept is None:
+                kept = self._pending[task] = []
+            kept.append((ids, grad.detach().to("cpu")))
+        if first:
+            Variable._execution_engine.queue_callback(partial(self._apply, task))
+
+    def _apply(self, task: int) -> None:
+        """The backward pass ``task`` is done: each id it used updated once, with its
+        gradients summed (in the order the lookups' came)."""
+        with self._lock:
+            kept = self._pending.pop(task, [])
+        if not kept:
+            return
+        if len(kept) == 1:
+            ids, grads = kept[0]
+        else:
+            ids, where = torch.unique(torch.cat([i for i, _ in kept]), return_inverse=True)
+            every = torch.cat([g for _, g in kept])
+            grads = every.new_zeros(len(ids), every.shape[1]).index_add_(0, where, every)
         with torch.no_grad():
-            self.store.apply(ids, grad.detach().to("cpu"))
+            self.store.apply(ids, grads)
 
 
 class TableState(nn.Module):

@@ -337,20 +337,25 @@ def test_sqrtn_bags_take_the_kernels_backward() -> None:
     assert type(out.grad_fn).__name__ == "BagRowsBackward"
 
 
-def test_ids_after_the_last_bag_get_no_gradient() -> None:
-    """With ``include_last_offset`` and a last offset short of the ids, the ids after it are
-    in no bag: the forward leaves them out, so their rows get no gradient (torch's own CPU
-    backward gives them their neighbours')."""
-    bag = EmbeddingBag(N, DIM, mode="sum", include_last_offset=True, seed=1)
-    source = attach_or_not(bag, True)
-    assert source is not None
+@pytest.mark.parametrize("padding_idx", [None, 6], ids=["", "padded"])
+@pytest.mark.parametrize("attached", [False, True], ids=["local", "attached"])
+def test_a_last_offset_short_of_the_ids_is_refused(attached: bool, padding_idx: int | None) -> None:
+    """With ``include_last_offset`` and a last offset short of the ids, torch's forward leaves
+    the ids after it out (adds them to the last bag with a padding id) and its CPU backward
+    gives them their neighbours' memory: refused, with both numbers (more in test_nn_bags)."""
+    bag = EmbeddingBag(N, DIM, mode="sum", include_last_offset=True, padding_idx=padding_idx)
+    source = attach_or_not(bag, attached)
     ids, offsets = torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([0, 2, 4])
-    out = bag(ids, offsets)
-    assert type(out.grad_fn).__name__ == "BagRowsBackward"
+    with pytest.raises(ValueError, match=r"offsets\[-1\] = 4 for 6 ids"):
+        bag(ids, offsets)
+    assert source is None or not source.asked
+    out = bag(ids, torch.tensor([0, 2, 6]))
     out.backward(torch.ones_like(out))
-    grads = source.grad_per_id()
-    assert all(torch.equal(grads[i], torch.ones(DIM)) for i in (1, 2, 3, 4))
-    assert all(torch.count_nonzero(grads[i]) == 0 for i in (5, 6))
+    if source is not None:
+        assert type(out.grad_fn).__name__ == "BagRowsBackward"
+        grads = source.grad_per_id()
+        assert all(torch.equal(grads[i], torch.ones(DIM)) for i in range(1, 6))
+        assert torch.equal(grads[6], torch.zeros(DIM) if padding_idx else torch.ones(DIM))
 
 
 @pytest.mark.parametrize(
