@@ -77,6 +77,9 @@ _POLL_SECONDS = 0.1
 # and push/push_pull run thousands of times a second.
 _OP, _TASK = Key.OP, Key.TASK
 
+_JOIN_SLICE = 0.5
+"""Seconds :meth:`ParameterServer.join` waits for its serving thread at a time."""
+
 _LATE = frozenset({Op.DONE.value, Op.HEARTBEAT.value})
 """Requests a finished worker may still have in flight: ``done`` again, and a heartbeat from its
 own sockets that its ``done`` overtook. Any other request from it is a new incarnation's."""
@@ -261,8 +264,16 @@ class ParameterServer(TransportHost):
         """
         self.start()
         assert self._thread is not None
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._term.handled():
-            self._thread.join(timeout)
+            # In short waits: a SIGTERM taken by another thread (as one sent while the process
+            # was stopped is, once it goes on) runs its handler only when this main thread
+            # next runs Python, which an unbounded join would never do.
+            while self._thread.is_alive():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._thread.join(_JOIN_SLICE if left is None else min(left, _JOIN_SLICE))
         if self._thread.is_alive():
             raise TimeoutError(f"{self.name} still serving after {timeout} s")
         # Background work (a shard file still being written), within one timeout for all.

@@ -109,11 +109,8 @@ class NanGuardHook(Hook):
         self.check_gradients = check_gradients
 
     def before_step(self, ctx: StepContext) -> None:
-        where = f"at global step {ctx.global_step} on {ctx.session.ctx.task}"
-        latest = ctx.session.latest_checkpoint
-        after = f"; the last checkpoint is {latest}" if latest else ""
         if ctx.loss is not None and not math.isfinite(ctx.loss):
-            raise NanLossError(f"loss is {ctx.loss} {where}: stopping without pushing it{after}")
+            raise NanLossError(f"loss is {ctx.loss} {_stopping(ctx)}")
         if not self.check_gradients:
             return
         grads = [(n, p.grad) for n, p in ctx.session.model.named_parameters() if p.grad is not None]
@@ -121,9 +118,15 @@ class NanGuardHook(Hook):
             return
         for name, g in grads:
             if not _all_finite([g]):
-                raise NanLossError(
-                    f"gradient of {name!r} is not finite {where}: stopping without pushing it{after}"
-                )
+                raise NanLossError(f"gradient of {name!r} is not finite {_stopping(ctx)}")
+
+
+def _stopping(ctx: StepContext) -> str:
+    """Where a bad step was stopped, and the last checkpoint: read only then (the checkpoint
+    directory, perhaps remote, is not read on every step that is fine)."""
+    latest = ctx.session.latest_checkpoint
+    after = f"; the last checkpoint is {latest}" if latest else ""
+    return f"at global step {ctx.global_step} on {ctx.session.ctx.task}: stopping without pushing it{after}"
 
 
 def _all_finite(grads: list[torch.Tensor]) -> bool:

@@ -161,7 +161,7 @@ class Client(Receiver):
         if peer is None:
             return
         if not peer.answered:
-            peer.link.update(event, peer.address)
+            peer.link.update(event, peer.address, keyed=self.config.keys is not None)
         elif event["event"] == zmq.EVENT_DISCONNECTED and peer.sock is peer.own_sock:
             peer.drops += 1
 

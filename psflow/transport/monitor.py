@@ -128,8 +128,9 @@ class Link:
     """The peer refused this task's CurveZMQ key: ZeroMQ does not try again, so waiting longer
     is in vain."""
 
-    def update(self, event: Event, address: str) -> None:
-        """Takes one report of the connection to the peer at ``address``."""
+    def update(self, event: Event, address: str, *, keyed: bool = True) -> None:
+        """Takes one report of the connection to the peer at ``address`` (``keyed``: this
+        task speaks CurveZMQ)."""
         kind = event["event"]
         if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.problem, self.refused = None, False
@@ -139,10 +140,16 @@ class Link:
                 f"task's client.key (every task needs the job's {envvars.PSFLOW_KEYS_DIR})",
                 refused=True,
             )
-        elif kind & HANDSHAKE_FAILED:
+        elif kind & HANDSHAKE_FAILED and keyed:
             self._set(
                 f"the CurveZMQ handshake with {address} failed: not the same keys on both sides "
                 f"({envvars.PSFLOW_KEYS_DIR} of another job?), or keys on one side only"
+            )
+        elif kind & HANDSHAKE_FAILED:
+            self._set(
+                f"the ZeroMQ handshake with {address} failed: what answers there is no psflow "
+                f"task without keys (one with {envvars.PSFLOW_KEYS_DIR}'s CurveZMQ keys, or no "
+                "ZeroMQ peer at all)"
             )
         elif kind == zmq.EVENT_CONNECT_RETRIED and not self._handshake_failed():
             self._set(f"nothing accepts connections at {address} (not started yet?)")
@@ -154,7 +161,9 @@ class Link:
 
     def _handshake_failed(self) -> bool:
         # A failed handshake is the news; the reconnections after it say nothing new.
-        return self.problem is not None and "CurveZMQ" in self.problem
+        return self.problem is not None and (
+            "CurveZMQ" in self.problem or "handshake" in self.problem
+        )
 
 
 class RateLimitedLog:

@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -16,9 +17,10 @@ import pytest
 import torch
 
 import psflow
+from psflow.cluster.spec import TaskSpec
 
 from .lines import Lines
-from .support import ROOT, launch_cmd, local_cluster, start_ps, stop, worker_ctx
+from .support import ROOT, launch_cmd, local_cluster, start_ps, stop, task_env, worker_ctx
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -188,3 +190,35 @@ def test_a_ps_given_sigterm_serves_its_workers_on_then_stops() -> None:
         trainer.join(60)
         opt.close(finished=False)
         stop(ps, timeout=1)
+
+
+def test_a_ps_takes_a_sigterm_that_another_of_its_threads_received() -> None:
+    """A SIGTERM sent while the ps is stopped (SIGSTOP) is taken, once it goes on, by any of its
+    threads (here sent to one of them); the main thread's join must wake for its handler to
+    run (it waited for good: the ps served on until SIGKILL)."""
+    cluster = local_cluster(1, 1)
+    env = task_env(cluster, TaskSpec(job="ps", index=0))  # a python of its own, not a fork
+    ps = subprocess.Popen(
+        [sys.executable, "-c", _TERM_TO_A_THREAD], env=env, stderr=subprocess.PIPE, text=True
+    )
+    assert ps.stderr is not None
+    err = Lines(ps.stderr)
+    try:
+        err.wait_for(r"ps:0 received SIGTERM", 30)
+        assert ps.wait(timeout=60) == 0, err.rest()  # nobody asks: it stops on its own
+    finally:
+        stop(ps, timeout=1)
+
+
+_TERM_TO_A_THREAD = """
+import logging, signal, threading, time, psflow
+logging.basicConfig(level=logging.INFO)
+ctx, _ = psflow.resolve([])
+def term():
+    while signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # until the ps's join takes it
+        time.sleep(0.05)
+    time.sleep(0.5)
+    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+threading.Thread(target=term, daemon=True).start()
+psflow.ParameterServer(ctx).join()
+"""

@@ -159,7 +159,11 @@ def test_a_ps_with_keys_logs_the_clients_it_refuses(tmp_path: Path) -> None:
         # (this wait once ran out at 60 s in a full run of the suite).
         worker, err = start_worker(cluster, PSFLOW_WAIT_LOG_SECONDS="1", PSFLOW_READY_TIMEOUT="240")
         workers.append(worker)
-        err.wait_for(r"worker:0 is waiting for ps:0: the CurveZMQ handshake with .* failed", 180)
+        err.wait_for(
+            r"worker:0 is waiting for ps:0: the ZeroMQ handshake with .* failed: what answers "
+            r"there is no psflow task without keys \(one with PSFLOW_KEYS_DIR's CurveZMQ keys",
+            180,
+        )
         worker.kill()
         # The job's own keys: served as ever.
         worker, err = start_worker(cluster, PSFLOW_KEYS_DIR=str(job))

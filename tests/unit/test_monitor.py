@@ -45,6 +45,18 @@ def test_a_failed_handshake_then_success() -> None:
     assert link == Link()
 
 
+def test_a_failed_handshake_without_keys_does_not_blame_keys() -> None:
+    # A task without keys: what answers is no psflow task of a job without keys.
+    link = Link()
+    for kind in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_CONNECTED):
+        link.update({"event": kind, "value": 0, "endpoint": b""}, ADDRESS, keyed=False)
+    assert link.problem is not None and link.problem.startswith(
+        f"the ZeroMQ handshake with {ADDRESS} failed: what answers there is no psflow task "
+        "without keys"
+    )  # and a reconnection after it says nothing new
+    assert not link.refused
+
+
 def test_a_recurring_warning_is_logged_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
     logger = logging.getLogger("psflow.test.ratelimit")
     limited = RateLimitedLog(logger, interval=3600)

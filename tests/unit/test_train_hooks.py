@@ -58,10 +58,25 @@ def test_stop_at_step() -> None:
         StopAtStepHook(-1)
 
 
+class _ReadsCounted(FakeSession):
+    reads = 0
+
+    @property  # type: ignore[override]
+    def latest_checkpoint(self) -> str:
+        self.reads += 1
+        return "ckpt-10"
+
+    @latest_checkpoint.setter
+    def latest_checkpoint(self, _: str) -> None:
+        pass
+
+
 def test_nan_guard_names_the_step_task_and_last_checkpoint() -> None:
-    sess = FakeSession()
+    sess = _ReadsCounted()
     guard = NanGuardHook()
-    guard.before_step(_ctx(sess, 3, 0.5))
+    for _ in range(3):
+        guard.before_step(_ctx(sess, 3, 0.5))
+    assert sess.reads == 0  # the checkpoint directory (perhaps remote) is read for a bad step only
     with pytest.raises(NanLossError, match=r"loss is nan at global step 3 on worker:1.*ckpt-10"):
         guard.before_step(_ctx(sess, 3, float("nan")))
     sess.model.weight.grad = torch.tensor([[1.0, float("inf")]])
