@@ -27,6 +27,12 @@ The server is single-threaded and stays so: it reads requests (the task's argv, 
 and cores, its stdout and stderr passed as file descriptors) from a Unix socket, answers each
 with the task's pid, and reports each task's exit status as it reaps it. It exits when the
 launcher closes the socket (or dies); its tasks die with it (``PR_SET_PDEATHSIG``).
+
+The launcher does not rely on the server alone to learn that a task ended: it watches each
+task's pid too (a pidfd, readable once the task exited, zombie or not). A server that does not
+fork a task, or report the exit of one that ended, within ``answer_timeout`` seconds (it is
+stopped, hung, or its own tasks are zombies it does not reap) is named
+(:meth:`ForkServer.problem`); the tasks that ended then have :data:`UNKNOWN_EXIT` as their code.
 """
 
 from __future__ import annotations
@@ -39,12 +45,14 @@ import io
 import json
 import os
 import runpy
+import select
 import selectors
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
@@ -52,11 +60,22 @@ from typing import IO, Any
 from psflow import env as envvars
 from psflow.cluster.cores import bind
 
-__all__ = ["ForkServer", "ForkedTask", "die_with_parent"]
+__all__ = ["ANSWER_TIMEOUT", "UNKNOWN_EXIT", "ForkServer", "ForkedTask", "die_with_parent"]
 
 _PR_SET_PDEATHSIG = 1
 _MAX_MESSAGE = 1 << 20
 """Largest request (a task's argv and environment as JSON)."""
+
+ANSWER_TIMEOUT = 10.0
+"""Seconds the server gets to fork a task, or to report the exit of a task seen to have ended,
+before it is declared stopped or hung."""
+
+UNKNOWN_EXIT = -256
+"""The code of a task seen to have ended whose exit status the server did not report (it is
+stopped or hung): no status ``subprocess.Popen`` gives (0-255: exit codes, negative: signals)."""
+
+_LOOK = 0.25
+"""Seconds between looks at a task's pid while :meth:`ForkedTask.wait` waits."""
 
 
 def die_with_parent() -> None:
@@ -66,17 +85,43 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
+def _send(
+    sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = (), flags: int = 0
+) -> None:
     data = json.dumps(message).encode()
     if fds:
-        socket.send_fds(sock, [data], list(fds))
+        socket.send_fds(sock, [data], list(fds), flags)
     else:
-        sock.send(data)
+        sock.send(data, flags)
+
+
+def _status(code: int) -> str:
+    """``subprocess``'s return code in words."""
+    return f"signal {-code}" if code < 0 else f"exit code {code}"
+
+
+def _state(pid: int) -> str:
+    """What ``/proc`` says of process ``pid`` when that explains it not answering: stopped
+    (SIGSTOP) or gone; else ``""``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[-1].split()[:1]
+    except FileNotFoundError:
+        return " (it is gone)"
+    except OSError:
+        return ""
+    if state in ([b"T"], [b"t"]):
+        return " (it is stopped: SIGSTOP?)"
+    return " (it is gone)" if state in ([b"Z"], [b"X"]) else ""
 
 
 class ForkedTask:
     """A task forked by a :class:`ForkServer`: what the launcher asks of a ``subprocess.Popen``
-    (``pid``, ``poll``, ``wait``, ``stdout``, ``stderr``, ``returncode``)."""
+    (``pid``, ``poll``, ``wait``, ``stdout``, ``stderr``, ``returncode``).
+
+    Its exit code is the server's report; a task seen to have ended (by its pid, the server
+    aside) that the server has not reported within its ``answer_timeout`` has
+    :data:`UNKNOWN_EXIT` (the server is then stopped or hung: :meth:`ForkServer.problem`)."""
 
     def __init__(self, server: ForkServer, pid: int, stdout: int, stderr: int) -> None:
         self._server = server
@@ -84,21 +129,89 @@ class ForkedTask:
         self.stdout: IO[bytes] = open(stdout, "rb")  # noqa: SIM115
         self.stderr: IO[bytes] = open(stderr, "rb")  # noqa: SIM115
         self.returncode: int | None = None
+        self._lock = threading.Lock()  # poll() from the launcher's threads (its progress line)
+        self._ended_at: float | None = None
+        """When the task was first seen to have ended, not yet reported by the server."""
+        self._pidfd: int | None = None
+        self._watch: select.poll | None = None
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:  # ended and reaped already: the server's report is on its way
+            self._ended_at = time.monotonic()
+        except (OSError, AttributeError):  # no pidfd here (Linux < 5.3): /proc tells
+            pass
+        else:
+            self._watch = select.poll()
+            self._watch.register(self._pidfd, select.POLLIN)
 
     def poll(self) -> int | None:
-        """The exit code (negative: the signal that ended it) once it ended, else ``None``."""
-        if self.returncode is None:
-            self.returncode = self._server.exit_code(self.pid)
-        return self.returncode
+        """The exit code (negative: the signal that ended it; :data:`UNKNOWN_EXIT`: ended,
+        unreported by a stopped or hung server) once it ended, else ``None``."""
+        with self._lock:
+            if self.returncode is None:
+                code = self._server.exit_code(self.pid)
+                if code is None and self._exited():
+                    assert self._ended_at is not None
+                    code = self._server.unreported(self.pid, self._ended_at)
+                if code is not None:
+                    self.returncode = code
+                    self._forget_pid()
+            return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         """Waits for the task to end; its exit code (``subprocess.TimeoutExpired`` after
-        ``timeout`` seconds)."""
-        code = self._server.wait_for(self.pid, timeout)
-        if code is None:
-            raise subprocess.TimeoutExpired([str(self.pid)], timeout or 0)
-        self.returncode = code
+        ``timeout`` seconds; ``None``: as long as the task runs, and no longer than the
+        server's ``answer_timeout`` after it ended)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            left = _LOOK if deadline is None else min(_LOOK, deadline - time.monotonic())
+            if left <= 0:
+                raise subprocess.TimeoutExpired([str(self.pid)], timeout or 0)
+            self._server.wait_for(self.pid, left)  # woken at once by the server's report
         return code
+
+    def ended(self) -> bool:
+        """Whether the task has ended: its code is known, or it was seen to exit (a zombie
+        the server has not reaped or reported yet)."""
+        with self._lock:
+            return self.returncode is not None or self._exited()
+
+    def _exited(self) -> bool:
+        """Whether the task has exited (a zombie the server has not reaped counts)."""
+        if self._ended_at is not None:
+            return True
+        ended = bool(self._watch.poll(0)) if self._watch is not None else _exited(self.pid)
+        if ended:
+            self._ended_at = time.monotonic()
+        return ended
+
+    def _forget_pid(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = self._watch = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self._forget_pid()
+
+
+def _exited(pid: int) -> bool:
+    """Whether process ``pid`` has exited (is a zombie, or gone), from ``/proc`` (or, without
+    it, whether it still exists)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
+    return stat.rsplit(b")", 1)[-1].split()[:1] in ([b"Z"], [b"X"])
 
 
 class ForkServer:
@@ -114,9 +227,14 @@ class ForkServer:
         >>> # task.wait(); server.stop()
     """
 
-    def __init__(self, modules: Sequence[str], env: Mapping[str, str]) -> None:
+    def __init__(
+        self, modules: Sequence[str], env: Mapping[str, str], answer_timeout: float = ANSWER_TIMEOUT
+    ) -> None:
         self.modules = list(modules)
         self.env = dict(env)
+        self.answer_timeout = answer_timeout
+        """Seconds the server gets to fork a task, or to report a task that ended, before it is
+        declared stopped or hung (:meth:`problem`)."""
         self._sock: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._reader: threading.Thread | None = None
@@ -127,6 +245,12 @@ class ForkServer:
         self._codes: dict[int, int] = {}
         self._gone = False
         """The server exited (or its socket broke): its tasks died with it."""
+        self._stopping = False
+        """:meth:`stop` was called: the server's exit is ours, no problem."""
+        self._hung: str | None = None
+        """Why the server is taken for stopped or hung (once it did not answer in time)."""
+        self.pid: int | None = None
+        """The server's pid, once started."""
 
     def start(self, timeout: float = 600.0) -> None:
         """Starts the server and returns once it imported the modules (``RuntimeError`` naming
@@ -159,6 +283,7 @@ class ForkServer:
             raise RuntimeError(f"the fork server could not preload {self.modules}{why}")
         ours.settimeout(None)
         self._sock = ours
+        self.pid = self._proc.pid
         self._reader = threading.Thread(target=self._read, name="psflow-forkserver", daemon=True)
         self._reader.start()
 
@@ -175,12 +300,22 @@ class ForkServer:
         try:
             with self._spawning, self._changed:
                 if self._gone:
-                    raise RuntimeError("the fork server exited")
-                _send(self._sock, request, [out_w, err_w])
-                while not self._pids and not self._gone:
-                    self._changed.wait()
+                    raise RuntimeError(f"the fork server (pid {self.pid}) exited")
+                if self._hung is not None:
+                    raise RuntimeError(self._hung)
+                try:  # one request at a time: the server read the one before (it answered)
+                    _send(self._sock, request, [out_w, err_w], socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    self._hang("did not take a request to fork a task")
+                    raise RuntimeError(self._hung) from None
+                self._changed.wait_for(lambda: self._pids or self._gone, self.answer_timeout)
                 if not self._pids:
-                    raise RuntimeError("the fork server exited before it forked the task")
+                    if not self._gone:
+                        self._hang(f"did not fork a task within {self.answer_timeout:g} s")
+                        raise RuntimeError(self._hung)
+                    raise RuntimeError(
+                        f"the fork server (pid {self.pid}) exited before it forked the task"
+                    )
                 pid = self._pids.pop(0)
         except BaseException:
             os.close(out_r)
@@ -199,11 +334,49 @@ class ForkServer:
                 return self._codes[pid]
             return -signal.SIGKILL if self._gone else None
 
-    def wait_for(self, pid: int, timeout: float | None = None) -> int | None:
-        """Task ``pid``'s exit code, waiting up to ``timeout`` seconds (``None``: not yet)."""
+    def wait_for(self, pid: int, timeout: float) -> int | None:
+        """Task ``pid``'s exit code as the server reports it, waiting up to ``timeout``
+        seconds for that (``None``: not yet)."""
         with self._changed:
             self._changed.wait_for(lambda: pid in self._codes or self._gone, timeout)
         return self.exit_code(pid)
+
+    def unreported(self, pid: int, ended_at: float) -> int | None:
+        """The code of task ``pid``, seen to have ended at ``ended_at`` (``time.monotonic``):
+        the server's report, else :data:`UNKNOWN_EXIT` once the server had ``answer_timeout``
+        seconds to report it (the server is then taken for stopped or hung), else ``None``."""
+        with self._changed:
+            code = self.exit_code(pid)
+            if code is not None:
+                return code
+            if self._hung is None:
+                if time.monotonic() - ended_at < self.answer_timeout:
+                    return None
+                self._hang(
+                    f"did not report the exit of task {pid} within {self.answer_timeout:g} s "
+                    "(its exit code is unknown)"
+                )
+            return UNKNOWN_EXIT
+
+    def problem(self) -> str | None:
+        """Why the server fails the job, on one line naming it: it is stopped or hung (did not
+        answer within ``answer_timeout``), or it exited by itself (its tasks died with it);
+        ``None`` while it serves, and once :meth:`stop` stopped it."""
+        with self._changed:
+            if self._hung is not None:
+                return self._hung
+            if self._gone and not self._stopping:
+                code = None if self._proc is None else self._proc.poll()
+                how = "" if code is None else f" ({_status(code)})"
+                return f"the fork server (pid {self.pid}) exited{how}; its tasks died with it"
+            return None
+
+    def _hang(self, what: str) -> None:
+        """Takes the server for stopped or hung, as it ``what``. Holds ``_changed``."""
+        if self._hung is None:
+            state = _state(self.pid) if self.pid is not None else ""
+            self._hung = f"the fork server (pid {self.pid}) {what}: stopped or hung?{state}"
+            self._changed.notify_all()
 
     def _read(self) -> None:
         assert self._sock is not None
@@ -225,8 +398,12 @@ class ForkServer:
                 self._changed.notify_all()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Closes the server's socket: it exits (killed after ``timeout`` seconds), and any
-        task still running dies with it."""
+        """Closes the server's socket: it exits (killed after ``timeout`` seconds, at once when
+        it is taken for stopped or hung), and any task still running dies with it."""
+        with self._changed:
+            self._stopping = True
+            if self._hung is not None:
+                timeout = 0.0
         if self._sock is not None:
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)
@@ -236,8 +413,9 @@ class ForkServer:
             try:
                 self._proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+                self._proc.kill()  # a stopped (SIGSTOP) process dies of it too
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self._proc.wait(timeout or 10.0)
             self._proc = None
         if self._reader is not None:
             self._reader.join(timeout)

@@ -34,7 +34,10 @@ stop training: the launcher names it, goes on, and the job then fails.
 
 ``--preload torch,psflow`` starts each task by forking it from a server that imported those
 modules once (:mod:`psflow.cluster.forkserver`): a task, and a restarted one, skips the 1.5-2 s
-of CPU its ``import torch`` would take.
+of CPU its ``import torch`` would take. A fork server that stops answering (stopped, hung: it
+does not report a task that ended, or fork one, within
+:data:`~psflow.cluster.forkserver.ANSWER_TIMEOUT`) or exits fails the job: the launcher names it
+and stops the tasks (those that ended have an unknown exit code), then kills it.
 
 Ctrl-C (or SIGTERM) stops the job: the workers get SIGTERM (a chief may save a last
 checkpoint), then, once they are gone, the ps tasks; whatever still runs after the grace period
@@ -63,7 +66,7 @@ from psflow import env as envvars
 from psflow import metrics
 from psflow.cluster import jobs, shmfiles
 from psflow.cluster.cores import bind, core_sets, host_cpus, task_threads
-from psflow.cluster.forkserver import ForkedTask, ForkServer, die_with_parent
+from psflow.cluster.forkserver import ANSWER_TIMEOUT, ForkedTask, ForkServer, die_with_parent
 from psflow.cluster.gpus import gpu_sets, host_gpus
 from psflow.cluster.launch_config import LAUNCH_MODES, LaunchConfig
 from psflow.cluster.ports import free_ports, local_cluster
@@ -76,6 +79,10 @@ log = logging.getLogger(__name__)
 
 PS_GRACE = 5.0
 """Seconds the ps tasks get at least after SIGTERM, which they get once the workers are gone."""
+
+KILLED_WAIT = ANSWER_TIMEOUT + 5.0
+"""Seconds a task gets to be gone after SIGKILL (a forked one: for its fork server to report it,
+or be taken for stopped)."""
 
 
 def _start_task(cores: Sequence[int] | None) -> None:
@@ -115,6 +122,8 @@ class Launcher:
         self.procs: dict[TaskSpec, subprocess.Popen[bytes] | ForkedTask] = {}
         self._forks: ForkServer | None = None
         """The server that forks the tasks (``preload``), while it runs."""
+        self._forks_failed = False
+        """The fork server failed the job (stopped, hung or exited), and the launcher said so."""
         self._threads: list[threading.Thread] = []
         self._out_lock = threading.RLock()  # the signal handler may print too
         self._stopping = threading.Event()
@@ -220,12 +229,18 @@ class Launcher:
         while True:
             if self._stopping.is_set():
                 return 128 + (self._signal or signal.SIGINT)
+            if self._fork_server_failed("stopping the job"):
+                self.stop()
+                return 1
             self._sweep()
             restarted = False
             for task, proc in self.procs.items():
                 code = proc.poll()
                 if code is None or code == 0 or task in failed_evaluators:
                     continue
+                if self._fork_server_failed("stopping the job"):  # the task died with it
+                    self.stop()
+                    return 1
                 how = f"signal {-code}" if code < 0 else f"exit code {code}"
                 if task.job == "evaluator":
                     failed_evaluators.append(task)
@@ -234,6 +249,9 @@ class Launcher:
                 if self._restart(task, how):
                     restarted = True
                     break
+                if self._fork_server_failed("stopping the job"):  # it did not fork the task again
+                    self.stop()
+                    return 1
                 self._say(f"task {task} failed with {how}; stopping the other tasks")
                 self.stop()
                 return 1
@@ -315,7 +333,25 @@ class Launcher:
             + (f"; removed {len(removed)} shared-memory files it left" if removed else "")
             + ")"
         )
-        self._spawn(task)
+        try:
+            self._spawn(task)
+        except (RuntimeError, OSError):
+            if self._forks is None:
+                raise
+            return False  # the fork server is stopped, hung or gone: _fork_server_failed says
+        return True
+
+    def _fork_server_failed(self, then: str) -> bool:
+        """Whether the fork server (``--preload``) fails the job: stopped, hung, or exited by
+        itself; the first time, says so in one line naming it (and ``then``)."""
+        why = self._forks.problem() if self._forks is not None else None
+        if why is None:
+            return self._forks_failed
+        if not self._forks_failed:
+            self._forks_failed = True
+            for task, proc in self.procs.items():  # the server knows pids; this, the tasks
+                why = why.replace(f"task {proc.pid} ", f"task {task} (pid {proc.pid}) ")
+            self._say(f"{why}; {then}")
         return True
 
     def _make_keys(self) -> None:
@@ -371,6 +407,7 @@ class Launcher:
         self._terminate(trainers, deadline)
         ps = [t for t in self.procs if t.job == "ps"]
         self._terminate(ps, max(deadline, time.monotonic() + min(grace, PS_GRACE)))
+        self._fork_server_failed("killing it")
         self._sweep()
         self._join_relays()
         self._stop_fork_server()
@@ -390,11 +427,11 @@ class Launcher:
                     os.killpg(self.procs[task].pid, signal.SIGTERM)
                     # A stopped (SIGSTOP) task takes SIGTERM only once it runs again.
                     os.killpg(self.procs[task].pid, signal.SIGCONT)
-        while any(self.procs[t].poll() is None for t in tasks):
+        while any(self._running(t) for t in tasks):
             if self._kill_now.is_set() or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
-        left = [t for t in tasks if self.procs[t].poll() is None]
+        left = [t for t in tasks if self._running(t)]
         if left:
             names = ", ".join(map(str, left))
             if self._kill_now.is_set():
@@ -404,7 +441,22 @@ class Launcher:
         for task in left:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.procs[task].pid, signal.SIGKILL)
-            self.procs[task].wait()
+        for task in tasks:  # and those that ended, for their code
+            if self.procs[task].poll() is not None:
+                continue
+            try:
+                self.procs[task].wait(KILLED_WAIT)
+            except subprocess.TimeoutExpired:
+                pid = self.procs[task].pid
+                self._say(f"{task} (pid {pid}) still there {KILLED_WAIT:g} s after SIGKILL")
+
+    def _running(self, task: TaskSpec) -> bool:
+        """Whether ``task`` still runs (a forked one that exited, its code not yet reported by
+        its fork server, does not)."""
+        proc = self.procs[task]
+        if isinstance(proc, ForkedTask):
+            return not proc.ended()
+        return proc.poll() is None
 
     def _sweep(self) -> None:
         """Removes the shared-memory files of each task that has exited (once per task)."""

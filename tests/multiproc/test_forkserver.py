@@ -5,16 +5,19 @@ from it, restarted ones included."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
+from psflow.cluster import forkserver
 from psflow.cluster.forkserver import ForkedTask, ForkServer
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
@@ -202,3 +205,115 @@ def test_a_launched_job_with_preload_forks_its_tasks_and_restarts(tmp_path: Path
     assert re.search(r"\[worker:1\] RuntimeError: first run fails", err), err
     assert "task worker:1 failed with exit code 1; restarting it" in err
     assert "job finished: 3 tasks exited 0" in err
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.timeout(90)
+def test_a_stopped_fork_server_is_named_and_its_ended_tasks_are_seen(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    """A task's exit is seen without the server (which reaps and reports it): a SIGSTOPped
+    server leaves it a zombie. It ends within the server's answer bound, exit code unknown, and
+    the server is named as stopped or hung; forking from it fails within that bound too."""
+    server.answer_timeout = 2.0
+    script = tmp_path / "sleeps.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(120)\n")
+    tasks = [server.spawn([str(script)], dict(os.environ)) for _ in range(2)]
+    for task in tasks:
+        assert task.stdout.readline() == b"up\n"
+    pid = _parent(tasks[0].pid)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        os.killpg(tasks[0].pid, signal.SIGKILL)  # a zombie: its parent cannot reap it
+        t0 = time.monotonic()
+        code = tasks[0].wait()
+        assert time.monotonic() - t0 < 10
+        assert code == forkserver.UNKNOWN_EXIT
+        why = server.problem()
+        assert why is not None and f"fork server (pid {pid})" in why, why
+        assert f"task {tasks[0].pid}" in why and "stopped or hung" in why, why
+        assert tasks[1].poll() is None  # still running
+        os.killpg(tasks[1].pid, signal.SIGKILL)
+        assert tasks[1].wait(5) == forkserver.UNKNOWN_EXIT  # the server is known not to answer
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=rf"fork server \(pid {pid}\)"):
+            server.spawn([str(script)], dict(os.environ))
+        assert time.monotonic() - t0 < 10
+        t0 = time.monotonic()
+        server.stop()  # killed at once: it does not answer
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGCONT)
+
+
+STOPPABLE_JOB = """\
+import json, os, sys, time
+task = json.loads(os.environ["TF_CONFIG"])["task"]
+name = f"{task['type']}:{task['index']}"
+here = HERE
+open(os.path.join(here, "up-" + name), "w").close()
+while not (name == "worker:1" and os.path.exists(os.path.join(here, "crash"))):
+    time.sleep(0.1)
+sys.exit(3)
+"""
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("how", ["a task fails", "SIGTERM"])
+def test_a_launched_job_whose_fork_server_is_stopped_ends_naming_it(
+    tmp_path: Path, how: str
+) -> None:
+    """``psflow launch --preload`` whose fork server is SIGSTOPped: a task that fails (a zombie
+    the server does not reap), or SIGTERM to the launcher, ends the job within a bound, with a
+    line naming the fork server, not a false "not gone after SIGTERM"; the server is killed."""
+    script = tmp_path / "job.py"
+    script.write_text(STOPPABLE_JOB.replace("HERE", repr(str(tmp_path))))
+    cmd = [sys.executable, "-m", "psflow.cli", "launch", "--ps", "1", "--workers", "2"]
+    cmd += ["--no-metrics", str(script)]
+    env = dict(os.environ, PSFLOW_PRELOAD="json", OMP_NUM_THREADS="1")
+    out, err = (open(tmp_path / n, "w+") for n in ("out", "err"))  # noqa: SIM115
+    launcher = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True)
+    server = 0
+    try:
+        deadline = time.monotonic() + 60
+        up = [tmp_path / f"up-{t}" for t in ("ps:0", "worker:0", "worker:1")]
+        while not all(p.exists() for p in up):
+            assert time.monotonic() < deadline and launcher.poll() is None, err.read()
+            time.sleep(0.05)
+        children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text()
+        (server,) = (int(c) for c in children.split())  # its one child: the tasks are the server's
+        assert b"psflow.cluster.forkserver" in Path(f"/proc/{server}/cmdline").read_bytes()
+        os.kill(server, signal.SIGSTOP)
+        t0 = time.monotonic()
+        if how == "SIGTERM":
+            launcher.send_signal(signal.SIGTERM)
+        else:
+            (tmp_path / "crash").touch()
+        code = launcher.wait(timeout=60)
+        took = time.monotonic() - t0
+        err.seek(0)
+        said = err.read()
+        assert code == (128 + signal.SIGTERM if how == "SIGTERM" else 1), said
+        assert took < 40, said
+        assert f"the fork server (pid {server}) " in said and "stopped or hung" in said, said
+        assert "not gone" not in said, said
+        with pytest.raises(ProcessLookupError):
+            os.kill(server, 0)  # killed (and reaped) by the launcher
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(10)
+        if server:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(server, signal.SIGKILL)
+                os.kill(server, signal.SIGCONT)
+        out.close()
+        err.close()
