@@ -11,6 +11,7 @@ part of :class:`~psflow.train.TrainingSession` that brings the job back to its l
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ from psflow.train.manifest import CheckpointDir
 from psflow.train.session_config import SessionConfig
 from psflow.transport import PeerError, PeerLostError, PeerTimeoutError, TransportConfig
 from psflow.worker import DistributedOptimizer, Mode, ShardedClient
+from psflow.worker.heartbeat import Heartbeat
 from psflow.worker.placement import Piece, dense_parameters
 from psflow.worker.tables import TableClient, table_specs, tables_of
 
@@ -62,6 +64,8 @@ class Restoring:
     _allreduce: AllReduceEngine | None
     _terminated: bool
     _waiting_for_ps: bool
+    _stuck: dict[int, float]
+    """The global step the last recovery was at, and since when it has failed (monotonic)."""
     global_step: int
 
     @property
@@ -296,21 +300,38 @@ class Restoring:
         lost = isinstance(error, PeerTimeoutError | PeerLostError)  # not a refused request
         if timeout is None or not lost or self.opt.mode == Mode.ALLREDUCE:
             raise error
+        # Every ps answering again does not make a step that cannot complete complete (a sync
+        # step awaiting a worker hung in its own code, whose heartbeat still beats): one step
+        # failing for longer than the recovery timeout ends the recoveries.
+        step = self.global_step
+        first = self._stuck.get(step, time.monotonic())
+        self._stuck = {step: first}
+        if time.monotonic() - first > timeout:
+            raise RuntimeError(
+                f"{self.ctx.task}: global step {step} has failed for {time.monotonic() - first:.0f}"
+                f" s, every ps answering (longer than {envvars.PSFLOW_RECOVERY_TIMEOUT}, "
+                f"{timeout:g} s): {error}"
+            ) from error
         log.warning(
             "%s: %s; waiting up to %g s for every ps to answer", self.ctx.task, error, timeout
         )
         self._waiting_for_ps = True
+        # The ps keep hearing from this task while it waits (a ps still up would otherwise
+        # declare it dead, and fail the steps of the others that wait for it).
+        heartbeat = Heartbeat(self.ctx, self.transport)
         try:
-            return self._wait_and_restore(error, timeout)
+            return self._wait_and_restore(error, timeout, heartbeat)
         except StopWaiting:
             raise RuntimeError(
                 f"{self.ctx.task} stopped by SIGTERM while it waited for the ps ({error})"
             ) from error
         finally:
+            heartbeat.stop()
             self._waiting_for_ps = False
 
-    def _wait_and_restore(self, error: PeerError, timeout: float) -> int:
+    def _wait_and_restore(self, error: PeerError, timeout: float, heartbeat: Heartbeat) -> int:
         self.opt.close(finished=False)
+        heartbeat.start()
         if self.checkpointer is not None:
             self.checkpointer.wait(raise_error=False)  # a save the crash cut short
         if self.is_chief:
@@ -339,6 +360,12 @@ class Restoring:
                 log.warning(
                     "%s came back empty: every shard restored from %s", names, self.restored_from
                 )
+        else:  # the wait named for what it is (the optimizer's own names the ready timeout)
+            waiting = ShardedClient(self.ctx, self.transport)
+            try:
+                waiting.wait_ready(timeout, setting=envvars.PSFLOW_RECOVERY_TIMEOUT)
+            finally:
+                waiting.close()
         self.opt = self._optimizer(timeout)
         self._watch_lookups()
         if self._input is not None:  # where the ps stand now: maybe a checkpoint's positions

@@ -156,6 +156,7 @@ class TrainingSession(Restoring, StopOnSignals):
         self._terminated = False
         """SIGTERM reached this task."""
         self._waiting_for_ps = False
+        self._stuck: dict[int, float] = {}
         """In :meth:`_recover`'s wait for a lost ps: SIGTERM then ends the wait at once."""
         self._previous_sigterm: Any = None
         self._previous_sigint: Any = None

@@ -270,3 +270,40 @@ def test_a_worker_is_not_dead_while_the_ps_works_on_its_request() -> None:
         other.close()
         ps.kill()
         stop(ps)
+
+
+def test_a_worker_waiting_for_a_lost_ps_keeps_its_heartbeat_to_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a session waits for ps:1 (hung, then back), ps:0 keeps hearing from it: it used to
+    stop its heartbeat for the wait, and ps:0 declared it dead (in sync mode, failing the steps
+    of workers that waited for it)."""
+    from .lines import Lines
+    from .support import quiet_session
+
+    monkeypatch.setenv("PSFLOW_WORKER_TIMEOUT", str(TIMEOUT))
+    cluster = local_cluster(2, 1)
+    env = {"PSFLOW_WORKER_TIMEOUT": str(TIMEOUT)}
+    ps = [start_ps(cluster, i, env=env) for i in range(2)]
+    assert ps[0].stderr is not None
+    err0 = Lines(ps[0].stderr)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Linear(4, 1))  # on both ps
+    try:
+        with quiet_session(model, cluster, str(tmp_path), timeout=1, recovery_timeout=60) as sess:
+            for step in range(40):
+                if step == 5:
+                    freeze(ps[1].pid)
+                    threading.Timer(2 * TIMEOUT, os.kill, (ps[1].pid, signal.SIGCONT)).start()
+                sess.zero_grad()
+                loss = model(torch.ones(1, 2)).sum()
+                loss.backward()
+                sess.step(loss=loss)
+        for p in ps:
+            code, _ = stop(p)
+            assert code == 0
+        assert "is dead" not in err0.rest(), err0.text()
+    finally:
+        for p in ps:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+            stop(p, timeout=1)

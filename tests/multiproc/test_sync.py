@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ import torch
 import psflow
 from psflow.worker import SyncTimeoutError
 
-from .support import local_cluster, sharded_client, start_ps, stop, worker_ctx
+from .support import local_cluster, quiet_session, sharded_client, start_ps, stop, worker_ctx
 from .sync_support import assert_close, batch, loss_fn, make_model, reference, run_threads
 
 LR = 0.1
@@ -261,3 +263,41 @@ def test_bounded_staleness_names_a_worker_that_stopped_stepping() -> None:
         assert code == 0, err
     finally:
         stop(ps, timeout=1)
+
+
+def test_a_step_awaiting_a_worker_hung_in_its_own_code_ends_past_the_recovery_timeout(
+    tmp_path: Path,
+) -> None:
+    """worker:1 holds its optimizer open (its heartbeat beats) and never steps: the chief's
+    step fails again and again while every ps answers (each recovery succeeded, for ever);
+    once the one step has failed for longer than the recovery timeout, it ends naming worker:1."""
+    cluster = local_cluster(1, 2)
+    ps = start_ps(cluster)
+    hung = threading.Event()
+
+    def idle() -> None:
+        ctx = worker_ctx(cluster, 1)
+        model = torch.nn.Linear(2, 1)
+        with psflow.DistributedOptimizer(model, ctx, mode="sync", lr=LR, sync_timeout=1):
+            hung.wait(120)
+
+    worker = threading.Thread(target=idle)
+    worker.start()
+    model = torch.nn.Linear(2, 1)
+    settings = {"mode": "sync", "sync_timeout": 1, "recovery_timeout": 3}
+    try:
+        failed = pytest.raises(RuntimeError, match=r"global step 0 has failed for \d+ s")
+        with (
+            failed as caught,
+            quiet_session(model, cluster, str(tmp_path), timeout=2, **settings) as sess,
+        ):
+            for _ in range(100):
+                sess.zero_grad()
+                loss = model(torch.ones(1, 2)).sum()
+                loss.backward()
+                sess.step(loss=loss)
+        assert "none from worker:1" in str(caught.value), caught.value
+    finally:
+        hung.set()
+        worker.join(60)
+        stop(ps, timeout=10)
