@@ -7,9 +7,15 @@
 - ``keys.py``: :func:`~psflow.cluster.keys.generate_keys`, a job's CurveZMQ key files.
 - ``launch_config.py``: :class:`~psflow.cluster.launch_config.LaunchConfig`: what ``psflow launch``
   starts.
-- ``launcher.py``: :class:`Launcher`: ``psflow launch``, every task as a local process.
+- ``launcher.py``: :class:`~psflow.cluster.launcher.Launcher`: ``psflow launch``, every task as a
+  local process; the job loop. Its parts (mixins): ``launch_start.py``, starting a task's process
+  (again after it failed) and relaying its output; ``launch_stop.py``, stopping the tasks (SIGTERM,
+  SIGKILL) and removing the shared-memory files they left; ``launch_metrics.py``, the tasks'
+  metrics ports, the job file ``psflow top`` reads, the progress line.
 - ``forkserver.py``: ``psflow launch --preload``: tasks forked from a server that imported torch
-  once.
+  once; :class:`~psflow.cluster.forkserver.ForkServer` and
+  :class:`~psflow.cluster.forkserver.ForkedTask`, the launcher's side of it.
+  ``forkserver_process.py``: the server's own process, and each task it forks.
 - ``ray_backend.py``: :class:`~psflow.cluster.ray_backend.RayLauncher`: ``psflow launch --backend
   ray``, every task as a Ray actor; ``ray_actor.py``: the actor that runs one task's script.
 - ``ports.py``: free ports below the ephemeral range; :func:`~psflow.cluster.ports.local_cluster`.

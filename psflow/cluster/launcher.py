@@ -47,29 +47,24 @@ when it died (:mod:`psflow.cluster.shmfiles`).
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
 
 from psflow import env as envvars
-from psflow import metrics
-from psflow.cluster import jobs, shmfiles
-from psflow.cluster.cores import bind, core_sets, host_cpus, task_threads
-from psflow.cluster.forkserver import ANSWER_TIMEOUT, ForkedTask, ForkServer, die_with_parent
+from psflow.cluster.cores import core_sets, host_cpus
+from psflow.cluster.forkserver import ForkedTask, ForkServer
 from psflow.cluster.gpus import gpu_sets, host_gpus
 from psflow.cluster.launch_config import LAUNCH_MODES, LaunchConfig
-from psflow.cluster.ports import free_ports, local_cluster
+from psflow.cluster.launch_metrics import JobMetrics
+from psflow.cluster.launch_stop import TaskStopping
+from psflow.cluster.ports import local_cluster
 from psflow.cluster.progress import ProgressLine
 from psflow.cluster.spec import TaskSpec
 
@@ -80,19 +75,8 @@ log = logging.getLogger(__name__)
 PS_GRACE = 5.0
 """Seconds the ps tasks get at least after SIGTERM, which they get once the workers are gone."""
 
-KILLED_WAIT = ANSWER_TIMEOUT + 5.0
-"""Seconds a task gets to be gone after SIGKILL (a forked one: for its fork server to report it,
-or be taken for stopped)."""
 
-
-def _start_task(cores: Sequence[int] | None) -> None:
-    """Runs in each task's process before it executes the script."""
-    die_with_parent()  # a launcher killed outright (SIGKILL) cannot stop its tasks
-    if cores is not None:
-        bind(cores)
-
-
-class Launcher:
+class Launcher(TaskStopping, JobMetrics):
     """Starts and supervises the processes of one local job.
 
     Example:
@@ -155,71 +139,6 @@ class Launcher:
         for task in order:
             self._spawn(task)
         self._announce_metrics()
-
-    def _spawn(self, task: TaskSpec) -> None:
-        """Starts ``task``'s process (again, after a failure: same address, same TF_CONFIG)
-        and relays its output."""
-        cores = self.cores.get(task)
-        env = self._task_env(cores)
-        if task.job == "ps" and self.config.ps_threads is not None:
-            env[envvars.PSFLOW_PS_THREADS] = env[envvars.OMP_NUM_THREADS] = str(
-                self.config.ps_threads
-            )
-        env[envvars.TF_CONFIG] = self.cluster.to_tf_config(task)
-        if self.config.mode is not None:
-            env[envvars.PSFLOW_MODE] = self.config.mode
-        if str(task) in self.metrics_at:
-            env[envvars.PSFLOW_METRICS_PORT] = self.metrics_at[str(task)].rsplit(":", 1)[1]
-        env["PYTHONUNBUFFERED"] = "1"
-        if self.keys_dir is not None:
-            env[envvars.PSFLOW_KEYS_DIR] = self.keys_dir
-        if self.config.trainer_gpus:  # a trainer's own GPUs; none for the others
-            env[envvars.CUDA_VISIBLE_DEVICES] = ",".join(self.gpus.get(task, []))
-            if self._gpus_counted:
-                env.setdefault(envvars.CUDA_DEVICE_ORDER, "PCI_BUS_ID")
-        argv = [self.config.script, *self.config.args]
-        proc: subprocess.Popen[bytes] | ForkedTask
-        if self._forks is not None:
-            proc = self._forks.spawn(argv, env, cores)  # in a session of its own too
-        else:
-            proc = subprocess.Popen(
-                [sys.executable, *argv],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,  # Ctrl-C reaches the launcher, which stops every task
-                preexec_fn=functools.partial(_start_task, cores),
-            )
-        self.procs[task] = proc
-        for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-            assert stream is not None
-            t = threading.Thread(target=self._relay, args=(task, stream, sink), daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def _task_env(self, cores: Sequence[int] | None = None) -> dict[str, str]:
-        """The environment every task starts from; ``cores``: the task's, under
-        ``--bind-cores``."""
-        env = {**envvars.TASK_DEFAULTS, **os.environ, **self.config.env}
-        # All of them on this host: the cores shared out, as torchrun does (unless set).
-        tasks_here = sum(1 for _ in self.cluster.tasks())
-        env.setdefault(envvars.OMP_NUM_THREADS, task_threads(cores, tasks_here))
-        return env
-
-    def _relay(self, task: TaskSpec, stream: IO[bytes], sink: IO[str]) -> None:
-        prefix = f"[{task}] "
-        for raw in iter(stream.readline, b""):
-            line = raw.decode(errors="replace").rstrip("\n")
-            with self._out_lock:
-                sink.write(prefix + line + "\n")
-                sink.flush()
-        stream.close()
-
-    def _say(self, message: str) -> None:
-        with self._out_lock:
-            sys.stderr.write(f"psflow launch: {message}\n")
-            sys.stderr.flush()
 
     def wait(self) -> int:
         """Supervises the job until it ends; returns the launcher's exit code."""
@@ -313,34 +232,6 @@ class Launcher:
         )
         return 1 if chief else 0
 
-    def _restart(self, task: TaskSpec, how: str) -> bool:
-        """Starts the failed ``task`` again if a restart is left (and the job is not over:
-        a ps has exited 0, which it does only once the workers are done); whether it did."""
-        limit = self.config.max_restarts
-        if self.restarts >= limit:
-            if limit:
-                self._say(f"no restart left (--max-restarts {limit}, all used)")
-            return False
-        if any(t.job == "ps" and p.poll() == 0 for t, p in self.procs.items()):
-            return False
-        old = self.procs[task]
-        self._swept.add(old.pid)
-        removed = shmfiles.remove_files_of(old.pid)
-        self.restarts += 1
-        self._say(
-            f"task {task} failed with {how}; restarting it with the same address and TF_CONFIG "
-            f"(restart {self.restarts} of {limit} for the job"
-            + (f"; removed {len(removed)} shared-memory files it left" if removed else "")
-            + ")"
-        )
-        try:
-            self._spawn(task)
-        except (RuntimeError, OSError):
-            if self._forks is None:
-                raise
-            return False  # the fork server is stopped, hung or gone: _fork_server_failed says
-        return True
-
     def _fork_server_failed(self, then: str) -> bool:
         """Whether the fork server (``--preload``) fails the job: stopped, hung, or exited by
         itself; the first time, says so in one line naming it (and ``then``)."""
@@ -418,60 +309,6 @@ class Launcher:
             self._forks.stop()
             self._forks = None
 
-    def _terminate(self, tasks: list[TaskSpec], deadline: float) -> None:
-        """SIGTERM to ``tasks``; SIGKILL to those still running at ``deadline``."""
-        started = time.monotonic()
-        for task in tasks:
-            if self.procs[task].poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.procs[task].pid, signal.SIGTERM)
-                    # A stopped (SIGSTOP) task takes SIGTERM only once it runs again.
-                    os.killpg(self.procs[task].pid, signal.SIGCONT)
-        while any(self._running(t) for t in tasks):
-            if self._kill_now.is_set() or time.monotonic() >= deadline:
-                break
-            time.sleep(0.05)
-        left = [t for t in tasks if self._running(t)]
-        if left:
-            names = ", ".join(map(str, left))
-            if self._kill_now.is_set():
-                self._say(f"killing {names} (SIGKILL)")
-            else:
-                self._say(f"{names} not gone {deadline - started:.0f} s after SIGTERM (SIGKILL)")
-        for task in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.procs[task].pid, signal.SIGKILL)
-        for task in tasks:  # and those that ended, for their code
-            if self.procs[task].poll() is not None:
-                continue
-            try:
-                self.procs[task].wait(KILLED_WAIT)
-            except subprocess.TimeoutExpired:
-                pid = self.procs[task].pid
-                self._say(f"{task} (pid {pid}) still there {KILLED_WAIT:g} s after SIGKILL")
-
-    def _running(self, task: TaskSpec) -> bool:
-        """Whether ``task`` still runs (a forked one that exited, its code not yet reported by
-        its fork server, does not)."""
-        proc = self.procs[task]
-        if isinstance(proc, ForkedTask):
-            return not proc.ended()
-        return proc.poll() is None
-
-    def _sweep(self) -> None:
-        """Removes the shared-memory files of each task that has exited (once per task)."""
-        for task, proc in self.procs.items():
-            if proc.pid in self._swept or proc.poll() is None:
-                continue
-            self._swept.add(proc.pid)
-            removed = shmfiles.remove_files_of(proc.pid)
-            if removed:
-                self._say(f"removed {len(removed)} shared-memory files {task} left behind")
-
-    def _join_relays(self) -> None:
-        for t in self._threads:
-            t.join(timeout=5)
-
     def run(self) -> int:
         """Starts the job, supervises it, and stops it on SIGINT/SIGTERM."""
 
@@ -508,58 +345,3 @@ class Launcher:
             self._forget_job()
             for s, handler in old.items():
                 signal.signal(s, handler)
-
-    # -- metrics and the progress line ------------------------------------------------------
-
-    def _metrics_ports(self) -> dict[str, str]:
-        if not self.config.metrics:
-            return {}
-        tasks = [str(t) for t in self.cluster.tasks()]
-        # An evaluator has no address of its own (it is outside the cluster).
-        taken = {a.rsplit(":", 1)[1] for addrs in self.cluster.jobs.values() for a in addrs}
-        # Chosen after the tasks' own ports were let go: one of those may come back.
-        ports = [p for p in free_ports(2 * len(tasks), self.config.host) if str(p) not in taken]
-        return {t: f"{self.config.host}:{p}" for t, p in zip(tasks, ports, strict=False)}
-
-    def _announce_metrics(self) -> None:
-        """Says where the tasks serve their metrics; writes the job file ``psflow top`` reads."""
-        if not self.metrics_at:
-            return
-        where = ", ".join(f"{t} {a}" for t, a in self.metrics_at.items())
-        self._say(f"metrics at http://<address>{metrics.PATH}: {where}")
-        job = jobs.JobFile(
-            pid=os.getpid(),
-            script=self.config.script,
-            cluster={j: list(a) for j, a in self.cluster.jobs.items()},
-            metrics=self.metrics_at,
-        )
-        try:
-            self._job_file = jobs.write_job(job)
-        except OSError as e:
-            self._say(f"cannot write the job file for psflow top: {e}")
-
-    def _forget_job(self) -> None:
-        if self._job_file is not None:
-            jobs.remove_job(self._job_file)
-            self._job_file = None
-
-    def _start_progress(self) -> None:
-        show = self.config.progress
-        if show is None:
-            show = sys.stdout.isatty()
-        if not show or not self.metrics_at:
-            return
-        by_name = {str(t): t for t in self.cluster.tasks()}
-
-        def alive(task: str) -> bool:
-            proc = self.procs.get(by_name[task])
-            return proc is not None and proc.poll() is None
-
-        self._live = ProgressLine(self.metrics_at, alive)
-        self._live.start()
-
-    def _stop_progress(self) -> None:
-        if self._live is None:
-            return
-        self._live.stop()
-        self._live = None
