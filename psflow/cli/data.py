@@ -49,16 +49,28 @@ def add_data(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "known model; prints the best achievable AUC and writes it to OUT/_synth_ctr.json.",
     )
     synth.add_argument("out", metavar="OUT", help="output directory")
-    synth.add_argument("--examples", type=int, default=1_000_000, help="training examples")
-    synth.add_argument("--test-examples", type=int, default=100_000, help="held-out examples")
+    synth.add_argument(
+        "--examples", type=int, default=1_000_000, help="training examples (default 1,000,000)"
+    )
+    synth.add_argument(
+        "--test-examples", type=int, default=100_000, help="held-out examples (default 100,000)"
+    )
     synth.add_argument("--shards", type=int, default=4, help="training files (default 4)")
     synth.add_argument("--test-shards", type=int, default=1, help="held-out files (default 1)")
     synth.add_argument(
-        "--scale", type=float, default=1.0, help="multiplies Criteo's cardinalities (1e-3: tiny)"
+        "--scale",
+        type=float,
+        default=1.0,
+        help="multiplies Criteo's cardinalities (default 1; 1e-3: tiny)",
     )
-    synth.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of ids (> 1)")
     synth.add_argument(
-        "--signal-ids", type=int, default=2000, help="most frequent ids per column with a weight"
+        "--zipf", type=float, default=1.1, help="Zipf exponent of ids (> 1; default 1.1)"
+    )
+    synth.add_argument(
+        "--signal-ids",
+        type=int,
+        default=2000,
+        help="most frequent ids per column with a weight (default 2000)",
     )
     synth.add_argument(
         "--ids", choices=["hashed", "index"], default="hashed", help="32-bit hashes or 0..K-1"
@@ -134,10 +146,13 @@ def add_data(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     text.add_argument("--min-count", type=int, default=2, help="a word's fewest uses (default 2)")
     text.add_argument(
-        "--max-size", type=int, default=50_000, help="most words in the vocabulary (0: all)"
+        "--max-size",
+        type=int,
+        default=50_000,
+        help="most words in the vocabulary (default 50,000; 0: all)",
     )
     text.add_argument(
-        "--max-length", type=int, default=400, help="tokens kept per document (0: all)"
+        "--max-length", type=int, default=400, help="tokens kept per document (default 400; 0: all)"
     )
     text.add_argument("--shards", type=int, default=4, help="training files (default 4)")
     text.add_argument("--test-shards", type=int, default=1, help="test files (default 1)")

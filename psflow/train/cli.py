@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,24 @@ def _tf_prefix(path: str) -> str | None:
     return TFCheckpoint.latest(path)
 
 
+def _tf_files_hint(path: str) -> str:
+    """For a directory of TensorFlow checkpoint files without the ``checkpoint`` state file that
+    names the latest: their prefixes, one of which to give instead; else ``""``."""
+    fs, local = fsspec.core.url_to_fs(path)
+    if not fs.isdir(local):
+        return ""
+    names = [
+        p.rsplit("/", 1)[-1][: -len(".index")] for p in fs.glob(local.rstrip("/") + "/*.index")
+    ]
+    found = sorted(names, key=lambda n: (int(m[1]) if (m := re.search(r"-(\d+)$", n)) else -1, n))
+    if not found:
+        return ""
+    return (
+        f" (TensorFlow checkpoint files, {', '.join(found[-3:])}, but no 'checkpoint' file naming "
+        f"the latest: give a prefix, {path.rstrip('/')}/{found[-1]})"
+    )
+
+
 def inspect(args: argparse.Namespace) -> int:
     from psflow.ps.shard_file import shard_file_name
     from psflow.train.checkpoint import load_checkpoint
@@ -47,7 +66,7 @@ def inspect(args: argparse.Namespace) -> int:
     # Read and checked whole, as export and a restore read it: what one refuses, all refuse.
     ckpt = load_checkpoint(args.dir, args.name)
     if ckpt is None:
-        raise ValueError(f"no complete checkpoint in {args.dir}")
+        raise ValueError(f"no complete checkpoint in {args.dir}{_tf_files_hint(args.dir)}")
     name, m = ckpt.name, ckpt.manifest
     if args.json:
         print(m.to_json())
@@ -77,7 +96,7 @@ def inspect(args: argparse.Namespace) -> int:
             optimizer = spec.optimizer.name if spec.optimizer else None
             print(
                 f"  {table:<{width}}  {kind:<20} rows {entry['rows']:<10} "
-                f"{entry['bytes'] / 1e6:.1f} MB  partition {spec.partition}  "
+                f"{entry['bytes'] / 1e6:.1f} MB held on the ps  partition {spec.partition}  "
                 f"row-wise {optimizer}"
             )
     # The shard files the check read: their positions are known, their headers not read again.
@@ -173,12 +192,16 @@ def _tf_slices(slices: list[tuple[tuple[int, int], ...]], shape: tuple[int, ...]
 
 def export(args: argparse.Namespace) -> int:
     from psflow.train.checkpoint import export_state_dict
+    from psflow.train.manifest import CheckpointDir
 
     prefix = _tf_prefix(args.dir)
     if prefix is not None:
         return _export_tf(prefix, args.out, args.table)
     if args.table:
         raise ValueError("--table is for a TensorFlow checkpoint's prefix")
+    hint = _tf_files_hint(args.dir)
+    if hint and CheckpointDir(args.dir).latest() is None:
+        raise ValueError(f"no complete checkpoint in {args.dir}{hint}")
     ckpt = export_state_dict(args.dir, args.out, args.name)
     tables = ckpt.manifest.tables
     hashed = sum(e["spec"].get("num_embeddings") is None for e in tables.values())

@@ -71,8 +71,9 @@ class Manifest:
     """The learning-rate schedule as data (``{"name": "StepLR", "kwargs": {...}}``), or
     ``None``; a function of ``global_step``, it needs no other state."""
     tables: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Every embedding table: ``{"spec": TableSpec as data, "rows": rows held, "bytes": ...}``;
-    each shard file holds its rows (``@table/<name>/...``)."""
+    """Every embedding table: ``{"spec": TableSpec as data, "rows": rows held, "bytes": the
+    ps's memory for it when saved (its tensors at their capacity, id map and admission sketch
+    included), not the bytes saved}``; each shard file holds its rows (``@table/<name>/...``)."""
     final: bool = False
     """Whether this is the job's last checkpoint: the one the chief saves when training ends
     normally (not on SIGTERM, which a cluster manager may follow with a restart). An evaluator

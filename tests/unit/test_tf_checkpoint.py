@@ -194,6 +194,13 @@ def test_the_cli_exports_a_tensorflow_checkpoint_with_its_tables_in_id_order(
 def test_a_directory_gives_its_latest_checkpoint_as_tensorflow_finds_it(tmp_path: Path) -> None:
     prefix = copy(tmp_path)
     assert TFCheckpoint.latest(str(tmp_path)) is None  # no state file
+    for command in (["inspect"], ["export", str(tmp_path / "out.safetensors")]):
+        proc = _psflow("checkpoint", command[0], str(tmp_path), *command[1:])
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert (  # without it, the files' prefixes are named
+            f"(TensorFlow checkpoint files, {EXPECTED['prefix']}, but no 'checkpoint' file naming "
+            f"the latest: give a prefix, {prefix})"
+        ) in proc.stderr
     state = tmp_path / "checkpoint"
     name = EXPECTED["prefix"]
     state.write_text(f'model_checkpoint_path: "{name}"\nall_model_checkpoint_paths: "{name}"\n')
