@@ -4,7 +4,8 @@ Each batch is split along dim 0 (``torch.chunk``) into one part per device; a re
 model on each device computes its part's gradients, and their average, weighted by the part
 sizes, lands in the main model's ``.grad``. With a loss that is a mean over the examples this
 is exactly the full-batch gradient, so :meth:`DistributedOptimizer.step` pushes it once, as if
-one device had done the whole batch.
+one device had done the whole batch. Buffers a forward changes in place (BatchNorm's running
+statistics) are the first tower's, as torch's ``DataParallel`` keeps its first device's.
 """
 
 from __future__ import annotations
@@ -104,6 +105,14 @@ class Towers:
             losses.append(loss.detach())
             weights.append(weight)
         with torch.no_grad():
+            # What the forward changed in place (BatchNorm's running statistics): the first
+            # tower's, as torch's DataParallel keeps its first device's (else the main model,
+            # and with it eval mode, the evaluator and the checkpoints' exports, kept the
+            # initial statistics for good, and each batch reset the replicas' to them).
+            for (_, b), (_, mb) in zip(
+                self.replicas[0].named_buffers(), self.model.named_buffers(), strict=True
+            ):
+                mb.copy_(b)
             for name, p in self._main.items():
                 grads = [self._replica_params[i][name].grad for i in range(used)]
                 present = [g for g in grads if g is not None]

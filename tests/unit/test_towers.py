@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -91,3 +93,21 @@ def test_cuda_towers_equal_the_full_batch_gradient() -> None:
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.device.type == "cpu"
         torch.testing.assert_close(p.grad, want[name], rtol=1e-9, atol=1e-11)
+
+
+def test_buffers_a_forward_changes_are_the_first_towers() -> None:
+    """BatchNorm's running statistics: the main model kept its initial ones for good (eval
+    mode, the evaluator and exports used them), and each batch reset the replicas' to them."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1)
+    )
+    first = copy.deepcopy(model)  # one device, fed what the first tower is fed
+    towers = Towers(model, ["cpu", "cpu"])
+    for _ in range(5):
+        x, y = torch.randn(8, 3) * 3 + 5, torch.randn(8, 1)
+        towers.backward(lambda m, a, b: ((m(a) - b) ** 2).mean(), x, y)
+        first(torch.chunk(x, 2)[0])
+    for name, b in first.named_buffers():
+        assert torch.equal(dict(model.named_buffers())[name], b), name
+    assert int(model[1].num_batches_tracked) == 5
