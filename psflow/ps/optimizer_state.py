@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from psflow.protocol import Key
+from psflow.protocol import Key, OptimizerSpec
 from psflow.protocol.messages import OPT_SEP, optimizer_state_tensor_name
 from psflow.ps.store import ShardStore
 
@@ -90,19 +90,36 @@ def load_optimizer_state(
     )
     if lacking is not None:
         raise ValueError(f"optimizer state: {lacking}")
+    kept: dict[torch.dtype, dict[str, tuple[bool, torch.dtype]]] = {}
     for var in given:
         entry: dict[str, Any] = dict(plain.get(var, {}))
+        variable = store.variables[var]
+        if variable.dtype not in kept:
+            kept[variable.dtype] = _state_keys(spec, variable.dtype)
         for key, t in tensors.get(var, {}).items():
-            shape = store.variables[var].shape
-            if t.dim() != 0 and t.shape != shape:
+            # What the optimizer keeps under that key: the variable's shape (Adam's moments,
+            # which its fused kernels read and write without a check of their own: a scalar
+            # there had them write past it), or a scalar (``step``).
+            shaped = kept[variable.dtype].get(key, (t.dim() != 0, t.dtype))[0]
+            if (t.shape != variable.shape) if shaped else (t.dim() != 0):
+                want = list(variable.shape) if shaped else "a scalar"
                 raise ValueError(
-                    f"optimizer state {var!r}/{key!r} has shape {list(t.shape)}, "
-                    f"the variable {list(shape)}"
+                    f"optimizer state {var!r}/{key!r} has shape {list(t.shape)}: "
+                    f"{spec.name} keeps {want} there (the variable is {list(variable.shape)})"
                 )
             entry[key] = t.detach().clone()
         state[index[var]] = entry
     sd = store.optimizer.state_dict()
     store.optimizer.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+
+
+def _state_keys(spec: OptimizerSpec, dtype: torch.dtype) -> dict[str, tuple[bool, torch.dtype]]:
+    """:meth:`OptimizerSpec.state_keys`, or none known for an optimizer that steps only with a
+    closure (its state is then checked against the variable's shape or a scalar only)."""
+    try:
+        return spec.state_keys(dtype)
+    except ValueError:
+        return {}
 
 
 def split_init_tensors(

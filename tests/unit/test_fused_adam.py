@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import pytest
@@ -142,3 +143,28 @@ def test_a_shards_pushes_take_it_with_adam_steps_bits(monkeypatch: pytest.Monkey
     assert taken[-1] is True
     for name, p in zip(names, ref_params, strict=True):
         assert torch.equal(store.variables[name], p)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("exp_avg", torch.tensor(3.0)), ("step", torch.ones(2))]
+)
+def test_restored_state_of_the_wrong_shape_is_refused_before_a_kernel_reads_it(
+    key: str, value: torch.Tensor
+) -> None:
+    """A checkpoint's (or an init's) moment as a scalar passed the old check (any scalar went):
+    the fused kernels then wrote past it (wrong values, then a heap abort)."""
+    names = [f"v{i}" for i in range(len(SHAPES))]
+    store = ShardStore()
+    store.initialize(list(zip(names, params(), strict=True)), OptimizerSpec.of("Adam", fused=True))
+    store.apply(list(zip(names, grads(0), strict=True)))
+    saved = store.optimizer.state_dict()
+    tensors = {
+        n: {k: v for k, v in saved["state"][i].items() if isinstance(v, torch.Tensor)}
+        for i, n in enumerate(names)
+    }
+    tensors["v0"][key] = value
+    want = "a scalar" if key == "step" else str(list(SHAPES[0]))
+    with pytest.raises(
+        ValueError, match=rf"'v0'/'{key}' has shape .*: Adam keeps {re.escape(want)}"
+    ):
+        load_optimizer_state(store, tensors, {})
