@@ -23,7 +23,7 @@ JOBS = ("chief", "ps", "worker", "evaluator")
 """The job names psflow knows, in TensorFlow's vocabulary."""
 
 _JOB_ALIASES = {"master": "chief"}
-_HOST_RE = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]+)):(?P<port>\d+)$")
+_HOST_RE = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]+)):(?P<port>[0-9]+)$")
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -273,10 +273,13 @@ def _split_hosts(hosts: str | Sequence[str]) -> list[str]:
 
 
 def _as_index(value: Any) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"task index {value!r} is not an integer") from None
+    # An int, or its decimal digits as a string (as some TF_CONFIG writers give it); never a
+    # float int() would cut (0.9 is task 0) nor a bool (true is task 1).
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
+        return int(value.strip())
+    raise ValueError(f"task index {value!r} is not an integer")
 
 
 @dataclass(frozen=True, kw_only=True)

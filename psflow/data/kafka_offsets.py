@@ -48,12 +48,18 @@ def checked_state(state: Mapping[str, Any], topic: str | None) -> dict[str, Any]
         )
     out: dict[int, int] = {}
     for p, off in offsets.items():
-        try:
+        # An int, or one written as JSON writes a key: its canonical digits only ('01' and
+        # '1_0', which int() takes, would name partition 1 twice, or partition 10).
+        if isinstance(p, int) and not isinstance(p, bool):
+            part = p
+        elif isinstance(p, str) and p.isascii() and p.isdigit() and str(int(p)) == p:
             part = int(p)
-        except (TypeError, ValueError):
-            raise ValueError(f"kafka state of {name!r}: partition {p!r} is not a number") from None
+        else:
+            raise ValueError(f"kafka state of {name!r}: partition {p!r} is not a number")
         if isinstance(off, bool) or not isinstance(off, int) or off < 0 or part < 0:
             raise ValueError(f"kafka state of {name!r}: partition {p!r} offset {off!r} is invalid")
+        if part in out:
+            raise ValueError(f"kafka state of {name!r}: partition {part} given twice")
         out[part] = off
     return {"topic": name, "offsets": out}
 

@@ -287,9 +287,15 @@ class FileStreamReader(ExampleStream):
             skip_corrupt=self.config.on_bad_record == "skip",
         )
         records = iter(self._reader)
-        for _ in range(skip):  # the records handed out before: read again, not handed out
+        for i in range(skip):  # the records handed out before: read again, not handed out
             if next(records, None) is None:
-                break
+                # A file only grows: fewer records than were handed out is another file now.
+                # Marked done instead, its records after the position were silently lost.
+                self._close_file()
+                raise ValueError(
+                    f"file {path!r} has {i} records, but the position restored is at record "
+                    f"{skip}: it was truncated or replaced since"
+                )
         self._current, self._records = path, records
         self._partial[path] = skip
         return True

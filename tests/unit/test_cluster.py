@@ -189,6 +189,23 @@ def test_bad_flags(argv: list[str], message: str) -> None:
             '{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 3}}',
             "out of range",
         ),
+        # int() would have taken them: 0.9 as task 0, true as task 1, an Arabic-Indic digit.
+        (
+            '{"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 0.9}}',
+            "task index 0.9 is not an integer",
+        ),
+        (
+            '{"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": true}}',
+            "task index True is not an integer",
+        ),
+        (
+            '{"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": "\\u0661"}}',
+            "is not an integer",
+        ),
+        (
+            '{"cluster": {"worker": ["a:\\u0663"]}, "task": {"type": "worker", "index": 0}}',
+            "malformed address",
+        ),
     ],
 )
 def test_bad_tf_config(tf_config: str, message: str) -> None:

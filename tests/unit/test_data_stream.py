@@ -85,6 +85,17 @@ def test_a_saved_position_restores_exactly(tmp_path: Path) -> None:
     assert seen + drain(again) == list(range(40))
 
 
+def test_a_position_past_a_files_end_is_refused_naming_it(tmp_path: Path) -> None:
+    """The file restored had fewer records than were handed out (truncated or replaced): it
+    was marked done, its records after the position silently lost."""
+    path = land(tmp_path, 0)
+    saved = {**reader(tmp_path).state(), "partial": {path: 1000}}
+    again = reader(tmp_path)
+    again.restore(saved)
+    with pytest.raises(ValueError, match=r"part-000.tfrecord' has 10 records, but the position "):
+        again.read(5)
+
+
 def test_workers_share_the_files_and_a_merged_state_restores_into_one(tmp_path: Path) -> None:
     for k in range(6):
         land(tmp_path, k)
