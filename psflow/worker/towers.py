@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from psflow.nn import TableModule
+
 REDUCTIONS = ("mean", "sum")
 
 
@@ -54,6 +56,13 @@ class Towers:
                     raise ValueError(f"device {d} is not available on this machine")
             elif d.type != "cpu":
                 raise ValueError(f"device {d}: towers run on cpu or cuda devices")
+        tables = [name for name, m in model.named_modules() if isinstance(m, TableModule)]
+        if tables:  # a deepcopy of one attached to the ps failed on its sockets' memory
+            raise ValueError(
+                f"towers replicate the model, and {tables[0]!r} is a psflow.nn table: look its "
+                "rows up once for the whole batch, outside the towers, and give them to "
+                "backward as an input (docs/sync.md, Towers)"
+            )
         self.model = model
         self.reduction = reduction
         self.replicas = [copy.deepcopy(model).to(d) for d in self.devices]

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+import psflow.nn as pnn
 from psflow.worker import Towers
 
 
@@ -76,6 +77,9 @@ def test_bad_towers_are_refused() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="cuda:0 is not available"):
             Towers(_model(), ["cuda:0"])
+    with_table = torch.nn.Sequential(pnn.Embedding(10, 4), torch.nn.Linear(4, 1))
+    with pytest.raises(ValueError, match=r"'0' is a psflow\.nn table: look its rows up once"):
+        Towers(with_table, ["cpu", "cpu"])
     t = Towers(_model(), ["cpu", "cpu"])
     with pytest.raises(ValueError, match="differ in batch size"):
         t.backward(_loss, torch.zeros(4, 5, dtype=torch.float64), torch.zeros(3, dtype=torch.long))
