@@ -13,7 +13,6 @@ import from here are re-exported.
 from __future__ import annotations
 
 import logging
-import os
 import posixpath
 import re
 import threading
@@ -22,13 +21,17 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from fsspec.core import split_protocol
 
 from psflow.env import PSFLOW_CHECKPOINT_DIR
 from psflow.metrics import PsMetrics
 from psflow.protocol import Key, Op, SaveState
 from psflow.ps.errors import BusyError
-from psflow.ps.files import atomic_write, join, url_to_fs  # psflow.train imports them from here
+from psflow.ps.files import (  # psflow.train imports them from here
+    atomic_write,
+    join,
+    normal_url,
+    url_to_fs,
+)
 from psflow.ps.optimizer_state import load_optimizer_state as load_optimizer_state
 from psflow.ps.optimizer_state import split_init_tensors as split_init_tensors
 from psflow.ps.service import Handler, Service, ServiceHost
@@ -185,21 +188,10 @@ class ShardCheckpointer:
             thread.join(timeout)
 
 
-def _normal(url: str) -> tuple[str, str] | None:
-    """``(scheme, absolute normalised path)`` of a local path or fsspec URL; ``None`` when a
-    component is ``..`` (refused, not resolved)."""
-    scheme, path = split_protocol(url)
-    if ".." in path.split("/"):
-        return None
-    if scheme in (None, "file", "local"):
-        return "file", os.path.abspath(path)
-    return scheme, posixpath.normpath("/" + path.lstrip("/"))
-
-
 def is_checkpoint_of(root: str, url: str) -> bool:
     """Whether ``url`` is a ``ckpt-<step>`` directory right under ``root`` (same scheme, same
     normalised path; no ``..`` anywhere in ``url``)."""
-    want, got = _normal(root), _normal(url)
+    want, got = normal_url(root), normal_url(url)
     if want is None or got is None or want[0] != got[0]:
         return False
     parent, name = posixpath.split(got[1])

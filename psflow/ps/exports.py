@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import posixpath
 import re
 import shutil
 import threading
@@ -34,7 +35,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from psflow.protocol import Key, Op, SaveState
 from psflow.ps.errors import BusyError, RequestError
-from psflow.ps.files import atomic_write, join, url_to_fs
+from psflow.ps.files import atomic_write, join, normal_url, url_to_fs
 from psflow.ps.service import Handler, Service, ServiceHost
 from psflow.ps.shard_file import safetensors_chunks
 from psflow.serve.delta import (
@@ -67,18 +68,40 @@ def _free_bytes(path: str) -> int:
     return shutil.disk_usage(path).free
 
 
+def export_root_of(url: str) -> tuple[str, str] | None:
+    """The export directory (scheme, normalised path) that ``url``, an ``export-<n>``
+    directory, is in; ``None`` for a ``url`` that is not one, or has a ``..`` component."""
+    got = normal_url(url.rstrip("/"))
+    if got is None:
+        return None
+    parent, name = posixpath.split(got[1])
+    return (got[0], parent) if EXPORT_DIR_RE.match(name) else None
+
+
 class ExportService(Service):
     """The ``export`` and ``export_status`` ops of one ps server (the chief's alone).
 
     The shard tracks changes since the export it last took (:attr:`since`); a delta asked
     after another export (or after a restart or restore, which lose the tracking) is
     refused, and the chief exports a base instead.
+
+    Exports go only into ``export-<n>`` directories right under one export directory:
+    ``root`` when the ps is given it, else the first one the chief names (a path with a
+    ``..`` component is refused), as a checkpoint goes only into its checkpoint directory.
     """
 
-    def __init__(self, host: ServiceHost, *, chief: str, num_shards: int) -> None:
+    def __init__(
+        self, host: ServiceHost, *, chief: str, num_shards: int, root: str | None = None
+    ) -> None:
         self.host = host
         self.chief = chief
         self.num_shards = num_shards
+        self.root = None if root is None else normal_url(root)
+        """The export directory (scheme, normalised path) exports go into; ``None`` until
+        the first export when the ps was given none."""
+        if root is not None and self.root is None:
+            raise ValueError(f"an export directory without '..', please: got {root!r}")
+        self._given = root is not None
         self.since: int | None = None
         """The export whose changes the tables track since (``None``: none)."""
         self._lock = threading.Lock()
@@ -114,6 +137,15 @@ class ExportService(Service):
             since = _count(header, Key.SINCE)
         if seq != int(match.group(1)):
             raise ValueError(f"export {seq} cannot be written into {wire.brief(url)}")
+        where = export_root_of(url)
+        if where is None:
+            raise ValueError(f"refusing to export into {wire.brief(url)}: a '..' in its path")
+        if self.root is not None and where != self.root:
+            first = "its export directory" if self._given else "where its first export went"
+            raise ValueError(
+                f"refusing to export into {wire.brief(url)}: this ps exports only into "
+                f"{self.root[0]}://{self.root[1]}/export-<n> ({first})"
+            )
         if since is None and base != seq:
             raise ValueError(f"a base export is its own base: export {seq}, base {base}")
         if since is not None and (since >= seq or base > since):
@@ -134,6 +166,13 @@ class ExportService(Service):
         dense = {n: t.detach().clone() for n, t in store.variables.items()}
         step = store.step
         self.since = seq
+        if self.root is None:
+            self.root = where
+            log.info(
+                "shard %d: exports go into %s://%s from now on (the chief's first)",
+                self.host.shard,
+                *where,
+            )
         pause = time.perf_counter() - start
         self.host.metrics.export_pause.observe(pause)
         meta = {

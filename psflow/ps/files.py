@@ -7,10 +7,12 @@ manifest and the ``latest`` pointer).
 from __future__ import annotations
 
 import os
+import posixpath
 import threading
 from collections.abc import Callable, Iterable
 
 import fsspec
+from fsspec.core import split_protocol
 from fsspec.implementations.local import LocalFileSystem
 
 
@@ -66,3 +68,14 @@ def atomic_write(
         if before_commit is not None:
             before_commit()
         fs.mv(tmp, path)
+
+
+def normal_url(url: str) -> tuple[str, str] | None:
+    """``(scheme, absolute normalised path)`` of a local path or fsspec URL; ``None`` when a
+    component is ``..`` (refused, not resolved)."""
+    scheme, path = split_protocol(url)
+    if ".." in path.split("/"):
+        return None
+    if scheme in (None, "file", "local"):
+        return "file", os.path.abspath(path)
+    return scheme, posixpath.normpath("/" + path.lstrip("/"))

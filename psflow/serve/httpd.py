@@ -111,6 +111,11 @@ class HTTPServer(ThreadingHTTPServer):
             self.shutdown_request(request)
 
 
+def _json(body: Mapping[str, Any]) -> bytes:
+    """``body`` as JSON; a NaN or infinity raises ``ValueError`` (JSON has neither)."""
+    return json.dumps(body, allow_nan=False).encode()
+
+
 class _Handler(BaseHTTPRequestHandler):
     owner: Owner
     max_body_bytes: int
@@ -123,7 +128,7 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("%s %s", self.address_string(), format % args)
 
     def _answer(self, status: int, body: Mapping[str, Any]) -> None:
-        self._send(status, json.dumps(body).encode(), "application/json")
+        self._send(status, _json(body), "application/json")
 
     def _send(self, status: int, data: bytes, kind: str) -> None:
         self.send_response(status)
@@ -171,7 +176,16 @@ class _Handler(BaseHTTPRequestHandler):
             self.owner.metrics.request(500, time.perf_counter() - start)
             return
         answer = {k: v.tolist() for k, v in outputs.items()}
-        self._answer(200, {"export": served.seq, "step": served.step, "outputs": answer})
+        try:
+            data = _json({"export": served.seq, "step": served.step, "outputs": answer})
+        except ValueError:  # NaN or infinity: JSON has neither, and no number is right
+            bad = [k for k, v in outputs.items() if not np.isfinite(v).all()]
+            log.error("export-%d computed non-finite outputs %s: answered 500", served.seq, bad)
+            self._answer(500, {"error": f"export-{served.seq} computed a non-finite value "
+                               f"(NaN or infinity) in output(s) {bad}: refused"})  # fmt: skip
+            self.owner.metrics.request(500, time.perf_counter() - start)
+            return
+        self._send(200, data, "application/json")
         examples = len(next(iter(answer.values()), []))
         self.owner.metrics.request(200, time.perf_counter() - start, examples)
 

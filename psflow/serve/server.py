@@ -255,11 +255,14 @@ class ModelServer:
             model.follow(self.config.export_dir)
         except (ExportError, OSError) as e:  # an export pruned or refused: the rest stand
             error = f"{self.config.export_dir}: {e}"
+        except Exception as e:  # a check missed: refused all the same, the server serves on
+            log.exception("applying an export failed")
+            error = f"{self.config.export_dir}: {type(e).__name__}: {e}".splitlines()[0]
         if model.seq is not None and model.seq != self._tried:
             self._tried = model.seq
             try:
                 served = Served(model, self.config.features, self._graph_inputs)
-            except ExportError as e:
+            except (ExportError, ValueError, TypeError) as e:
                 # Kept applied (the next delta applies on it), not served: the last good
                 # export is.
                 error = str(e)

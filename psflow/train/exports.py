@@ -31,6 +31,7 @@ from psflow.serve.delta import (
     FORMAT,
     MANIFEST,
     ExportError,
+    damaged_exports,
     export_dir_name,
     export_shard_file_name,
     list_exports,
@@ -223,7 +224,10 @@ class Exporter:
         what = "a base" if since is None else f"a delta after {export_dir_name(since)}"
         log.info("export %s (%s) at step %d", url, what, step)
         if since is None:
-            self._prune(seq)
+            try:
+                self._prune(seq)
+            except Exception as e:  # the export is published: an old one left is no failure
+                log.warning("pruning the exports older than %s failed: %s", url, e)
         return url
 
     def _await(self, client: ShardedClient, url: str, start: float) -> None:
@@ -260,11 +264,17 @@ class Exporter:
 
     def _prune(self, newest_base: int) -> None:
         """Deletes the chains older than the newest ``export_keep_bases`` (complete bases),
-        and abandoned exports (no manifest) older than the newest base."""
+        and abandoned exports (no manifest) older than the newest base. An export whose
+        manifest cannot be read (logged by :func:`~psflow.serve.delta.list_exports`) counts
+        as a base: it goes with the chains older than the oldest kept base."""
         keep = self.config.export_keep_bases
         fs, root = url_to_fs(self.dir)
-        complete = list_exports(self.dir)
-        bases = sorted({e.seq for e in complete if e.since is None})
+        complete = {e.seq: e for e in list_exports(self.dir)}
+        damaged = damaged_exports(self.dir)
+        # A damaged one counts as a base: what is kept is never less for it.
+        bases = sorted(
+            {e.seq for e in complete.values() if e.since is None} | {newest_base} | set(damaged)
+        )
         oldest_kept = bases[-keep] if keep is not None and len(bases) > keep else bases[0]
         for entry in fs.ls(root, detail=False):
             name = str(entry).rstrip("/").rsplit("/", 1)[-1]
@@ -272,8 +282,13 @@ class Exporter:
             if match is None:
                 continue
             seq = int(match.group(1))
-            done = next((e for e in complete if e.seq == seq), None)
-            old = done.base < oldest_kept if done is not None else seq < newest_base
+            done = complete.get(seq)
+            if done is not None:
+                old = done.base < oldest_kept
+            elif seq in damaged:
+                old = seq < oldest_kept
+            else:
+                old = seq < newest_base
             if old:
                 fs.rm(str(entry), recursive=True)
 
