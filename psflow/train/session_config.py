@@ -143,8 +143,10 @@ class SessionConfig:
     """Seconds a worker waits, after a ps failed to answer, for every ps to answer again (a
     crashed one restarted by its cluster manager, a cut link mended); the chief then restores
     the latest checkpoint into every shard if one came back empty, and training goes on
-    (asynchronous and synchronous modes; all-reduce has no ps). Default
-    ``PSFLOW_RECOVERY_TIMEOUT``, else 300. ``None``: the error stops the worker."""
+    (asynchronous and synchronous modes; all-reduce has no ps). One global step failing for
+    longer than this while every ps answers (a sync step awaiting a worker hung in its own
+    code) ends the recoveries with its error. Default ``PSFLOW_RECOVERY_TIMEOUT``, else 300.
+    ``None``: the error stops the worker."""
     stop_on_sigterm: bool = True
     """SIGTERM (what Kubernetes sends a pod 30 s before SIGKILL), and a first Ctrl-C of a
     script run by hand, stop the session cleanly: the step in progress ends, the loop's
