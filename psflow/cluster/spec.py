@@ -23,7 +23,9 @@ JOBS = ("chief", "ps", "worker", "evaluator")
 """The job names psflow knows, in TensorFlow's vocabulary."""
 
 _JOB_ALIASES = {"master": "chief"}
-_HOST_RE = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]+)):(?P<port>[0-9]+)$")
+_HOST_RE = re.compile(
+    r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]+)):(?P<port>[0-9]+)$"
+)
 
 
 def parse_address(address: str) -> tuple[str, int]:

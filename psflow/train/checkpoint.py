@@ -1,8 +1,9 @@
 """Sharded checkpoints from the chief's side: save through the ps, restore, export.
 
 Saving (:class:`Checkpointer`): the chief asks every ps to snapshot its shard (the pause) and
-goes on training; a background thread waits for every shard file, then publishes the manifest
-and the ``latest`` pointer (:class:`~psflow.train.manifest.CheckpointDir`) and prunes. In
+goes on training; a background thread waits for every shard file, writes the chief's model's
+buffers (:mod:`psflow.train.checkpoint_buffers`), then publishes the manifest and the
+``latest`` pointer (:class:`~psflow.train.manifest.CheckpointDir`) and prunes. In
 all-reduce mode the one "ps" is the chief's own model (:class:`~psflow.train.local_shard.LocalShard`).
 
 Restoring (:func:`load_checkpoint`, :meth:`Checkpoint.place`; in
@@ -26,6 +27,7 @@ import torch
 
 from psflow.metrics import WorkerMetrics
 from psflow.protocol import Code, Key, SaveState
+from psflow.train.checkpoint_buffers import buffer_meta, write_buffers
 from psflow.train.checkpoint_export import (
     export_state_dict,
     fixed_tables,
@@ -33,7 +35,7 @@ from psflow.train.checkpoint_export import (
     table_tensors,
 )
 from psflow.train.checkpoint_read import Checkpoint, load_checkpoint
-from psflow.train.manifest import CheckpointDir, Manifest, VariableEntry
+from psflow.train.manifest import BUFFERS_FILE, CheckpointDir, Manifest, VariableEntry
 from psflow.transport import PeerError
 from psflow.transport.wire import dtype_name
 from psflow.worker.placement import Piece
@@ -86,6 +88,9 @@ class Checkpointer:
         make_client: a fresh client for the background thread (sockets are per thread).
         max_to_keep: complete checkpoints to keep (``None``: all).
         timeout: seconds a save may take before it fails, naming the shards not done.
+        buffers: the chief's model's buffers now, copies on the CPU
+            (:func:`~psflow.train.checkpoint_buffers.snapshot_buffers`), taken at each save and
+            written with it; ``None``: none recorded (the manifest's ``buffers`` is ``null``).
     """
 
     def __init__(
@@ -99,8 +104,10 @@ class Checkpointer:
         max_to_keep: int | None = 5,
         timeout: float = 300.0,
         metrics: WorkerMetrics | None = None,
+        buffers: Callable[[], dict[str, torch.Tensor]] | None = None,
     ) -> None:
         self.dir = CheckpointDir(checkpoint_dir)
+        self.buffers = buffers
         self.metrics = metrics
         """Where each completed save's duration, step and time go (the chief's)."""
         self.client = client
@@ -175,6 +182,8 @@ class Checkpointer:
                 self.dir.mark_final(name)
             return name
         start = time.perf_counter()
+        # The chief's buffers as they are when the ps snapshot (copied: training goes on).
+        buffers = None if self.buffers is None else self.buffers()
         # Shard 0 first, naming the directory by the global step its snapshot holds; the others
         # then write into that one.
         replies = self.client.save({0: self.dir.url_of(name)}, by_step=True)
@@ -202,7 +211,7 @@ class Checkpointer:
         )
         self._thread = threading.Thread(
             target=self._finish,
-            args=(name, url, replies, final, start),
+            args=(name, url, replies, final, start, buffers),
             name="psflow-ckpt",
             daemon=True,
         )
@@ -227,7 +236,13 @@ class Checkpointer:
             self._error = None
 
     def _finish(
-        self, name: str, url: str, replies: dict[int, dict[str, Any]], final: bool, start: float
+        self,
+        name: str,
+        url: str,
+        replies: dict[int, dict[str, Any]],
+        final: bool,
+        start: float,
+        buffers: dict[str, torch.Tensor] | None,
     ) -> None:
         try:
             client = self.make_client()
@@ -236,6 +251,12 @@ class Checkpointer:
             finally:
                 client.close()
             manifest = self._manifest(replies)
+            if buffers is not None:
+                # Before the manifest that names it: a checkpoint is complete with its buffers.
+                if buffers:
+                    write_buffers(self.dir.url_of(f"{name}/{BUFFERS_FILE}"), buffers)
+                    manifest.buffers_file = BUFFERS_FILE
+                manifest.buffers = buffer_meta(buffers)
             manifest.final = final
             self.dir.publish(name, manifest)
             self.last_saved_step = manifest.global_step

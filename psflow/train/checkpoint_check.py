@@ -8,6 +8,8 @@ What is checked, before anything is sized by it:
 - the manifest's own fields (:func:`check_manifest`): each parameter's ``shape`` and
   ``dtype``, each variable named once with a known dtype, each table's ``spec`` (a
   :class:`~psflow.protocol.TableSpec`), ``rows`` and ``bytes``;
+- the buffers file (:func:`check_buffers`): exactly the buffers the manifest lists, each of
+  its dtype and shape;
 - each shard file against its place (:func:`check_shard_file`): its shard index and count;
 - each parameter's parts (:func:`check_parts`): by intervals, not counts: row ranges that
   tile ``[0, rows)`` exactly once, each part of the rows, dtype and shape its entry and the
@@ -35,7 +37,14 @@ from psflow.sparse.partition import Partition
 from psflow.train.manifest import Manifest, VariableEntry
 from psflow.transport.wire import DTYPES
 
-__all__ = ["TableParts", "check_manifest", "check_parts", "check_shard_file", "check_tables"]
+__all__ = [
+    "TableParts",
+    "check_buffers",
+    "check_manifest",
+    "check_parts",
+    "check_shard_file",
+    "check_tables",
+]
 
 TableParts = dict[str, list[dict[str, torch.Tensor]]]
 """Per table, one map (``ids``, ``values``, ``opt/<key>``) per shard file that holds rows."""
@@ -61,6 +70,12 @@ def check_manifest(manifest: Manifest, source: str) -> dict[str, TableSpec]:
             raise ValueError(f"{source}: params.{param}.shape = {shape!r} is not a list of sizes")
         if dtype is not None and (not isinstance(dtype, str) or dtype not in DTYPES):
             raise ValueError(f"{source}: params.{param}.dtype = {dtype!r} is not a dtype")
+    for buffer, meta in (manifest.buffers or {}).items():
+        shape, dtype = meta.get("shape"), meta.get("dtype")
+        if not _sizes(shape):
+            raise ValueError(f"{source}: buffers.{buffer}.shape = {shape!r} is not a list of sizes")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise ValueError(f"{source}: buffers.{buffer}.dtype = {dtype!r} is not a dtype")
     seen: set[str] = set()
     for v in manifest.variables:
         if v.var in seen:
@@ -84,6 +99,31 @@ def check_manifest(manifest: Manifest, source: str) -> dict[str, TableSpec]:
                 raise ValueError(f"{where}.{key} = {entry.get(key)!r} is not a count")
         specs[table] = spec
     return specs
+
+
+def check_buffers(
+    tensors: dict[str, torch.Tensor], manifest: Manifest, url: str, manifest_url: str
+) -> None:
+    """The buffers file read from ``url`` holds exactly the manifest's buffers, each of the
+    dtype and shape the manifest gives it.
+
+    Raises:
+        ValueError: naming the file and the buffer.
+    """
+    listed = manifest.buffers or {}
+    missing = sorted(set(listed) - set(tensors))
+    if missing:
+        raise ValueError(f"{url} lacks buffers {missing}, which {manifest_url} lists")
+    extra = sorted(set(tensors) - set(listed))
+    if extra:
+        raise ValueError(f"{url} holds buffers {extra}, which {manifest_url} does not list")
+    for name, t in tensors.items():
+        meta = listed[name]
+        if list(t.shape) != meta["shape"] or _name_of(t.dtype) != meta["dtype"]:
+            raise ValueError(
+                f"{url}: buffer {name!r} is {_name_of(t.dtype)}{list(t.shape)}, the manifest "
+                f"says {meta['dtype']}{meta['shape']}"
+            )
 
 
 def check_shard_file(shard: ShardFile, index: int, num_shards: int, url: str) -> None:

@@ -17,15 +17,16 @@ __all__ = ["export_state_dict", "fixed_tables", "hashed_tables", "table_tensors"
 
 
 def export_state_dict(checkpoint_dir: str, out: str, name: str | None = None) -> Checkpoint:
-    """Writes the checkpoint's parameters as a plain safetensors state dict.
+    """Writes the checkpoint's parameters and the chief's model's buffers (a BatchNorm's
+    running statistics) as a plain safetensors state dict.
 
-    ``model.load_state_dict(safetensors.torch.load_file(out))`` loads it with no cluster
-    (use ``strict=False`` for a model with buffers: the ps holds parameters only). Each
-    fixed-size embedding table is written whole as ``<table>.weight``, the name a
-    ``torch.nn.Embedding`` (or ``psflow.nn.Embedding``) at that path loads; each hashed table
-    as ``<table>.ids`` and ``<table>.rows`` (its rows in id order), which a hashed
-    ``psflow.nn`` table at that path loads (optimizer state is not written, as for the
-    fixed ones).
+    ``model.load_state_dict(safetensors.torch.load_file(out))`` loads it with no cluster,
+    strictly (a checkpoint saved before buffers were holds none: ``strict=False`` for a model
+    with buffers then). Each fixed-size embedding table is written whole as ``<table>.weight``,
+    the name a ``torch.nn.Embedding`` (or ``psflow.nn.Embedding``) at that path loads; each
+    hashed table as ``<table>.ids`` and ``<table>.rows`` (its rows in id order), which a hashed
+    ``psflow.nn`` table at that path loads (optimizer state is not written, as for the fixed
+    ones).
 
     Raises:
         ValueError: when there is no complete checkpoint, or one that fails a check (see
@@ -35,6 +36,7 @@ def export_state_dict(checkpoint_dir: str, out: str, name: str | None = None) ->
     if ckpt is None:
         raise ValueError(f"no complete checkpoint in {checkpoint_dir}")
     tensors = {n: t.contiguous() for n, t in ckpt.params.items()}
+    tensors.update(ckpt.buffers or {})
     if ckpt.table_specs:
         tensors.update(fixed_tables(checkpoint_dir, ckpt))
         tensors.update(hashed_tables(ckpt, ckpt.tables))

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from psflow.protocol import OptimizerSpec, ScheduleSpec, TableSpec
 from psflow.ps import safefile
@@ -22,9 +23,11 @@ from psflow.ps.files import join
 from psflow.ps.positions import InputPositions
 from psflow.ps.shard_file import ShardFile, read_shard, shard_file_name
 from psflow.ps.tables import TABLE_PREFIX
+from psflow.train.checkpoint_buffers import model_buffers
 from psflow.train.checkpoint_check import (
     TableCheck,
     TableParts,
+    check_buffers,
     check_manifest,
     check_parts,
     check_shard_file,
@@ -56,6 +59,10 @@ class Checkpoint:
     inputs: dict[str, InputPositions] = field(default_factory=dict)
     """The input positions of each shard file read (by file name): those holding variables,
     and every one where there are tables."""
+    buffers: dict[str, torch.Tensor] | None = None
+    """The chief's model's persistent buffers (:mod:`psflow.train.checkpoint_buffers`), read
+    from the buffers file and checked against the manifest; ``None`` for a checkpoint saved
+    before they were (its manifest lists none: a model's buffers are then left as they are)."""
 
     @property
     def global_step(self) -> int:
@@ -77,20 +84,49 @@ class Checkpoint:
 
     def check_model(self, params: dict[str, torch.Tensor]) -> None:
         """Raises ``ValueError`` naming the first parameter that differs from the checkpoint."""
-        missing = sorted(set(params) - set(self.params))
-        extra = sorted(set(self.params) - set(params))
+        self._check_against("the model", "", self.params, params)
+
+    def check_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Raises ``ValueError`` naming the first of the model's ``buffers``
+        (:func:`~psflow.train.checkpoint_buffers.model_buffers`) that differs from the
+        checkpoint's: missing from one or the other, or of another dtype or shape. A checkpoint
+        that records no buffers (saved before they were) matches any model."""
+        if self.buffers is not None:
+            self._check_against("the model's buffers", "buffer ", self.buffers, buffers)
+
+    def _check_against(
+        self, what: str, kind: str, saved: dict[str, torch.Tensor], given: dict[str, torch.Tensor]
+    ) -> None:
+        missing, extra = sorted(set(given) - set(saved)), sorted(set(saved) - set(given))
         if missing or extra:
             raise ValueError(
-                f"checkpoint {self.name} does not match the model: missing {missing}, "
+                f"checkpoint {self.name} does not match {what}: missing {missing}, "
                 f"not in the model {extra}"
             )
-        for name, p in params.items():
-            t = self.params[name]
-            if t.shape != p.shape or t.dtype != p.dtype:
+        for name, g in given.items():
+            t = saved[name]
+            if t.shape != g.shape or t.dtype != g.dtype:
                 raise ValueError(
-                    f"checkpoint {self.name}: {name!r} is {dtype_name(t.dtype)}{list(t.shape)}, "
-                    f"the model has {dtype_name(p.dtype)}{list(p.shape)}"
+                    f"checkpoint {self.name}: {kind}{name!r} is {dtype_name(t.dtype)}"
+                    f"{list(t.shape)}, the model has {dtype_name(g.dtype)}{list(g.shape)}"
                 )
+
+    def load_buffers(self, model: nn.Module) -> bool:
+        """Copies the checkpoint's buffers into ``model``'s (each on its own device), once
+        :meth:`check_buffers` passed them; False (the model left as it is) for a checkpoint
+        saved before buffers were.
+
+        Raises:
+            ValueError: naming the buffer that does not match the model.
+        """
+        if self.buffers is None:
+            return False
+        mine = model_buffers(model)
+        self.check_buffers(mine)
+        with torch.no_grad():
+            for name, value in self.buffers.items():
+                mine[name].copy_(value)
+        return True
 
     def optimizer_state_refused(self, spec: OptimizerSpec) -> str | None:
         """Why the optimizer state saved here cannot go to ``spec``'s optimizer (``None`` when
@@ -218,6 +254,14 @@ def load_checkpoint(
     else:
         urls = [(d.url_of(f"{name}/{f}"), files[f]) for f in sorted(files)]
         tables = check_tables(d.url_of(name), specs, urls)
+    buffers: dict[str, torch.Tensor] | None = None if manifest.buffers is None else {}
+    if manifest.buffers_file is not None:  # a file of few, small tensors: read whole
+        url = d.url_of(f"{name}/{manifest.buffers_file}")
+        try:
+            buffers, _ = safefile.read(url, root)
+        except FileNotFoundError:
+            raise ValueError(f"{url}, named in {name}'s manifest, does not exist") from None
+        check_buffers(buffers, manifest, url, manifest_url)
     return Checkpoint(
         name=name,
         manifest=manifest,
@@ -227,6 +271,7 @@ def load_checkpoint(
         tables=tables,
         table_specs=specs,
         inputs={file: shard.inputs for file, shard in files.items()},
+        buffers=buffers,
     )
 
 

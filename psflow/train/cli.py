@@ -86,6 +86,11 @@ def inspect(args: argparse.Namespace) -> int:
     for v in sorted(m.variables, key=lambda v: v.var):
         rows = f" rows {v.rows[0]}:{v.rows[1]} of {v.param}" if v.rows else ""
         print(f"  {v.var:<{width}}  {v.dtype:<8} {json.dumps(v.shape):<16} {v.file}{rows}")
+    if m.buffers:
+        print(f"buffers (the chief's model's, in {m.buffers_file}):")
+        width = max(len(b) for b in m.buffers)
+        for buffer, meta in sorted(m.buffers.items()):
+            print(f"  {buffer:<{width}}  {meta['dtype']:<8} {json.dumps(meta['shape'])}")
     if m.tables:
         print("embedding tables:")
         width = max(len(t) for t in m.tables)

@@ -32,6 +32,7 @@ from psflow.protocol import RowOptimizerSpec, TableSpec
 from psflow.ps.checkpoint import CKPT_DIR_RE, join, url_to_fs
 from psflow.sparse import Rows, make_rows
 from psflow.train.checkpoint import fixed_tables, load_checkpoint
+from psflow.train.checkpoint_buffers import model_buffers
 from psflow.train.manifest import MANIFEST, CheckpointDir, CheckpointInfo, Manifest
 from psflow.worker.placement import dense_parameters
 from psflow.worker.tables import tables_of
@@ -74,7 +75,8 @@ class Evaluator:
     ``TF_CONFIG``'s ``task.type == "evaluator"``: :attr:`TaskContext.is_evaluator
     <psflow.cluster.TaskContext.is_evaluator>`).
 
-    The model is the one the workers train, built the same way. Dense parameters are copied in;
+    The model is the one the workers train, built the same way. Dense parameters are copied in,
+    and the buffers the chief's model had at the save (a BatchNorm's running statistics);
     a fixed-size :mod:`psflow.nn` table loads into its local ``weight``; a hashed table gets its
     saved rows, kept on this process (an id the checkpoint does not hold reads as its initial
     row, as from the ps), so the whole table must fit this process's memory. The evaluation
@@ -288,6 +290,7 @@ class Evaluator:
         assert ckpt is not None  # a name was given
         params = dense_parameters(self.model)
         ckpt.check_model({n: p.detach() for n, p in params.items()})
+        ckpt.check_buffers(model_buffers(self.model))
         modules = tables_of(self.model)
         saved_tables = set(ckpt.manifest.tables)
         if set(modules) != saved_tables:
@@ -298,6 +301,7 @@ class Evaluator:
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(ckpt.params[n])
+            ckpt.load_buffers(self.model)  # a BatchNorm's statistics, as the chief had them
             if modules:
                 saved = ckpt.tables  # read and checked by load_checkpoint
                 weights = fixed_tables(self.dir.url, ckpt)

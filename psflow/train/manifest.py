@@ -4,12 +4,13 @@ Layout of a checkpoint directory (a local path or any fsspec URL)::
 
     <dir>/latest                          "ckpt-<step>": the newest complete checkpoint
     <dir>/ckpt-<step>/shard-<i>-of-<n>.safetensors   one per ps task, written by that task
+    <dir>/ckpt-<step>/buffers.safetensors the chief's model's buffers (BatchNorm's statistics)
     <dir>/ckpt-<step>/manifest.json       written by the chief once every shard is on disk
 
 A checkpoint is complete when its manifest exists; the manifest is written after every shard
-file and the pointer after the manifest, each by an atomic replace, so a task killed at any
-moment leaves ``latest`` naming a complete checkpoint. Incomplete directories are ignored by
-readers and removed by the chief.
+file (and the buffers file) and the pointer after the manifest, each by an atomic replace, so a
+task killed at any moment leaves ``latest`` naming a complete checkpoint. Incomplete
+directories are ignored by readers and removed by the chief.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from psflow.ps.shard_file import shard_file_name
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+BUFFERS_FILE = "buffers.safetensors"
+"""The chief's model's persistent buffers (``state_dict()`` less parameters and tables), in
+the checkpoint's directory beside the shard files."""
 LATEST = "latest"
 FORMAT = 1
 _POINTER_BYTES = 256  # the most of ``latest`` read: it holds one name
@@ -74,6 +78,15 @@ class Manifest:
     """Every embedding table: ``{"spec": TableSpec as data, "rows": rows held, "bytes": the
     ps's memory for it when saved (its tensors at their capacity, id map and admission sketch
     included), not the bytes saved}``; each shard file holds its rows (``@table/<name>/...``)."""
+    buffers: dict[str, dict[str, Any]] | None = None
+    """The chief's model's persistent buffers (a BatchNorm's ``running_mean``, ``running_var``,
+    ``num_batches_tracked``: its ``state_dict()`` less the parameters and the tables), each
+    ``{"shape": [...], "dtype": "float32"}``, held by :attr:`buffers_file`. ``{}``: the model
+    has none; ``None``: not recorded (manifests written before the field: the model's buffers
+    are left as they are)."""
+    buffers_file: str | None = None
+    """The file of the checkpoint's directory that holds :attr:`buffers`
+    (:data:`BUFFERS_FILE`), ``None`` when there are none."""
     final: bool = False
     """Whether this is the job's last checkpoint: the one the chief saves when training ends
     normally (not on SIGTERM, which a cluster manager may follow with a restart). An evaluator
@@ -135,6 +148,17 @@ class Manifest:
                 raise TypeError(f"{name} is not an object")
         if not all(isinstance(v, dict) for v in [*self.params.values(), *self.tables.values()]):
             raise TypeError("params and tables must map names to objects")
+        if self.buffers is not None and (
+            not isinstance(self.buffers, dict)
+            or not all(isinstance(v, dict) for v in self.buffers.values())
+        ):
+            raise TypeError("buffers must map names to objects")
+        if self.buffers_file is not None and self.buffers_file != BUFFERS_FILE:
+            raise ValueError(f"buffers_file {self.buffers_file!r} is not {BUFFERS_FILE!r}")
+        if bool(self.buffers) != (self.buffers_file is not None):
+            raise ValueError(
+                f"buffers_file is {self.buffers_file!r} for {len(self.buffers or {})} buffers"
+            )
         if not isinstance(self.final, bool):
             raise TypeError("final is not true or false")
         if not ints(self.shard_steps):

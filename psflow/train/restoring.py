@@ -5,7 +5,8 @@ part of :class:`~psflow.train.TrainingSession` that brings the job back to its l
   all-reduce mode and alone into the chief's own model (:meth:`Restoring._start_allreduce`,
   :meth:`Restoring._start_alone`);
 - after a ps failed to answer (:meth:`Restoring._recover`): wait for every ps, restore the
-  shards that came back empty, go on with a new optimizer.
+  shards that came back empty (with no checkpoint yet, initialise them again from the chief's
+  model: :meth:`Restoring._initialise_again`), go on with a new optimizer.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from psflow.protocol.messages import OPT_SEP
 from psflow.ps.checkpoint import decode_shard
 from psflow.train.alone import LocalEngine
 from psflow.train.checkpoint import Checkpoint, Checkpointer, load_checkpoint
+from psflow.train.checkpoint_buffers import model_buffers
 from psflow.train.input_position import InputTracker
 from psflow.train.local_shard import LocalShard
 from psflow.train.manifest import CheckpointDir
@@ -190,6 +192,7 @@ class Restoring:
         into its model (and a cluster of one's tables)."""
         assert self._local is not None and self.config.checkpoint.checkpoint_dir is not None
         ckpt.check_model({n: p.detach() for n, p in dense_parameters(self.model).items()})
+        ckpt.check_buffers(model_buffers(self.model))
         refused = ckpt.optimizer_state_refused(self.spec)
         if refused is not None:
             log.warning("%s: optimizer state not restored: %s", ckpt.name, refused)
@@ -198,6 +201,7 @@ class Restoring:
         self._local.load(
             ckpt, optimizer_state=refused is None, table_files=d.shard_urls(ckpt.name, n)
         )
+        self._restore_buffers(ckpt)
         self.restored_from = ckpt.name
         log.info(
             "restored %s from %s (global step %d, saved on %d ps)%s",
@@ -207,6 +211,17 @@ class Restoring:
             n,
             then,
         )
+
+    def _restore_buffers(self, ckpt: Checkpoint) -> None:
+        """The checkpoint's buffers (a BatchNorm's running statistics) into the chief's model,
+        checked by :meth:`Checkpoint.check_buffers` already; a checkpoint saved before they were
+        leaves the model's as they are, said when the model has some."""
+        if not ckpt.load_buffers(self.model) and model_buffers(self.model):
+            log.info(
+                "%s holds no buffers (saved before psflow saved them): the model's stay as "
+                "they are",
+                ckpt.name,
+            )
 
     def _restore(self, *, replace: bool, timeout: float) -> bool:
         """The chief: loads the latest checkpoint into the ps; False when there is none.
@@ -225,6 +240,7 @@ class Restoring:
             log.info("no checkpoint in %s: initialising", cfg.checkpoint_dir)
             return False
         ckpt.check_model({n: p.detach() for n, p in dense_parameters(self.model).items()})
+        ckpt.check_buffers(model_buffers(self.model))  # before the ps take anything
         values, plain = ckpt.place(self.pieces)
         assert self._client is not None
         spec = self.spec
@@ -262,6 +278,9 @@ class Restoring:
             raise ValueError(
                 f"{d.url_of(ckpt.name)}: {e.peer} refused the restore: {e.detail}"
             ) from None
+        # The chief's own buffers (not the ps's): the checkpoint's, even where the ps were
+        # already initialised (this chief restarted: its buffers are a new model's).
+        self._restore_buffers(ckpt)
         if fresh:
             self.restored_from = ckpt.name
             log.info(
@@ -294,7 +313,8 @@ class Restoring:
     def _recover(self, error: PeerError) -> int:
         """After a ps failed to answer: waits for every ps to answer again; the chief restores
         the latest checkpoint into every shard when one came back empty (a crashed ps that its
-        cluster manager restarted); then a new optimizer pulls. Returns the global step.
+        cluster manager restarted), or with no checkpoint initialises the empty ones again from
+        its own model; then a new optimizer pulls. Returns the global step.
         """
         timeout = self.config.recovery_timeout
         lost = isinstance(error, PeerTimeoutError | PeerLostError)  # not a refused request
@@ -343,23 +363,21 @@ class Restoring:
             self._client.wait_ready(
                 timeout, initialized=False, setting=envvars.PSFLOW_RECOVERY_TIMEOUT
             )
-            empty = [
-                self._client.shards[s]
-                for s, h in self._client.status().items()
-                if not h.get(Key.INITIALIZED)
-            ]
+            empty = sorted(
+                s for s, h in self._client.status().items() if not h.get(Key.INITIALIZED)
+            )
             if empty:
-                names = ", ".join(empty)
+                names = ", ".join(self._client.shards[s] for s in empty)
                 restored = self.config.checkpoint.checkpoint_dir is not None and self._restore(
                     replace=True, timeout=timeout
                 )
-                if not restored:
-                    raise RuntimeError(
-                        f"{names} came back empty and there is no checkpoint to restore it from"
-                    ) from error
-                log.warning(
-                    "%s came back empty: every shard restored from %s", names, self.restored_from
-                )
+                if restored:
+                    log.warning(
+                        "%s came back empty: every shard restored from %s",
+                        names, self.restored_from,
+                    )  # fmt: skip
+                else:
+                    self._initialise_again(empty, timeout)
         else:  # the wait named for what it is (the optimizer's own names the ready timeout)
             waiting = ShardedClient(self.ctx, self.transport)
             try:
@@ -372,6 +390,48 @@ class Restoring:
             self._input.resume(self.opt)
         log.warning("%s: training goes on at global step %d", self.ctx.task, self.opt.global_step)
         return self.opt.global_step
+
+    def _initialise_again(self, shards: list[int], timeout: float) -> None:
+        """The chief, after ``shards`` came back empty with no checkpoint to restore them from:
+        initialises them as at the job's start (:meth:`ParameterExchange.start
+        <psflow.worker.exchange.ParameterExchange.start>`), from this model's values (the last
+        it pulled: the freshest there are) at the last global step it saw, their tables' rows
+        from the tables' seeds (a table the model held rows of when the job began gave them
+        to the ps then: they are not held any longer). What only the lost shards held is lost:
+        their optimizer state and table rows. The other shards keep their values (they answer
+        the init with ``already``)."""
+        assert self._client is not None
+        params = dense_parameters(self.model)
+        values = {
+            s: [
+                (p.var, params[p.param].detach()[slice(*p.rows) if p.rows else slice(None)])
+                for p in self.pieces
+                if p.shard == s
+            ]
+            for s in shards
+        }
+        specs = table_specs(tables_of(self.model), self.spec)
+        tables = [t.to_wire() for t in specs] or None
+        step = self.global_step
+        self._client.initialize(
+            values, self.spec, step, schedule=self.lr_schedule, tables=tables, timeout=timeout
+        )
+        names = ", ".join(self._client.shards[s] for s in shards)
+        where = self.config.checkpoint.checkpoint_dir
+        rows = ", ".join(t.name for t in specs)
+        lost = "their optimizer state" + (f" and their rows of tables {rows}" if specs else "")
+        kept = len(shards) < self._client.num_shards
+        log.warning(
+            "%s came back empty and there is no checkpoint%s to restore from: initialised "
+            "again from %s's values (its last pull) at global step %d; lost: %s since the "
+            "job's start, and what other workers pushed since that pull; nothing else%s",
+            names,
+            f" in {where}" if where is not None else " (no checkpoint_dir)",
+            self.ctx.task,
+            step,
+            lost,
+            " (the other shards keep theirs)" if kept else "",
+        )
 
     def _ended_by_sigterm(self, error: PeerError) -> int:
         """After SIGTERM: a synchronous step that can no longer complete (the other workers,

@@ -28,6 +28,7 @@ from psflow.cluster.spec import TaskContext
 from psflow.protocol import Key
 from psflow.train.alone import LocalEngine
 from psflow.train.checkpoint import Checkpointer, ShardSaver
+from psflow.train.checkpoint_buffers import snapshot_buffers
 from psflow.train.exports import Exporter
 from psflow.train.hooks import (
     Hook,
@@ -288,6 +289,7 @@ class TrainingSession(Restoring, StopOnSignals):
             assert self._client is not None
             shards = self._client
             pieces = self.pieces
+        warned: set[str] = set()  # buffers of a dtype a checkpoint cannot hold: said once
         return Checkpointer(
             checkpoint_dir,
             client=shards,
@@ -301,6 +303,7 @@ class TrainingSession(Restoring, StopOnSignals):
             max_to_keep=self.config.checkpoint.max_to_keep,
             timeout=self.config.checkpoint.save_timeout,
             metrics=self.metrics,
+            buffers=lambda: snapshot_buffers(self.model, warned=warned),
         )
 
     # -- the loop ---------------------------------------------------------------------------
