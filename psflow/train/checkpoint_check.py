@@ -32,6 +32,7 @@ import torch
 from psflow.protocol import RowOptimizerSpec, TableSpec
 from psflow.ps.shard_file import ShardFile
 from psflow.ps.tables import TABLE_PREFIX, split_table_tensor_name
+from psflow.sparse import kernels
 from psflow.sparse.optim import RowOptimizer
 from psflow.sparse.partition import Partition
 from psflow.train.manifest import Manifest, VariableEntry
@@ -127,12 +128,24 @@ def check_buffers(
 
 
 def check_shard_file(shard: ShardFile, index: int, num_shards: int, url: str) -> None:
-    """A shard file's own account of its place agrees with its name and the manifest's."""
+    """A shard file's own account of its place agrees with its name and the manifest's, and
+    its floating-point values are finite, as a ps saves them (it refuses to save others)."""
     if (shard.shard, shard.num_shards) != (index, num_shards):
         raise ValueError(
             f"{url}: the file says it is shard {shard.shard} of {shard.num_shards}; the "
             f"manifest and its name, {index} of {num_shards}"
         )
+    for name, t in shard.tensors.items():
+        if t.is_floating_point() and not _finite(t):
+            raise ValueError(
+                f"{url}: {name!r} holds a value that is not finite, which no ps saves "
+                "(a damaged or altered file)"
+            )
+
+
+def _finite(t: torch.Tensor) -> bool:
+    finite = kernels.native_finite(t)  # at reading speed where the kernels take it
+    return bool(torch.isfinite(t).all()) if finite is None else finite
 
 
 def check_parts(

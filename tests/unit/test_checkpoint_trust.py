@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import threading
 import tracemalloc
@@ -181,6 +182,23 @@ def test_a_float32_tensor_relabelled_int32_is_refused(tmp_path: Path) -> None:
     raw += b" " * (-len(raw) % 8)
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
     _refused(run, r"shard-0-of-2\.safetensors: 'fc.bias' is int32, the manifest says float32")
+
+
+@pytest.mark.parametrize("name", ["fc.bias", "fc.bias/opt/exp_avg", "@table/items/values"])
+def test_a_value_no_ps_saves_is_refused(tmp_path: Path, name: str) -> None:
+    """A ps refuses to save a non-finite value: one in a file was exported and restored as it
+    was (a NaN in a parameter, its optimizer state or a table's rows)."""
+    run, _ = psflow_checkpoint.copy(tmp_path)
+
+    def poison(tensors: dict[str, torch.Tensor]) -> None:
+        key = next(k for k in sorted(tensors) if k.startswith(name))
+        tensors[key] = tensors[key].clone()
+        tensors[key].view(-1)[0] = float("nan")
+
+    _rewrite_shard(run / SHARD0, poison)
+    _refused(
+        run, rf"shard-0-of-2\.safetensors: '{re.escape(name)}\S*' holds a value that is not finite"
+    )
 
 
 def test_a_shard_file_in_the_wrong_place_is_refused(tmp_path: Path) -> None:
