@@ -35,10 +35,11 @@ from psflow.ps.store import RowGrads, ShardStore
 from psflow.ps.tables import FirstRows, build_tables, restore_tables, set_initial_rows
 from psflow.sparse import coalesce
 from psflow.worker.exchange import clear_grads
+from psflow.worker.lookups import Lookups
 from psflow.worker.modes import Engine, Mode, ModeConfig
 from psflow.worker.opt_state import State, load_optimizer_state
 from psflow.worker.placement import Piece, dense_parameters
-from psflow.worker.tables import Lookups, TableModule, tables_of
+from psflow.worker.tables import TableModule, tables_of
 
 
 class LocalTables:

@@ -24,7 +24,8 @@
   ``row_layout.py``: :class:`~psflow.worker.row_layout.TableLayout`, the tables as requests
   see them (ids grouped by shard, the rows that come back checked and joined);
   ``prefetch.py``: :class:`~psflow.worker.prefetch.RowPrefetch`, a coming batch's rows
-  riding the step.
+  riding the step; ``lookups.py``: :class:`~psflow.worker.lookups.Lookups`, the lookups the
+  next step pushes (kept across ``zero_grad()``).
 - ``staging.py``: :class:`~psflow.worker.staging.Staging`, a GPU model's copies to and from
   the host through pinned memory, the host waiting for the device once a step.
 - ``towers.py``: :class:`Towers`, one batch split across several local devices.

@@ -22,7 +22,7 @@ from psflow.train.alone import LocalEngine
 from psflow.transport import TransportConfig
 from psflow.worker import DistributedOptimizer
 from psflow.worker.engine import ExchangeEngine
-from psflow.worker.tables import Lookups
+from psflow.worker.lookups import Lookups
 
 from .support import worker_ctx
 
