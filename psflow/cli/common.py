@@ -18,7 +18,9 @@ def command(
     description: str | None = None,
 ) -> argparse.ArgumentParser:
     """A subcommand that takes ``--debug`` after its name too."""
-    parser = subparsers.add_parser(name, help=help, description=description)
+    # allow_abbrev=False: the script's own flags after SCRIPT (--p) are not taken for
+    # abbreviations of psflow's (argparse checked them against --ps, --preload, ... first).
+    parser = subparsers.add_parser(name, help=help, description=description, allow_abbrev=False)
     # SUPPRESS: absent here, the top-level --debug's value stands.
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     parser.set_defaults(prog=parser.prog)
@@ -30,7 +32,7 @@ def group(
 ) -> argparse.ArgumentParser:
     """A subcommand of actions (``psflow data ACTION``) that takes ``--debug`` before the
     action too."""
-    parser = subparsers.add_parser(name, help=help)
+    parser = subparsers.add_parser(name, help=help, allow_abbrev=False)
     parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     return parser
 

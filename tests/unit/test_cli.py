@@ -269,3 +269,13 @@ def test_psflow_names_load_on_first_use() -> None:
     assert sorted(psflow.__all__) == sorted([*psflow._EXPORTS, "__version__"])
     for name in psflow.__all__:
         assert getattr(psflow, name) is not None
+
+
+def test_a_scripts_flags_that_abbreviate_psflows_reach_the_script() -> None:
+    """``--p`` after the script was refused as an ambiguous abbreviation of --ps, --preload,
+    ... (argparse looks at every argument before the script's remainder takes them)."""
+    parser = psflow.cli.build_parser()
+    args = parser.parse_args(["launch", "--ps", "1", "train.py", "--p", "1", "--n", "2"])
+    assert (args.script, args.args, args.ps) == ("train.py", ["--p", "1", "--n", "2"], 1)
+    args = parser.parse_args(["render", "compose", "--name", "a", "--image", "i", "t.py", "--p"])
+    assert args.script_argv == ["t.py", "--p"]
