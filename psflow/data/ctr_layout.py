@@ -66,18 +66,42 @@ HEX_DIGIT[np.frombuffer(b"0123456789abcdef", np.uint8)] = np.arange(16)
 HEX_DIGIT[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16)
 
 
+class BadValue(ValueError):
+    """A value that no CTR example can hold (a label other than 0 or 1, a dense value that is
+    not finite, an id that is not hexadecimal), at ``row`` of the values checked."""
+
+    def __init__(self, row: int, what: str):
+        super().__init__(f"row {row}: {what}")
+        self.row = row
+        self.what = what
+
+
+HEX_SHIFTS = 4 * np.arange(7, -1, -1)
+
+
 def parse_hex(values: Any) -> np.ndarray:
-    """Criteo's hex strings (bytes) as int64 ids; an empty string (a missing value) is 0."""
+    """Criteo's hex strings (bytes) as int64 ids; an empty string (a missing value) is 0.
+
+    Each must be hex digits only (``[0-9a-fA-F]+``: no sign, ``0x``, ``_`` or spaces, which
+    Python's ``int(v, 16)`` would take) and fit int64; else :class:`BadValue` names the first
+    that does not, and its row.
+    """
     arr = np.asarray(values, dtype=object).reshape(-1)
-    if len(arr) and all(len(v) == 8 for v in arr):
-        raw = np.frombuffer(b"".join(arr), dtype=np.uint8).reshape(-1, 8)
-        nib = HEX_DIGIT[raw]
-        if (nib < 16).all():
-            return (nib << (4 * np.arange(7, -1, -1))[None, :]).sum(axis=1)
-    try:
-        return np.asarray([int(v, 16) if len(v) else 0 for v in arr], dtype=np.int64)
-    except ValueError as e:
-        raise ValueError(f"categorical value is not hexadecimal: {e}") from None
+    if not len(arr):
+        return np.zeros(0, dtype=np.int64)
+    lengths = np.fromiter(map(len, arr), dtype=np.int64, count=len(arr))
+    raw = np.frombuffer(b"".join(arr), dtype=np.uint8)
+    nib = HEX_DIGIT[raw]
+    if not (nib < 16).all():
+        row = int(np.searchsorted(np.cumsum(lengths), int(np.argmax(nib == 16)), side="right"))
+        raise BadValue(row, f"{arr[row]!r} is not hexadecimal (digits 0-9, a-f, A-F only)")
+    if (lengths == 8).all():
+        return (nib.reshape(-1, 8) << HEX_SHIFTS[None, :]).sum(axis=1)
+    ids = [int(v, 16) if len(v) else 0 for v in arr]
+    too_big = next((i for i, v in enumerate(ids) if v >= 1 << 63), None)
+    if too_big is not None:
+        raise BadValue(too_big, f"{arr[too_big]!r} does not fit int64")
+    return np.asarray(ids, dtype=np.int64)
 
 
 def shard_name(split: str, i: int, count: int, compression: str) -> str:

@@ -8,6 +8,7 @@ text converted with float or hex-string columns, or tensorflow/models' ``dense-f
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -15,8 +16,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from psflow.data import fs, proto
-from psflow.data.ctr_layout import CATEGORICAL, DENSE, LABEL, parse_hex
-from psflow.data.features import FixedLenFeature
+from psflow.data.ctr_layout import CATEGORICAL, DENSE, LABEL, BadValue, parse_hex
+from psflow.data.features import FixedLenFeature, parse_examples
 from psflow.data.tfrecord_reader import TFRecordReader
 
 if TYPE_CHECKING:
@@ -122,18 +123,64 @@ def ctr_spec(layout: CTRLayout | None = None) -> dict[str, FixedLenFeature]:
 def ctr_arrays(
     parsed: dict[str, Any], layout: CTRLayout | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A parsed batch (numpy, by :func:`ctr_spec`) as ``(dense, categorical, label)`` arrays."""
+    """A parsed batch (numpy, by :func:`ctr_spec`) as ``(dense, categorical, label)`` arrays.
+
+    Raises:
+        BadValue: (a ``ValueError``) a label other than 0 or 1, a dense value that is not
+            finite (NaN, infinity), an id that is not hexadecimal; it names the first such
+            value and its row of the batch.
+    """
     layout = layout or CTRLayout()
+    raw_label = np.asarray(parsed[LABEL])
+    bad = (raw_label != 0) & (raw_label != 1)  # NaN too
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise BadValue(row, f"{LABEL} {raw_label[row]} is not 0 or 1")
     dense = np.stack([np.asarray(parsed[n], dtype=np.float32) for n in layout.dense_names], 1)
+    if layout.dense != "int64":  # an int64 count is finite as float32
+        finite = np.isfinite(dense)
+        if not finite.all():
+            first = int(np.argmin(finite))  # row-major: the first row's first bad column
+            row, col = divmod(first, dense.shape[1])
+            name = layout.dense_names[col]
+            raise BadValue(row, f"{name} {dense[row, col]} is not finite")
     if layout.log_dense:
         dense = np.log1p(np.maximum(dense, 0))
     cols = []
     for name in layout.categorical_names:
         v = parsed[name]
-        cols.append(parse_hex(v) if np.asarray(v).dtype == object else np.asarray(v, np.int64))
+        if np.asarray(v).dtype == object:
+            try:
+                cols.append(parse_hex(v))
+            except BadValue as e:
+                raise BadValue(e.row, f"{name} {e.what}") from None
+        else:
+            cols.append(np.asarray(v, np.int64))
     categorical = np.stack(cols, axis=1)
-    label = np.asarray(parsed[LABEL], dtype=np.float32)
+    label = raw_label.astype(np.float32)
     return dense, categorical, label
+
+
+LOCATE_RECORDS = 4096
+"""Records checked at a time when :func:`ctr_batches` looks for the file and record of a value
+that :func:`ctr_arrays` refused."""
+
+
+def _locate(files: list[str], layout: CTRLayout, **options: Any) -> ValueError | None:
+    """The first record of ``files`` (in their order) that :func:`ctr_arrays` refuses, as an
+    error naming its file and record (counted from 0); None where none does."""
+    spec = ctr_spec(layout)
+    for path in files:
+        with TFRecordReader(path, **options) as reader:
+            records = iter(reader)
+            start = 0
+            while chunk := list(itertools.islice(records, LOCATE_RECORDS)):
+                try:
+                    ctr_arrays(parse_examples(chunk, spec, backend="numpy"), layout)
+                except BadValue as e:
+                    return ValueError(f"{path}: record {start + e.row}: {e.what}")
+                start += len(chunk)
+    return None
 
 
 def ctr_batches(
@@ -158,6 +205,10 @@ def ctr_batches(
     the Criteo layout (:mod:`psflow.data.ctr_layout`), Criteo text converted with float or
     hex-string columns, or tensorflow/models' ``dense-feature-N``/``sparse-feature-N`` records.
 
+    Raises:
+        ValueError: a value no CTR example holds (see :func:`ctr_arrays`), naming its file and
+            record (the first such record of the files, which are read again to find it).
+
     Example:
         >>> for batch in ctr_batches("data/ctr/train-*", batch_size=1024,
         ...                          shard_index=i, num_shards=n):
@@ -180,7 +231,14 @@ def ctr_batches(
         **config,
     )
     for parsed in ds:
-        dense, categorical, label = ctr_arrays(parsed, layout)
+        try:
+            dense, categorical, label = ctr_arrays(parsed, layout)
+        except BadValue as e:  # a batch has no file names: the files are read again for them
+            cfg = ds.config
+            found = _locate(
+                ds.files, layout, compression=cfg.compression, skip_corrupt=cfg.skip_corrupt
+            )
+            raise found or ValueError(f"{paths!r}: a batch's {e}") from None
         yield CTRBatch(
             torch.from_numpy(dense), torch.from_numpy(categorical), torch.from_numpy(label)
         )

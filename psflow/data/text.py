@@ -9,9 +9,10 @@ flags) are recognised, the label is the column flagged ``class`` and the text th
 **Preparation** (:func:`prepare_text`, ``psflow data text``): words are lowercased runs of
 letters and digits (:func:`tokenize`); the vocabulary comes from the training split only (ids
 ``0`` padding, ``1`` out of vocabulary, then words by falling count, at least ``min_count``
-times, at most ``max_size`` words), and so does the label list (sorted; a test label the
-training split lacks is an error). The training documents are shuffled (with ``seed``) before
-they are cut into shards, so that each worker's share holds every class. Each document becomes
+times, at most ``max_size`` words), and so does the label list (:func:`sort_labels`: as
+numbers where all are integers, else as strings; a test label the training split lacks is an
+error). The training documents are shuffled (with ``seed``) before they are cut into shards,
+so that each worker's share holds every class. Each document becomes
 one ``tf.train.Example``: ``ids`` (int64 list, the first ``max_length`` tokens) and ``label``
 (int64). Beside the shards: ``_vocab.txt`` (one word a line, its id the line number),
 ``_labels.txt`` and ``_text.json`` (counts and settings); the leading ``_`` keeps them out of
@@ -210,6 +211,20 @@ def build_vocab(
     return [*SPECIAL, *words[:max_size]]
 
 
+INTEGER = re.compile(r"[+-]?[0-9]+")
+"""A label that is an integer (ASCII digits, an optional sign)."""
+
+
+def sort_labels(labels: Iterable[str]) -> list[str]:
+    """The label list, a label's id its place: where every label is an integer (``1``, ``-3``),
+    by value (label ``k``'s id is its rank among the numbers, so ``1, 2, 10`` stay in that
+    order; equal values, ``1`` and ``01``, by the string); else all as strings."""
+    unique = set(labels)
+    if unique and all(INTEGER.fullmatch(label) for label in unique):
+        return sorted(unique, key=lambda label: (int(label), label))
+    return sorted(unique)
+
+
 def encode(tokens: Iterable[str], index: dict[str, int], max_length: int | None) -> list[int]:
     """Token ids (out-of-vocabulary words as :data:`OOV`); a document without a word is one
     :data:`OOV`, so that every document has a last step."""
@@ -240,7 +255,7 @@ def prepare_text(
     if not train_docs:
         raise ValueError(f"{train}: no documents")
     test_docs = [(label, tokenize(text)) for label, text in read_tsv(test, config.max_line_bytes)]
-    labels = sorted({label for label, _ in train_docs})
+    labels = sort_labels({label for label, _ in train_docs})
     unknown = sorted({label for label, _ in test_docs} - set(labels))
     if unknown:
         raise ValueError(f"{test}: labels the training split lacks: {unknown[:10]}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -254,3 +255,87 @@ def test_cli_writes_the_set_and_prints_the_best_auc(
     ]
     assert psflow.cli.main(["data", "synth-ctr", str(tmp_path), "--zipf", "1"]) == 2
     assert "zipf must be > 1" in capsys.readouterr().err
+
+
+def _write_ctr(path: Path, features: list[dict[str, object]]) -> str:
+    write_records(path, [proto.serialize_example(f) for f in features])
+    return str(path)
+
+
+GOOD: dict[str, object] = {"label": 1, "I1": 3.0, "C1": b"1f"}
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"label": 2}, "label 2 is not 0 or 1"),
+        ({"label": -1}, "label -1 is not 0 or 1"),
+        ({"I1": float("nan")}, "I1 nan is not finite"),
+        ({"I1": float("inf")}, "I1 inf is not finite"),
+        ({"I1": float("-inf")}, "I1 -inf is not finite"),
+        ({"C1": b"-1"}, r"C1 b'-1' is not hexadecimal"),
+        ({"C1": b"0x1f"}, r"C1 b'0x1f' is not hexadecimal"),
+        ({"C1": b"1_0"}, r"C1 b'1_0' is not hexadecimal"),
+        ({"C1": b" ff "}, r"C1 b' ff ' is not hexadecimal"),
+        ({"C1": b"+ff"}, r"C1 b'\+ff' is not hexadecimal"),
+        ({"C1": b"8000000000000000"}, r"C1 b'8000000000000000' does not fit int64"),
+    ],
+)
+def test_impossible_values_are_refused_naming_file_and_record(
+    tmp_path: Path, bad: dict[str, object], message: str
+) -> None:
+    """A label other than 0 or 1, a dense value that is not finite, an id that is not plain hex
+    digits: refused by file and record (here record 3 of the second file), not read as a number."""
+    first = _write_ctr(tmp_path / "a.tfrecord", [GOOD] * 5)
+    second = _write_ctr(tmp_path / "b.tfrecord", [GOOD] * 3 + [{**GOOD, **bad}, GOOD])
+    with pytest.raises(ValueError, match=f"^{re.escape(second)}: record 3: {message}"):
+        list(ctr_batches([first, second], batch_size=4, num_epochs=1))
+    with pytest.raises(ValueError, match=f"^{re.escape(second)}: record 3: {message}"):
+        list(ctr_batches([first, second], batch_size=4, num_epochs=1, shuffle_buffer=8))
+
+
+def test_the_checker_s_repro_is_refused(tmp_path: Path) -> None:
+    path = _write_ctr(
+        tmp_path / "ctr.tfrecord",
+        [
+            {"label": 2, "I1": float("nan"), "C1": b"-1"},
+            {"label": -1, "I1": float("inf"), "C1": b"0x1f"},
+            {"label": 1, "I1": -5.0, "C1": b"1_0"},
+        ],
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(path)}: record 0: label 2 is not 0 or 1"):
+        list(ctr_batches(path, batch_size=3, num_epochs=1))
+
+
+def test_possible_values_still_read(tmp_path: Path) -> None:
+    """Negative counts (Criteo's I2) are 0 after log1p; hex ids of any case and length up to 16
+    digits; a missing id (empty string) is 0."""
+    path = _write_ctr(
+        tmp_path / "ctr.tfrecord",
+        [
+            {"label": 0, "I1": -5.0, "C1": b"FF"},
+            {"label": 1, "I1": 0.0, "C1": b""},
+            {"label": 1, "I1": 1.0, "C1": b"7fffffffffffffff"},
+        ],
+    )
+    (b,) = ctr_batches(path, batch_size=3, num_epochs=1)
+    assert b.label.tolist() == [0.0, 1.0, 1.0]
+    np.testing.assert_allclose(b.dense[:, 0].numpy(), [0.0, 0.0, np.log1p(1.0)])
+    assert b.categorical[:, 0].tolist() == [255, 0, 2**63 - 1]
+
+
+def test_ctr_arrays_and_parse_hex_name_the_row_and_value() -> None:
+    layout = ctr.CTRLayout(dense="float32")
+    parsed: dict[str, object] = {n: np.zeros(3, np.float32) for n in DENSE}
+    parsed.update({n: np.zeros(3, np.int64) for n in CATEGORICAL})
+    parsed["label"] = np.array([0, 1, 0], np.int64)
+    ctr.ctr_arrays(parsed, layout)
+    parsed["I3"] = np.array([0, 0, np.nan], np.float32)
+    with pytest.raises(ValueError, match="row 2: I3 nan is not finite"):
+        ctr.ctr_arrays(parsed, layout)
+    with pytest.raises(ValueError, match=r"row 1: b'0x1f' is not hexadecimal"):
+        ctr.parse_hex([b"1f", b"0x1f"])
+    with pytest.raises(ValueError, match=r"row 0: b' ff ' is not hexadecimal"):
+        ctr.parse_hex([b" ff ", b"00000000"])
+    assert ctr.parse_hex([b"ffffffff", b"0000000A"]).tolist() == [2**32 - 1, 10]
+    assert ctr.parse_hex([b"Ab", b"", b"0"]).tolist() == [0xAB, 0, 0]

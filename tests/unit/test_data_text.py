@@ -138,3 +138,18 @@ def test_the_shipped_20_newsgroups_files_are_found_and_read() -> None:
     assert sum(1 for _ in read_tsv(test)) == 7528
     with pytest.raises(ValueError, match="unknown corpus 'imdb'"):
         corpus_files("imdb")
+
+
+def test_integer_labels_sort_as_numbers(tmp_path: Path) -> None:
+    """Labels that are all integers are numbered by their rank as numbers, not as strings."""
+    rows = [("1", "a b"), ("2", "c d"), ("10", "e f"), ("-3", "g h")]
+    train, test = _write(tmp_path / "train.tsv", rows), _write(tmp_path / "test.tsv", rows)
+    out = tmp_path / "out"
+    prepare_text(train, test, str(out), TextConfig(min_count=1, shards=1))
+    assert read_labels(str(out)) == ["-3", "1", "2", "10"]
+    (batch,) = text_batches(str(out / "test-*"), batch_size=8)
+    assert batch.label.tolist() == [1, 2, 3, 0]
+    # One label that is not an integer: all sort as strings, as before.
+    mixed = _write(tmp_path / "mixed.tsv", [*rows, ("x", "i j")])
+    prepare_text(mixed, test, str(tmp_path / "out2"), TextConfig(min_count=1, shards=1))
+    assert read_labels(str(tmp_path / "out2")) == ["-3", "1", "10", "2", "x"]
