@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
+import numpy as np
+
 from psflow.data import fs, proto
 from psflow.data.tfrecord import TFRecordWriter, resolve_compression
 
@@ -74,9 +76,69 @@ def _column_encoder(name: str, arrow_type: Any) -> Callable[[Any, Any], None]:
             raise ValueError(f"column {name!r}: a list with a null element cannot be stored")
         lst = getattr(fmap[name], field)
         lst.SetInParent()
-        lst.value.extend(cast(v) for v in values)
+        try:
+            lst.value.extend(cast(v) for v in values)
+        except ValueError as e:
+            if field != "int64_list":
+                raise
+            raise ValueError(f"column {name!r}: {e} (an int64_list holds -2**63 .. 2**63-1)") from e
 
     return encode
+
+
+def _check_floats(src: str, name: str, column: Any, first_row: int, csv: bool) -> None:
+    """Refuses what a ``float_list`` (float32) would silently change in one float column.
+
+    Everywhere: a finite value beyond float32's range (it would become inf). In a CSV: also an
+    integer whose float32 is another integer (pyarrow reads a column as floats as soon as one
+    cell is not an integer, so ``16777217`` would come back as ``16777216.0``). Other values are
+    rounded to float32's precision, as a float_list always is.
+    """
+    import pyarrow as pa
+
+    t = column.type
+    is_list = pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+    values = column.flatten() if is_list else column
+    if not pa.types.is_floating(values.type) or len(values) == 0:
+        return
+    wide = np.asarray(values.to_numpy(zero_copy_only=False), dtype=np.float64)  # null -> nan
+
+    def where(bad: np.ndarray) -> str:
+        return (
+            f"{src}: column {name!r}"
+            if is_list
+            else (f"{src} row {first_row + int(np.flatnonzero(bad)[0])}: column {name!r}")
+        )
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        narrow = wide.astype(np.float32).astype(np.float64)
+    overflow = np.isinf(narrow) & np.isfinite(wide)
+    if overflow.any():
+        proto.check_float32(wide, where(overflow))
+    if csv:
+        with np.errstate(invalid="ignore"):
+            bad = np.isfinite(wide) & (wide == np.floor(wide)) & (narrow != wide)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(
+                f"{where(bad)}: the integer {int(wide[i])} would be stored as the float32 "
+                f"{int(narrow[i])}: the column is read as floats (not every cell is an integer) "
+                "and a float_list holds float32; make every cell of the column an integer to "
+                "keep it as int64, or convert from Parquet with the column as int64 or string"
+            )
+
+
+# pyarrow's default null spellings less the NaN ones: a literal nan in a CSV stays NaN, as it
+# does in Parquet; an empty cell (and NA, null, N/A, ...) in a number column is a null, which
+# the Example leaves out (an absent feature).
+_NAN_SPELLINGS = ("nan", "NaN", "-nan", "-NaN")
+
+
+def _csv_convert_options() -> Any:
+    import pyarrow.csv as pcsv
+
+    nulls = [v for v in pcsv.ConvertOptions().null_values if v not in _NAN_SPELLINGS]
+    return pcsv.ConvertOptions(null_values=nulls)
 
 
 def _batches(path: str, fmt: str) -> tuple[Iterator[Any], int | None, Callable[[], int]]:
@@ -89,7 +151,11 @@ def _batches(path: str, fmt: str) -> tuple[Iterator[Any], int | None, Callable[[
     import pyarrow.csv as pcsv
 
     f = fs.open_read(path)
-    reader = pcsv.open_csv(f, read_options=pcsv.ReadOptions(block_size=1 << 20))
+    reader = pcsv.open_csv(
+        f,
+        read_options=pcsv.ReadOptions(block_size=1 << 20),
+        convert_options=_csv_convert_options(),
+    )
     return iter(reader), None, lambda: 0
 
 
@@ -112,6 +178,12 @@ def convert_table(
 
     Returns:
         The number of records written.
+
+    Raises:
+        ValueError: naming the file (and row, column and value where there is one) for what an
+            Example cannot hold as it is: a column type without an encoding, two columns of one
+            name, a finite float beyond float32's range, an integer beyond int64, and in a CSV an
+            integer that a float column would round (see ``docs/data.md``).
     """
     fmt = fmt or ("parquet" if src.lower().endswith((".parquet", ".pq")) else "csv")
     if fmt not in ("csv", "parquet"):
@@ -120,17 +192,34 @@ def convert_table(
     batches, total, _ = _batches(src, fmt)
     bar = Progress(total, "rows") if progress else None
     encoders: list[tuple[str, Callable[[Any, Any], None]]] | None = None
+    first_row = 0
     with TFRecordWriter(dst, compression=compression) as w:
         for batch in batches:
             if encoders is None:
-                encoders = [(f.name, _column_encoder(f.name, f.type)) for f in batch.schema]
+                names = [f.name for f in batch.schema]
+                for name in names:
+                    if names.count(name) > 1:
+                        raise ValueError(
+                            f"{src}: column {name!r} appears {names.count(name)} times; an "
+                            "Example holds one feature of a name (rename the columns)"
+                        )
+                try:
+                    encoders = [(f.name, _column_encoder(f.name, f.type)) for f in batch.schema]
+                except ValueError as e:
+                    raise ValueError(f"{src}: {e}") from e
+            for (name, _), column in zip(encoders, batch.columns, strict=True):
+                _check_floats(src, name, column, first_row, fmt == "csv")
             columns = [batch.column(i).to_pylist() for i in range(batch.num_columns)]
-            for row in zip(*columns, strict=True):
+            for i, row in enumerate(zip(*columns, strict=True)):
                 ex = proto.Example()
                 fmap = ex.features.feature
-                for (_, enc), value in zip(encoders, row, strict=True):
-                    enc(fmap, value)
+                try:
+                    for (_, enc), value in zip(encoders, row, strict=True):
+                        enc(fmap, value)
+                except ValueError as e:
+                    raise ValueError(f"{src} row {first_row + i}: {e}") from e
                 w.write(ex.SerializeToString(deterministic=True))
+            first_row += batch.num_rows
             if bar is not None:
                 bar.update(batch.num_rows)
         if bar is not None:

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from psflow.data.proto import check_float32, check_int64
+
 _MAX_KEY = 64
 _MAX_VALUE = 48  # with _MAX_KEY: every length inside a map entry fits a one-byte varint
 
@@ -83,10 +85,11 @@ def _payload(name: str, values: np.ndarray) -> tuple[int, np.ndarray, np.ndarray
     kind = values.dtype.kind
     n = len(values)
     if kind in "iub":
-        data, lengths = varints(values.astype(np.int64))
+        data, lengths = varints(check_int64(values, f"feature {name!r}"))
         return 0x1A, data, lengths  # int64_list, packed: its body is the varints
     if kind == "f":
-        data = np.ascontiguousarray(values.astype("<f4")).view(np.uint8).reshape(n, 4)
+        narrow = check_float32(values, f"feature {name!r}")
+        data = np.ascontiguousarray(narrow.astype("<f4")).view(np.uint8).reshape(n, 4)
         return 0x12, np.ascontiguousarray(data.T), None
     if kind == "S":
         width = values.dtype.itemsize
@@ -104,9 +107,10 @@ def serialize_examples(features: Mapping[str, np.ndarray]) -> tuple[bytes, np.nd
     """Serializes ``n`` Examples that each hold one value per feature.
 
     Args:
-        features: feature name to a 1-D array of ``n`` values: integers (``int64_list``),
-            floats (``float_list``, float32 on the wire) or fixed-width bytes (``numpy.bytes_``
-            of one length, ``bytes_list``).
+        features: feature name to a 1-D array of ``n`` values: integers (``int64_list``;
+            unsigned ones of 2**63 and above raise ``ValueError``), floats (``float_list``,
+            float32 on the wire; a finite value beyond float32's range raises ``ValueError``) or
+            fixed-width bytes (``numpy.bytes_`` of one length, ``bytes_list``).
 
     Returns:
         ``(data, offsets)``: record ``i`` is ``data[offsets[i]:offsets[i + 1]]``, byte-identical

@@ -34,6 +34,39 @@ def _check_dtype(dtype: str) -> None:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
 
 
+def _checked_default(default: Any, dtype: str) -> np.ndarray:
+    """``default`` as an array of ``dtype``, refusing one that the cast would change.
+
+    int64 takes ints, bools (as 0/1, as :func:`~psflow.data.proto.make_feature` stores them)
+    and whole floats within int64. float32 takes numbers within its range (and inf, nan), a
+    fraction rounded to float32 as every ``float_list`` value is, but a whole number only if
+    float32 holds it exactly (16777217 would be 16777216). Strings are refused for both.
+    """
+    if dtype not in ("int64", "float32"):
+        return np.asarray(default, dtype=_NP[dtype])
+    given = np.asarray(default)
+    if given.dtype.kind not in "biuf":
+        raise ValueError(
+            f"default {default!r} for a {dtype} feature: give numbers within {dtype}'s range "
+            f"(got {given.dtype} values)"
+        )
+    with np.errstate(over="ignore", invalid="ignore"):
+        cast = given.astype(_NP[dtype])
+    for a, b in zip(given.reshape(-1).tolist(), cast.reshape(-1).tolist(), strict=True):
+        if isinstance(a, float) and not math.isfinite(a):
+            survives = dtype == "float32"  # inf and nan stay as they are; an int64 has neither
+        elif isinstance(a, float) and a != math.floor(a):
+            survives = dtype == "float32" and math.isfinite(b)  # rounded, as float_lists are
+        else:
+            survives = int(a) == b  # a whole number: exactly, or refused
+        if not survives:
+            raise ValueError(
+                f"default {default!r}: {a!r} does not survive the cast to {dtype} exactly "
+                f"(it would be {b!r})"
+            )
+    return cast
+
+
 @dataclass(frozen=True, kw_only=True)
 class FixedLenFeature:
     """A feature with the same number of values in every record, as a dense array.
@@ -57,7 +90,7 @@ class FixedLenFeature:
             raise ValueError(f"shape must be non-negative ints, got {self.shape!r}")
         if self.default is not None:
             size = int(np.prod(self.shape))
-            d = np.asarray(self.default, dtype=_NP[self.dtype]).reshape(-1)
+            d = _checked_default(self.default, self.dtype).reshape(-1)
             if d.size not in (1, size):
                 raise ValueError(
                     f"default must be a scalar or have {size} values for shape {self.shape}, "

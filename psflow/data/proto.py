@@ -119,16 +119,56 @@ FeatureValue = Any
 """What :func:`make_feature` accepts: a scalar, a sequence or numpy array, or a ``Feature``."""
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_float32(values: np.ndarray, what: str) -> np.ndarray:
+    """``values`` as float32, refusing a finite value that float32 cannot hold (it would be inf).
+
+    Rounding to float32's precision is what a ``float_list`` does and is not refused; ``inf`` and
+    ``nan`` stay as they are. ``what`` names the feature or column in the error.
+    """
+    wide = np.asarray(values)
+    with np.errstate(over="ignore", invalid="ignore"):
+        narrow = wide.astype(np.float32)
+    bad = np.isinf(narrow) & np.isfinite(wide)
+    if bad.any():
+        value = wide[bad].reshape(-1)[0]
+        raise ValueError(
+            f"{what}: value {float(value)!r} is beyond float32's range (±{_FLOAT32_MAX:.7g}), which "
+            "is what a float_list holds; it would be stored as inf (scale it, or store it as bytes)"
+        )
+    return narrow
+
+
+def check_int64(values: np.ndarray, what: str) -> np.ndarray:
+    """Integer ``values`` as int64, refusing unsigned ones of 2**63 and above (they would wrap)."""
+    arr = np.asarray(values)
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.size:
+        big = arr >= np.uint64(1 << 63)
+        if big.any():
+            raise ValueError(
+                f"{what}: value {int(arr[big].reshape(-1)[0])} does not fit an int64 "
+                "(an int64_list holds -2**63 .. 2**63-1)"
+            )
+    return arr.astype(np.int64)
+
+
 def int64_feature(values: Iterable[int] | int) -> Any:
     """A ``Feature`` holding an ``int64_list`` (also the way to write an empty int list)."""
     vals = [values] if isinstance(values, int | np.integer) else values
     return Feature(int64_list=Int64List(value=[int(v) for v in vals]))
 
 
-def float_feature(values: Iterable[float] | float) -> Any:
-    """A ``Feature`` holding a ``float_list`` (float32 on the wire, as in TensorFlow)."""
+def float_feature(values: Iterable[float] | float, *, name: str = "?") -> Any:
+    """A ``Feature`` holding a ``float_list`` (float32 on the wire, as in TensorFlow).
+
+    A finite value beyond float32's range raises ``ValueError`` (it would become inf).
+    """
     vals = [values] if isinstance(values, float | int | np.floating) else values
-    return Feature(float_list=FloatList(value=[float(v) for v in vals]))
+    floats = [float(v) for v in vals]
+    check_float32(np.asarray(floats, dtype=np.float64), f"feature {name!r}")
+    return Feature(float_list=FloatList(value=floats))
 
 
 def bytes_feature(values: Iterable[bytes | str] | bytes | str) -> Any:
@@ -153,13 +193,13 @@ def make_feature(value: FeatureValue, *, name: str = "?") -> Any:
     if isinstance(value, bool | int | np.integer | np.bool_):
         return int64_feature([int(value)])
     if isinstance(value, float | np.floating):
-        return float_feature([float(value)])
+        return float_feature([float(value)], name=name)
     if isinstance(value, np.ndarray):
         flat = value.reshape(-1)
         if flat.dtype.kind in "iub":
-            return int64_feature(flat.astype(np.int64).tolist())
+            return int64_feature(check_int64(flat, f"feature {name!r}").tolist())
         if flat.dtype.kind == "f":
-            return float_feature(flat.astype(np.float32).tolist())
+            return float_feature(check_float32(flat, f"feature {name!r}").tolist(), name=name)
         if flat.dtype.kind in "SOU":
             return bytes_feature(flat.tolist())
         raise TypeError(f"feature {name!r}: cannot store numpy dtype {value.dtype}")
@@ -175,7 +215,16 @@ def make_feature(value: FeatureValue, *, name: str = "?") -> Any:
         if all(isinstance(v, bool | int | np.integer) for v in items):
             return int64_feature(items)
         if all(isinstance(v, float | int | np.floating | np.integer) for v in items):
-            return float_feature(items)
+            for v in items:  # a mixed list is a float list: its ints must survive float32
+                if isinstance(v, int | np.integer) and (
+                    abs(int(v)) > _FLOAT32_MAX or int(np.float32(int(v))) != int(v)
+                ):
+                    raise ValueError(
+                        f"feature {name!r}: the int {int(v)} in a list with floats would be "
+                        "stored as a float32, which does not hold it exactly; pass a list of "
+                        "ints (int64_list), or floats float32 holds"
+                    )
+            return float_feature(items, name=name)
         raise TypeError(f"feature {name!r}: mixed or unsupported element types in {items[:5]!r}")
     raise TypeError(f"feature {name!r}: cannot store a value of type {type(value).__name__}")
 

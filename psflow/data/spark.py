@@ -33,12 +33,15 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
 from psflow.data import fs, proto
 from psflow.data.features import FixedLenFeature
 from psflow.data.schema import infer_schema
 from psflow.data.tfrecord import TFRecordReader, TFRecordWriter
 
 _INT, _FLOAT, _BYTES, _STRING = "int", "float", "bytes", "string"
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _kind_of(dtype: Any, column: str) -> str:
@@ -62,6 +65,13 @@ def _column_plan(schema: Any) -> list[tuple[str, str, bool]]:
     """(name, kind, is_array) per column, checked before any executor work starts."""
     from pyspark.sql import types as T
 
+    names = [f.name for f in schema.fields]
+    for name in names:
+        if names.count(name) > 1:
+            raise ValueError(
+                f"column {name!r} appears {names.count(name)} times; an Example holds one "
+                "feature of a name (rename the columns, e.g. with toDF)"
+            )
     plan = []
     for f in schema.fields:
         if isinstance(f.dataType, T.ArrayType):
@@ -86,6 +96,8 @@ def _row_to_example(row: Sequence[Any], plan: list[tuple[str, str, bool]]) -> by
         if kind == _INT:
             fmap[name].int64_list.value.extend(int(v) for v in values)
         elif kind == _FLOAT:
+            if any(abs(v) > _FLOAT32_MAX for v in values):  # inf, or a double beyond float32
+                proto.check_float32(np.asarray(values, dtype=np.float64), f"column {name!r}")
             fmap[name].float_list.value.extend(values)
         elif kind == _STRING:
             fmap[name].bytes_list.value.extend(v.encode("utf-8") for v in values)
@@ -180,8 +192,16 @@ def _converter(field: Any) -> Callable[[Any, str], Any]:
     want = {_INT: "int64_list", _FLOAT: "float_list", _STRING: "bytes_list", _BYTES: "bytes_list"}[
         kind
     ]
+
+    def to_bool(v: int) -> bool:
+        if v not in (0, 1):
+            raise ValueError(
+                f"feature {field.name!r}: {v} in a boolean column (only 0 and 1 are booleans)"
+            )
+        return v == 1
+
     cast: Callable[[Any], Any] = {
-        _INT: (bool if isinstance(elem, T.BooleanType) else int),
+        _INT: (to_bool if isinstance(elem, T.BooleanType) else int),
         _FLOAT: float,
         _STRING: lambda b: b.decode("utf-8"),
         _BYTES: bytes,
@@ -200,16 +220,17 @@ def _converter(field: Any) -> Callable[[Any, str], Any]:
                 f"{where}: feature {field.name!r} is a {got}, column type wants {want}"
             )
         values = list(getattr(feature, want).value) if got else []
-        if is_array:
-            return [cast(v) for v in values]
-        if len(values) != 1:
+        if not is_array and len(values) != 1:
             if not values and field.nullable:
                 return None
             raise ValueError(
                 f"{where}: feature {field.name!r} has {len(values)} values for a scalar column "
                 "(use an array column)"
             )
-        return cast(values[0])
+        try:
+            return [cast(v) for v in values] if is_array else cast(values[0])
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from e
 
     return convert
 

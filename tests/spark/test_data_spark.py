@@ -126,3 +126,28 @@ def test_unsupported_types_and_null_elements_are_errors(spark: Any, tmp_path: Pa
     with pytest.raises(ValueError, match="overwrite"):
         write_dataframe(ok, tmp_path / "ok")
     assert write_dataframe(ok, tmp_path / "ok", overwrite=True)[0][1] == 1
+
+
+def test_duplicate_column_names_are_refused(spark: Any, tmp_path: Path) -> None:
+    dup = spark.createDataFrame([(1, 2)], "x long, y long").toDF("a", "a")
+    with pytest.raises(ValueError, match="column 'a' appears 2 times"):
+        write_dataframe(dup, tmp_path / "dup")
+
+
+def test_doubles_beyond_float32_are_refused(spark: Any, tmp_path: Path) -> None:
+    big = spark.createDataFrame([(1.5,), (1e300,)], "d double").coalesce(1)
+    with pytest.raises(Exception, match=r"column 'd': value 1e\+300 is beyond float32"):
+        write_dataframe(big, tmp_path / "big")
+
+
+def test_boolean_column_refuses_ints_other_than_0_and_1(spark: Any, tmp_path: Path) -> None:
+    from pyspark.sql import types as T
+
+    write_records(
+        tmp_path / "b.tfrecord", [proto.serialize_example({"flag": v}) for v in (0, 1, 2)]
+    )
+    schema = T.StructType([T.StructField("flag", T.BooleanType(), True)])
+    with pytest.raises(Exception, match=r"record 2: feature 'flag': 2 in a boolean column"):
+        read_dataframe(spark, tmp_path / "b.tfrecord", schema).collect()
+    write_records(tmp_path / "ok.tfrecord", [proto.serialize_example({"flag": 1})])
+    assert read_dataframe(spark, tmp_path / "ok.tfrecord", schema).collect()[0]["flag"] is True

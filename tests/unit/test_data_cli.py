@@ -83,4 +83,4 @@ def test_convert_rejects_unsupported_columns(
 ) -> None:
     pq.write_table(pa.table({"m": pa.array([{"k": 1}])}), tmp_path / "s.parquet")
     assert run("convert", str(tmp_path / "s.parquet"), str(tmp_path / "s.tfrecord"), "--quiet") == 2
-    assert "psflow data convert: error: column 'm'" in capsys.readouterr().err
+    assert "s.parquet: column 'm'" in capsys.readouterr().err
