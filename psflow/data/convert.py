@@ -196,13 +196,7 @@ def convert_table(
     with TFRecordWriter(dst, compression=compression) as w:
         for batch in batches:
             if encoders is None:
-                names = [f.name for f in batch.schema]
-                for name in names:
-                    if names.count(name) > 1:
-                        raise ValueError(
-                            f"{src}: column {name!r} appears {names.count(name)} times; an "
-                            "Example holds one feature of a name (rename the columns)"
-                        )
+                proto.check_unique_names([f.name for f in batch.schema], where=f"{src}: ")
                 try:
                     encoders = [(f.name, _column_encoder(f.name, f.type)) for f in batch.schema]
                 except ValueError as e:

@@ -122,6 +122,18 @@ FeatureValue = Any
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
+def check_unique_names(names: list[str], *, where: str = "", rename: str = "") -> None:
+    """Refuses a column name given more than once: an Example holds one feature of a name
+    (the columns were merged, or the last kept). ``where`` goes before the message, ``rename``
+    says how to rename them."""
+    for name in names:
+        if names.count(name) > 1:
+            raise ValueError(
+                f"{where}column {name!r} appears {names.count(name)} times; an Example holds "
+                f"one feature of a name (rename the columns{rename})"
+            )
+
+
 def check_float32(values: np.ndarray, what: str) -> np.ndarray:
     """``values`` as float32, refusing a finite value that float32 cannot hold (it would be inf).
 

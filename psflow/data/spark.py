@@ -65,13 +65,7 @@ def _column_plan(schema: Any) -> list[tuple[str, str, bool]]:
     """(name, kind, is_array) per column, checked before any executor work starts."""
     from pyspark.sql import types as T
 
-    names = [f.name for f in schema.fields]
-    for name in names:
-        if names.count(name) > 1:
-            raise ValueError(
-                f"column {name!r} appears {names.count(name)} times; an Example holds one "
-                "feature of a name (rename the columns, e.g. with toDF)"
-            )
+    proto.check_unique_names([f.name for f in schema.fields], rename=", e.g. with toDF")
     plan = []
     for f in schema.fields:
         if isinstance(f.dataType, T.ArrayType):
