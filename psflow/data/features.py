@@ -124,6 +124,8 @@ class VarLenFeature:
         _check_dtype(self.dtype)
         if self.pad_to is not None and self.pad_to < 0:
             raise ValueError(f"pad_to must be >= 0, got {self.pad_to}")
+        if self.padding_value is not None:  # refused as a FixedLenFeature's default would be
+            _checked_default(self.padding_value, self.dtype)
 
 
 FeatureSpec = FixedLenFeature | VarLenFeature

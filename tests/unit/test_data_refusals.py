@@ -12,7 +12,7 @@ import pytest
 from psflow.data import proto
 from psflow.data.convert import convert_table
 from psflow.data.encode import serialize_examples
-from psflow.data.features import FixedLenFeature
+from psflow.data.features import FixedLenFeature, VarLenFeature
 from psflow.data.tfrecord import read_records
 
 pytestmark = pytest.mark.unit
@@ -105,6 +105,10 @@ def test_fixed_len_default_that_the_cast_changes_is_refused(dtype: str, default:
     shape = (2,) if isinstance(default, list) else ()
     with pytest.raises(ValueError, match="default"):
         FixedLenFeature(dtype=dtype, shape=shape, default=default)
+    if not shape:  # a VarLenFeature's padding fills the same way
+        with pytest.raises(ValueError, match="default"):
+            VarLenFeature(dtype=dtype, padding_value=default)
+    VarLenFeature(dtype=dtype, padding_value=0)
 
 
 def test_fixed_len_defaults_that_survive_the_cast_are_kept() -> None:
