@@ -50,6 +50,11 @@ else:
             loss.backward()
             step = sess.step(loss=loss, examples=args.batch)
             steps += 1
+            if steps == 1 and sess.is_chief:
+                # One save whatever the other worker did meanwhile: the every-10-steps ones
+                # may all fall to it on a loaded machine (its steps reach 40 first), and the
+                # test reads the ps's pause for a snapshot.
+                sess.save()
             if sess.should_stop():
                 break
         trained = {"global_step": step, "loss": loss.item(), "steps": steps}
