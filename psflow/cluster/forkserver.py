@@ -35,7 +35,15 @@ from typing import IO
 from psflow.cluster.forkserver_process import _MAX_MESSAGE, _send, die_with_parent, serve
 
 # serve: the server's main, which ForkServer.start runs by this module's name.
-__all__ = ["ANSWER_TIMEOUT", "UNKNOWN_EXIT", "ForkServer", "ForkedTask", "die_with_parent", "serve"]
+__all__ = [
+    "ANSWER_TIMEOUT",
+    "UNKNOWN_EXIT",
+    "ForkServer",
+    "ForkedTask",
+    "die_with_parent",
+    "exit_status",
+    "serve",
+]
 
 ANSWER_TIMEOUT = 10.0
 """Seconds the server gets to fork a task, or to report the exit of a task seen to have ended,
@@ -49,24 +57,30 @@ _LOOK = 0.25
 """Seconds between looks at a task's pid while :meth:`ForkedTask.wait` waits."""
 
 
-def _status(code: int) -> str:
-    """``subprocess``'s return code in words."""
+def exit_status(code: int) -> str:
+    """``subprocess``'s return code in words (a task's, for the launcher's messages)."""
     return f"signal {-code}" if code < 0 else f"exit code {code}"
+
+
+def _proc_state(pid: int) -> bytes | None:
+    """Process ``pid``'s state letter in ``/proc`` (``b"Z"``: a zombie, ``b"T"``: stopped);
+    ``None`` when it is gone, ``b""`` when ``/proc`` does not say."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0]
+    except FileNotFoundError:
+        return None
+    except (OSError, IndexError):
+        return b""
 
 
 def _state(pid: int) -> str:
     """What ``/proc`` says of process ``pid`` when that explains it not answering: stopped
     (SIGSTOP) or gone; else ``""``."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[-1].split()[:1]
-    except FileNotFoundError:
-        return " (it is gone)"
-    except OSError:
-        return ""
-    if state in ([b"T"], [b"t"]):
+    state = _proc_state(pid)
+    if state in (b"T", b"t"):
         return " (it is stopped: SIGSTOP?)"
-    return " (it is gone)" if state in ([b"Z"], [b"X"]) else ""
+    return " (it is gone)" if state in (None, b"Z", b"X") else ""
 
 
 class ForkedTask:
@@ -152,20 +166,16 @@ class ForkedTask:
 def _exited(pid: int) -> bool:
     """Whether process ``pid`` has exited (is a zombie, or gone), from ``/proc`` (or, without
     it, whether it still exists)."""
+    state = _proc_state(pid)
+    if state != b"":
+        return state in (None, b"Z", b"X")
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except FileNotFoundError:
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return True
     except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except OSError:
-            return False
         return False
-    return stat.rsplit(b")", 1)[-1].split()[:1] in ([b"Z"], [b"X"])
+    return False
 
 
 class ForkServer:
@@ -321,7 +331,7 @@ class ForkServer:
                 return self._hung
             if self._gone and not self._stopping:
                 code = None if self._proc is None else self._proc.poll()
-                how = "" if code is None else f" ({_status(code)})"
+                how = "" if code is None else f" ({exit_status(code)})"
                 return f"the fork server (pid {self.pid}) exited{how}; its tasks died with it"
             return None
 

@@ -59,7 +59,7 @@ from pathlib import Path
 
 from psflow import env as envvars
 from psflow.cluster.cores import core_sets, host_cpus
-from psflow.cluster.forkserver import ForkedTask, ForkServer
+from psflow.cluster.forkserver import ForkedTask, ForkServer, exit_status
 from psflow.cluster.gpus import gpu_sets, host_gpus
 from psflow.cluster.launch_config import LAUNCH_MODES, LaunchConfig
 from psflow.cluster.launch_metrics import JobMetrics
@@ -160,7 +160,7 @@ class Launcher(TaskStopping, JobMetrics):
                 if self._fork_server_failed("stopping the job"):  # the task died with it
                     self.stop()
                     return 1
-                how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                how = exit_status(code)
                 if task.job == "evaluator":
                     failed_evaluators.append(task)
                     self._say(f"task {task} failed with {how}; training goes on without it")

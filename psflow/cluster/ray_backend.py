@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from psflow import env as envvars
+from psflow.cluster.forkserver import exit_status
 from psflow.cluster.launch_config import LaunchConfig
 from psflow.cluster.spec import ClusterSpec, TaskSpec
 
@@ -378,7 +379,7 @@ class RayLauncher:
                 code = task.code
                 if code is None or code == 0 or task.spec in failed_evaluators:
                     continue
-                how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                how = exit_status(code)
                 if task.spec.job == "evaluator":
                     failed_evaluators.append(task.spec)
                     self._say(f"task {task.spec} failed with {how}; training goes on without it")
